@@ -1,0 +1,1 @@
+"""Cost models: pure functions of shapes and a frozen hardware spec. They import no pass."""

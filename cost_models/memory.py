@@ -1,0 +1,68 @@
+"""Model-state memory per rank: parameters, gradients and optimizer states, in bytes.
+
+Pure: a function of per-parameter sizes, the stage, the world size and the optimizer. It is
+what ``Program.memory(rank)`` reports and what the engine's real tensors are checked against.
+
+NOTE [What each stage holds, fp32 training, Adam]
+Each parameter of ``numel`` elements is padded to ``padded = ceil(numel / N) * N`` and rank r
+owns elements ``[r * shard, (r + 1) * shard)`` of the padded flat, ``shard = padded / N``.
+
+    stage | params   | grads          | optimizer states (Adam: exp_avg, exp_avg_sq, step)
+    0     | padded   | padded         | 2 * padded + step
+    1     | padded   | padded         | 2 * shard + step
+    2     | padded   | shard          | 2 * shard + step
+    3     | shard    | shard          | 2 * shard + step
+
+At stage 3 the total is 4 + 4 + 8 = 16 bytes per parameter over N: the fp32 equivalent of the
+ZeRO paper's 16P/N. ``step`` is the one fp32 scalar torch's Adam keeps per parameter tensor.
+Frozen parameters hold no gradient and no optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+# torch.optim keeps per-parameter state of this many parameter-sized tensors:
+STATE_TENSORS_PER_PARAM = {"AdamW": 2, "Adam": 2, "SGD": 0, "SGD+momentum": 1}
+# ... and this many bytes of scalar state (Adam's float32 `step` tensor) per parameter tensor.
+SCALAR_STATE_BYTES_PER_PARAM = {"AdamW": 4, "Adam": 4, "SGD": 0, "SGD+momentum": 0}
+
+
+class ParamSizes(Protocol):
+    numel: int
+    shard_numel: int
+    padded_numel: int
+    itemsize: int
+    requires_grad: bool
+
+
+def optimizer_kind(opt_type: str, params: dict) -> str:
+    """The key into the tables above for an optimizer type and its arguments."""
+    if opt_type == "SGD" and params.get("momentum", 0):
+        return "SGD+momentum"
+    return opt_type
+
+
+def estimate_model_state_bytes(
+    params: Iterable[ParamSizes], *, stage: int, optimizer: str = "AdamW"
+) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer states one rank holds between steps."""
+    out = {"params": 0, "grads": 0, "optimizer_states": 0}
+    for p in params:
+        full, shard = p.padded_numel * p.itemsize, p.shard_numel * p.itemsize
+        out["params"] += shard if stage >= 3 else full
+        if not p.requires_grad:
+            continue
+        out["grads"] += shard if stage >= 2 else full
+        owned = full if stage == 0 else shard
+        # Optimizer states are fp32 whatever the parameter dtype (ZeRO's accounting).
+        out["optimizer_states"] += STATE_TENSORS_PER_PARAM[optimizer] * owned // p.itemsize * 4
+        out["optimizer_states"] += SCALAR_STATE_BYTES_PER_PARAM[optimizer]
+    return out
+
+
+def zero_paper_bytes(num_params: int, *, stage: int, world_size: int) -> float:
+    """The ZeRO paper's per-rank model-state bytes for mixed-precision Adam (2 + 2 + 12 bytes)."""
+    p, n = num_params, world_size
+    return {0: 16 * p, 1: 4 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}[stage]

@@ -1,0 +1,21 @@
+"""Graph passes: planners (``plan_*``, read only) and rewrites (``*_pass``), one per file."""
+
+from passes.param_sync import build_param_sync
+from passes.partition import partition_joint
+from passes.plan import Collective, CommKind, ParamPlacement, Plan, ZeroStage
+from passes.plan_sharding import plan_sharding
+from passes.reduce_grads import reduce_grads_pass
+from passes.shard_params import shard_params_pass
+
+__all__ = [
+    "Collective",
+    "CommKind",
+    "ParamPlacement",
+    "Plan",
+    "ZeroStage",
+    "build_param_sync",
+    "partition_joint",
+    "plan_sharding",
+    "reduce_grads_pass",
+    "shard_params_pass",
+]

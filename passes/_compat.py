@@ -1,0 +1,47 @@
+"""Every torch import that is not plain ``torch.*`` public API lives here.
+
+Tested with torch 2.13.0 (the version pinned in the README). When torch moves one of
+these, this is the only file to touch.
+
+- ``functorch.compile``: AOTAutograd's documented entry points (``aot_function``, the
+  partitioners, ``make_boxed_func``); the same machinery a ``torch.compile`` backend built
+  with ``aot_autograd`` runs.
+- ``torch._subclasses.fake_tensor.FakeTensorMode``: fake tensors, so planning a 1B-parameter
+  model at world size 1024 allocates no parameter memory.
+- ``torch.ops._c10d_functional``: functional collectives (an op returns a tensor, a separate
+  ``wait_tensor`` op waits for it), the form torch's own overlap tooling reads.
+- ``torch.utils.checkpoint.CheckpointPolicy``: the recompute tag the min-cut partitioner honours.
+"""
+
+from __future__ import annotations
+
+import torch
+from functorch.compile import (  # noqa: F401  (re-exported)
+    aot_function,
+    make_boxed_func,
+    min_cut_rematerialization_partition,
+)
+from torch._guards import detect_fake_mode  # noqa: F401
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: F401
+
+TESTED_TORCH = "2.13"
+
+c10d_functional = torch.ops._c10d_functional
+ALL_GATHER = c10d_functional.all_gather_into_tensor.default
+REDUCE_SCATTER = c10d_functional.reduce_scatter_tensor.default
+ALL_REDUCE = c10d_functional.all_reduce.default
+WAIT = c10d_functional.wait_tensor.default
+
+COLLECTIVE_TARGETS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+
+
+def fake_process_group(world_size: int, rank: int = 0) -> None:
+    """Initialise torch.distributed with the fake backend, for planning and shape checks only.
+
+    The fake backend returns wrong data on purpose; never train under it.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

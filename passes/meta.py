@@ -1,0 +1,108 @@
+"""Node metadata keys that zerofx passes read and write, and small node predicates.
+
+Every key is prefixed ``zerofx_``. Passes match nodes by these keys and by OpOverload identity,
+never by node names.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from typing import Any
+
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from passes import _compat
+
+# On placeholders of the captured joint graph:
+FQN = "zerofx_fqn"  # str: the parameter's, buffer's or input's name
+ROLE = "zerofx_role"  # Role
+# On nodes a rewrite inserts:
+COMM_FQN = "zerofx_comm_fqn"  # str: the parameter a collective moves
+COMM_BYTES = "zerofx_comm_bytes"  # int: bytes this rank contributes to the collective
+
+
+class Role(str, enum.Enum):
+    PARAM = "param"
+    BUFFER = "buffer"
+    INPUT = "input"
+    TANGENT = "tangent"
+
+
+def placeholders(graph: fx.Graph, role: Role | None = None) -> list[fx.Node]:
+    nodes = list(graph.find_nodes(op="placeholder"))
+    return nodes if role is None else [n for n in nodes if n.meta.get(ROLE) is role]
+
+
+def output_node(graph: fx.Graph) -> fx.Node:
+    return next(iter(graph.find_nodes(op="output")))
+
+
+def is_all_gather(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is _compat.ALL_GATHER
+
+
+def is_reduce_scatter(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is _compat.REDUCE_SCATTER
+
+
+def is_all_reduce(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is _compat.ALL_REDUCE
+
+
+def is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _compat.COLLECTIVE_TARGETS
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is _compat.WAIT
+
+
+def backward_region(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes of a joint graph that depend on the tangent: the backward computation."""
+    region: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.meta.get(ROLE) is Role.TANGENT:
+                region.add(node)
+        elif node.op != "output" and any(a in region for a in node.all_input_nodes):
+            region.add(node)
+    return region
+
+
+def derived_only_from(graph: fx.Graph, source: fx.Node, exclude: set[fx.Node]) -> list[fx.Node]:
+    """Nodes (in graph order) whose every input derives from ``source`` alone, ``source`` first.
+
+    At stage 3 these are the gathered parameter and what is computed from it and nothing else
+    (a transpose, a view, a dtype cast): each is parameter-sized and must never be saved for
+    backward. Nodes in ``exclude`` (the backward region) are not followed.
+    """
+    derived = {source}
+    order = [source]
+    for node in graph.nodes:
+        if node in derived or node in exclude or node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        if inputs and all(a in derived for a in inputs):
+            derived.add(node)
+            order.append(node)
+    return order
+
+
+def add_call(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` at the graph's insert point, with ``meta['val']``
+    computed by running the op on the inputs' fake values."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    vals = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
+    fake_mode = _compat.detect_fake_mode(pytree.tree_leaves(vals))
+    assert fake_mode is not None, "add_call needs fake values on its input nodes"
+    with fake_mode:
+        node.meta["val"] = target(*vals[0], **vals[1])
+    return node
+
+
+def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule with a copy of ``gm``'s graph; node metadata dicts are copied."""
+    return fx.GraphModule(gm, copy.deepcopy(gm.graph))

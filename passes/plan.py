@@ -1,0 +1,139 @@
+"""The Plan: the one hand-off from planning to rewriting.
+
+A frozen dataclass, the same on every rank. Rewrites read it and never re-run a cost model.
+``fingerprint()`` is compared across ranks before any rewrite, so ranks that planned
+differently fail fast instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+class ZeroStage(enum.IntEnum):
+    ZERO = 0  # plain data parallel: gradients all-reduced
+    ONE = 1  # optimizer states sharded
+    TWO = 2  # gradients reduce-scattered too
+    THREE = 3  # parameters sharded too: gathered before use, freed after
+
+
+class CommKind(str, enum.Enum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)}
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """How one parameter is laid out across ranks.
+
+    The flat parameter is padded to ``padded_numel`` (a multiple of the world size) and rank r
+    owns ``[r * shard_numel, (r + 1) * shard_numel)`` of it.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+    numel: int
+    shard_numel: int
+    padded_numel: int
+
+    @property
+    def itemsize(self) -> int:
+        return _DTYPES[self.dtype].itemsize
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def owned_range(self, rank: int) -> tuple[int, int]:
+        """[start, stop) of the real (unpadded) elements rank ``rank`` owns."""
+        start = min(rank * self.shard_numel, self.numel)
+        return start, min(start + self.shard_numel, self.numel)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective in the schedule: what it moves and how many bytes each rank sends in."""
+
+    kind: CommKind
+    fqn: str
+    graph: str  # "forward", "backward" or "param_sync"
+    bytes_per_rank: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    world_size: int
+    stage: ZeroStage
+    optimizer: str
+    params: tuple[ParamPlacement, ...]
+    # Parameters in order of first use in forward (all-gather order at stage 3).
+    gather_order: tuple[str, ...]
+    # Trainable parameters in the order backward produces their gradients.
+    reduce_order: tuple[str, ...]
+    schedule: tuple[Collective, ...]
+    estimates: Mapping[str, int] = field(default_factory=dict)
+
+    def param(self, fqn: str) -> ParamPlacement:
+        for p in self.params:
+            if p.fqn == fqn:
+                return p
+        raise KeyError(fqn)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["stage"] = int(self.stage)
+        d["estimates"] = dict(self.estimates)
+        for c in d["schedule"]:
+            c["kind"] = c["kind"].value
+        return json.dumps(d, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        d: dict[str, Any] = json.loads(text)
+        return cls(
+            world_size=d["world_size"],
+            stage=ZeroStage(d["stage"]),
+            optimizer=d["optimizer"],
+            params=tuple(ParamPlacement(**{**p, "shape": tuple(p["shape"])}) for p in d["params"]),
+            gather_order=tuple(d["gather_order"]),
+            reduce_order=tuple(d["reduce_order"]),
+            schedule=tuple(Collective(CommKind(c["kind"]), c["fqn"], c["graph"], c["bytes_per_rank"]) for c in d["schedule"]),
+            estimates=d["estimates"],
+        )
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def __str__(self) -> str:
+        from tabulate import tabulate
+
+        gib = 2**30
+        lines = [
+            f"zerofx plan: ZeRO stage {int(self.stage)}, world size {self.world_size}, optimizer {self.optimizer}, "
+            f"{self.num_params:,} parameters in {len(self.params)} tensors (fingerprint {self.fingerprint()})",
+            "model state per rank: "
+            + ", ".join(f"{k} {v / gib:.4f} GiB" for k, v in self.estimates.items()),
+        ]
+        counts: dict[tuple[str, str], list[int]] = {}
+        for c in self.schedule:
+            counts.setdefault((c.graph, c.kind.value), []).append(c.bytes_per_rank)
+        rows = [(g, k, len(v), sum(v)) for (g, k), v in counts.items()]
+        lines.append(tabulate(rows, headers=["graph", "collective", "count", "bytes in per rank"], tablefmt="simple"))
+        return "\n".join(lines)

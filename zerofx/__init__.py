@@ -1,0 +1,32 @@
+"""zerofx: ZeRO-style sharded training, written as a compiler pass over torch.fx graphs.
+
+    program = zerofx.compile(model, world_size=8, stage=3, example_inputs=(batch,))
+    engine = zerofx.initialize(model, config="ds_config.json", example_inputs=(batch,))
+"""
+
+from passes import Plan, ZeroStage
+from zerofx.capture import CapturedStep, capture_step
+from zerofx.config import ZeroConfig, parse_config
+from zerofx.engine import Engine, initialize
+from zerofx.errors import CaptureError, ConfigError, RankDivergenceError, ZeroFXError
+from zerofx.program import Program, compile  # noqa: A004
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError",
+    "CapturedStep",
+    "ConfigError",
+    "Engine",
+    "Plan",
+    "Program",
+    "RankDivergenceError",
+    "ZeroConfig",
+    "ZeroFXError",
+    "ZeroStage",
+    "__version__",
+    "capture_step",
+    "compile",
+    "initialize",
+    "parse_config",
+]

@@ -1,0 +1,214 @@
+"""The DeepSpeed-shaped config: parsing and validation.
+
+A config is a dict or a path to a JSON file, in DeepSpeed's shape, so a team keeps its
+``ds_config.json``. zerofx's own additions live in a ``"zerofx"`` section, which DeepSpeed
+ignores.
+
+Every key is declared once in ``SCHEMA`` below, with its type, its accepted values and whether
+zerofx acts on it yet. An unknown key, a wrong type or a bad value raises ``ConfigError``
+naming the key, the value and what is accepted. A known key that zerofx does not act on yet is
+reported once, by name, as a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zerofx.errors import ConfigError, did_you_mean
+
+OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key: its accepted types, an optional value check, and whether it is acted on."""
+
+    types: tuple[type, ...]
+    doc: str
+    check: Callable[[Any], bool] | None = None
+    accepted: str = ""
+    acted_on: bool = True
+    children: Mapping[str, Key] | None = None
+
+
+def _nonneg_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _pos_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+_NUM = (int, float)
+_OFFLOAD = {
+    "device": Key((str,), "where the state lives", lambda v: v in ("none", "cpu", "nvme"), "none, cpu or nvme", False),
+    "nvme_path": Key((str,), "folder for NVMe offload files", acted_on=False),
+    "pin_memory": Key((bool,), "pin host memory for offloaded state", acted_on=False),
+    "buffer_count": Key((int,), "number of I/O buffers", _pos_int, "an integer >= 1", False),
+    "ratio": Key(_NUM, "fraction of the optimizer state to offload", acted_on=False),
+}
+
+SCHEMA: dict[str, Key] = {
+    "zero_optimization": Key((dict,), "ZeRO settings", children={
+        "stage": Key((int,), "ZeRO stage", lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
+        "overlap_comm": Key((bool,), "overlap collectives with compute", acted_on=False),
+        "contiguous_gradients": Key((bool,), "copy gradients into a contiguous buffer", acted_on=False),
+        "reduce_scatter": Key((bool,), "use reduce-scatter for gradients", acted_on=False),
+        "reduce_bucket_size": Key(_NUM, "elements per gradient bucket", lambda v: v > 0, "a number > 0", False),
+        "allgather_bucket_size": Key(_NUM, "elements per all-gather bucket", lambda v: v > 0, "a number > 0", False),
+        "allgather_partitions": Key((bool,), "all-gather updated partitions", acted_on=False),
+        "stage3_prefetch_bucket_size": Key(_NUM, "elements prefetched ahead", lambda v: v >= 0, "a number >= 0", False),
+        "stage3_max_live_parameters": Key(_NUM, "max gathered elements alive", lambda v: v >= 0, "a number >= 0", False),
+        "stage3_max_reuse_distance": Key(_NUM, "reuse distance for keeping a gathered parameter", lambda v: v >= 0, "a number >= 0", False),
+        "stage3_param_persistence_threshold": Key(_NUM, "parameters smaller than this stay unsharded", lambda v: v >= 0, "a number >= 0", False),
+        "stage3_gather_16bit_weights_on_model_save": Key((bool,), "gather 16-bit weights when saving", acted_on=False),
+        "offload_optimizer": Key((dict,), "optimizer-state offload", children=_OFFLOAD, acted_on=False),
+        "offload_param": Key((dict,), "parameter offload (stage 3)", children=_OFFLOAD, acted_on=False),
+        "sub_group_size": Key(_NUM, "optimizer sub-group size", lambda v: v > 0, "a number > 0", False),
+    }),
+    "optimizer": Key((dict,), "the optimizer", children={
+        "type": Key((str,), "optimizer class", lambda v: v in OPTIMIZER_TYPES, ", ".join(OPTIMIZER_TYPES)),
+        "params": Key((dict,), "optimizer arguments", children={
+            "lr": Key(_NUM, "learning rate", lambda v: v >= 0, "a number >= 0"),
+            "betas": Key((list, tuple), "Adam betas", lambda v: len(v) == 2 and all(isinstance(b, _NUM) and 0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+            "eps": Key(_NUM, "Adam epsilon", lambda v: v > 0, "a number > 0"),
+            "weight_decay": Key(_NUM, "weight decay", lambda v: v >= 0, "a number >= 0"),
+            "momentum": Key(_NUM, "SGD momentum", lambda v: v >= 0, "a number >= 0"),
+            "nesterov": Key((bool,), "SGD Nesterov momentum"),
+            "dampening": Key(_NUM, "SGD dampening", lambda v: v >= 0, "a number >= 0"),
+        }),
+    }),
+    "train_batch_size": Key((int,), "global batch size", _pos_int, "an integer >= 1"),
+    "train_micro_batch_size_per_gpu": Key((int,), "batch per rank per micro-step", _pos_int, "an integer >= 1"),
+    "gradient_accumulation_steps": Key((int,), "micro-steps per optimizer step", _pos_int, "an integer >= 1", False),
+    "gradient_clipping": Key(_NUM, "max global gradient norm", lambda v: v >= 0, "a number >= 0", False),
+    "steps_per_print": Key((int,), "log every N steps", _pos_int, "an integer >= 1", False),
+    "scheduler": Key((dict,), "learning-rate scheduler", acted_on=False),
+    "bf16": Key((dict,), "bfloat16 mixed precision", acted_on=False),
+    "fp16": Key((dict,), "float16 mixed precision", acted_on=False),
+    "wall_clock_breakdown": Key((bool,), "timing breakdown", acted_on=False),
+    "zerofx": Key((dict,), "zerofx's own settings (DeepSpeed ignores this section)", children={
+        "world_size": Key((int,), "number of ranks to plan for", _pos_int, "an integer >= 1"),
+    }),
+}
+
+_WARNED: set[str] = set()
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Which optimizer to build on each rank's shard, and with what arguments."""
+
+    type: str = "AdamW"
+    params: Mapping[str, Any] = field(default_factory=lambda: {"lr": 1e-3})
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The validated config, as zerofx uses it."""
+
+    stage: int | None
+    world_size: int | None
+    optimizer: OptimizerSpec
+    raw: Mapping[str, Any]
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    names = {int: "integer", float: "number", str: "string", bool: "true/false", dict: "object", list: "list", tuple: "list"}
+    return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
+
+
+def _validate(section: Mapping[str, Any], schema: Mapping[str, Key], prefix: str) -> None:
+    for name, value in section.items():
+        path = f"{prefix}{name}"
+        if name not in schema:
+            raise ConfigError(
+                f"unknown config key {path!r}{did_you_mean(name, schema)}; accepted keys here: {', '.join(sorted(schema))}"
+            )
+        key = schema[name]
+        is_bool = isinstance(value, bool)
+        if not isinstance(value, key.types) or (is_bool and bool not in key.types):
+            raise ConfigError(f"config key {path!r} must be a {_type_names(key.types)}, got {value!r}")
+        if key.check is not None and not key.check(value):
+            raise ConfigError(f"config key {path!r} got {value!r}; accepted: {key.accepted}")
+        if key.children is not None:
+            _validate(value, key.children, f"{path}.")
+        elif not key.acted_on and path not in _WARNED:
+            _WARNED.add(path)
+            warnings.warn(f"zerofx reads config key {path!r} but does not act on it yet", stacklevel=4)
+
+
+def load_config(config: str | Path | Mapping[str, Any] | None) -> dict[str, Any]:
+    """Read a config from a dict, a JSON file path, or None (an empty config)."""
+    if config is None:
+        return {}
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass a path to a JSON file or a dict")
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from exc
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise ConfigError(f"config must be a dict, a path to a JSON file, or None; got {type(config).__name__}")
+
+
+def parse_config(
+    config: str | Path | Mapping[str, Any] | None,
+    *,
+    stage: int | None = None,
+    world_size: int | None = None,
+) -> ZeroConfig:
+    """Validate ``config`` and reconcile it with the ``stage=``/``world_size=`` arguments.
+
+    A value given both ways must agree; otherwise that is an error naming both.
+    """
+    raw = load_config(config)
+    _validate(raw, SCHEMA, "")
+    zero = raw.get("zero_optimization", {})
+    cfg_stage = zero.get("stage")
+    if stage is not None and cfg_stage is not None and stage != cfg_stage:
+        raise ConfigError(f"stage={stage} disagrees with the config's zero_optimization.stage={cfg_stage}; give one or make them equal")
+    cfg_world = _config_world_size(raw)
+    if world_size is not None and cfg_world is not None and world_size != cfg_world:
+        raise ConfigError(f"world_size={world_size} disagrees with the config, which implies world size {cfg_world}; give one or make them equal")
+    opt = raw.get("optimizer", {})
+    params = dict(opt.get("params", {"lr": 1e-3}))
+    params.setdefault("lr", 1e-3)
+    kind = opt.get("type", "AdamW")
+    if kind == "SGD":
+        bad = sorted(set(params) & {"betas", "eps"})
+    else:
+        bad = sorted(set(params) & {"momentum", "nesterov", "dampening"})
+    if bad:
+        raise ConfigError(f"optimizer.params {bad} do not apply to optimizer type {kind!r}")
+    return ZeroConfig(
+        stage=stage if stage is not None else cfg_stage,
+        world_size=world_size if world_size is not None else cfg_world,
+        optimizer=OptimizerSpec(type=kind, params=params),
+        raw=raw,
+    )
+
+
+def _config_world_size(raw: Mapping[str, Any]) -> int | None:
+    """The world size a config states (``zerofx.world_size``) or implies (DeepSpeed's batch rule)."""
+    explicit = raw.get("zerofx", {}).get("world_size")
+    tbs, micro = raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu")
+    gas = raw.get("gradient_accumulation_steps", 1)
+    implied = None
+    if tbs is not None and micro is not None:
+        if tbs % (micro * gas):
+            raise ConfigError(
+                f"train_batch_size={tbs} is not train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x world size"
+            )
+        implied = tbs // (micro * gas)
+    if explicit is not None and implied is not None and explicit != implied:
+        raise ConfigError(f"zerofx.world_size={explicit} disagrees with the batch sizes, which imply {implied}")
+    return explicit if explicit is not None else implied

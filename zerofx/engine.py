@@ -1,0 +1,304 @@
+"""The runtime: runs one rank's rewritten graphs inside a real process group.
+
+``zerofx.initialize`` returns an ``Engine`` with DeepSpeed's API: ``engine(...)`` runs the
+forward graph and returns the loss, ``engine.backward(loss)`` runs the backward graph,
+``engine.step()`` runs the optimizer on this rank's shard. The same code runs gloo on CPU and
+NCCL on CUDA: the device is the model's.
+
+NOTE [What the engine holds]
+Parameters are laid out per ``ParamPlacement``: each flattened and padded to a multiple of the
+world size. Stages 0-2 keep every full padded flat; stage 3 keeps only this rank's shards, in
+one flat buffer. Gradient buffers are persistent and accumulate across ``backward`` calls until
+``step``: full padded flats at stages 0-1, shards at stages 2-3. The optimizer is a plain
+``torch.optim`` optimizer whose parameters are views of this rank's shards (the whole flat at
+stage 0), so it updates the stored parameters in place. At stages 1-2 the ``param_sync`` graph
+then all-gathers the updated shards. At stage 3 the engine takes the parameters' memory: each
+model parameter's ``.data`` becomes an empty tensor; ``full_state_dict()`` gathers them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from passes import ParamPlacement, ZeroStage
+from passes.plan_sharding import place_param
+from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, flatten_call, split_loss_kwargs
+from zerofx.config import OptimizerSpec, ZeroConfig
+from zerofx.errors import CaptureError, RankDivergenceError, ZeroFXError
+from zerofx.program import Program, check_example_inputs, plan_program, resolve
+
+
+def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    kw = dict(spec.params)
+    if "betas" in kw:
+        kw["betas"] = tuple(kw["betas"])
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[spec.type]
+    return cls(params, **kw)
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class Engine:
+    """One rank's view of a ZeRO-sharded training run. Build it with ``zerofx.initialize``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: ZeroConfig,
+        example_args: tuple[Any, ...],
+        example_kwargs: Mapping[str, Any] | None,
+        *,
+        loss_fn: LossFn | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ZeroFXError(
+                "zerofx.initialize needs an initialized torch.distributed process group (torchrun, or "
+                "dist.init_process_group in each spawned process); to plan without one, use zerofx.compile"
+            )
+        self.group = group if group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        if cfg.world_size is not None and cfg.world_size != self.world_size:
+            raise ZeroFXError(
+                f"world_size={cfg.world_size} differs from the process group's world size {self.world_size}; "
+                f"accepted: {self.world_size} or leave it out"
+            )
+        if any(p.is_meta for p in model.parameters()):
+            raise ZeroFXError("zerofx.initialize needs materialized parameters; the model has parameters on the meta device")
+        self.model = model
+        self.cfg = cfg
+        self.stage = ZeroStage(cfg.stage)
+        self.loss_fn = loss_fn
+        self.group_name = self.group.group_name
+        self.device = next(model.parameters()).device
+        self.param_infos = tuple(TensorInfo(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters())
+        self.placements: dict[str, ParamPlacement] = {
+            i.fqn: place_param(i.fqn, i.shape, i.dtype, i.requires_grad, self.world_size) for i in self.param_infos
+        }
+        self.buffers = dict(model.named_buffers())
+        owner_of = {id(p): fqn for fqn, p in model.named_parameters()}
+        param_aliases = {name: owner_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+        self._state_keys = [
+            (key, param_aliases.get(key)) for key in model.state_dict().keys()
+        ]
+        self._init_storage(model)
+        trainable = [f for f, p in self.placements.items() if p.requires_grad]
+        self._opt_params = [self.shards[f] for f in trainable]
+        for f, t in zip(trainable, self._opt_params):
+            t.grad = self._grad_shard(f)
+        self.optimizer = build_optimizer(cfg.optimizer, self._opt_params)
+        self._programs: dict[Any, Program] = {}
+        self._pending: tuple[Program, list[torch.Tensor], torch.Tensor] | None = None
+        self.global_steps = 0
+        try:
+            self._program_for(example_args, dict(example_kwargs or {}))
+        except CaptureError as exc:
+            # The example may omit what the loss needs (e.g. labels); capture then waits for the first call.
+            if "cannot find the loss" not in str(exc):
+                raise
+
+    # ----------------------------------------------------------------- storage
+    def _init_storage(self, model: nn.Module) -> None:
+        r, n = self.rank, self.world_size
+        params = dict(model.named_parameters())
+        full_flats: dict[str, torch.Tensor] = {}
+        for fqn, p in self.placements.items():
+            flat = torch.zeros(p.padded_numel, dtype=p.torch_dtype, device=self.device)
+            flat[: p.numel].copy_(params[fqn].detach().reshape(-1))
+            # Data parallel starts from one set of weights: rank 0's, as DDP does.
+            dist.broadcast(flat, src=0, group=self.group)
+            full_flats[fqn] = flat
+        for b in self.buffers.values():
+            dist.broadcast(b.data, src=0, group=self.group)
+
+        self.full: dict[str, torch.Tensor] = {}
+        self.shards: dict[str, torch.Tensor] = {}
+        if self.stage is ZeroStage.THREE:
+            total = sum(p.shard_numel for p in self.placements.values())
+            self._shard_flat = torch.empty(total, dtype=self._flat_dtype(), device=self.device)
+            offset = 0
+            for fqn, p in self.placements.items():
+                view = self._shard_flat[offset : offset + p.shard_numel]
+                view.copy_(full_flats[fqn][r * p.shard_numel : (r + 1) * p.shard_numel])
+                self.shards[fqn] = view
+                offset += p.shard_numel
+            del full_flats
+            # The engine owns the parameters now: free the model's full copies.
+            for prm in model.parameters():
+                prm.data = torch.empty(0, dtype=prm.dtype, device=prm.device)
+        else:
+            self.full = full_flats
+            for fqn, p in self.placements.items():
+                flat = self.full[fqn]
+                self.shards[fqn] = flat if self.stage is ZeroStage.ZERO else flat[r * p.shard_numel : (r + 1) * p.shard_numel]
+
+        self.grads: dict[str, torch.Tensor] = {}
+        for fqn, p in self.placements.items():
+            if p.requires_grad:
+                size = p.padded_numel if self.stage <= ZeroStage.ONE else p.shard_numel
+                self.grads[fqn] = torch.zeros(size, dtype=p.torch_dtype, device=self.device)
+
+    def _flat_dtype(self) -> torch.dtype:
+        dtypes = {p.torch_dtype for p in self.placements.values()}
+        if len(dtypes) != 1:
+            raise ZeroFXError(f"stage 3 needs parameters of one dtype, got {sorted(map(str, dtypes))}")
+        return dtypes.pop()
+
+    def _grad_shard(self, fqn: str) -> torch.Tensor:
+        g, p = self.grads[fqn], self.placements[fqn]
+        if self.stage is ZeroStage.ONE:
+            return g[self.rank * p.shard_numel : (self.rank + 1) * p.shard_numel]
+        return g
+
+    def _param_input(self, fqn: str) -> torch.Tensor:
+        """What the forward graph takes for a parameter: its shard at stage 3, else its full value."""
+        p = self.placements[fqn]
+        if self.stage is ZeroStage.THREE:
+            return self.shards[fqn]
+        return self.full[fqn][: p.numel].view(p.shape)
+
+    # ----------------------------------------------------------------- programs
+    def _signature(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        model_kw, loss_kw = split_loss_kwargs(self.model, kwargs, self.loss_fn)
+        leaves, spec = pytree.tree_flatten((tuple(args), model_kw, loss_kw))
+        key = tuple((tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else ("const", repr(x)) for x in leaves)
+        return (repr(spec), key)
+
+    def _program_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Program:
+        sig = self._signature(args, kwargs)
+        program = self._programs.get(sig)
+        if program is None:
+            captured = capture_step(
+                self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos, device=self.device
+            )
+            program = plan_program(captured, self.cfg, self.world_size, group_name=self.group_name)
+            self._check_same_plan(program)
+            self._programs[sig] = program
+        return program
+
+    def _check_same_plan(self, program: Program) -> None:
+        """Compare the plan's fingerprint across ranks before running it: ranks that planned
+        differently would otherwise hang in their first mismatched collective."""
+        mine = program.plan.fingerprint()
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        if len(set(everyone)) != 1:
+            raise RankDivergenceError(f"ranks planned different programs (fingerprints by rank: {everyone}); rank {self.rank} has {mine}")
+
+    @property
+    def program(self) -> Program | None:
+        """The most recently compiled program."""
+        return next(reversed(self._programs.values()), None)
+
+    def graph_modules(self) -> dict[str, fx.GraphModule]:
+        if self.program is None:
+            raise ZeroFXError("nothing compiled yet: call the engine once first")
+        return self.program.graph_modules(self.rank)
+
+    # ----------------------------------------------------------------- training
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Run the forward graph on this rank's batch; return the loss (a scalar tensor)."""
+        program = self._program_for(args, kwargs)
+        captured: CapturedStep = program.captured
+        inputs = flatten_call(captured, self.model, args, kwargs, self.loss_fn)
+        primals = [self._param_input(p.fqn) for p in captured.params]
+        primals += [self.buffers[b.fqn] for b in captured.buffers]
+        primals += inputs
+        outputs = program.graph_modules(self.rank)["forward"](*primals)
+        loss = outputs[0]
+        self._pending = (program, list(outputs[1:]), loss)
+        return loss
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Run the backward graph for the last forward; accumulate this rank's gradients."""
+        if self._pending is None or loss is not self._pending[2]:
+            raise ZeroFXError("engine.backward(loss) needs the loss returned by the engine's most recent forward call")
+        program, saved, _ = self._pending
+        self._pending = None
+        grads = program.graph_modules(self.rank)["backward"](*saved, torch.ones_like(loss))
+        del saved
+        for info, g in zip(program.captured.params, grads):
+            if g is not None:
+                self.grads[info.fqn].add_(g)
+
+    def step(self) -> None:
+        """Optimizer step on this rank's shard; then bring back full parameters where the stage keeps them."""
+        self.optimizer.step()
+        for g in self.grads.values():
+            g.zero_()
+        self.global_steps += 1
+        if self.stage in (ZeroStage.ONE, ZeroStage.TWO):
+            program = self.program
+            assert program is not None
+            sync = program.graph_modules(self.rank)["param_sync"]
+            order = program.plan.reduce_order
+            for fqn, full in zip(order, sync(*[self.shards[f] for f in order])):
+                self.full[fqn].copy_(full)
+
+    # ----------------------------------------------------------------- state
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict (same keys and shapes as ``model.state_dict()``) on every rank.
+        At stage 3 this all-gathers every parameter: a collective, so call it on all ranks."""
+        out: dict[str, torch.Tensor] = {}
+        gathered: dict[str, torch.Tensor] = {}
+        for key, owner in self._state_keys:
+            if owner is None:
+                out[key] = self.buffers[key].detach().clone()
+                continue
+            if owner not in gathered:
+                p = self.placements[owner]
+                if self.stage is ZeroStage.THREE:
+                    flat = torch.empty(p.padded_numel, dtype=p.torch_dtype, device=self.device)
+                    dist.all_gather_into_tensor(flat, self.shards[owner], group=self.group)
+                else:
+                    flat = self.full[owner].clone()
+                gathered[owner] = flat[: p.numel].view(p.shape)
+            out[key] = gathered[owner]
+        return out
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank really holds: parameter, gradient and optimizer-state tensors."""
+        params = [self._shard_flat] if self.stage is ZeroStage.THREE else list(self.full.values())
+        states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return {
+            "params": _storage_bytes(params),
+            "grads": _storage_bytes(list(self.grads.values())),
+            "optimizer_states": _storage_bytes(states),
+        }
+
+
+def initialize(
+    model: nn.Module,
+    config: str | Path | Mapping[str, Any] | None = None,
+    *,
+    example_inputs: tuple[Any, ...] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    stage: int | None = None,
+    world_size: int | None = None,
+    loss_fn: LossFn | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Engine:
+    """Shard ``model`` across the process group and return this rank's training engine.
+
+    Call it on every rank, inside an initialized ``torch.distributed`` process group.
+    """
+    args = check_example_inputs(example_inputs)
+    cfg = resolve(config, stage=stage, world_size=world_size)
+    return Engine(model, cfg, args, example_kwargs, loss_fn=loss_fn, group=group)

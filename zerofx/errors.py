@@ -1,0 +1,28 @@
+"""User-facing errors. Each names the bad value and what would be accepted."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ZeroFXError(ValueError):
+    """Base class for every error zerofx raises on bad user input."""
+
+
+class ConfigError(ZeroFXError):
+    """A config key is unknown, misspelled, of the wrong type or out of range."""
+
+
+class CaptureError(ZeroFXError):
+    """The model could not be captured whole into forward and backward graphs."""
+
+
+class RankDivergenceError(ZeroFXError):
+    """Ranks planned different programs; running them would hang in a collective."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """A ' (did you mean X?)' suffix when a close match exists, else ''."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""

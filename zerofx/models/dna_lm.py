@@ -1,0 +1,153 @@
+"""A decoder-only language model over DNA: rotary positions, RMSNorm and SwiGLU, in the family
+of current genomic foundation models. Sized by config from tiny (tests) to billions of
+parameters (planning, built on the meta device)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DNA_VOCAB = ("A", "C", "G", "T", "N")
+
+
+@dataclass(frozen=True)
+class DNALMConfig:
+    vocab_size: int = len(DNA_VOCAB)
+    dim: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_dim: int = 172  # ~ 8/3 * dim, SwiGLU's usual width
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
+# Named sizes for the CLI and benchmarks; the parameter counts are approximate.
+DNA_LM_SIZES = {
+    "tiny": DNALMConfig(dim=32, num_layers=2, num_heads=4, ffn_dim=88, max_seq_len=512),
+    "small": DNALMConfig(dim=128, num_layers=4, num_heads=4, ffn_dim=344, max_seq_len=1024),
+    "25m": DNALMConfig(dim=512, num_layers=8, num_heads=8, ffn_dim=1376, max_seq_len=4096),
+    "100m": DNALMConfig(dim=768, num_layers=14, num_heads=12, ffn_dim=2048, max_seq_len=8192),
+    "1b": DNALMConfig(dim=2048, num_layers=20, num_heads=16, ffn_dim=5504, max_seq_len=32768),
+    "7b": DNALMConfig(dim=4096, num_layers=32, num_heads=32, ffn_dim=11008, max_seq_len=131072),
+}
+
+
+@dataclass
+class DNALMOutput:
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, nh, T, hd); rotate pairs (x1, x2) of the two halves
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DNALMConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
+        self.out = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, nh, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: DNALMConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DNALMConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DNADecoderLM(nn.Module):
+    """Next-nucleotide prediction. ``forward(input_ids, labels=None) -> DNALMOutput``; with
+    ``labels`` the loss is the mean next-token cross-entropy (labels shifted by one inside)."""
+
+    def __init__(self, cfg: DNALMConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg = cfg or DNALMConfig()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = 0.02
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                if m.weight.device.type != "meta":
+                    nn.init.normal_(m.weight, std=std)
+        for blk in self.blocks:  # GPT-2 style scaled init of residual projections
+            for w in (blk.attn.out.weight, blk.mlp.down.weight):
+                if w.device.type != "meta":
+                    nn.init.normal_(w, std=std / math.sqrt(2 * self.cfg.num_layers))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> DNALMOutput:
+        t = input_ids.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]  # (T, hd/2)
+        x = self.embed(input_ids)  # (B, T, d)
+        for blk in self.blocks:
+            x = blk(x, cos, sin)
+        logits = self.head(self.norm(x))  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return DNALMOutput(loss=loss, logits=logits)

@@ -1,0 +1,61 @@
+"""The one place that owns the order of passes, and the small runner that applies them.
+
+    captured joint --shard_params_pass--> --reduce_grads_pass--> partition_joint --> forward, backward
+    plan --build_param_sync--> param_sync (stages 1 and 2)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch.fx as fx
+
+from passes import Plan, build_param_sync, meta, partition_joint, reduce_grads_pass, shard_params_pass
+
+log = logging.getLogger("zerofx.pipeline")
+
+Pass = Callable[[fx.GraphModule], fx.GraphModule]
+
+
+def joint_passes(plan: Plan, *, group_name: str) -> list[tuple[str, Pass]]:
+    """The rewrites applied to the captured joint graph, in order."""
+    return [
+        ("shard_params_pass", functools.partial(shard_params_pass, plan=plan, group_name=group_name)),
+        ("reduce_grads_pass", functools.partial(reduce_grads_pass, plan=plan, group_name=group_name)),
+    ]
+
+
+def run_passes(gm: fx.GraphModule, passes: Sequence[tuple[str, Pass]], *, disabled: Sequence[str] = ()) -> fx.GraphModule:
+    """Apply ``passes`` in order: check each returns a linted GraphModule, log its time and the
+    change in op count, and on error name the passes that already ran."""
+    done: list[str] = []
+    for name, fn in passes:
+        if name in disabled:
+            continue
+        before = len(gm.graph.nodes)
+        start = time.perf_counter()
+        try:
+            result = fn(gm)
+        except Exception as exc:
+            raise RuntimeError(f"pass {name} failed (after {done or 'no passes'}): {exc}") from exc
+        assert isinstance(result, fx.GraphModule), f"pass {name} returned {type(result).__name__}, not a GraphModule"
+        result.graph.lint()
+        log.debug("%s: %.3fs, %+d nodes", name, time.perf_counter() - start, len(result.graph.nodes) - before)
+        gm = result
+        done.append(name)
+    return gm
+
+
+def lower(joint: fx.GraphModule, plan: Plan, *, group_name: str, disabled: Sequence[str] = ()) -> dict[str, fx.GraphModule]:
+    """Rewrite a copy of the captured joint graph for ``plan`` and split it into the graph
+    modules one rank runs. ``joint`` itself is left alone."""
+    rewritten = run_passes(meta.clone_graph_module(joint), joint_passes(plan, group_name=group_name), disabled=disabled)
+    forward, backward = partition_joint(rewritten)
+    modules = {"forward": forward, "backward": backward}
+    sync = build_param_sync(plan, group_name=group_name)
+    if sync is not None:
+        modules["param_sync"] = sync
+    return modules

@@ -1,0 +1,132 @@
+"""``zerofx.compile``: capture, plan and lower a model for one world size, without running it.
+
+Planning needs no process group and no parameter memory: capture runs on fake tensors, so a
+model built on the meta device plans for world size 8 or 1024 on a laptop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.fx as fx
+import torch.nn as nn
+
+from cost_models.memory import optimizer_kind
+from passes import Plan, ZeroStage, plan_sharding
+from zerofx.capture import CapturedStep, LossFn, capture_step
+from zerofx.config import ZeroConfig, parse_config
+from zerofx.errors import ZeroFXError
+from zerofx.pipeline import lower
+
+# The group name planned graphs carry when no process group exists; the engine lowers again
+# with the real group's name.
+PLANNING_GROUP = "zerofx_planning_group"
+
+
+class Program:
+    """A captured, planned and lowered training step for one world size and stage."""
+
+    def __init__(self, captured: CapturedStep, plan: Plan, *, group_name: str = PLANNING_GROUP) -> None:
+        self.captured = captured
+        self.plan = plan
+        self.group_name = group_name
+        self._modules: dict[str, fx.GraphModule] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def stage(self) -> ZeroStage:
+        return self.plan.stage
+
+    def _check_rank(self, rank: int) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ZeroFXError(f"rank={rank!r} is outside this program's world size {self.world_size}; accepted: 0..{self.world_size - 1}")
+
+    def graph_modules(self, rank: int) -> dict[str, fx.GraphModule]:
+        """The graph modules rank ``rank`` runs: ``forward``, ``backward`` and, at stages 1 and 2,
+        ``param_sync`` (the all-gather of updated shards after the optimizer step).
+
+        Every rank's shard has the same padded size, so the graphs are the same on every rank:
+        which slice of each parameter a rank holds is decided by its rank in the collectives.
+        """
+        self._check_rank(rank)
+        if self._modules is None:
+            self._modules = lower(self.captured.joint, self.plan, group_name=self.group_name)
+        return dict(self._modules)
+
+    def memory(self, rank: int) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer states rank ``rank`` holds between steps."""
+        self._check_rank(rank)
+        return dict(self.plan.estimates)
+
+    def __repr__(self) -> str:
+        return f"Program({self.captured.model_class}, stage={int(self.stage)}, world_size={self.world_size})"
+
+
+def check_stage(stage: Any) -> ZeroStage:
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        raise ZeroFXError(f"stage={stage!r} is not a ZeRO stage; accepted: 0, 1, 2 or 3")
+    return ZeroStage(stage)
+
+
+def check_world_size(world_size: Any) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ZeroFXError(f"world_size={world_size!r} is invalid; accepted: an integer >= 1")
+    return world_size
+
+
+def check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
+    if example_inputs is None:
+        raise ZeroFXError(
+            "example_inputs is missing; pass a tuple of the model's positional arguments, e.g. example_inputs=(input_ids,)"
+        )
+    if not isinstance(example_inputs, Sequence) or isinstance(example_inputs, (str, bytes)):
+        raise ZeroFXError(
+            f"example_inputs must be a tuple of the model's positional arguments, got {type(example_inputs).__name__}"
+        )
+    return tuple(example_inputs)
+
+
+def resolve(config: str | Path | Mapping[str, Any] | None, *, stage: int | None, world_size: int | None) -> ZeroConfig:
+    """Validate the arguments and the config together; both must be present between them."""
+    if stage is not None:
+        check_stage(stage)
+    if world_size is not None:
+        check_world_size(world_size)
+    cfg = parse_config(config, stage=stage, world_size=world_size)
+    if cfg.stage is None:
+        raise ZeroFXError("no ZeRO stage given; pass stage= (0, 1, 2 or 3) or set zero_optimization.stage in the config")
+    return cfg
+
+
+def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, group_name: str = PLANNING_GROUP) -> Program:
+    opt = optimizer_kind(cfg.optimizer.type, dict(cfg.optimizer.params))
+    plan = plan_sharding(captured.joint, world_size=world_size, stage=ZeroStage(cfg.stage), optimizer=opt)
+    return Program(captured, plan, group_name=group_name)
+
+
+def compile(  # noqa: A001  (the public name users expect)
+    model: nn.Module,
+    world_size: int | None = None,
+    stage: int | None = None,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    config: str | Path | Mapping[str, Any] | None = None,
+    loss_fn: LossFn | None = None,
+) -> Program:
+    """Capture ``model``'s training step and plan it for ``world_size`` ranks at ZeRO ``stage``.
+
+    Nothing runs and no process group is needed. ``example_inputs`` are the positional
+    arguments of one call, ``example_kwargs`` its keyword arguments (e.g. ``labels``).
+    """
+    args = check_example_inputs(example_inputs)
+    cfg = resolve(config, stage=stage, world_size=world_size)
+    if cfg.world_size is None:
+        raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
+    captured = capture_step(model, args, example_kwargs, loss_fn=loss_fn)
+    return plan_program(captured, cfg, cfg.world_size)
