@@ -71,23 +71,26 @@ def backward_region(graph: fx.Graph) -> set[fx.Node]:
     return region
 
 
-def derived_only_from(graph: fx.Graph, source: fx.Node, exclude: set[fx.Node]) -> list[fx.Node]:
-    """Nodes (in graph order) whose every input derives from ``source`` alone, ``source`` first.
+def derived_only_from(graph: fx.Graph, sources: list[fx.Node], exclude: set[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """For each source, the nodes (in graph order, the source first) whose every input derives
+    from that source alone.
 
-    At stage 3 these are the gathered parameter and what is computed from it and nothing else
-    (a transpose, a view, a dtype cast): each is parameter-sized and must never be saved for
-    backward. Nodes in ``exclude`` (the backward region) are not followed.
+    At stage 3 a source is a gathered parameter, and its nodes are what is computed from it and
+    nothing else (a transpose, a view, a dtype cast): each is parameter-sized and must never be
+    saved for backward. Nodes in ``exclude`` (the backward region) are not followed. One sweep
+    over the graph for all sources.
     """
-    derived = {source}
-    order = [source]
+    origin: dict[fx.Node, fx.Node] = {s: s for s in sources}
+    chains: dict[fx.Node, list[fx.Node]] = {s: [s] for s in sources}
     for node in graph.nodes:
-        if node in derived or node in exclude or node.op != "call_function":
+        if node in origin or node in exclude or node.op != "call_function":
             continue
-        inputs = node.all_input_nodes
-        if inputs and all(a in derived for a in inputs):
-            derived.add(node)
-            order.append(node)
-    return order
+        found = {origin.get(a) for a in node.all_input_nodes}
+        if len(found) == 1 and None not in found:
+            src = found.pop()
+            origin[node] = src
+            chains[src].append(node)
+    return chains
 
 
 def add_call(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:

@@ -54,10 +54,10 @@ def plan_sharding(joint: fx.GraphModule, *, world_size: int, stage: ZeroStage, o
         for fqn in gather_order:
             schedule.append(Collective(CommKind.ALL_GATHER, fqn, "forward", by_fqn[fqn].shard_numel * by_fqn[fqn].itemsize))
         # Backward gathers again every parameter whose full value (or a view or cast of it) it reads.
-        ph_of = {ph.meta[meta.FQN]: ph for ph in params}
+        chains = meta.derived_only_from(graph, [ph for ph in params if ph.users], backward)
+        chain_of = {ph.meta[meta.FQN]: chain for ph, chain in chains.items()}
         for fqn in gather_order:
-            chain = meta.derived_only_from(graph, ph_of[fqn], backward)
-            if any(u in backward for n in chain for u in n.users):
+            if any(u in backward for n in chain_of[fqn] for u in n.users):
                 schedule.append(Collective(CommKind.ALL_GATHER, fqn, "backward", by_fqn[fqn].shard_numel * by_fqn[fqn].itemsize))
     grad_kind = CommKind.REDUCE_SCATTER if stage >= ZeroStage.TWO else CommKind.ALL_REDUCE
     for fqn in reduce_order:

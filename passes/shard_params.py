@@ -35,6 +35,7 @@ def shard_params_pass(gm: fx.GraphModule, plan: Plan, *, group_name: str) -> fx.
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     backward = meta.backward_region(graph)  # inserting forward gathers does not change it
+    gathers = []
     for ph in meta.placeholders(graph, meta.Role.PARAM):
         if meta.COMM_FQN in ph.meta or not ph.users:  # already sharded, or unused
             continue
@@ -55,7 +56,11 @@ def shard_params_pass(gm: fx.GraphModule, plan: Plan, *, group_name: str) -> fx.
             full = meta.add_call(graph, aten.view.default, (flat, list(p.shape)))  # p.shape
         for user in users:
             user.replace_input_with(ph, full)
-        for node in [gathered, *meta.derived_only_from(graph, gathered, backward)]:
+        gathers.append(gathered)
+    if not gathers:
+        return gm
+    for chain in meta.derived_only_from(graph, gathers, backward).values():
+        for node in chain:
             node.meta["recompute"] = _compat.CheckpointPolicy.MUST_RECOMPUTE
     graph.lint()
     gm.recompile()

@@ -1,0 +1,8 @@
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+# One thread per rank: the multi-process tests run several ranks on two cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")

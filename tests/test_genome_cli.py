@@ -1,0 +1,211 @@
+"""The genome data pipeline (zerofx/data/genome.py) and the ``zerofx`` command line (zerofx/cli.py)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerofx.cli import main
+from zerofx.data.genome import (
+    GenomeError,
+    bundled_genome,
+    detokenize,
+    genome_windows,
+    read_fasta,
+    reverse_complement,
+    tokenize,
+)
+from zerofx.errors import ZeroFXError
+from zerofx.models import DNA_LM_SIZES
+from zerofx.models.dna_lm import DNA_VOCAB
+
+LAMBDA_BP = 48_502
+
+
+def _write_fasta(path: Path, text: str, *, gz: bool = False) -> Path:
+    if gz:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def _windows(path: Path, seq_len: int, **kw: object) -> list[torch.Tensor]:
+    """Every window a call yields, one (T,) tensor each, in order."""
+    return [w for batch in genome_windows(path, seq_len, **kw) for w in batch]
+
+
+# --------------------------------------------------------------------------- FASTA and tokens
+def test_bundled_genome_reads_whole_and_only_acgt() -> None:
+    pieces = list(read_fasta(bundled_genome(), chunk_chars=4096))
+    sequence = "".join(chunk for _, chunk in pieces)
+    assert len(sequence) == LAMBDA_BP
+    assert set(sequence) == set("ACGT")
+    assert {name for name, _ in pieces} == {"gi|9626243|ref|NC_001416.1|"}
+    assert len(pieces) > 1 and max(len(c) for _, c in pieces) < 4096 + 100  # streamed in chunks
+
+
+def test_read_fasta_multi_record_lowercase_wrapping(tmp_path: Path) -> None:
+    text = ">chr1 first record\nacgt\nNNAC\n\n>chr2\nGGTT\nca\n"
+    for gz in (False, True):
+        path = _write_fasta(tmp_path / ("x.fa.gz" if gz else "x.fa"), text, gz=gz)
+        records: dict[str, str] = {}
+        for name, chunk in read_fasta(path, chunk_chars=3):
+            records[name] = records.get(name, "") + chunk
+        assert records == {"chr1": "ACGTNNAC", "chr2": "GGTTCA"}
+
+
+def test_tokenizer_maps_acgt_and_everything_else_to_n() -> None:
+    assert DNA_VOCAB == ("A", "C", "G", "T", "N")
+    assert tokenize("ACGTacgt").tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert tokenize("NnRYKMSWBDHV-").tolist() == [4] * 13
+    assert tokenize("").numel() == 0
+    assert detokenize(tokenize("acgTRN")) == "ACGTNN"
+
+
+def test_reverse_complement() -> None:
+    tokens = tokenize("AACGTN")
+    assert detokenize(reverse_complement(tokens)) == "NACGTT"
+    assert torch.equal(reverse_complement(reverse_complement(tokens)), tokens)
+    batch = torch.stack([tokenize("ACGT"), tokenize("AAAN")]).long()  # (2, 4)
+    assert [detokenize(row) for row in reverse_complement(batch)] == ["ACGT", "NTTT"]
+    assert reverse_complement(batch).dtype == torch.long
+
+
+# --------------------------------------------------------------------------- windows and shards
+def test_rank_shards_are_disjoint_equal_and_deterministic() -> None:
+    path, seq_len, world = bundled_genome(), 128, 3
+    shards = [_windows(path, seq_len, rank=r, world_size=world, batch_size=2) for r in range(world)]
+    per_rank = (LAMBDA_BP // seq_len) // world // 2 * 2  # whole groups, then whole batches
+    assert [len(s) for s in shards] == [per_rank] * world
+    seen = [detokenize(w) for s in shards for w in s]
+    assert len(set(seen)) == len(seen)  # no window on two ranks
+    sequence = "".join(c for _, c in read_fasta(path))
+    assert all(sequence.find(w) % seq_len == 0 for w in seen)  # aligned, non-overlapping windows
+    again = _windows(path, seq_len, rank=1, world_size=world, batch_size=2)
+    assert all(torch.equal(a, b) for a, b in zip(again, shards[1]))
+    other_seed = _windows(path, seq_len, rank=1, world_size=world, batch_size=2, seed=1)
+    assert sorted(map(detokenize, other_seed)) == sorted(map(detokenize, shards[1]))
+    assert [detokenize(w) for w in other_seed] != [detokenize(w) for w in shards[1]]
+
+
+def test_window_batches_shape_and_dtype() -> None:
+    batch = next(genome_windows(bundled_genome(), 64, batch_size=4))
+    assert batch.shape == (4, 64) and batch.dtype == torch.long
+    assert int(batch.max()) <= 3  # lambda has no N
+
+
+def test_reverse_complement_augmentation_every_other_window() -> None:
+    kw = dict(rank=0, world_size=2, batch_size=1, shuffle_windows=0)
+    plain = _windows(bundled_genome(), 32, **kw)
+    augmented = _windows(bundled_genome(), 32, reverse_complement=True, **kw)
+    assert len(plain) == len(augmented)
+    for k, (p, a) in enumerate(zip(plain, augmented)):
+        assert torch.equal(a, reverse_complement(p) if k % 2 else p)
+
+
+def test_windows_do_not_span_records(tmp_path: Path) -> None:
+    path = _write_fasta(tmp_path / "two.fa", ">a\nAAAAAC\n>b\nGGGGGT\n")
+    assert [detokenize(w) for w in _windows(path, 4, shuffle_windows=0)] == ["AAAA", "GGGG"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(seq_len=1), "seq_len=1"),
+        (dict(seq_len=64, rank=2, world_size=2), "rank=2"),
+        (dict(seq_len=64, world_size=0), "world_size=0"),
+        (dict(seq_len=64, batch_size=0), "batch_size=0"),
+    ],
+)
+def test_bad_window_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(GenomeError, match=match):
+        genome_windows(bundled_genome(), **kwargs)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(GenomeError, match="does not exist"):
+        read_fasta(tmp_path / "missing.fa")
+    with pytest.raises(GenomeError, match="not FASTA"):
+        genome_windows(_write_fasta(tmp_path / "x.csv", "a,b\n1,2\n"), 64)
+    (tmp_path / "bin.fa").write_bytes(bytes(range(256)))
+    with pytest.raises(GenomeError, match="not FASTA"):
+        read_fasta(tmp_path / "bin.fa")
+    with pytest.raises(GenomeError, match="line 2"):
+        list(read_fasta(_write_fasta(tmp_path / "bad.fa", ">x\nAC1GT\n")))
+    with pytest.raises(GenomeError, match="too short"):
+        list(genome_windows(_write_fasta(tmp_path / "short.fa", ">x\nACGT\n"), 8))
+    assert issubclass(GenomeError, ZeroFXError) and issubclass(GenomeError, ValueError)
+
+
+# --------------------------------------------------------------------------- CLI
+def test_cli_plan_1b_at_world_size_1024(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "1b", "--world-size", "1024", "--stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO stage 3, world size 1024" in out
+    assert "1,011,970,048 parameters" in out
+    assert "all_gather" in out and "reduce_scatter" in out
+    assert "collectives per graph: forward 142, backward 284" in out
+
+
+def test_cli_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "tiny", "--world-size", "1024", "--stage", "2", "--seq-len", "32", "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["world_size"] == 1024 and plan["stage"] == 2
+    assert {c["kind"] for c in plan["schedule"]} == {"reduce_scatter", "all_gather"}
+
+
+def test_cli_estimate_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "small", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO paper GiB" in out and "optimizer_states GiB" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    totals = [float(r[4]) for r in rows]
+    assert totals == sorted(totals, reverse=True) and totals[3] < totals[0] / 7  # stage 3 ~ 1/8
+    assert "fp32" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "13b", "--world-size", "8", "--stage", "3"], "accepted: " + ", ".join(DNA_LM_SIZES)),
+        (["plan", "tiny", "--world-size", "0", "--stage", "3"], "--world-size 0"),
+        (["plan", "tiny", "--world-size", "8", "--stage", "4"], "--stage 4"),
+        (["estimate", "tiny", "--world-size", "8", "--stage", "-1"], "--stage -1"),
+        (["train", "--model", "tinny"], "did you mean tiny"),
+        (["train", "--world-size", "0"], "--world-size 0"),
+        (["train", "--seq-len", "1"], "--seq-len 1"),
+        (["train", "--fasta", "/nonexistent/genome.fa"], "does not exist"),
+        (["plan", "tiny", "--world-size", "two"], "invalid int value"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("zerofx: error: ") and message in captured.err
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+
+
+def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--help"], ["plan", "--help"], ["estimate", "--help"], ["train", "--help"]):
+        assert main(argv) == 0
+        assert "usage: zerofx" in capsys.readouterr().out
+    assert main(["train", "--help"]) == 0
+    assert "--print-graph" in capsys.readouterr().out
+
+
+def test_cli_train_two_gloo_ranks_stage3(capfd: pytest.CaptureFixture[str]) -> None:
+    # capfd, not capsys: the spawned ranks write to the inherited file descriptors.
+    assert main(["train", "--world-size", "2", "--stage", "3", "--steps", "3", "--seq-len", "64"]) == 0
+    out = capfd.readouterr().out
+    losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and "step 3/3 loss" in out
+    # Untrained, the model guesses about uniformly over 5 tokens: ln 5 = 1.609.
+    assert abs(losses[0] - 1.609) < 0.1 and losses[-1] < losses[0]

@@ -1,0 +1,266 @@
+"""Genomes as training data: a streaming FASTA reader, a DNA tokenizer and per-rank windows.
+
+Nothing here holds a whole genome: ``read_fasta`` yields bounded chunks, and
+``genome_windows`` keeps one partial window, one pending window and a bounded shuffle buffer,
+so a 3 Gbp human assembly streams in the same memory as the bundled 48,502 bp lambda phage.
+
+Tokens follow ``zerofx.models.dna_lm.DNA_VOCAB``: A, C, G, T are 0..3, and every other symbol
+(N, the IUPAC ambiguity codes, gaps) is 4, N. Lowercase (soft-masked repeats) reads as
+uppercase.
+
+NOTE [How windows are assigned to ranks]
+Each record is cut into non-overlapping windows of ``seq_len`` tokens; a record's tail
+shorter than ``seq_len`` is dropped, so no window spans two records (two chromosomes are not
+one sequence). Window i of the file goes to rank ``i % world_size``. Rank r emits window
+``g * world_size + r`` only once the whole group g of ``world_size`` windows exists, so the
+last incomplete group is dropped on every rank and all ranks see the same number of windows:
+a rank that ran out early would hang its peers in the next collective. The rank's windows then
+pass through a shuffle buffer seeded by (seed, rank), and are stacked into batches; a last
+partial batch is dropped for the same reason.
+"""
+
+from __future__ import annotations
+
+import gzip
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import torch
+
+from zerofx.errors import ZeroFXError
+from zerofx.models.dna_lm import DNA_VOCAB
+
+N_TOKEN = DNA_VOCAB.index("N")
+# Maps each token to its complement's token: A<->T, C<->G, N stays N.
+_COMPLEMENT = torch.tensor([DNA_VOCAB.index(b) for b in "TGCAN"], dtype=torch.uint8)
+# bytes.translate table: ASCII byte -> token id (as a byte); unknown symbols become N.
+_TOKEN_TABLE = bytes(
+    DNA_VOCAB.index(chr(b).upper()) if chr(b).upper() in "ACGT" else N_TOKEN for b in range(256)
+)
+# Symbols a FASTA sequence line may hold: IUPAC letters in either case, gap '-', stop '*'.
+_SEQUENCE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz-*.")
+_GZIP_MAGIC = b"\x1f\x8b"
+DEFAULT_CHUNK_CHARS = 1 << 16
+DEFAULT_SHUFFLE_WINDOWS = 256
+
+
+class GenomeError(ZeroFXError):
+    """A genome file is missing, not FASTA, or too short for the windows asked of it."""
+
+
+def bundled_genome() -> Path:
+    """The Enterobacteria phage lambda genome (NC_001416.1, 48,502 bp) shipped with zerofx."""
+    return Path(__file__).resolve().with_name("lambda_virus.fa.gz")
+
+
+def tokenize(sequence: str) -> torch.Tensor:
+    """DNA letters to token ids: a 1-D uint8 tensor, A,C,G,T -> 0..3 and anything else -> 4 (N).
+
+    uint8 because these tensors sit in shuffle buffers; ``genome_windows`` widens to int64.
+    """
+    if not sequence:
+        return torch.empty(0, dtype=torch.uint8)
+    # Non-ASCII characters have no DNA meaning: they encode to '?' and so become N.
+    data = bytearray(sequence.encode("ascii", errors="replace").translate(_TOKEN_TABLE))
+    return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def detokenize(tokens: torch.Tensor) -> str:
+    """Token ids back to letters (N for every non-ACGT symbol); the inverse of ``tokenize``."""
+    return "".join(DNA_VOCAB[int(t)] for t in tokens.reshape(-1).tolist())
+
+
+def reverse_complement(tokens: torch.Tensor) -> torch.Tensor:
+    """The reverse complement along the last dimension: reversed, A<->T, C<->G, N stays N."""
+    return _COMPLEMENT.to(tokens.device)[tokens.flip(-1).long()].to(tokens.dtype)
+
+
+def _open_text(path: Path) -> IO[str]:
+    """Open ``path`` for reading as text, decompressing when it starts with gzip's magic bytes
+    (the content decides, not the extension, so a misnamed file still reads)."""
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic == _GZIP_MAGIC:
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    # Headers may be UTF-8; an undecodable byte becomes U+FFFD, which a sequence line rejects.
+    return open(path, encoding="utf-8", errors="replace")
+
+
+def _check_fasta_file(path: str | Path) -> Path:
+    """Raise ``GenomeError`` unless ``path`` is a readable file whose first line is a FASTA header."""
+    p = Path(path)
+    if not p.is_file():
+        raise GenomeError(f"genome file {str(p)!r} does not exist; pass a FASTA file (.fa, .fasta, optionally .gz)")
+    try:
+        with _open_text(p) as f:
+            first = next((line for line in f if line.strip() and not line.startswith(";")), "")
+    except (OSError, EOFError) as exc:
+        raise GenomeError(f"genome file {str(p)!r} is not a FASTA text file (plain or gzip): {exc}") from exc
+    if not first.startswith(">"):
+        raise GenomeError(
+            f"genome file {str(p)!r} is not FASTA: its first line should be a '>name' header, got {first[:40]!r}"
+        )
+    return p
+
+
+def read_fasta(path: str | Path, *, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Iterator[tuple[str, str]]:
+    """Stream ``(record_name, sequence_chunk)`` pieces from a FASTA file, plain or gzipped.
+
+    ``record_name`` is the first word of the record's '>' header. Chunks are uppercase, hold no
+    line breaks, are at most about ``chunk_chars`` long, and concatenate, per record, to the
+    record's sequence. The file is checked when this is called (missing, not FASTA:
+    ``GenomeError``); a bad sequence line later raises ``GenomeError`` naming its line number.
+    """
+    if chunk_chars < 1:
+        raise GenomeError(f"chunk_chars={chunk_chars!r} is invalid; accepted: an integer >= 1")
+    return _read_fasta(_check_fasta_file(path), chunk_chars)
+
+
+def _read_fasta(path: Path, chunk_chars: int) -> Iterator[tuple[str, str]]:
+    name: str | None = None
+    parts: list[str] = []
+    size = 0
+    try:
+        with _open_text(path) as f:
+            for lineno, line in enumerate(f, start=1):
+                line = line.strip()
+                if not line or line.startswith(";"):
+                    continue
+                if line.startswith(">"):
+                    if name is not None and parts:
+                        yield name, "".join(parts)
+                    words = line[1:].split()
+                    name, parts, size = (words[0] if words else f"record@{lineno}"), [], 0
+                    continue
+                if not _SEQUENCE_CHARS.issuperset(line):
+                    bad = next(c for c in line if c not in _SEQUENCE_CHARS)
+                    raise GenomeError(
+                        f"{str(path)!r} line {lineno}: {bad!r} is not a sequence symbol; accepted: IUPAC letters, '-', '*'"
+                    )
+                assert name is not None, "the first line was checked to be a header"
+                parts.append(line.upper())
+                size += len(line)
+                if size >= chunk_chars:
+                    yield name, "".join(parts)
+                    parts, size = [], 0
+    except (EOFError, gzip.BadGzipFile) as exc:
+        raise GenomeError(f"genome file {str(path)!r} is corrupt or not text: {exc}") from exc
+    if name is not None and parts:
+        yield name, "".join(parts)
+
+
+def _record_windows(path: Path, seq_len: int) -> Iterator[torch.Tensor]:
+    """Every full window of ``seq_len`` tokens, record by record, in file order (uint8, (T,))."""
+    current: str | None = None
+    carry = torch.empty(0, dtype=torch.uint8)
+    for name, chunk in _read_fasta(path, max(DEFAULT_CHUNK_CHARS, seq_len)):
+        if name != current:  # a new record: the last record's short tail is dropped
+            current, carry = name, torch.empty(0, dtype=torch.uint8)
+        tokens = torch.cat((carry, tokenize(chunk)))
+        num_full = tokens.numel() // seq_len
+        for i in range(num_full):
+            # A copy, not a view: a view would keep the whole chunk alive in the shuffle buffer.
+            yield tokens[i * seq_len : (i + 1) * seq_len].clone()
+        carry = tokens[num_full * seq_len :].clone()
+
+
+def _rank_windows(path: Path, seq_len: int, rank: int, world_size: int) -> Iterator[torch.Tensor]:
+    """This rank's windows: window i goes to rank i % world_size, whole groups only."""
+    mine: torch.Tensor | None = None
+    for i, window in enumerate(_record_windows(path, seq_len)):
+        if i % world_size == rank:
+            mine = window
+        if i % world_size == world_size - 1:  # group complete: every rank gets one window
+            assert mine is not None
+            yield mine
+            mine = None
+
+
+def _shuffled(windows: Iterator[torch.Tensor], buffer_size: int, rng: random.Random) -> Iterator[torch.Tensor]:
+    """A bounded-buffer shuffle: windows leave in a random order, at most ``buffer_size`` held."""
+    buffer: list[torch.Tensor] = []
+    for w in windows:
+        if len(buffer) < buffer_size:
+            buffer.append(w)
+            continue
+        j = rng.randrange(buffer_size)
+        yield buffer[j]
+        buffer[j] = w
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise GenomeError(f"{name}={value!r} is invalid; accepted: an integer >= {low}")
+    return value
+
+
+def genome_windows(
+    path: str | Path,
+    seq_len: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    batch_size: int = 1,
+    seed: int = 0,
+    reverse_complement: bool = False,
+    shuffle_windows: int = DEFAULT_SHUFFLE_WINDOWS,
+) -> Iterator[torch.Tensor]:
+    """Yield this rank's training batches: int64 tensors of shape (batch_size, seq_len).
+
+    Contract (see NOTE [How windows are assigned to ranks]): ranks of one ``world_size`` get
+    disjoint windows and the same number of batches; the same arguments give the same batches
+    in the same order. ``seed`` seeds the shuffle of this rank's windows within a buffer of
+    ``shuffle_windows`` (0 keeps file order). With ``reverse_complement``, every other window
+    of this rank's shard (the 2nd, 4th, ...) is replaced by its reverse complement; counting
+    within the shard rather than in the file gives every rank half, whatever ``world_size``.
+
+    Arguments and the file are checked when this is called (``GenomeError``: a missing or
+    non-FASTA file, ``seq_len`` < 2 since a window needs a next token to predict, ``rank``
+    outside 0..world_size-1). A genome too short to give this rank one batch raises
+    ``GenomeError`` when iteration ends.
+    """
+    _check_int("seq_len", seq_len, 2)
+    _check_int("world_size", world_size, 1)
+    _check_int("batch_size", batch_size, 1)
+    _check_int("shuffle_windows", shuffle_windows, 0)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise GenomeError(f"rank={rank!r} is invalid for world_size={world_size}; accepted: 0..{world_size - 1}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise GenomeError(f"seed={seed!r} is invalid; accepted: an integer")
+    p = _check_fasta_file(path)
+    return _batches(p, seq_len, rank, world_size, batch_size, seed, reverse_complement, shuffle_windows)
+
+
+def _batches(
+    path: Path,
+    seq_len: int,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    seed: int,
+    rc: bool,
+    shuffle_windows: int,
+) -> Iterator[torch.Tensor]:
+    windows = _rank_windows(path, seq_len, rank, world_size)
+    if rc:
+        windows = (reverse_complement(w) if k % 2 else w for k, w in enumerate(windows))
+    if shuffle_windows:
+        # A string seed hashes the same in every process (unlike hash() of a tuple).
+        windows = _shuffled(windows, shuffle_windows, random.Random(f"zerofx-genome:{seed}:{rank}"))
+    batch: list[torch.Tensor] = []
+    num_batches = 0
+    for w in windows:
+        batch.append(w)
+        if len(batch) == batch_size:
+            yield torch.stack(batch).long()  # (B, T)
+            num_batches += 1
+            batch = []
+    if num_batches == 0:
+        raise GenomeError(
+            f"genome {str(path)!r} is too short: rank {rank} got no full batch of {batch_size} windows of "
+            f"{seq_len} tokens at world size {world_size}; use a shorter seq_len, smaller batch or fewer ranks"
+        )
