@@ -6,7 +6,6 @@ never by node names.
 
 from __future__ import annotations
 
-import copy
 import enum
 from typing import Any
 
@@ -108,4 +107,6 @@ def add_call(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = No
 
 def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule with a copy of ``gm``'s graph; node metadata dicts are copied."""
-    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # node_copy copies each node's meta dict
+    return fx.GraphModule(gm, graph)

@@ -33,6 +33,15 @@ class CommKind(str, enum.Enum):
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)}
 
 
+def format_bytes(n: float) -> str:
+    """Bytes with a binary unit that keeps three significant digits: 12.4 KiB, 1.91 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 @dataclass(frozen=True)
 class ParamPlacement:
     """How one parameter is laid out across ranks.
@@ -124,12 +133,12 @@ class Plan:
     def __str__(self) -> str:
         from tabulate import tabulate
 
-        gib = 2**30
         lines = [
             f"zerofx plan: ZeRO stage {int(self.stage)}, world size {self.world_size}, optimizer {self.optimizer}, "
             f"{self.num_params:,} parameters in {len(self.params)} tensors (fingerprint {self.fingerprint()})",
             "model state per rank: "
-            + ", ".join(f"{k} {v / gib:.4f} GiB" for k, v in self.estimates.items()),
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.estimates.items())
+            + f" (total {format_bytes(sum(self.estimates.values()))})",
         ]
         counts: dict[tuple[str, str], list[int]] = {}
         for c in self.schedule:
