@@ -18,7 +18,7 @@ from passes import _compat
 FQN = "zerofx_fqn"  # str: the parameter's, buffer's or input's name
 ROLE = "zerofx_role"  # Role
 # On nodes a rewrite inserts:
-COMM_FQN = "zerofx_comm_fqn"  # str: the parameter a collective moves
+COMM_FQNS = "zerofx_comm_fqns"  # tuple[str, ...]: the bucket of parameters a collective moves
 COMM_BYTES = "zerofx_comm_bytes"  # int: bytes this rank contributes to the collective
 
 

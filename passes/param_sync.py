@@ -1,9 +1,10 @@
 """Graph builder (stages 1 and 2): after the optimizer updates this rank's shards, all-gather
-them so every rank holds the full updated parameters again.
+them by bucket so every rank holds the full updated parameters again.
 
-Placeholders: one shard ``[shard_numel]`` per trainable parameter, in ``plan.reduce_order``.
-Outputs: the full padded flat ``[padded_numel]`` of each, same order. Returns None at stages 0
-and 3, where no such step exists (stage 0 updates full parameters; stage 3 keeps only shards).
+Placeholders: one shard ``[shard_numel]`` per trainable parameter, in ``plan.sync_buckets``
+order (the same as ``plan.reduce_order``). Outputs: the full padded flat ``[padded_numel]`` of
+each, same order. Returns None at stages 0 and 3, where no such step exists (stage 0 updates
+full parameters; stage 3 keeps only shards).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from passes import _compat, meta
+from passes import _compat, bucket_ops, meta
 from passes.plan import Plan, ZeroStage
 
 
@@ -20,18 +21,23 @@ def build_param_sync(plan: Plan, *, group_name: str) -> fx.GraphModule | None:
         return None
     graph = fx.Graph()
     fake_mode = _compat.FakeTensorMode()
-    outputs = []
-    for fqn in plan.reduce_order:
-        p = plan.param(fqn)
-        shard = graph.placeholder(f"shard_{len(outputs)}")
-        with fake_mode:
-            shard.meta["val"] = torch.empty(p.shard_numel, dtype=p.torch_dtype)
-        shard.meta[meta.ROLE] = meta.Role.PARAM
-        shard.meta[meta.FQN] = fqn
-        gathered = meta.add_call(graph, _compat.ALL_GATHER, (shard, plan.world_size, group_name))  # (padded,)
-        gathered.meta[meta.COMM_FQN] = fqn
-        gathered.meta[meta.COMM_BYTES] = p.shard_numel * p.itemsize
-        outputs.append(meta.add_call(graph, _compat.WAIT, (gathered,)))
+    outputs: list[fx.Node] = []
+    for bucket in plan.sync_buckets:
+        params = [plan.param(f) for f in bucket]
+        shards = []
+        for p in params:
+            shard = graph.placeholder(f"shard_{len(outputs) + len(shards)}")
+            with fake_mode:
+                shard.meta["val"] = torch.empty(p.shard_numel, dtype=p.torch_dtype)
+            shard.meta[meta.ROLE] = meta.Role.PARAM
+            shard.meta[meta.FQN] = p.fqn
+            shards.append(shard)
+        message, _ = bucket_ops.pack(graph, shards)  # (S,)
+        gathered = meta.add_call(graph, _compat.ALL_GATHER, (message, plan.world_size, group_name))  # (N * S,)
+        gathered.meta[meta.COMM_FQNS] = bucket
+        gathered.meta[meta.COMM_BYTES] = sum(p.shard_numel * p.itemsize for p in params)
+        waited = meta.add_call(graph, _compat.WAIT, (gathered,))
+        outputs += bucket_ops.unpack_gathered(graph, waited, [p.shard_numel for p in params], plan.world_size)
     graph.output(outputs)
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph)

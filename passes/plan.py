@@ -74,12 +74,28 @@ class ParamPlacement:
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective in the schedule: what it moves and how many bytes each rank sends in."""
+    """One collective in the schedule: the bucket of parameters it moves, the graph that issues
+    it, and how many bytes each rank sends in."""
 
     kind: CommKind
-    fqn: str
+    fqns: tuple[str, ...]
     graph: str  # "forward", "backward" or "param_sync"
     bytes_per_rank: int
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """Limits the planner honours; None means the cost model decides. Bucket sizes count the
+    elements of the gathered (all-gather) or reduced (reduce-scatter, all-reduce) message, as
+    DeepSpeed's ``stage3_prefetch_bucket_size``, ``reduce_bucket_size`` and
+    ``allgather_bucket_size`` do."""
+
+    gather_bucket_numel: int | None = None
+    reduce_bucket_numel: int | None = None
+    sync_bucket_numel: int | None = None
+    prefetch_distance: int | None = None  # buckets ahead; 0 turns prefetch off
+    max_live_numel: float = float("inf")  # gathered parameter elements alive at once (stage 3)
+    overlap: bool = True  # issue collectives early and wait late
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,13 @@ class Plan:
     gather_order: tuple[str, ...]
     # Trainable parameters in the order backward produces their gradients.
     reduce_order: tuple[str, ...]
+    # Buckets: stage-3 all-gathers (first-use order), gradient reductions (production order),
+    # and the stage 1-2 all-gather of updated shards.
+    gather_buckets: tuple[tuple[str, ...], ...]
+    reduce_buckets: tuple[tuple[str, ...], ...]
+    sync_buckets: tuple[tuple[str, ...], ...]
+    prefetch_distance: int
+    overlap: bool
     schedule: tuple[Collective, ...]
     estimates: Mapping[str, int] = field(default_factory=dict)
 
@@ -123,7 +146,12 @@ class Plan:
             params=tuple(ParamPlacement(**{**p, "shape": tuple(p["shape"])}) for p in d["params"]),
             gather_order=tuple(d["gather_order"]),
             reduce_order=tuple(d["reduce_order"]),
-            schedule=tuple(Collective(CommKind(c["kind"]), c["fqn"], c["graph"], c["bytes_per_rank"]) for c in d["schedule"]),
+            gather_buckets=tuple(tuple(b) for b in d["gather_buckets"]),
+            reduce_buckets=tuple(tuple(b) for b in d["reduce_buckets"]),
+            sync_buckets=tuple(tuple(b) for b in d["sync_buckets"]),
+            prefetch_distance=d["prefetch_distance"],
+            overlap=d["overlap"],
+            schedule=tuple(Collective(CommKind(c["kind"]), tuple(c["fqns"]), c["graph"], c["bytes_per_rank"]) for c in d["schedule"]),
             estimates=d["estimates"],
         )
 

@@ -14,9 +14,11 @@ import math
 import torch
 import torch.fx as fx
 
+from cost_models.comm import CPU_GLOO, CommSpec, efficient_bucket_bytes
 from cost_models.memory import estimate_model_state_bytes
 from passes import meta
-from passes.plan import Collective, CommKind, ParamPlacement, Plan, ZeroStage
+from passes.plan import Collective, CommKind, ParamPlacement, Plan, ScheduleOptions, ZeroStage
+from passes.plan_buckets import choose_prefetch_distance, plan_buckets
 
 
 def place_param(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool, world_size: int) -> ParamPlacement:
@@ -26,7 +28,15 @@ def place_param(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, requires_g
     return ParamPlacement(fqn, tuple(shape), str(dtype), requires_grad, numel, shard, shard * world_size)
 
 
-def plan_sharding(joint: fx.GraphModule, *, world_size: int, stage: ZeroStage, optimizer: str) -> Plan:
+def plan_sharding(
+    joint: fx.GraphModule,
+    *,
+    world_size: int,
+    stage: ZeroStage,
+    optimizer: str,
+    options: ScheduleOptions = ScheduleOptions(),
+    comm: CommSpec = CPU_GLOO,
+) -> Plan:
     assert world_size >= 1 and stage in ZeroStage
     graph = joint.graph
     primals = [n for n in meta.placeholders(graph) if n.meta[meta.ROLE] is not meta.Role.TANGENT]
@@ -48,23 +58,39 @@ def plan_sharding(joint: fx.GraphModule, *, world_size: int, stage: ZeroStage, o
     trainable = [ph for ph in params if grad_of[ph] is not None]
     reduce_order = tuple(ph.meta[meta.FQN] for ph in sorted(trainable, key=lambda ph: position[grad_of[ph]]))
 
+    # Bucket caps: the config's (in elements), else the smallest message the ring moves efficiently.
+    itemsize = placements[0].itemsize if placements else 4
+    default_cap = efficient_bucket_bytes(world_size, comm)
+
+    def cap(numel: int | None) -> int:
+        return default_cap if numel is None else int(numel) * itemsize
+
+    padded_bytes = {p.fqn: p.padded_numel * p.itemsize for p in placements}
+    gather_buckets = reduce_buckets = sync_buckets = ()
+    prefetch = 0
+    if stage is ZeroStage.THREE:
+        gather_buckets = plan_buckets(gather_order, padded_bytes, cap(options.gather_bucket_numel))
+        preferred = 1 if options.prefetch_distance is None else options.prefetch_distance
+        numels = [sum(by_fqn[f].padded_numel for f in b) for b in gather_buckets]
+        prefetch = choose_prefetch_distance(numels, options.max_live_numel, preferred=preferred) if options.overlap else 0
+    reduce_buckets = plan_buckets(reduce_order, padded_bytes, cap(options.reduce_bucket_numel))
+    if stage in (ZeroStage.ONE, ZeroStage.TWO):
+        sync_buckets = plan_buckets(reduce_order, padded_bytes, cap(options.sync_bucket_numel))
+
+    def shard_bytes(bucket: tuple[str, ...]) -> int:
+        return sum(by_fqn[f].shard_numel * by_fqn[f].itemsize for f in bucket)
+
     schedule: list[Collective] = []
     if stage is ZeroStage.THREE:
+        schedule += [Collective(CommKind.ALL_GATHER, b, "forward", shard_bytes(b)) for b in gather_buckets]
+        # Backward gathers a bucket again if it reads the full value (or a view or cast) of any member.
         backward = meta.backward_region(graph)
-        for fqn in gather_order:
-            schedule.append(Collective(CommKind.ALL_GATHER, fqn, "forward", by_fqn[fqn].shard_numel * by_fqn[fqn].itemsize))
-        # Backward gathers again every parameter whose full value (or a view or cast of it) it reads.
         chains = meta.derived_only_from(graph, [ph for ph in params if ph.users], backward)
-        chain_of = {ph.meta[meta.FQN]: chain for ph, chain in chains.items()}
-        for fqn in gather_order:
-            if any(u in backward for n in chain_of[fqn] for u in n.users):
-                schedule.append(Collective(CommKind.ALL_GATHER, fqn, "backward", by_fqn[fqn].shard_numel * by_fqn[fqn].itemsize))
+        needed = {ph.meta[meta.FQN] for ph, chain in chains.items() if any(u in backward for n in chain for u in n.users)}
+        schedule += [Collective(CommKind.ALL_GATHER, b, "backward", shard_bytes(b)) for b in gather_buckets if needed & set(b)]
     grad_kind = CommKind.REDUCE_SCATTER if stage >= ZeroStage.TWO else CommKind.ALL_REDUCE
-    for fqn in reduce_order:
-        schedule.append(Collective(grad_kind, fqn, "backward", by_fqn[fqn].padded_numel * by_fqn[fqn].itemsize))
-    if stage in (ZeroStage.ONE, ZeroStage.TWO):
-        for fqn in reduce_order:
-            schedule.append(Collective(CommKind.ALL_GATHER, fqn, "param_sync", by_fqn[fqn].shard_numel * by_fqn[fqn].itemsize))
+    schedule += [Collective(grad_kind, b, "backward", sum(padded_bytes[f] for f in b)) for b in reduce_buckets]
+    schedule += [Collective(CommKind.ALL_GATHER, b, "param_sync", shard_bytes(b)) for b in sync_buckets]
 
     return Plan(
         world_size=world_size,
@@ -73,6 +99,11 @@ def plan_sharding(joint: fx.GraphModule, *, world_size: int, stage: ZeroStage, o
         params=tuple(placements),
         gather_order=gather_order,
         reduce_order=reduce_order,
+        gather_buckets=gather_buckets,
+        reduce_buckets=reduce_buckets,
+        sync_buckets=sync_buckets,
+        prefetch_distance=prefetch,
+        overlap=options.overlap,
         schedule=tuple(schedule),
         estimates=estimate_model_state_bytes(placements, stage=int(stage), optimizer=optimizer),
     )

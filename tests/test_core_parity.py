@@ -12,9 +12,11 @@ import torch
 
 from tests.dist_utils import run_ranks
 from tests.models import reference
-from tests.workers import backward_without_forward, train_zerofx, wrong_world_size, zerofx_and_ddp
+from tests.workers import backward_without_forward, diverging_plans, train_zerofx, wrong_world_size, zerofx_and_ddp
 
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
+# Several buckets of each kind, prefetch and late waits: the schedule's moving parts are on.
+SMALL_BUCKETS = {"stage3_prefetch_bucket_size": 3000, "reduce_bucket_size": 3000, "allgather_bucket_size": 3000}
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2}}
 STEPS = 3
 
@@ -29,8 +31,9 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_sgd_parity_all_stages(world_size: int) -> None:
     expected = reference("dna", world_size, STEPS, SGD)
-    results = run_ranks(world_size, train_zerofx, "dna", [0, 1, 2, 3], STEPS, SGD)
+    results = run_ranks(world_size, train_zerofx, "dna", [0, 1, 2, 3], STEPS, SGD, SMALL_BUCKETS)
     for rank, by_stage in enumerate(results):
+        assert by_stage[3]["num_buckets"][0] > 2 and by_stage[2]["num_buckets"][1] > 2
         for stage, res in by_stage.items():
             assert max_diff(res["state"], expected) < 1e-5, (rank, stage)
             # The tied head and embedding stay one tensor after training.
@@ -79,6 +82,11 @@ def test_huggingface_llama_parity() -> None:
     for by_stage in results:
         for res in by_stage.values():
             assert max_diff(res["state"], expected) < 1e-5
+
+
+def test_diverging_plans_raise_instead_of_hanging() -> None:
+    msgs = run_ranks(2, diverging_plans)
+    assert all("diverge at collective #0" in m and "rank 1" in m for m in msgs)
 
 
 def test_bad_runtime_inputs() -> None:

@@ -11,28 +11,37 @@ import torch.fx as fx
 
 import zerofx
 from passes import ZeroStage, meta, partition_joint, plan_sharding, reduce_grads_pass, shard_params_pass
+from cost_models.comm import CPU_GLOO, efficient_bucket_bytes, estimate_all_gather_s, estimate_all_reduce_s
+from passes.check_collectives import collective_sequence, first_divergence
 from passes.plan import Plan
+from passes.plan_buckets import choose_prefetch_distance, plan_buckets
+from passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 from tests.models import BATCH, SEQ, TINY
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig
 
 
-def meta_program(stage: int, world_size: int, cfg=TINY, frozen: bool = True) -> zerofx.Program:
+# Buckets of at most 3000 elements split the tiny model into several buckets of each kind.
+SMALL_BUCKETS = {"stage3_prefetch_bucket_size": 3000, "reduce_bucket_size": 3000, "allgather_bucket_size": 3000}
+
+
+def meta_program(stage: int, world_size: int, cfg=TINY, frozen: bool = True, **zero: object) -> zerofx.Program:
     with torch.device("meta"):
         model = DNADecoderLM(cfg)
     if frozen:
         model.blocks[0].attn_norm.weight.requires_grad_(False)
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
-    return zerofx.compile(model, world_size=world_size, stage=stage, example_inputs=(ids,), example_kwargs={"labels": ids})
+    config = {"zero_optimization": {"stage": stage, **zero}}
+    return zerofx.compile(model, world_size=world_size, config=config, example_inputs=(ids,), example_kwargs={"labels": ids})
 
 
 def collectives(gm: fx.GraphModule) -> list[tuple[str, str, int]]:
-    """(kind, fqn, bytes in per rank) of each collective, in graph order."""
+    """(kind, bucket fqns, bytes in per rank) of each collective, in graph order."""
     kinds = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
     out = []
     for n in gm.graph.nodes:
         if meta.is_collective(n):
             inp = n.args[0].meta["val"]
-            out.append((kinds[n.target._opname], n.meta[meta.COMM_FQN], inp.numel() * inp.element_size()))
+            out.append((kinds[n.target._opname], n.meta[meta.COMM_FQNS], inp.numel() * inp.element_size()))
     return out
 
 
@@ -51,42 +60,122 @@ def gathered_full_params_saved(fw: fx.GraphModule) -> list[str]:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_collectives_per_stage(stage: int) -> None:
     world_size = 4
-    program = meta_program(stage, world_size)
+    program = meta_program(stage, world_size, **SMALL_BUCKETS)
     plan = program.plan
     mods = program.graph_modules(rank=0)
-    trainable = [p for p in plan.params if p.requires_grad]
+    trainable = {p.fqn for p in plan.params if p.requires_grad}
     fwd, bwd = collectives(mods["forward"]), collectives(mods["backward"])
-    bwd_kinds = collections.Counter(k for k, _, _ in bwd)
+
+    def shard_bytes(bucket: tuple[str, ...]) -> int:
+        return sum(plan.param(f).shard_numel * 4 for f in bucket)
+
+    def padded_bytes(bucket: tuple[str, ...]) -> int:
+        return sum(plan.param(f).padded_numel * 4 for f in bucket)
+
     if stage == 3:
-        # Every parameter, frozen ones included, is gathered before its first use, in that order.
-        assert [f for _, f, _ in fwd] == list(plan.gather_order)
-        assert {f for _, f, _ in fwd} == {p.fqn for p in plan.params}
-        assert all(k == "all_gather" and b == plan.param(f).shard_numel * 4 for k, f, b in fwd)
-        assert bwd_kinds["reduce_scatter"] == len(trainable)
-        assert bwd_kinds["all_gather"] > 0 and bwd_kinds["all_reduce"] == 0
+        # Every parameter, frozen ones included, is gathered by bucket in first-use order.
+        assert len(plan.gather_buckets) > 2
+        assert [f for _, f, _ in fwd] == list(plan.gather_buckets)
+        assert [x for b in plan.gather_buckets for x in b] == list(plan.gather_order)
+        assert set(plan.gather_order) == {p.fqn for p in plan.params}
+        assert all(k == "all_gather" and b == shard_bytes(f) for k, f, b in fwd)
+        assert all(padded_bytes(b) <= 3000 * 4 or len(b) == 1 for b in plan.gather_buckets)
     else:
         assert fwd == []
-        grad_kind = "reduce_scatter" if stage == 2 else "all_reduce"
-        assert bwd_kinds == {grad_kind: len(trainable)}
-    for kind, fqn, nbytes in bwd:
-        if kind != "all_gather":
-            assert nbytes == plan.param(fqn).padded_numel * 4
+    grad_kind = "reduce_scatter" if stage >= 2 else "all_reduce"
+    reductions = [(f, b) for k, f, b in bwd if k == grad_kind]
+    assert len(plan.reduce_buckets) > 2
+    assert [f for f, _ in reductions] == list(plan.reduce_buckets)
+    assert {x for b in plan.reduce_buckets for x in b} == trainable
+    assert all(b == padded_bytes(f) for f, b in reductions)
+    assert {k for k, _, _ in bwd} == ({"all_gather", grad_kind} if stage == 3 else {grad_kind})
     if stage in (1, 2):
         sync = collectives(mods["param_sync"])
-        assert [f for _, f, _ in sync] == list(plan.reduce_order)
-        assert all(b == plan.param(f).shard_numel * 4 for _, f, b in sync)
+        assert [f for _, f, _ in sync] == list(plan.sync_buckets)
+        assert [x for b in plan.sync_buckets for x in b] == list(plan.reduce_order)
+        assert all(b == shard_bytes(f) for _, f, b in sync)
     else:
         assert "param_sync" not in mods
     # The plan's schedule is exactly what the graphs issue.
     issued = collections.Counter((k, f, g, b) for g, gm in mods.items() for k, f, b in collectives(gm))
-    planned = collections.Counter((c.kind.value, c.fqn, c.graph, c.bytes_per_rank) for c in plan.schedule)
+    planned = collections.Counter((c.kind.value, c.fqns, c.graph, c.bytes_per_rank) for c in plan.schedule)
     assert issued == planned
     for gm in mods.values():
         gm.graph.lint()
 
 
+def _positions(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def _wait(node: fx.Node) -> fx.Node:
+    return next(u for u in node.users if meta.is_wait(u))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefetch_and_wait_placement(overlap: bool) -> None:
+    program = meta_program(3, 4, overlap_comm=overlap, **SMALL_BUCKETS)
+    assert program.plan.prefetch_distance == (1 if overlap else 0)
+    for name in ("forward", "backward"):
+        gm = program.graph_modules(0)[name]
+        pos = _positions(gm)
+        gathers = [n for n in gm.graph.nodes if meta.is_all_gather(n)]
+        for k, g in enumerate(gathers):
+            if overlap and k >= 1:
+                # Issued right after the previous bucket's wait (only its pack in between), so
+                # it runs while the previous bucket computes.
+                prev_wait = _wait(gathers[k - 1])
+                assert pos[prev_wait] < pos[g] < pos[_wait(g)]
+                between = list(gm.graph.nodes)[pos[prev_wait] + 1 : pos[g]]
+                assert all(n.target is torch.ops.aten.cat.default for n in between)
+            else:
+                assert _wait(g) is g.next  # issued and waited back to back
+    bw = program.graph_modules(0)["backward"]
+    pos = _positions(bw)
+    reductions = [n for n in bw.graph.nodes if meta.is_reduce_scatter(n)]
+    compute_after = [n for n in bw.graph.nodes if n.op == "call_function" and not meta.is_wait(n)
+                     and n.target not in (torch.ops.aten.div.Tensor, torch.ops.aten.slice.Tensor)]
+    for r in reductions:
+        if overlap:
+            # Waited as late as possible: after all other backward work.
+            assert pos[_wait(r)] > max(pos[n] for n in compute_after)
+        else:
+            assert _wait(r) is r.next
+
+
+def test_bucket_planner_closed_form() -> None:
+    sizes = {"a": 10, "b": 10, "c": 30, "d": 5, "e": 5, "f": 100}
+    assert plan_buckets("abcdef", sizes, 25) == (("a", "b"), ("c",), ("d", "e"), ("f",))
+    assert plan_buckets("abcdef", sizes, 1000) == (tuple("abcdef"),)
+    assert plan_buckets("abcdef", sizes, 1) == tuple((x,) for x in "abcdef")
+    # Two buckets alive at once (current + one prefetched) must fit the live-element limit.
+    assert choose_prefetch_distance([10, 10, 10], 20, preferred=1) == 1
+    assert choose_prefetch_distance([10, 30, 10], 20, preferred=1) == 0
+    assert choose_prefetch_distance([10, 10, 10, 10], 30, preferred=3) == 2
+    assert choose_prefetch_distance([10], float("inf"), preferred=0) == 0
+
+
+def test_default_buckets_come_from_the_comm_model() -> None:
+    # 90% of ring time on the wire: B >= N * bw * alpha * 0.9 / 0.1.
+    assert efficient_bucket_bytes(4, CPU_GLOO) == int(4 * 0.5e9 * 100e-6 * 9)
+    plan = meta_program(3, 4).plan  # the tiny model is smaller than one efficient bucket
+    assert len(plan.gather_buckets) == 1 and len(plan.reduce_buckets) == 1
+    # Ring all-gather: (N - 1) steps of alpha + B / (N bw).
+    assert estimate_all_gather_s(4e6, 4, CPU_GLOO) == pytest.approx(3 * (100e-6 + 1e6 / 0.5e9))
+    assert estimate_all_reduce_s(4e6, 4, CPU_GLOO) == pytest.approx(2 * 3 * (100e-6 + 1e6 / 0.5e9))
+
+
+def test_collective_sequence_divergence_is_named() -> None:
+    program = meta_program(3, 4, **SMALL_BUCKETS)
+    same = collective_sequence(program.graph_modules(0))
+    assert first_divergence([same, same, same]) is None
+    other = collective_sequence(meta_program(3, 4, stage3_prefetch_bucket_size=1000).graph_modules(0))
+    msg = first_divergence([same, same, other])
+    assert msg is not None and "rank 2" in msg and "forward collective #0" in msg and "all_gather_into_tensor" in msg
+
+
 def test_stage3_forward_saves_only_shards() -> None:
-    program = meta_program(3, 4)
+    program = meta_program(3, 4, **SMALL_BUCKETS)
     fw = program.graph_modules(0)["forward"]
     assert gathered_full_params_saved(fw) == []
     shard_sizes = {p.shard_numel for p in program.plan.params}
@@ -98,7 +187,7 @@ def test_stage3_forward_saves_only_shards() -> None:
 def test_saved_check_catches_untagged_gathers() -> None:
     """Without the recompute tags, the partitioner saves gathered parameters: the check above
     would fail, so it is not vacuous."""
-    program = meta_program(3, 4)
+    program = meta_program(3, 4, **SMALL_BUCKETS)
     gm = meta.clone_graph_module(program.captured.joint)
     gm = shard_params_pass(gm, program.plan, group_name="g")
     for n in gm.graph.nodes:
@@ -108,7 +197,7 @@ def test_saved_check_catches_untagged_gathers() -> None:
 
 
 def test_passes_idempotent_and_noop_below_stage3() -> None:
-    program = meta_program(3, 2)
+    program = meta_program(3, 2, **SMALL_BUCKETS)
     gm = meta.clone_graph_module(program.captured.joint)
     gm = reduce_grads_pass(shard_params_pass(gm, program.plan, group_name="g"), program.plan, group_name="g")
     code = gm.code
@@ -118,6 +207,10 @@ def test_passes_idempotent_and_noop_below_stage3() -> None:
     joint = meta.clone_graph_module(stage2.captured.joint)
     before = joint.code
     assert shard_params_pass(joint, stage2.plan, group_name="g") is joint and joint.code == before
+    for gm in program.graph_modules(0).values():  # already scheduled: moving again changes nothing
+        code = gm.code
+        gm = sink_reduce_waits_pass(prefetch_gathers_pass(gm, program.plan), program.plan)
+        assert gm.code == code
     # The captured joint graph itself is never modified by lowering.
     assert program.captured.joint.code == meta_program(3, 2).captured.joint.code
 

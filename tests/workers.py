@@ -9,16 +9,17 @@ import zerofx
 from tests.models import BUILDERS, VOCAB, batches, loss_of, make_optimizer
 
 
-def train_zerofx(rank: int, world_size: int, kind: str, stages: list[int], steps: int, opt: dict) -> dict:
-    """Train ``kind`` with zerofx at each of ``stages``; return per stage the full state dict,
-    the memory the engine really holds, and what the program predicted."""
+def train_zerofx(rank: int, world_size: int, kind: str, stages: list[int], steps: int, opt: dict, zero: dict | None = None) -> dict:
+    """Train ``kind`` with zerofx at each of ``stages`` (extra ``zero_optimization`` keys from
+    ``zero``); return per stage the full state dict, the memory the engine really holds, and
+    what the program predicted."""
     data = batches(world_size, steps, VOCAB[kind])
     out = {}
     for stage in stages:
         model = BUILDERS[kind]()
         example = data[0, rank]
         engine = zerofx.initialize(
-            model, {"zero_optimization": {"stage": stage}, "optimizer": opt},
+            model, {"zero_optimization": {"stage": stage, **(zero or {})}, "optimizer": opt},
             example_inputs=(example,), example_kwargs={"labels": example},
         )
         losses = []
@@ -35,6 +36,7 @@ def train_zerofx(rank: int, world_size: int, kind: str, stages: list[int], steps
             "num_params": sum(p.numel for p in engine.placements.values() if p.requires_grad),
             "num_tensors": sum(1 for p in engine.placements.values() if p.requires_grad),
             "losses": losses,
+            "num_buckets": (len(engine.program.plan.gather_buckets), len(engine.program.plan.reduce_buckets)),
         }
     return out
 
@@ -76,5 +78,17 @@ def backward_without_forward(rank: int, world_size: int) -> str:
         engine.backward(torch.tensor(1.0))
     except zerofx.ZeroFXError as exc:
         dist.barrier()
+        return str(exc)
+    return "no error"
+
+
+def diverging_plans(rank: int, world_size: int) -> str:
+    """Rank 1 plans with other bucket sizes than rank 0: a mismatch that would hang."""
+    model = BUILDERS["dna"]()
+    ids = batches(world_size, 1)[0, rank]
+    zero = {"stage": 3, "stage3_prefetch_bucket_size": 3000 if rank == 0 else 1000}
+    try:
+        zerofx.initialize(model, {"zero_optimization": zero}, example_inputs=(ids,), example_kwargs={"labels": ids})
+    except zerofx.RankDivergenceError as exc:
         return str(exc)
     return "no error"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from passes.plan import ScheduleOptions
 from zerofx.errors import ConfigError, did_you_mean
 
 OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
@@ -56,14 +57,14 @@ _OFFLOAD = {
 SCHEMA: dict[str, Key] = {
     "zero_optimization": Key((dict,), "ZeRO settings", children={
         "stage": Key((int,), "ZeRO stage", lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
-        "overlap_comm": Key((bool,), "overlap collectives with compute", acted_on=False),
+        "overlap_comm": Key((bool,), "overlap collectives with compute"),
         "contiguous_gradients": Key((bool,), "copy gradients into a contiguous buffer", acted_on=False),
         "reduce_scatter": Key((bool,), "use reduce-scatter for gradients", acted_on=False),
-        "reduce_bucket_size": Key(_NUM, "elements per gradient bucket", lambda v: v > 0, "a number > 0", False),
-        "allgather_bucket_size": Key(_NUM, "elements per all-gather bucket", lambda v: v > 0, "a number > 0", False),
+        "reduce_bucket_size": Key(_NUM, "elements per gradient bucket", lambda v: v > 0, "a number > 0"),
+        "allgather_bucket_size": Key(_NUM, "elements per all-gather bucket", lambda v: v > 0, "a number > 0"),
         "allgather_partitions": Key((bool,), "all-gather updated partitions", acted_on=False),
-        "stage3_prefetch_bucket_size": Key(_NUM, "elements prefetched ahead", lambda v: v >= 0, "a number >= 0", False),
-        "stage3_max_live_parameters": Key(_NUM, "max gathered elements alive", lambda v: v >= 0, "a number >= 0", False),
+        "stage3_prefetch_bucket_size": Key(_NUM, "elements prefetched ahead", lambda v: v >= 0, "a number >= 0"),
+        "stage3_max_live_parameters": Key(_NUM, "max gathered elements alive", lambda v: v >= 0, "a number >= 0"),
         "stage3_max_reuse_distance": Key(_NUM, "reuse distance for keeping a gathered parameter", lambda v: v >= 0, "a number >= 0", False),
         "stage3_param_persistence_threshold": Key(_NUM, "parameters smaller than this stay unsharded", lambda v: v >= 0, "a number >= 0", False),
         "stage3_gather_16bit_weights_on_model_save": Key((bool,), "gather 16-bit weights when saving", acted_on=False),
@@ -94,6 +95,7 @@ SCHEMA: dict[str, Key] = {
     "wall_clock_breakdown": Key((bool,), "timing breakdown", acted_on=False),
     "zerofx": Key((dict,), "zerofx's own settings (DeepSpeed ignores this section)", children={
         "world_size": Key((int,), "number of ranks to plan for", _pos_int, "an integer >= 1"),
+        "prefetch_distance": Key((int,), "stage-3 all-gather buckets issued ahead of use", _nonneg_int, "an integer >= 0"),
     }),
 }
 
@@ -116,6 +118,23 @@ class ZeroConfig:
     world_size: int | None
     optimizer: OptimizerSpec
     raw: Mapping[str, Any]
+
+    def schedule_options(self) -> ScheduleOptions:
+        """The communication-schedule limits the config sets (DeepSpeed's keys, in elements)."""
+        zero = self.raw.get("zero_optimization", {})
+        own = self.raw.get("zerofx", {})
+
+        def numel(key: str) -> int | None:
+            return int(zero[key]) if key in zero else None
+
+        return ScheduleOptions(
+            gather_bucket_numel=numel("stage3_prefetch_bucket_size"),
+            reduce_bucket_numel=numel("reduce_bucket_size"),
+            sync_bucket_numel=numel("allgather_bucket_size"),
+            prefetch_distance=own.get("prefetch_distance"),
+            max_live_numel=float(zero.get("stage3_max_live_parameters", float("inf"))),
+            overlap=zero.get("overlap_comm", True),
+        )
 
 
 def _type_names(types: tuple[type, ...]) -> str:

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from passes import ParamPlacement, ZeroStage
+from passes.check_collectives import collective_sequence, first_divergence
 from passes.plan_sharding import place_param
 from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, flatten_call, split_loss_kwargs
 from zerofx.config import OptimizerSpec, ZeroConfig
@@ -192,13 +193,17 @@ class Engine:
         return program
 
     def _check_same_plan(self, program: Program) -> None:
-        """Compare the plan's fingerprint across ranks before running it: ranks that planned
-        differently would otherwise hang in their first mismatched collective."""
-        mine = program.plan.fingerprint()
+        """Before running, check every rank issues the same collectives in the same order with
+        the same sizes (and planned the same): a mismatch would otherwise hang in a collective."""
+        mine = (program.plan.fingerprint(), collective_sequence(program.graph_modules(self.rank)))
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
-        if len(set(everyone)) != 1:
-            raise RankDivergenceError(f"ranks planned different programs (fingerprints by rank: {everyone}); rank {self.rank} has {mine}")
+        divergence = first_divergence([seq for _, seq in everyone])
+        if divergence is not None:
+            raise RankDivergenceError(f"ranks would issue different collectives; {divergence}")
+        fingerprints = [fp for fp, _ in everyone]
+        if len(set(fingerprints)) != 1:
+            raise RankDivergenceError(f"ranks planned different programs (plan fingerprints by rank: {fingerprints})")
 
     @property
     def program(self) -> Program | None:
@@ -248,7 +253,7 @@ class Engine:
             program = self.program
             assert program is not None
             sync = program.graph_modules(self.rank)["param_sync"]
-            order = program.plan.reduce_order
+            order = [f for bucket in program.plan.sync_buckets for f in bucket]
             for fqn, full in zip(order, sync(*[self.shards[f] for f in order])):
                 self.full[fqn].copy_(full)
 

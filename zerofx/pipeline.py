@@ -1,6 +1,7 @@
 """The one place that owns the order of passes, and the small runner that applies them.
 
     captured joint --shard_params_pass--> --reduce_grads_pass--> partition_joint --> forward, backward
+    forward, backward --prefetch_gathers_pass--> --sink_reduce_waits_pass--> (overlap)
     plan --build_param_sync--> param_sync (stages 1 and 2)
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch.fx as fx
 
 from passes import Plan, build_param_sync, meta, partition_joint, reduce_grads_pass, shard_params_pass
+from passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 
 log = logging.getLogger("zerofx.pipeline")
 
@@ -25,6 +27,14 @@ def joint_passes(plan: Plan, *, group_name: str) -> list[tuple[str, Pass]]:
     return [
         ("shard_params_pass", functools.partial(shard_params_pass, plan=plan, group_name=group_name)),
         ("reduce_grads_pass", functools.partial(reduce_grads_pass, plan=plan, group_name=group_name)),
+    ]
+
+
+def graph_passes(plan: Plan) -> list[tuple[str, Pass]]:
+    """The rewrites applied to each partitioned forward and backward graph, in order."""
+    return [
+        ("prefetch_gathers_pass", functools.partial(prefetch_gathers_pass, plan=plan)),
+        ("sink_reduce_waits_pass", functools.partial(sink_reduce_waits_pass, plan=plan)),
     ]
 
 
@@ -54,7 +64,10 @@ def lower(joint: fx.GraphModule, plan: Plan, *, group_name: str, disabled: Seque
     modules one rank runs. ``joint`` itself is left alone."""
     rewritten = run_passes(meta.clone_graph_module(joint), joint_passes(plan, group_name=group_name), disabled=disabled)
     forward, backward = partition_joint(rewritten)
-    modules = {"forward": forward, "backward": backward}
+    modules = {
+        "forward": run_passes(forward, graph_passes(plan), disabled=disabled),
+        "backward": run_passes(backward, graph_passes(plan), disabled=disabled),
+    }
     sync = build_param_sync(plan, group_name=group_name)
     if sync is not None:
         modules["param_sync"] = sync

@@ -105,7 +105,9 @@ def resolve(config: str | Path | Mapping[str, Any] | None, *, stage: int | None,
 
 def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, group_name: str = PLANNING_GROUP) -> Program:
     opt = optimizer_kind(cfg.optimizer.type, dict(cfg.optimizer.params))
-    plan = plan_sharding(captured.joint, world_size=world_size, stage=ZeroStage(cfg.stage), optimizer=opt)
+    plan = plan_sharding(
+        captured.joint, world_size=world_size, stage=ZeroStage(cfg.stage), optimizer=opt, options=cfg.schedule_options()
+    )
     return Program(captured, plan, group_name=group_name)
 
 

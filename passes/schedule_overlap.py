@@ -1,0 +1,82 @@
+"""Rewrites (after partitioning): overlap collectives with compute by moving them in the graph.
+
+- ``prefetch_gathers_pass``: the all-gather of bucket k (and the pack feeding it) is issued
+  right after bucket k - d's wait, d = ``plan.prefetch_distance``, so it runs while bucket
+  k - d... k - 1 compute. Its wait stays right before the bucket's first use.
+- ``sink_reduce_waits_pass``: each gradient reduction's wait (and the division and slicing
+  after it) moves to just before the graph's output, so the reduction runs while backward goes
+  on. The collective's input is held by the collective itself until it completes, so a late
+  wait keeps only the (sharded) output alive longer.
+
+Both expect a forward or backward graph from ``partition_joint`` (or ``param_sync``), with
+collectives as functional ops followed by ``wait_tensor``. They only move nodes: the graph
+computes the same values. They return the graph unchanged when ``plan.overlap`` is off or there
+is nothing to move, and running them twice changes nothing. The order in which collectives are
+issued is the same on every rank, because every rank runs the same graph.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from passes import meta
+from passes.plan import Plan
+
+
+def _wait_of(node: fx.Node) -> fx.Node:
+    waits = [u for u in node.users if meta.is_wait(u)]
+    assert len(waits) == 1, f"{node} should have exactly one wait"
+    return waits[0]
+
+
+def prefetch_gathers_pass(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    distance = plan.prefetch_distance
+    gathers = [n for n in gm.graph.nodes if meta.is_all_gather(n)]
+    if not plan.overlap or distance == 0 or len(gathers) < 2:
+        return gm
+    graph = gm.graph
+    changed = False
+    for k, gather in enumerate(gathers):
+        if k < distance:
+            continue  # the first buckets have nothing earlier to overlap with
+        anchor = _wait_of(gathers[k - distance])
+        # The pack (a cat of shards) moves with its gather; its inputs are placeholders.
+        chain = [a for a in gather.all_input_nodes if a.op != "placeholder"] + [gather]
+        assert all(x.op == "placeholder" for c in chain[:-1] for x in c.all_input_nodes), "gather inputs must be shards"
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        if position[chain[0]] <= position[anchor]:
+            continue  # already early enough
+        for node in reversed(chain):
+            anchor.append(node)
+        changed = True
+    if not changed:
+        return gm
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def sink_reduce_waits_pass(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    reductions = [n for n in gm.graph.nodes if meta.is_reduce_scatter(n) or meta.is_all_reduce(n)]
+    if not plan.overlap or not reductions:
+        return gm
+    graph = gm.graph
+    out = meta.output_node(graph)
+    # Each reduction's wait and what is computed from it alone (div, slices) form its tail.
+    tails = meta.derived_only_from(graph, [_wait_of(c) for c in reductions], set())
+    sunk = {n for tail in tails.values() for n in tail}
+    changed = False
+    for tail in tails.values():
+        node = tail[0]
+        while node is not out and node in sunk:
+            node = node.next
+        if node is out:
+            continue  # only sunk tails between it and the output already
+        for node in tail:
+            out.prepend(node)
+        changed = True
+    if not changed:
+        return gm
+    graph.lint()
+    gm.recompile()
+    return gm
