@@ -13,8 +13,11 @@ from typing import Any
 import torch.fx as fx
 import torch.nn as nn
 
+from cost_models.comm import CPU_GLOO, CommSpec
+from cost_models.compute import CPU_CORE, DeviceSpec
 from cost_models.memory import optimizer_kind
 from passes import Plan, ZeroStage, plan_sharding
+from passes.analyze_schedule import ScheduleReport, analyze_schedule
 from zerofx.capture import CapturedStep, LossFn, capture_step
 from zerofx.config import ZeroConfig, parse_config
 from zerofx.errors import ZeroFXError
@@ -57,6 +60,13 @@ class Program:
         if self._modules is None:
             self._modules = lower(self.captured.joint, self.plan, group_name=self.group_name)
         return dict(self._modules)
+
+    def report(self, rank: int, *, comm: CommSpec = CPU_GLOO, device: DeviceSpec = CPU_CORE) -> ScheduleReport:
+        """The estimated schedule of rank ``rank``: one row per collective (where it is issued and
+        waited for, the compute it overlaps, its time), the memory timeline and its peak, and the
+        estimated step time with the communication left exposed. ``str(format_report(...))``
+        prints it."""
+        return analyze_schedule(self.graph_modules(rank), self.plan, comm=comm, device=device)
 
     def memory(self, rank: int) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer states rank ``rank`` holds between steps."""

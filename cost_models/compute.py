@@ -1,0 +1,89 @@
+"""Compute cost: FLOPs and bytes per ATen op, turned into seconds with a device profile.
+
+Pure: a function of ``node.meta['val']`` shapes and a frozen ``DeviceSpec``. Matrix products
+and attention are FLOP-bound; everything else is modelled as memory-bound (bytes read and
+written over memory bandwidth).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    matmul_flops_per_s: float
+    memory_bytes_per_s: float
+
+
+# One CPU core of this project's machine (fp32 GEMM through MKL/OpenBLAS, one thread per rank).
+CPU_CORE = DeviceSpec("cpu-core", 50e9, 10e9)
+# H100 SXM: dense bf16 ~ 990 TFLOP/s peak, ~ 60% reachable; HBM3 3.35 TB/s.
+H100 = DeviceSpec("h100", 600e12, 3.0e12)
+
+DEVICES = {spec.name: spec for spec in (CPU_CORE, H100)}
+
+
+def _numel(val: object) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel()
+    if isinstance(val, (list, tuple)):
+        return sum(_numel(v) for v in val)
+    return 0
+
+
+def _nbytes(val: object) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_nbytes(v) for v in val)
+    return 0
+
+
+def _shape(node: object) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape) if isinstance(node, fx.Node) else ()
+
+
+def estimate_flops(node: fx.Node) -> int:
+    """Floating-point operations of one node (2 per multiply-add)."""
+    t = node.target
+    if t is aten.mm.default:
+        (m, k), (_, n) = _shape(node.args[0]), _shape(node.args[1])
+        return 2 * m * k * n
+    if t is aten.addmm.default:
+        (m, k), (_, n) = _shape(node.args[1]), _shape(node.args[2])
+        return 2 * m * k * n
+    if t in (aten.bmm.default, aten.baddbmm.default):
+        a, b = (node.args[0], node.args[1]) if t is aten.bmm.default else (node.args[1], node.args[2])
+        (bs, m, k), (_, _, n) = _shape(a), _shape(b)
+        return 2 * bs * m * k * n
+    name = getattr(t, "__name__", "")
+    if "scaled_dot_product" in name:
+        q, k = _shape(node.args[0] if "backward" not in name else node.args[1]), _shape(node.args[1] if "backward" not in name else node.args[2])
+        batch = math.prod(q[:-2])
+        qk_and_pv = 2 * 2 * batch * q[-2] * k[-2] * q[-1]
+        return qk_and_pv * (2 if "backward" in name else 1)
+    return _numel(node.meta.get("val"))
+
+
+def is_matmul_like(node: fx.Node) -> bool:
+    name = getattr(node.target, "__name__", "")
+    return node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default) or "scaled_dot_product" in name
+
+
+def estimate_node_s(node: fx.Node, spec: DeviceSpec) -> float:
+    """Seconds one node takes: FLOP-bound for matrix products and attention, else memory-bound."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return 0.0
+    if is_matmul_like(node):
+        return estimate_flops(node) / spec.matmul_flops_per_s
+    moved = _nbytes(node.meta.get("val")) + sum(_nbytes(a.meta.get("val")) for a in node.all_input_nodes)
+    return moved / spec.memory_bytes_per_s

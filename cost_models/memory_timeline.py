@@ -1,0 +1,113 @@
+"""Transient memory over one step: bytes alive after each node of the forward and backward graphs.
+
+Pure: reads ``node.meta['val']`` (fake tensors) of the graphs one rank runs; allocates nothing.
+
+NOTE [What is counted]
+A node that allocates (not a view) holds ``numel * itemsize`` bytes of its output from the node
+that makes it until the last use of it or of any view of it. Forward values saved for backward
+stay alive to the end of forward and then until their last use in backward. Graph inputs that
+belong to the persistent model state (parameters, buffers, user inputs) are not counted here:
+``Plan.estimates`` holds them. Gathered stage-3 parameters, activations, gradients before they
+are reduced, and collective buffers are all transient and counted. The backward graph's outputs
+(this rank's reduced gradients) are counted until the end of backward, when the engine adds them
+into its persistent gradient buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+# Ops whose output shares its input's storage.
+VIEW_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int, aten.permute.default,
+    aten.expand.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.default, aten.alias.default, aten.detach.default, aten.as_strided.default, aten.reshape.default,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default,
+}
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    graph: str
+    node: str
+    live_bytes: int
+
+
+def _nbytes(val: object) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_nbytes(v) for v in val)
+    return 0
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.target in VIEW_OPS:
+        return True
+    # getitem of a multi-output op (e.g. unbind, split) returns a view of that op's storage
+    return node.target is __import__("operator").getitem
+
+
+def graph_timeline(gm: fx.GraphModule, name: str, *, counted_inputs: Iterable[str] = (), keep_outputs: bool = False) -> list[TimelinePoint]:
+    """Bytes alive after each node of ``gm``. Placeholders named in ``counted_inputs`` (e.g.
+    saved activations entering backward) count until their last use; other placeholders are
+    persistent state, counted elsewhere. With ``keep_outputs`` the graph's outputs stay alive to
+    its end (forward's saved values do anyway: they are the output)."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    counted = set(counted_inputs)
+    owner: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        if n.op == "call_function" and _is_view(n) and n.all_input_nodes:
+            owner[n] = owner.get(n.all_input_nodes[0], n.all_input_nodes[0])
+        else:
+            owner[n] = n
+    end = len(nodes)
+    last_use: dict[fx.Node, int] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            o = owner[a]
+            use = end if (n.op == "output") else position[n]
+            last_use[o] = max(last_use.get(o, position[o]), use)
+    size = {}
+    for n in nodes:
+        if owner[n] is not n:
+            continue
+        if n.op == "placeholder" and n.name not in counted:
+            continue
+        if n.op in ("placeholder", "call_function"):
+            size[n] = _nbytes(n.meta.get("val"))
+    frees: dict[int, int] = {}
+    for o, nbytes in size.items():
+        if o not in last_use:
+            last_use[o] = position[o]  # unused: freed right away
+        free_at = end if (keep_outputs and last_use[o] == end) else last_use[o]
+        frees[free_at] = frees.get(free_at, 0) + nbytes
+    live = sum(size[o] for o in size if o.op == "placeholder")
+    points = []
+    for n in nodes:
+        if n.op == "call_function" and n in size:
+            live += size[n]
+        points.append(TimelinePoint(name, n.name, live))
+        live -= frees.get(position[n], 0)
+    return points
+
+
+def step_timeline(forward: fx.GraphModule, backward: fx.GraphModule, *, persistent_bytes: int = 0) -> list[TimelinePoint]:
+    """The whole step: forward then backward, plus ``persistent_bytes`` of model state throughout."""
+    saved = [a.name for a in forward.graph.find_nodes(op="output")[0].args[0][1:] if isinstance(a, fx.Node)]
+    fwd = graph_timeline(forward, "forward", keep_outputs=True)
+    bwd_inputs = [n.name for n in backward.graph.find_nodes(op="placeholder")]
+    # Saved values are forward outputs; entering backward they are its placeholders.
+    bwd = graph_timeline(backward, "backward", counted_inputs=[n for n in bwd_inputs if n in set(saved)], keep_outputs=True)
+    return [TimelinePoint(p.graph, p.node, p.live_bytes + persistent_bytes) for p in fwd + bwd]
+
+
+def peak(points: list[TimelinePoint]) -> TimelinePoint:
+    return max(points, key=lambda p: p.live_bytes)
