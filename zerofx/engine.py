@@ -18,6 +18,7 @@ model parameter's ``.data`` becomes an empty tensor; ``full_state_dict()`` gathe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,42 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from passes import ParamPlacement, ZeroStage
+from passes.meta import is_wait
 from passes.check_collectives import collective_sequence, first_divergence
 from passes.plan_sharding import place_param
 from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, flatten_call, split_loss_kwargs
 from zerofx.config import OptimizerSpec, ZeroConfig
 from zerofx.errors import CaptureError, RankDivergenceError, ZeroFXError
 from zerofx.program import Program, check_example_inputs, plan_program, resolve
+
+
+class WaitTimer:
+    """Runs graph modules through ``torch.fx.Interpreter`` and adds up the wall time spent in
+    ``wait_tensor`` nodes: communication the step was blocked on (exposed), per graph.
+
+    It costs some Python overhead per node, so compare runs that both use it.
+    """
+
+    def __init__(self) -> None:
+        self.blocked_s: dict[str, float] = {}
+
+    def run(self, name: str, gm: fx.GraphModule, *args: torch.Tensor) -> Any:
+        timer = self
+
+        class _Timed(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                if not is_wait(n):
+                    return super().run_node(n)
+                start = time.perf_counter()
+                out = super().run_node(n)
+                timer.blocked_s[name] = timer.blocked_s.get(name, 0.0) + time.perf_counter() - start
+                return out
+
+        return _Timed(gm).run(*args)
+
+    def reset(self) -> dict[str, float]:
+        out, self.blocked_s = self.blocked_s, {}
+        return out
 
 
 def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -106,6 +137,8 @@ class Engine:
         self._programs: dict[Any, Program] = {}
         self._pending: tuple[Program, list[torch.Tensor], torch.Tensor] | None = None
         self.global_steps = 0
+        # Set to a WaitTimer to measure exposed communication (time blocked in waits).
+        self.wait_timer: WaitTimer | None = None
         try:
             self._program_for(example_args, dict(example_kwargs or {}))
         except CaptureError as exc:
@@ -224,12 +257,17 @@ class Engine:
         primals = [self._param_input(p.fqn) for p in captured.params]
         primals += [self.buffers[b.fqn] for b in captured.buffers]
         primals += inputs
-        outputs = program.graph_modules(self.rank)["forward"](*primals)
+        outputs = self._run("forward", program.graph_modules(self.rank)["forward"], primals)
         loss = outputs[0]
         self._pending = (program, list(outputs[1:]), loss)
         return loss
 
     forward = __call__
+
+    def _run(self, name: str, gm: fx.GraphModule, args: list[torch.Tensor]) -> Any:
+        if self.wait_timer is not None:
+            return self.wait_timer.run(name, gm, *args)
+        return gm(*args)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Run the backward graph for the last forward; accumulate this rank's gradients."""
@@ -237,7 +275,7 @@ class Engine:
             raise ZeroFXError("engine.backward(loss) needs the loss returned by the engine's most recent forward call")
         program, saved, _ = self._pending
         self._pending = None
-        grads = program.graph_modules(self.rank)["backward"](*saved, torch.ones_like(loss))
+        grads = self._run("backward", program.graph_modules(self.rank)["backward"], [*saved, torch.ones_like(loss)])
         del saved
         for info, g in zip(program.captured.params, grads):
             if g is not None:
@@ -254,7 +292,7 @@ class Engine:
             assert program is not None
             sync = program.graph_modules(self.rank)["param_sync"]
             order = [f for bucket in program.plan.sync_buckets for f in bucket]
-            for fqn, full in zip(order, sync(*[self.shards[f] for f in order])):
+            for fqn, full in zip(order, self._run("param_sync", sync, [self.shards[f] for f in order])):
                 self.full[fqn].copy_(full)
 
     # ----------------------------------------------------------------- state
