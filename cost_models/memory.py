@@ -30,6 +30,7 @@ SCALAR_STATE_BYTES_PER_PARAM = {"AdamW": 4, "Adam": 4, "SGD": 0, "SGD+momentum":
 
 
 class ParamSizes(Protocol):
+    fqn: str
     numel: int
     shard_numel: int
     padded_numel: int
@@ -45,13 +46,15 @@ def optimizer_kind(opt_type: str, params: dict) -> str:
 
 
 def estimate_model_state_bytes(
-    params: Iterable[ParamSizes], *, stage: int, optimizer: str = "AdamW"
+    params: Iterable[ParamSizes], *, stage: int, optimizer: str = "AdamW", persistent: Iterable[str] = ()
 ) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer states one rank holds between steps."""
+    """Bytes of parameters, gradients and optimizer states one rank holds between steps.
+    ``persistent`` names stage-3 parameters kept whole (below the persistence threshold)."""
+    keep_whole = set(persistent)
     out = {"params": 0, "grads": 0, "optimizer_states": 0}
     for p in params:
         full, shard = p.padded_numel * p.itemsize, p.shard_numel * p.itemsize
-        out["params"] += shard if stage >= 3 else full
+        out["params"] += shard if stage >= 3 and p.fqn not in keep_whole else full
         if not p.requires_grad:
             continue
         out["grads"] += shard if stage >= 2 else full

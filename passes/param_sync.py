@@ -3,8 +3,9 @@ them by bucket so every rank holds the full updated parameters again.
 
 Placeholders: one shard ``[shard_numel]`` per trainable parameter, in ``plan.sync_buckets``
 order (the same as ``plan.reduce_order``). Outputs: the full padded flat ``[padded_numel]`` of
-each, same order. Returns None at stages 0 and 3, where no such step exists (stage 0 updates
-full parameters; stage 3 keeps only shards).
+each, same order. At stage 3 only the persistent parameters (kept whole) take part. Returns
+None when there is nothing to gather (stage 0 updates full parameters; stage 3 without
+persistent parameters keeps only shards).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import torch
 import torch.fx as fx
 
 from passes import _compat, bucket_ops, meta
-from passes.plan import Plan, ZeroStage
+from passes.plan import Plan
 
 
 def build_param_sync(plan: Plan, *, group_name: str) -> fx.GraphModule | None:
-    if plan.stage not in (ZeroStage.ONE, ZeroStage.TWO):
+    if not plan.sync_buckets:
         return None
     graph = fx.Graph()
     fake_mode = _compat.FakeTensorMode()

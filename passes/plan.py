@@ -66,6 +66,10 @@ class ParamPlacement:
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
+    def is_sharded(self, stage: int, persistent: tuple[str, ...] | frozenset[str] = ()) -> bool:
+        """Whether ranks hold only their shard of this parameter between steps."""
+        return stage >= 3 and self.fqn not in persistent
+
     def owned_range(self, rank: int) -> tuple[int, int]:
         """[start, stop) of the real (unpadded) elements rank ``rank`` owns."""
         start = min(rank * self.shard_numel, self.numel)
@@ -95,6 +99,7 @@ class ScheduleOptions:
     sync_bucket_numel: int | None = None
     prefetch_distance: int | None = None  # buckets ahead; 0 turns prefetch off
     max_live_numel: float = float("inf")  # gathered parameter elements alive at once (stage 3)
+    persistence_threshold: int = 0  # stage 3: parameters with fewer elements stay unsharded
     overlap: bool = True  # issue collectives early and wait late
 
 
@@ -115,6 +120,9 @@ class Plan:
     sync_buckets: tuple[tuple[str, ...], ...]
     prefetch_distance: int
     overlap: bool
+    # Stage 3: parameters kept whole on every rank (below the persistence threshold). Their
+    # gradients are reduce-scattered and their updated shards all-gathered, as at stage 2.
+    persistent: tuple[str, ...]
     schedule: tuple[Collective, ...]
     estimates: Mapping[str, int] = field(default_factory=dict)
 
@@ -151,6 +159,7 @@ class Plan:
             sync_buckets=tuple(tuple(b) for b in d["sync_buckets"]),
             prefetch_distance=d["prefetch_distance"],
             overlap=d["overlap"],
+            persistent=tuple(d["persistent"]),
             schedule=tuple(Collective(CommKind(c["kind"]), tuple(c["fqns"]), c["graph"], c["bytes_per_rank"]) for c in d["schedule"]),
             estimates=d["estimates"],
         )

@@ -28,6 +28,14 @@ def place_param(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, requires_g
     return ParamPlacement(fqn, tuple(shape), str(dtype), requires_grad, numel, shard, shard * world_size)
 
 
+def persistent_params(placements: list[ParamPlacement], stage: ZeroStage, threshold: int) -> frozenset[str]:
+    """Stage-3 parameters small enough to keep whole on every rank: gathering them would cost a
+    collective's latency for a few bytes (DeepSpeed's ``stage3_param_persistence_threshold``)."""
+    if stage is not ZeroStage.THREE:
+        return frozenset()
+    return frozenset(p.fqn for p in placements if p.numel < threshold)
+
+
 def plan_sharding(
     joint: fx.GraphModule,
     *,
@@ -54,7 +62,8 @@ def plan_sharding(
     def first_use(ph: fx.Node) -> int:
         return min((position[u] for u in ph.users), default=len(position))
 
-    gather_order = tuple(ph.meta[meta.FQN] for ph in sorted(params, key=first_use) if ph.users)
+    persistent = persistent_params(placements, stage, options.persistence_threshold)
+    gather_order = tuple(ph.meta[meta.FQN] for ph in sorted(params, key=first_use) if ph.users and ph.meta[meta.FQN] not in persistent)
     trainable = [ph for ph in params if grad_of[ph] is not None]
     reduce_order = tuple(ph.meta[meta.FQN] for ph in sorted(trainable, key=lambda ph: position[grad_of[ph]]))
 
@@ -76,6 +85,8 @@ def plan_sharding(
     reduce_buckets = plan_buckets(reduce_order, padded_bytes, cap(options.reduce_bucket_numel))
     if stage in (ZeroStage.ONE, ZeroStage.TWO):
         sync_buckets = plan_buckets(reduce_order, padded_bytes, cap(options.sync_bucket_numel))
+    elif stage is ZeroStage.THREE and persistent:
+        sync_buckets = plan_buckets([f for f in reduce_order if f in persistent], padded_bytes, cap(options.sync_bucket_numel))
 
     def shard_bytes(bucket: tuple[str, ...]) -> int:
         return sum(by_fqn[f].shard_numel * by_fqn[f].itemsize for f in bucket)
@@ -86,7 +97,7 @@ def plan_sharding(
         # Backward gathers a bucket again if it reads the full value (or a view or cast) of any member.
         backward = meta.backward_region(graph)
         chains = meta.derived_only_from(graph, [ph for ph in params if ph.users], backward)
-        needed = {ph.meta[meta.FQN] for ph, chain in chains.items() if any(u in backward for n in chain for u in n.users)}
+        needed = {ph.meta[meta.FQN] for ph, chain in chains.items() if any(u in backward for n in chain for u in n.users)} - persistent
         schedule += [Collective(CommKind.ALL_GATHER, b, "backward", shard_bytes(b)) for b in gather_buckets if needed & set(b)]
     grad_kind = CommKind.REDUCE_SCATTER if stage >= ZeroStage.TWO else CommKind.ALL_REDUCE
     schedule += [Collective(grad_kind, b, "backward", sum(padded_bytes[f] for f in b)) for b in reduce_buckets]
@@ -104,6 +115,7 @@ def plan_sharding(
         sync_buckets=sync_buckets,
         prefetch_distance=prefetch,
         overlap=options.overlap,
+        persistent=tuple(sorted(persistent)),
         schedule=tuple(schedule),
-        estimates=estimate_model_state_bytes(placements, stage=int(stage), optimizer=optimizer),
+        estimates=estimate_model_state_bytes(placements, stage=int(stage), optimizer=optimizer, persistent=persistent),
     )

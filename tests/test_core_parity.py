@@ -67,6 +67,15 @@ def test_adamw_within_ddp_drift_and_memory() -> None:
         assert three["memory"]["optimizer_states"] < zero["memory"]["optimizer_states"] / 1.9
 
 
+def test_persistent_small_parameters_parity() -> None:
+    expected = reference("dna", 2, STEPS, SGD)
+    zero = {**SMALL_BUCKETS, "stage3_param_persistence_threshold": 100}
+    results = run_ranks(2, train_zerofx, "dna", [3], STEPS, SGD, zero)
+    for by_stage in results:
+        assert max_diff(by_stage[3]["state"], expected) < 1e-5
+        assert by_stage[3]["memory"] == by_stage[3]["planned"]
+
+
 def test_buffer_in_forward_parity() -> None:
     expected = reference("scaled", 2, STEPS, SGD)
     results = run_ranks(2, train_zerofx, "scaled", [1, 3], STEPS, SGD)

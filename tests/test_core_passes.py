@@ -260,3 +260,22 @@ def test_planner_is_read_only() -> None:
     before = program.captured.joint.code
     plan_sharding(program.captured.joint, world_size=3, stage=ZeroStage.THREE, optimizer="AdamW")
     assert program.captured.joint.code == before
+
+
+def test_small_parameters_persist_unsharded() -> None:
+    program = meta_program(3, 4, stage3_param_persistence_threshold=100, **SMALL_BUCKETS)
+    plan = program.plan
+    small = {p.fqn for p in plan.params if p.numel < 100}
+    assert small and set(plan.persistent) == small  # the RMSNorm weights (30 elements)
+    mods = program.graph_modules(0)
+    gathered = {f for _, bucket, _ in collectives(mods["forward"]) for f in bucket}
+    assert gathered == {p.fqn for p in plan.params} - small
+    # They enter forward whole; after the step their updated shards are all-gathered.
+    for ph in meta.placeholders(mods["forward"].graph, meta.Role.PARAM):
+        if ph.meta[meta.FQN] in small:
+            assert tuple(ph.meta["val"].shape) == plan.param(ph.meta[meta.FQN]).shape
+    synced = [f for _, bucket, _ in collectives(mods["param_sync"]) for f in bucket]
+    assert set(synced) == {f for f in small if plan.param(f).requires_grad}
+    base = meta_program(3, 4, **SMALL_BUCKETS).plan.estimates
+    extra = sum((plan.param(f).padded_numel - plan.param(f).shard_numel) * 4 for f in small)
+    assert plan.estimates["params"] == base["params"] + extra

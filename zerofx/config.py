@@ -66,7 +66,7 @@ SCHEMA: dict[str, Key] = {
         "stage3_prefetch_bucket_size": Key(_NUM, "elements prefetched ahead", lambda v: v >= 0, "a number >= 0"),
         "stage3_max_live_parameters": Key(_NUM, "max gathered elements alive", lambda v: v >= 0, "a number >= 0"),
         "stage3_max_reuse_distance": Key(_NUM, "reuse distance for keeping a gathered parameter", lambda v: v >= 0, "a number >= 0", False),
-        "stage3_param_persistence_threshold": Key(_NUM, "parameters smaller than this stay unsharded", lambda v: v >= 0, "a number >= 0", False),
+        "stage3_param_persistence_threshold": Key(_NUM, "parameters smaller than this stay unsharded", lambda v: v >= 0, "a number >= 0"),
         "stage3_gather_16bit_weights_on_model_save": Key((bool,), "gather 16-bit weights when saving", acted_on=False),
         "offload_optimizer": Key((dict,), "optimizer-state offload", children=_OFFLOAD, acted_on=False),
         "offload_param": Key((dict,), "parameter offload (stage 3)", children=_OFFLOAD, acted_on=False),
@@ -133,6 +133,7 @@ class ZeroConfig:
             sync_bucket_numel=numel("allgather_bucket_size"),
             prefetch_distance=own.get("prefetch_distance"),
             max_live_numel=float(zero.get("stage3_max_live_parameters", float("inf"))),
+            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 0)),
             overlap=zero.get("overlap_comm", True),
         )
 

@@ -8,11 +8,12 @@ NCCL on CUDA: the device is the model's.
 NOTE [What the engine holds]
 Parameters are laid out per ``ParamPlacement``: each flattened and padded to a multiple of the
 world size. Stages 0-2 keep every full padded flat; stage 3 keeps only this rank's shards, in
-one flat buffer. Gradient buffers are persistent and accumulate across ``backward`` calls until
+one flat buffer, except parameters below ``stage3_param_persistence_threshold``, kept whole. Gradient buffers are persistent and accumulate across ``backward`` calls until
 ``step``: full padded flats at stages 0-1, shards at stages 2-3. The optimizer is a plain
 ``torch.optim`` optimizer whose parameters are views of this rank's shards (the whole flat at
-stage 0), so it updates the stored parameters in place. At stages 1-2 the ``param_sync`` graph
-then all-gathers the updated shards. At stage 3 the engine takes the parameters' memory: each
+stage 0), so it updates the stored parameters in place. Where parameters are kept whole
+(stages 1-2, persistent ones at stage 3) the ``param_sync`` graph then all-gathers the
+updated shards. At stage 3 the engine takes the parameters' memory: each
 model parameter's ``.data`` becomes an empty tensor; ``full_state_dict()`` gathers them.
 """
 
@@ -32,7 +33,7 @@ import torch.utils._pytree as pytree
 from passes import ParamPlacement, ZeroStage
 from passes.meta import is_wait
 from passes.check_collectives import collective_sequence, first_divergence
-from passes.plan_sharding import place_param
+from passes.plan_sharding import persistent_params, place_param
 from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, flatten_call, split_loss_kwargs
 from zerofx.config import OptimizerSpec, ZeroConfig
 from zerofx.errors import CaptureError, RankDivergenceError, ZeroFXError
@@ -148,38 +149,39 @@ class Engine:
 
     # ----------------------------------------------------------------- storage
     def _init_storage(self, model: nn.Module) -> None:
-        r, n = self.rank, self.world_size
+        r = self.rank
         params = dict(model.named_parameters())
-        full_flats: dict[str, torch.Tensor] = {}
+        self.persistent = persistent_params(list(self.placements.values()), self.stage, self.cfg.schedule_options().persistence_threshold)
+        sharded = [f for f, p in self.placements.items() if p.is_sharded(self.stage, self.persistent)]
+        self.full: dict[str, torch.Tensor] = {}
+        self.shards: dict[str, torch.Tensor] = {}
+        self._shard_flat: torch.Tensor | None = None
+        offsets: dict[str, int] = {}
+        if sharded:
+            total = 0
+            for f in sharded:
+                offsets[f] = total
+                total += self.placements[f].shard_numel
+            self._shard_flat = torch.empty(total, dtype=self._flat_dtype(), device=self.device)
+        # One parameter at a time, so at most one full parameter is alive beyond what the stage keeps.
         for fqn, p in self.placements.items():
             flat = torch.zeros(p.padded_numel, dtype=p.torch_dtype, device=self.device)
             flat[: p.numel].copy_(params[fqn].detach().reshape(-1))
             # Data parallel starts from one set of weights: rank 0's, as DDP does.
             dist.broadcast(flat, src=0, group=self.group)
-            full_flats[fqn] = flat
+            own = flat[r * p.shard_numel : (r + 1) * p.shard_numel]
+            if fqn in offsets:
+                self.shards[fqn] = self._shard_flat[offsets[fqn] : offsets[fqn] + p.shard_numel]
+                self.shards[fqn].copy_(own)
+            else:
+                self.full[fqn] = flat
+                self.shards[fqn] = flat if self.stage is ZeroStage.ZERO else own
         for b in self.buffers.values():
             dist.broadcast(b.data, src=0, group=self.group)
-
-        self.full: dict[str, torch.Tensor] = {}
-        self.shards: dict[str, torch.Tensor] = {}
         if self.stage is ZeroStage.THREE:
-            total = sum(p.shard_numel for p in self.placements.values())
-            self._shard_flat = torch.empty(total, dtype=self._flat_dtype(), device=self.device)
-            offset = 0
-            for fqn, p in self.placements.items():
-                view = self._shard_flat[offset : offset + p.shard_numel]
-                view.copy_(full_flats[fqn][r * p.shard_numel : (r + 1) * p.shard_numel])
-                self.shards[fqn] = view
-                offset += p.shard_numel
-            del full_flats
             # The engine owns the parameters now: free the model's full copies.
             for prm in model.parameters():
                 prm.data = torch.empty(0, dtype=prm.dtype, device=prm.device)
-        else:
-            self.full = full_flats
-            for fqn, p in self.placements.items():
-                flat = self.full[fqn]
-                self.shards[fqn] = flat if self.stage is ZeroStage.ZERO else flat[r * p.shard_numel : (r + 1) * p.shard_numel]
 
         self.grads: dict[str, torch.Tensor] = {}
         for fqn, p in self.placements.items():
@@ -190,7 +192,7 @@ class Engine:
     def _flat_dtype(self) -> torch.dtype:
         dtypes = {p.torch_dtype for p in self.placements.values()}
         if len(dtypes) != 1:
-            raise ZeroFXError(f"stage 3 needs parameters of one dtype, got {sorted(map(str, dtypes))}")
+            raise ZeroFXError(f"stage 3 needs parameters of one dtype, got {sorted(map(str, dtypes))}; cast the model first, e.g. model.float()")
         return dtypes.pop()
 
     def _grad_shard(self, fqn: str) -> torch.Tensor:
@@ -200,9 +202,9 @@ class Engine:
         return g
 
     def _param_input(self, fqn: str) -> torch.Tensor:
-        """What the forward graph takes for a parameter: its shard at stage 3, else its full value."""
+        """What the forward graph takes for a parameter: its shard if sharded, else its full value."""
         p = self.placements[fqn]
-        if self.stage is ZeroStage.THREE:
+        if fqn not in self.full:
             return self.shards[fqn]
         return self.full[fqn][: p.numel].view(p.shape)
 
@@ -287,9 +289,8 @@ class Engine:
         for g in self.grads.values():
             g.zero_()
         self.global_steps += 1
-        if self.stage in (ZeroStage.ONE, ZeroStage.TWO):
-            program = self.program
-            assert program is not None
+        program = self.program
+        if program is not None and "param_sync" in program.graph_modules(self.rank):
             sync = program.graph_modules(self.rank)["param_sync"]
             order = [f for bucket in program.plan.sync_buckets for f in bucket]
             for fqn, full in zip(order, self._run("param_sync", sync, [self.shards[f] for f in order])):
@@ -307,7 +308,7 @@ class Engine:
                 continue
             if owner not in gathered:
                 p = self.placements[owner]
-                if self.stage is ZeroStage.THREE:
+                if owner not in self.full:
                     flat = torch.empty(p.padded_numel, dtype=p.torch_dtype, device=self.device)
                     dist.all_gather_single(flat, self.shards[owner], group=self.group)
                 else:
@@ -318,7 +319,7 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank really holds: parameter, gradient and optimizer-state tensors."""
-        params = [self._shard_flat] if self.stage is ZeroStage.THREE else list(self.full.values())
+        params = list(self.full.values()) + ([self._shard_flat] if self._shard_flat is not None else [])
         states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         return {
             "params": _storage_bytes(params),
