@@ -38,11 +38,23 @@ class CollectiveRow:
     overlap_compute_s: float  # compute that runs between issue and wait
     comm_s: float
     exposed_s: float
+    start_s: float  # when the channel starts it, from the step's start (simulated)
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Span:
+    """A stretch of one graph's execution on the compute timeline (simulated)."""
+
+    graph: str
+    start_s: float
+    end_s: float
 
 
 @dataclass(frozen=True)
 class ScheduleReport:
     rows: tuple[CollectiveRow, ...]
+    spans: tuple[Span, ...]
     compute_s: Mapping[str, float]
     exposed_s: float
     step_s: float
@@ -76,10 +88,13 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
     channel_free = 0.0
     exposed_total = 0.0
     issued = 0
+    spans: list[Span] = []
+    begins: dict[fx.Node, float] = {}
     for name in GRAPH_ORDER:
         gm = modules.get(name)
         if gm is None:
             continue
+        graph_start = t
         start_compute = 0.0
         pending: dict[fx.Node, tuple[float, float, float, str, int]] = {}  # collective -> (done, dur, compute at issue, issued after, issue #)
         previous = "start"
@@ -89,6 +104,7 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
                 begin = max(t, channel_free)
                 channel_free = begin + dur
                 pending[node] = (channel_free, dur, start_compute, previous, issued)
+                begins[node] = begin
                 issued += 1
             elif meta.is_wait(node) and node.args[0] in pending:
                 coll = node.args[0]
@@ -102,6 +118,7 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
                         order=issue_index, graph=name, op=coll.target._opname, bucket=tuple(coll.meta.get(meta.COMM_FQNS, ())),
                         bytes_per_rank=val.numel() * val.element_size(), issued_after=issued_after, waited_at=node.name,
                         overlap_compute_s=start_compute - compute_at_issue, comm_s=dur, exposed_s=blocked,
+                        start_s=begins[coll], end_s=done,
                     )
                 )
             else:
@@ -111,11 +128,12 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
             if node.op != "placeholder":
                 previous = node.name
         compute[name] = start_compute
+        spans.append(Span(name, graph_start, t))
     rows.sort(key=lambda r: r.order)
     persistent = sum(plan.estimates.values())
     timeline = step_timeline(modules["forward"], modules["backward"], persistent_bytes=persistent)
     return ScheduleReport(
-        rows=tuple(rows), compute_s=compute, exposed_s=exposed_total, step_s=t,
+        rows=tuple(rows), spans=tuple(spans), compute_s=compute, exposed_s=exposed_total, step_s=t,
         persistent_bytes=persistent, peak=peak(timeline), timeline=tuple(timeline),
     )
 

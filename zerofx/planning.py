@@ -1,0 +1,189 @@
+"""What ``zerofx plan`` does beyond ``zerofx.compile``: load a model spec, answer "the longest
+sequence that fits", and draw the memory timeline and the compute/communication Gantt chart.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sympy
+import torch
+import torch.nn as nn
+
+from cost_models.symbolic import T, fit_timeline, longest_fitting
+from passes.analyze_schedule import ScheduleReport
+from zerofx.errors import ZeroFXError
+from zerofx.program import Program, compile
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """'80GiB', '1.5 TB', '123' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ZeroFXError(f"cannot read {text!r} as a size; accepted: a number with an optional unit among B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    return float(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    label: str
+
+
+def load_model_spec(spec: str) -> ModelSpec:
+    """``path/to/file.py:callable`` or ``package.module:callable``. The callable takes no
+    arguments and returns ``(model, example_inputs)``: a tuple of positional arguments, a dict of
+    keyword arguments, or ``(args_tuple, kwargs_dict)``. Build the model on the meta device."""
+    if ":" not in spec:
+        raise ZeroFXError(f"model spec {spec!r} is not FILE.py:CALLABLE or MODULE:CALLABLE")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ZeroFXError(f"model spec file {where!r} does not exist")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise ZeroFXError(f"cannot import {where!r} from model spec {spec!r}: {exc}") from exc
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ZeroFXError(f"{where!r} has no callable {name!r} (model spec {spec!r})")
+    result = factory()
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
+        raise ZeroFXError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
+    model, inputs = result
+    if isinstance(inputs, Mapping):
+        args, kwargs = (), dict(inputs)
+    elif isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[0], tuple) and isinstance(inputs[1], Mapping):
+        args, kwargs = inputs
+    elif isinstance(inputs, tuple):
+        args, kwargs = inputs, {}
+    else:
+        raise ZeroFXError(f"{spec}'s example_inputs must be a tuple, a dict, or (tuple, dict); got {type(inputs).__name__}")
+    return ModelSpec(model, tuple(args), dict(kwargs), spec)
+
+
+def with_seq_len(value: Any, old: int, new: int) -> Any:
+    """``value`` with every tensor whose dim 1 is the sequence (``old``) resized to ``new``."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == old:
+        shape = list(value.shape)
+        shape[1] = new
+        return torch.zeros(shape, dtype=value.dtype, device=value.device)
+    if isinstance(value, tuple):
+        return tuple(with_seq_len(v, old, new) for v in value)
+    if isinstance(value, dict):
+        return {k: with_seq_len(v, old, new) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    seq_len: int
+    peak_expr: sympy.Expr  # bytes at the peak node, as a polynomial in T
+    peak_node: str
+    samples: tuple[int, ...]
+
+
+def solve_seq_len(
+    spec: ModelSpec, *, world_size: int, stage: int, config: Any, budget_bytes: float, max_seq_len: int, rank: int = 0
+) -> SolveResult:
+    """The longest sequence length whose whole-step peak memory per rank fits ``budget_bytes``.
+
+    Captures the step at four sequence lengths, fits each node's live bytes exactly as a
+    polynomial in T (checked at the fourth), and solves against the budget (``cost_models.symbolic``).
+    """
+    seq = next((t.shape[1] for t in [*spec.args, *spec.kwargs.values()] if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    if seq is None:
+        raise ZeroFXError("--solve seq_len needs an example input of shape (batch, seq_len, ...)")
+    base = max(8, min(seq, 64))
+    samples = (base, 2 * base, 3 * base, 4 * base)
+    timelines, names = {}, None
+    for t in samples:
+        program: Program = compile(
+            spec.model, world_size=world_size, stage=stage, config=config,
+            example_inputs=with_seq_len(spec.args, seq, t), example_kwargs=with_seq_len(dict(spec.kwargs), seq, t),
+        )
+        report = program.report(rank)
+        timelines[t] = [p.live_bytes for p in report.timeline]
+        names = [f"{p.graph}:{p.node}" for p in report.timeline]
+    exprs = fit_timeline(timelines)
+    best = longest_fitting(sorted(set(exprs), key=str), budget_bytes, upper=max_seq_len)
+    at = best if best > 0 else samples[0]
+    peak_index = max(range(len(exprs)), key=lambda i: exprs[i].subs(T, at))
+    assert names is not None
+    return SolveResult(best, exprs[peak_index], names[peak_index], samples)
+
+
+def plot_report(report: ScheduleReport, path: Path, *, title: str, budget_bytes: float | None = None) -> None:
+    """Two panels: live memory over the step's nodes, and a Gantt chart of compute and
+    communication (estimated), written as an image (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem_ax, gantt_ax) = plt.subplots(2, 1, figsize=(11, 7))
+    gib = 2**30
+    xs = range(len(report.timeline))
+    mem_ax.plot(xs, [p.live_bytes / gib for p in report.timeline], lw=1)
+    mem_ax.axhline(report.persistent_bytes / gib, color="gray", ls=":", label="persistent model state")
+    if budget_bytes is not None:
+        mem_ax.axhline(budget_bytes / gib, color="red", ls="--", label="budget")
+    boundary = sum(1 for p in report.timeline if p.graph == "forward")
+    mem_ax.axvline(boundary, color="black", lw=0.5)
+    mem_ax.set(xlabel="node (forward | backward)", ylabel="live GiB per rank", title=f"{title}: memory timeline")
+    mem_ax.legend(loc="upper left")
+    colors = {"all_gather_into_tensor": "tab:blue", "reduce_scatter_tensor": "tab:orange", "all_reduce": "tab:purple"}
+    for span in report.spans:
+        gantt_ax.barh("compute", (span.end_s - span.start_s) * 1e3, left=span.start_s * 1e3, color="tab:green", edgecolor="white")
+        gantt_ax.text(span.start_s * 1e3, 0.3, span.graph, fontsize=7)
+    for row in report.rows:
+        gantt_ax.barh("communication", (row.end_s - row.start_s) * 1e3, left=row.start_s * 1e3, color=colors.get(row.op, "gray"), edgecolor="white")
+    gantt_ax.set(xlabel="ms from step start (estimated)",
+                 title=f"step {report.step_s * 1e3:.1f} ms; communication {report.comm_s * 1e3:.1f} ms, exposed {report.exposed_s * 1e3:.1f} ms "
+                       "(blue all-gather, orange reduce-scatter, purple all-reduce)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report_json(program: Program, report: ScheduleReport, budget_bytes: float | None) -> str:
+    plan = json.loads(program.plan.to_json())
+    return json.dumps(
+        {
+            "plan": plan,
+            "schedule": [r.__dict__ for r in report.rows],
+            "memory": {
+                "persistent_bytes": report.persistent_bytes,
+                "peak_bytes": report.peak.live_bytes,
+                "peak_at": f"{report.peak.graph}:{report.peak.node}",
+                "budget_bytes": budget_bytes,
+                "fits": None if budget_bytes is None else report.peak.live_bytes <= budget_bytes,
+            },
+            "summary": {
+                "bytes_moved_per_rank": report.bytes_moved_per_rank,
+                "compute_s": dict(report.compute_s),
+                "comm_s": report.comm_s,
+                "exposed_comm_s": report.exposed_s,
+                "step_s": report.step_s,
+            },
+        },
+        indent=1,
+        default=list,
+    )
