@@ -84,3 +84,26 @@ def test_plot_and_json(tmp_path: Path) -> None:
     data = json.loads(report_json(program, report, 2**30))
     assert data["memory"]["fits"] is True and data["plan"]["world_size"] == 8
     assert len(data["schedule"]) == len(report.rows) > 0
+
+
+def test_profiles_builtin_file_and_calibration(tmp_path: Path) -> None:
+    from cost_models.profiles import load_profile, save_profile
+    from zerofx.calibrate import calibrate
+
+    comm, device = load_profile("h100")
+    assert comm.ranks_per_node == 8 and device.name == "h100"
+    path = tmp_path / "profile.json"
+    save_profile(path, comm, device)
+    assert load_profile(str(path)) == (comm, device)
+    with pytest.raises(ValueError, match="neither a built-in"):
+        load_profile("/no/such/profile.json")
+    measured_comm, measured_device = calibrate(tmp_path / "measured.json", world_size=2, repeats=2)
+    assert measured_comm.intra_bandwidth > 1e6 and 0 < measured_comm.intra_alpha_s < 1
+    assert measured_device.matmul_flops_per_s > 1e8
+    # The planner takes it: a slower link means more communication time.
+    program = zerofx.compile(load_model_spec("examples.model_specs:dna_small").model, world_size=2, stage=3,
+                             example_inputs=(torch.zeros(1, 64, dtype=torch.long, device="meta"),),
+                             example_kwargs={"labels": torch.zeros(1, 64, dtype=torch.long, device="meta")})
+    slow = program.report(0, comm=measured_comm, device=measured_device)
+    fast = program.report(0, comm=comm, device=device)
+    assert slow.comm_s > fast.comm_s
