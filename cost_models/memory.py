@@ -14,7 +14,8 @@ owns elements ``[r * shard, (r + 1) * shard)`` of the padded flat, ``shard = pad
     3     | shard    | shard          | 2 * shard + step
 
 At stage 3 the total is 4 + 4 + 8 = 16 bytes per parameter over N: the fp32 equivalent of the
-ZeRO paper's 16P/N. ``step`` is the one fp32 scalar torch's Adam keeps per parameter tensor.
+ZeRO paper's 16P/N. In mixed precision (bf16/fp16 parameters and gradients) it is the paper's
+2 + 2 + 12: the optimizer states add an fp32 master copy of the owned elements. ``step`` is the one fp32 scalar torch's Adam keeps per parameter tensor.
 Frozen parameters hold no gradient and no optimizer state.
 """
 
@@ -59,8 +60,12 @@ def estimate_model_state_bytes(
             continue
         out["grads"] += shard if stage >= 2 else full
         owned = full if stage == 0 else shard
-        # Optimizer states are fp32 whatever the parameter dtype (ZeRO's accounting).
-        out["optimizer_states"] += STATE_TENSORS_PER_PARAM[optimizer] * owned // p.itemsize * 4
+        # Optimizer states are fp32 whatever the parameter dtype (ZeRO's accounting), and 16-bit
+        # parameters keep an fp32 master copy of the owned elements: 2 + 2 + 12 bytes for Adam.
+        owned_numel = owned // p.itemsize
+        out["optimizer_states"] += STATE_TENSORS_PER_PARAM[optimizer] * owned_numel * 4
+        if p.itemsize < 4:
+            out["optimizer_states"] += owned_numel * 4
         out["optimizer_states"] += SCALAR_STATE_BYTES_PER_PARAM[optimizer]
     return out
 

@@ -84,6 +84,11 @@ class _CaptureDone(Exception):
         self.num_fwd_outputs = num_fwd_outputs
 
 
+def cast_info(info: TensorInfo, dtype: torch.dtype) -> TensorInfo:
+    """``info`` in ``dtype`` if it is floating point, else unchanged."""
+    return TensorInfo(info.fqn, info.shape, dtype, info.requires_grad) if info.dtype.is_floating_point else info
+
+
 def extract_loss(output: Any, loss_fn: LossFn | None, loss_kwargs: Mapping[str, Any]) -> torch.Tensor:
     """The step's loss: ``loss_fn(output, **loss_kwargs)`` if given, else the output itself if it
     is a scalar tensor, else its ``.loss`` attribute or ``"loss"`` key (Hugging Face style)."""
@@ -146,17 +151,22 @@ def capture_step(
     loss_fn: LossFn | None = None,
     param_infos: Sequence[TensorInfo] | None = None,
     device: torch.device | str | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> CapturedStep:
     """Trace ``model``'s forward, loss and backward on fake tensors into one joint graph.
 
     The parameters' shapes, dtypes and ``requires_grad`` come from ``param_infos`` when given
     (the engine passes them once it has taken the parameters' memory), else from the model.
+    With ``compute_dtype`` (mixed precision), floating parameters and buffers are traced in it.
     Fake tensors live on ``device`` (default: the parameters' device, CPU for meta).
     """
     example_kwargs = dict(example_kwargs or {})
     if param_infos is None:
         param_infos = [TensorInfo(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()]
     buffer_infos = [TensorInfo(n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()]
+    if compute_dtype is not None:  # mixed precision: floating parameters and buffers compute in it
+        param_infos = [cast_info(i, compute_dtype) for i in param_infos]
+        buffer_infos = [cast_info(i, compute_dtype) for i in buffer_infos]
     if device is None:
         first = next(model.parameters(), None)
         device = "cpu" if first is None or first.device.type == "meta" else first.device
@@ -192,7 +202,9 @@ def capture_step(
             call_leaves[pos] = t
         args, kwargs, loss_kw = pytree.tree_unflatten(call_leaves, spec)
         output = functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
-        return extract_loss(output, loss_fn, loss_kw)
+        loss = extract_loss(output, loss_fn, loss_kw)
+        # The backward seed (the fp16 loss scale, up to 2**32) must not overflow: seed it in fp32.
+        return loss.float() if isinstance(loss, torch.Tensor) and loss.is_floating_point() else loss
 
     def partition_hook(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int, **_: Any) -> Any:
         raise _CaptureDone(joint, num_fwd_outputs)

@@ -19,10 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from passes.plan import ScheduleOptions
 from zerofx.errors import ConfigError, did_you_mean
 
 OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 @dataclass(frozen=True)
@@ -86,12 +89,35 @@ SCHEMA: dict[str, Key] = {
     }),
     "train_batch_size": Key((int,), "global batch size", _pos_int, "an integer >= 1"),
     "train_micro_batch_size_per_gpu": Key((int,), "batch per rank per micro-step", _pos_int, "an integer >= 1"),
-    "gradient_accumulation_steps": Key((int,), "micro-steps per optimizer step", _pos_int, "an integer >= 1", False),
-    "gradient_clipping": Key(_NUM, "max global gradient norm", lambda v: v >= 0, "a number >= 0", False),
-    "steps_per_print": Key((int,), "log every N steps", _pos_int, "an integer >= 1", False),
-    "scheduler": Key((dict,), "learning-rate scheduler", acted_on=False),
-    "bf16": Key((dict,), "bfloat16 mixed precision", acted_on=False),
-    "fp16": Key((dict,), "float16 mixed precision", acted_on=False),
+    "gradient_accumulation_steps": Key((int,), "micro-steps per optimizer step", _pos_int, "an integer >= 1"),
+    "gradient_clipping": Key(_NUM, "max global gradient norm (0: off)", lambda v: v >= 0, "a number >= 0"),
+    "steps_per_print": Key((int,), "log every N optimizer steps", _pos_int, "an integer >= 1"),
+    "scheduler": Key((dict,), "learning-rate scheduler", children={
+        "type": Key((str,), "scheduler", lambda v: v in SCHEDULER_TYPES, ", ".join(SCHEDULER_TYPES)),
+        "params": Key((dict,), "scheduler arguments", children={
+            "warmup_min_lr": Key(_NUM, "learning rate at step 0", lambda v: v >= 0, "a number >= 0"),
+            "warmup_max_lr": Key(_NUM, "learning rate after warm-up", lambda v: v >= 0, "a number >= 0"),
+            "warmup_num_steps": Key((int,), "warm-up steps", _nonneg_int, "an integer >= 0"),
+            "warmup_type": Key((str,), "warm-up curve", lambda v: v in ("log", "linear"), "log or linear"),
+            "total_num_steps": Key((int,), "steps until the schedule ends", _pos_int, "an integer >= 1"),
+            "warmup_min_ratio": Key(_NUM, "WarmupCosineLR: start ratio of the optimizer's lr", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+            "cos_min_ratio": Key(_NUM, "WarmupCosineLR: final ratio of the optimizer's lr", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+            "last_batch_iteration": Key((int,), "resume position", acted_on=False),
+        }),
+    }),
+    "bf16": Key((dict,), "bfloat16 mixed precision", children={
+        "enabled": Key((bool,), "train in bfloat16 with fp32 master weights"),
+    }),
+    "fp16": Key((dict,), "float16 mixed precision with loss scaling", children={
+        "enabled": Key((bool,), "train in float16 with fp32 master weights"),
+        "loss_scale": Key(_NUM, "static loss scale; 0 for dynamic", lambda v: v >= 0, "a number >= 0"),
+        "initial_scale_power": Key((int,), "dynamic scale starts at 2**this", _nonneg_int, "an integer >= 0"),
+        "loss_scale_window": Key((int,), "overflow-free steps before the scale doubles", _pos_int, "an integer >= 1"),
+        "hysteresis": Key((int,), "overflows tolerated before the scale halves", _pos_int, "an integer >= 1"),
+        "min_loss_scale": Key(_NUM, "the dynamic scale's floor", lambda v: v > 0, "a number > 0"),
+        "auto_cast": Key((bool,), "cast inputs to fp16", acted_on=False),
+        "consecutive_hysteresis": Key((bool,), "refill hysteresis after a good step", acted_on=False),
+    }),
     "wall_clock_breakdown": Key((bool,), "timing breakdown", acted_on=False),
     "zerofx": Key((dict,), "zerofx's own settings (DeepSpeed ignores this section)", children={
         "world_size": Key((int,), "number of ranks to plan for", _pos_int, "an integer >= 1"),
@@ -118,6 +144,23 @@ class ZeroConfig:
     world_size: int | None
     optimizer: OptimizerSpec
     raw: Mapping[str, Any]
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """bfloat16 or float16 when mixed precision is on, else None (train in the model's dtype)."""
+        if self.raw.get("bf16", {}).get("enabled"):
+            return torch.bfloat16
+        if self.raw.get("fp16", {}).get("enabled"):
+            return torch.float16
+        return None
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.raw.get("gradient_accumulation_steps", 1))
+
+    @property
+    def gradient_clipping(self) -> float:
+        return float(self.raw.get("gradient_clipping", 0.0))
 
     def schedule_options(self) -> ScheduleOptions:
         """The communication-schedule limits the config sets (DeepSpeed's keys, in elements)."""
@@ -192,6 +235,8 @@ def parse_config(
     """
     raw = load_config(config)
     _validate(raw, SCHEMA, "")
+    if raw.get("bf16", {}).get("enabled") and raw.get("fp16", {}).get("enabled"):
+        raise ConfigError("bf16.enabled and fp16.enabled are both true; enable at most one")
     zero = raw.get("zero_optimization", {})
     cfg_stage = zero.get("stage")
     if stage is not None and cfg_stage is not None and stage != cfg_stage:

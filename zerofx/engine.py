@@ -34,10 +34,11 @@ from passes import ParamPlacement, ZeroStage
 from passes.meta import is_wait
 from passes.check_collectives import collective_sequence, first_divergence
 from passes.plan_sharding import persistent_params, place_param
-from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, flatten_call, split_loss_kwargs
+from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, cast_info, flatten_call, split_loss_kwargs
 from zerofx.config import OptimizerSpec, ZeroConfig
 from zerofx.errors import CaptureError, RankDivergenceError, ZeroFXError
 from zerofx.program import Program, check_example_inputs, plan_program, resolve
+from zerofx.schedulers import lr_at
 
 
 class WaitTimer:
@@ -67,6 +68,42 @@ class WaitTimer:
     def reset(self) -> dict[str, float]:
         out, self.blocked_s = self.blocked_s, {}
         return out
+
+
+class LossScaler:
+    """fp16 loss scaling, DeepSpeed's rules: a static scale, or a dynamic one that starts at
+    ``2**initial_scale_power``, halves after ``hysteresis`` overflowing steps (never below
+    ``min_loss_scale``) and doubles after ``loss_scale_window`` steps without overflow."""
+
+    def __init__(self, scale: float, dynamic: bool, window: int, hysteresis: int, min_scale: float) -> None:
+        self.scale, self.dynamic, self.window = scale, dynamic, window
+        self.hysteresis, self.min_scale = hysteresis, min_scale
+        self._good_steps, self._bad_left = 0, hysteresis
+
+    @classmethod
+    def from_config(cls, fp16: Mapping[str, Any]) -> LossScaler:
+        static = float(fp16.get("loss_scale", 0))
+        return cls(
+            scale=static or 2.0 ** int(fp16.get("initial_scale_power", 16)),
+            dynamic=static == 0,
+            window=int(fp16.get("loss_scale_window", 1000)),
+            hysteresis=int(fp16.get("hysteresis", 2)),
+            min_scale=float(fp16.get("min_loss_scale", 1)),
+        )
+
+    def update(self, *, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            self._good_steps = 0
+            self._bad_left -= 1
+            if self._bad_left <= 0:
+                self.scale = max(self.scale / 2, self.min_scale)
+                self._bad_left = self.hysteresis
+            return
+        self._good_steps += 1
+        if self._good_steps % self.window == 0:
+            self.scale *= 2
 
 
 def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -119,11 +156,18 @@ class Engine:
         self.loss_fn = loss_fn
         self.group_name = self.group.group_name
         self.device = next(model.parameters()).device
-        self.param_infos = tuple(TensorInfo(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters())
+        self.compute_dtype = cfg.compute_dtype
+        infos = [TensorInfo(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()]
+        if self.compute_dtype is not None:
+            infos = [cast_info(i, self.compute_dtype) for i in infos]
+        self.param_infos = tuple(infos)
         self.placements: dict[str, ParamPlacement] = {
             i.fqn: place_param(i.fqn, i.shape, i.dtype, i.requires_grad, self.world_size) for i in self.param_infos
         }
-        self.buffers = dict(model.named_buffers())
+        self.buffers = {
+            name: b.to(self.compute_dtype) if self.compute_dtype is not None and b.is_floating_point() else b
+            for name, b in model.named_buffers()
+        }
         owner_of = {id(p): fqn for fqn, p in model.named_parameters()}
         param_aliases = {name: owner_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
         self._state_keys = [
@@ -131,10 +175,19 @@ class Engine:
         ]
         self._init_storage(model)
         trainable = [f for f, p in self.placements.items() if p.requires_grad]
-        self._opt_params = [self.shards[f] for f in trainable]
-        for f, t in zip(trainable, self._opt_params):
-            t.grad = self._grad_shard(f)
-        self.optimizer = build_optimizer(cfg.optimizer, self._opt_params)
+        # The tensors the optimizer steps: fp32 master copies of this rank's shards in mixed
+        # precision, else the shards themselves (their gradients are the persistent buffers).
+        self.optimizer_params = {f: self.master[f] if self.master else self.shards[f] for f in trainable}
+        if not self.master:
+            for f, t in self.optimizer_params.items():
+                t.grad = self._grad_shard(f)
+        self.optimizer = build_optimizer(cfg.optimizer, list(self.optimizer_params.values()))
+        self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.loss_scaler = LossScaler.from_config(cfg.raw.get("fp16", {})) if self.compute_dtype is torch.float16 else None
+        self._last_loss: torch.Tensor | None = None
         self._programs: dict[Any, Program] = {}
         self._pending: tuple[Program, list[torch.Tensor], torch.Tensor] | None = None
         self.global_steps = 0
@@ -157,6 +210,15 @@ class Engine:
         self.shards: dict[str, torch.Tensor] = {}
         self._shard_flat: torch.Tensor | None = None
         offsets: dict[str, int] = {}
+        self.master: dict[str, torch.Tensor] = {}
+        master_offsets: dict[str, int] = {}
+        if self.compute_dtype is not None:
+            total = 0
+            for f, p in self.placements.items():
+                if p.requires_grad:
+                    master_offsets[f] = total
+                    total += p.padded_numel if self.stage is ZeroStage.ZERO else p.shard_numel
+            self._master_flat = torch.empty(total, dtype=torch.float32, device=self.device)
         if sharded:
             total = 0
             for f in sharded:
@@ -165,10 +227,17 @@ class Engine:
             self._shard_flat = torch.empty(total, dtype=self._flat_dtype(), device=self.device)
         # One parameter at a time, so at most one full parameter is alive beyond what the stage keeps.
         for fqn, p in self.placements.items():
-            flat = torch.zeros(p.padded_numel, dtype=p.torch_dtype, device=self.device)
-            flat[: p.numel].copy_(params[fqn].detach().reshape(-1))
+            source = params[fqn].detach()
+            flat = torch.zeros(p.padded_numel, dtype=source.dtype, device=self.device)
+            flat[: p.numel].copy_(source.reshape(-1))
             # Data parallel starts from one set of weights: rank 0's, as DDP does.
             dist.broadcast(flat, src=0, group=self.group)
+            if fqn in master_offsets:  # the fp32 master of what this rank owns, before rounding to 16 bits
+                start = master_offsets[fqn]
+                owned = flat if self.stage is ZeroStage.ZERO else flat[r * p.shard_numel : (r + 1) * p.shard_numel]
+                self.master[fqn] = self._master_flat[start : start + owned.numel()]
+                self.master[fqn].copy_(owned)
+            flat = flat.to(p.torch_dtype)
             own = flat[r * p.shard_numel : (r + 1) * p.shard_numel]
             if fqn in offsets:
                 self.shards[fqn] = self._shard_flat[offsets[fqn] : offsets[fqn] + p.shard_numel]
@@ -220,7 +289,8 @@ class Engine:
         program = self._programs.get(sig)
         if program is None:
             captured = capture_step(
-                self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos, device=self.device
+                self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos, device=self.device,
+                compute_dtype=self.compute_dtype,
             )
             program = plan_program(captured, self.cfg, self.world_size, group_name=self.group_name)
             self._check_same_plan(program)
@@ -262,6 +332,7 @@ class Engine:
         outputs = self._run("forward", program.graph_modules(self.rank)["forward"], primals)
         loss = outputs[0]
         self._pending = (program, list(outputs[1:]), loss)
+        self._last_loss = loss
         return loss
 
     forward = __call__
@@ -277,18 +348,99 @@ class Engine:
             raise ZeroFXError("engine.backward(loss) needs the loss returned by the engine's most recent forward call")
         program, saved, _ = self._pending
         self._pending = None
-        grads = self._run("backward", program.graph_modules(self.rank)["backward"], [*saved, torch.ones_like(loss)])
+        # d(loss)/d(loss): 1 over the accumulation steps (DeepSpeed averages micro-batches), times
+        # the fp16 loss scale.
+        seed = (self.loss_scaler.scale if self.loss_scaler else 1.0) / self.gradient_accumulation_steps
+        grads = self._run("backward", program.graph_modules(self.rank)["backward"], [*saved, torch.full_like(loss, seed)])
         del saved
         for info, g in zip(program.captured.params, grads):
             if g is not None:
                 self.grads[info.fqn].add_(g)
 
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
     def step(self) -> None:
-        """Optimizer step on this rank's shard; then bring back full parameters where the stage keeps them."""
+        """Call after every ``backward``. At each gradient-accumulation boundary: clip, update this
+        rank's shard with the optimizer, and bring back full parameters where the stage keeps them."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        grads = self._optimizer_grads()
+        if self.loss_scaler is not None and not self._finite(grads):
+            self.loss_scaler.update(overflow=True)
+            self.skipped_steps += 1
+            self._after_step(updated=False)
+            return
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
+        if self.cfg.gradient_clipping > 0:
+            self._clip(grads, self.cfg.gradient_clipping)
+        schedule = self.cfg.raw.get("scheduler")
+        if schedule:
+            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+                group["lr"] = lr_at(schedule, self.global_steps, base)
         self.optimizer.step()
+        self._after_step(updated=True)
+
+    def _optimizer_grads(self) -> dict[str, torch.Tensor]:
+        """Gradients of what the optimizer steps. In mixed precision, fp32 copies of this rank's
+        16-bit gradient shards, unscaled; they live only through the step."""
+        if not self.master:
+            return {f: t.grad for f, t in self.optimizer_params.items()}
+        inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler else 1.0
+        out = {}
+        for f, t in self.optimizer_params.items():
+            t.grad = self._grad_shard(f).to(torch.float32).mul_(inv_scale)
+            out[f] = t.grad
+        return out
+
+    def _owned(self, fqn: str, grad: torch.Tensor) -> torch.Tensor:
+        """The elements of ``grad`` this rank alone accounts for (stage 0 holds them all)."""
+        if self.stage is ZeroStage.ZERO:
+            p = self.placements[fqn]
+            return grad[self.rank * p.shard_numel : (self.rank + 1) * p.shard_numel]
+        return grad
+
+    def _finite(self, grads: dict[str, torch.Tensor]) -> bool:
+        bad = torch.zeros(1, device=self.device)
+        for f, g in grads.items():
+            if not torch.isfinite(self._owned(f, g)).all():
+                bad.fill_(1)
+                break
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)  # every rank skips together
+        return bad.item() == 0
+
+    def _clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> float:
+        """Scale gradients so their global L2 norm (over all ranks' shards) is at most ``max_norm``."""
+        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for f, g in grads.items():
+            squares += self._owned(f, g).double().pow(2).sum()
+        dist.all_reduce(squares, group=self.group)
+        norm = squares.sqrt().item()
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1:
+            for g in grads.values():
+                g.mul_(coef)
+        return norm
+
+    def _after_step(self, *, updated: bool) -> None:
         for g in self.grads.values():
             g.zero_()
+        if self.master:
+            for f, t in self.optimizer_params.items():
+                t.grad = None
+                if updated:  # round the new fp32 master into the 16-bit copy the graphs read
+                    self.shards[f].copy_(t)
         self.global_steps += 1
+        every = self.cfg.raw.get("steps_per_print")
+        if every and self.global_steps % every == 0 and self.rank == 0:
+            loss = f"{self._last_loss.item():.4f}" if self._last_loss is not None else "n/a"
+            scale = f", loss scale {self.loss_scaler.scale:g}" if self.loss_scaler else ""
+            print(f"[zerofx] step {self.global_steps}: loss {loss}, lr {self.optimizer.param_groups[0]['lr']:.3g}{scale}", flush=True)
+        if not updated:
+            return
         program = self.program
         if program is not None and "param_sync" in program.graph_modules(self.rank):
             sync = program.graph_modules(self.rank)["param_sync"]
@@ -321,11 +473,27 @@ class Engine:
         """Bytes this rank really holds: parameter, gradient and optimizer-state tensors."""
         params = list(self.full.values()) + ([self._shard_flat] if self._shard_flat is not None else [])
         states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        states += list(self.master.values())  # the fp32 master copy counts with the optimizer states, as in ZeRO
         return {
             "params": _storage_bytes(params),
             "grads": _storage_bytes(list(self.grads.values())),
             "optimizer_states": _storage_bytes(states),
         }
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: Mapping[str, Any] | None = None) -> None:
+        """Save this rank's shards under ``save_dir/tag`` (default ``step-<global_steps>``),
+        atomically; a collective, call on every rank. See ``zerofx.checkpoint``."""
+        from zerofx.checkpoint import save_checkpoint  # the checkpoint module imports engine types
+
+        save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True) -> dict[str, Any]:
+        """Load a checkpoint saved at any world size and stage (default: the newest complete one);
+        return this rank's ``client_state``. A collective, call on every rank. See ``zerofx.checkpoint``."""
+        from zerofx.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states)
 
 
 def initialize(

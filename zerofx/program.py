@@ -140,5 +140,5 @@ def compile(  # noqa: A001  (the public name users expect)
     cfg = resolve(config, stage=stage, world_size=world_size)
     if cfg.world_size is None:
         raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
-    captured = capture_step(model, args, example_kwargs, loss_fn=loss_fn)
+    captured = capture_step(model, args, example_kwargs, loss_fn=loss_fn, compute_dtype=cfg.compute_dtype)
     return plan_program(captured, cfg, cfg.world_size)

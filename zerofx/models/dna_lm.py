@@ -55,7 +55,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # The statistics in fp32: in fp16, eps underflows and rsqrt's gradient overflows.
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,5 +151,7 @@ class DNADecoderLM(nn.Module):
         logits = self.head(self.norm(x))  # (B, T, V)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+            # In fp32 even when the model runs in 16 bits: the softmax over the vocabulary and the
+            # fp16 loss scale both need the range.
+            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
         return DNALMOutput(loss=loss, logits=logits)

@@ -1,0 +1,53 @@
+"""Rank functions for the mixed-precision and config-feature tests."""
+
+from __future__ import annotations
+
+import torch
+
+import zerofx
+from tests.models import BUILDERS, VOCAB, batches
+
+
+def train(rank: int, world_size: int, config: dict, steps: int, micro: int = 1) -> dict:
+    """Train the tiny DNA LM ``steps`` optimizer steps of ``micro`` micro-batches each; rank r's
+    micro-batch m of step s is ``batches(...)[s * micro + m, r]``."""
+    data = batches(world_size, steps * micro, VOCAB["dna"])
+    model = BUILDERS["dna"](frozen=False)
+    engine = zerofx.initialize(model, config, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
+    losses, lrs, scales = [], [], []
+    for step in range(steps):
+        for m in range(micro):
+            ids = data[step * micro + m, rank]
+            loss = engine(ids, labels=ids)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.float().item())
+        lrs.append(engine.optimizer.param_groups[0]["lr"])
+        scales.append(engine.loss_scaler.scale if engine.loss_scaler else None)
+    return {
+        "state": {k: v.float() for k, v in engine.full_state_dict().items()},
+        "losses": losses,
+        "lrs": lrs,
+        "scales": scales,
+        "skipped": engine.skipped_steps,
+        "memory": engine.memory(),
+        "planned": engine.program.memory(rank),
+        "owned": sum(p.shard_numel for p in engine.placements.values() if p.requires_grad),
+        "tensors": sum(1 for p in engine.placements.values() if p.requires_grad),
+        "dtype": str(next(iter(engine.shards.values())).dtype),
+    }
+
+
+def reference_clipped(world_size: int, steps: int, lr: float, max_norm: float, micro: int = 1) -> dict[str, torch.Tensor]:
+    """Single process: mean of every rank's micro-batch losses, clip_grad_norm_, SGD."""
+    model = BUILDERS["dna"](frozen=False)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    data = batches(world_size, steps * micro, VOCAB["dna"])
+    for step in range(steps):
+        opt.zero_grad()
+        losses = [model(data[step * micro + m, r], labels=data[step * micro + m, r]).loss for m in range(micro) for r in range(world_size)]
+        (sum(losses) / len(losses)).backward()
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
