@@ -35,6 +35,9 @@ def prefetch_gathers_pass(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if not plan.overlap or distance == 0 or len(gathers) < 2:
         return gm
     graph = gm.graph
+    # Moving a chain earlier keeps the relative order of every node not moved yet, and a gather's
+    # anchor (a wait) never moves: positions taken once stay valid for the comparisons below.
+    position = {n: i for i, n in enumerate(graph.nodes)}
     changed = False
     for k, gather in enumerate(gathers):
         if k < distance:
@@ -43,9 +46,12 @@ def prefetch_gathers_pass(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         # The pack (a cat of shards) moves with its gather; its inputs are placeholders.
         chain = [a for a in gather.all_input_nodes if a.op != "placeholder"] + [gather]
         assert all(x.op == "placeholder" for c in chain[:-1] for x in c.all_input_nodes), "gather inputs must be shards"
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        if position[chain[0]] <= position[anchor]:
-            continue  # already early enough
+        following, node = [], anchor.next
+        for _ in chain:
+            following.append(node)
+            node = node.next
+        if following == chain or position[chain[0]] < position[anchor]:
+            continue  # already issued right after the anchor, or earlier still
         for node in reversed(chain):
             anchor.append(node)
         changed = True
