@@ -209,3 +209,17 @@ def test_cli_train_two_gloo_ranks_stage3(capfd: pytest.CaptureFixture[str]) -> N
     assert len(losses) == 3 and "step 3/3 loss" in out
     # Untrained, the model guesses about uniformly over 5 tokens: ln 5 = 1.609.
     assert abs(losses[0] - 1.609) < 0.1 and losses[-1] < losses[0]
+
+
+def test_kmer_tokens_and_windows() -> None:
+    from zerofx.data.genome import bundled_genome, genome_windows, kmer_tokens, kmer_vocab_size, tokenize
+
+    tokens = tokenize("ACGTNAcgTT")
+    # AC -> 0*4+1, GT -> 2*4+3, NA -> has N, cg -> 1*4+2, TT -> 3*4+3
+    assert kmer_tokens(tokens, 2).tolist() == [1, 11, 16, 6, 15]
+    assert kmer_tokens(tokens, 3).tolist() == [0 * 16 + 1 * 4 + 2, 64, 1 * 16 + 2 * 4 + 3]  # ACG, TNA (N), cgT; tail dropped
+    assert kmer_vocab_size(3) == 65
+    batch = next(iter(genome_windows(bundled_genome(), 32, kmer=3, batch_size=2, shuffle_windows=0)))
+    single = next(iter(genome_windows(bundled_genome(), 96, batch_size=2, shuffle_windows=0)))
+    assert batch.shape == (2, 32) and torch.equal(batch, kmer_tokens(single, 3))
+    assert int(batch.max()) < kmer_vocab_size(3)

@@ -208,8 +208,12 @@ def genome_windows(
     seed: int = 0,
     reverse_complement: bool = False,
     shuffle_windows: int = DEFAULT_SHUFFLE_WINDOWS,
+    kmer: int = 1,
 ) -> Iterator[torch.Tensor]:
     """Yield this rank's training batches: int64 tensors of shape (batch_size, seq_len).
+
+    With ``kmer`` = k > 1, each token is a non-overlapping k-mer (``kmer_tokens``): a window
+    covers ``seq_len * k`` bases and the vocabulary has ``kmer_vocab_size(k)`` tokens.
 
     Contract (see NOTE [How windows are assigned to ranks]): ranks of one ``world_size`` get
     disjoint windows and the same number of batches; the same arguments give the same batches
@@ -231,8 +235,28 @@ def genome_windows(
         raise GenomeError(f"rank={rank!r} is invalid for world_size={world_size}; accepted: 0..{world_size - 1}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise GenomeError(f"seed={seed!r} is invalid; accepted: an integer")
+    _check_int("kmer", kmer, 1)
     p = _check_fasta_file(path)
-    return _batches(p, seq_len, rank, world_size, batch_size, seed, reverse_complement, shuffle_windows)
+    batches = _batches(p, seq_len * kmer, rank, world_size, batch_size, seed, reverse_complement, shuffle_windows)
+    return batches if kmer == 1 else (kmer_tokens(b, kmer) for b in batches)
+
+
+def kmer_vocab_size(k: int) -> int:
+    """4**k k-mers over A, C, G, T, plus one token for any k-mer that contains an N."""
+    return 4**k + 1
+
+
+def kmer_tokens(tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """Non-overlapping k-mer ids from single-base tokens (..., L) -> (..., L // k).
+
+    A k-mer of bases b_0..b_{k-1} (A=0, C=1, G=2, T=3) is ``sum(b_i * 4**(k-1-i))``; a k-mer
+    containing N is ``4**k``. A tail shorter than k is dropped.
+    """
+    length = tokens.shape[-1] // k * k
+    groups = tokens[..., :length].long().reshape(*tokens.shape[:-1], length // k, k)  # (..., L/k, k)
+    weights = 4 ** torch.arange(k - 1, -1, -1)  # (k,)
+    ids = (groups.clamp(max=3) * weights).sum(-1)
+    return torch.where((groups == N_TOKEN).any(-1), torch.full_like(ids, 4**k), ids)
 
 
 def _batches(
