@@ -6,6 +6,7 @@
 
 from passes import Plan, ZeroStage
 from zerofx.capture import CapturedStep, capture_step
+from zerofx.checkpoint import CheckpointError, consolidate
 from zerofx.config import ZeroConfig, parse_config
 from zerofx.engine import Engine, initialize
 from zerofx.errors import CaptureError, ConfigError, RankDivergenceError, ZeroFXError
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "CheckpointError",
     "CapturedStep",
     "ConfigError",
     "Engine",
@@ -27,6 +29,7 @@ __all__ = [
     "__version__",
     "capture_step",
     "compile",
+    "consolidate",
     "initialize",
     "parse_config",
 ]

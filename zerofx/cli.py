@@ -3,6 +3,8 @@
     zerofx plan 1b --world-size 1024 --stage 3      # the plan, on the meta device: no real memory
     zerofx estimate 7b --world-size 64               # model-state GiB per rank, stages 0-3
     zerofx train --world-size 2 --stage 3 --steps 20 # real training, gloo ranks on this CPU
+    zerofx train --output-dir run1 --save-every 5    # checkpoints; resumes from run1's latest
+    zerofx consolidate run1 model.safetensors        # one file for load_state_dict, streamed
 
 ``main(argv)`` returns the exit code: 0 on success, 2 for bad input (a one-line message on
 stderr, no traceback), 1 when a training rank fails. ``train(TrainOptions(...))`` is the
@@ -12,6 +14,7 @@ training loop itself, for scripts such as ``examples/train_dna.py``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import socket
 import sys
@@ -29,6 +32,8 @@ from tabulate import tabulate
 import zerofx
 from cost_models.memory import zero_paper_bytes
 from passes.meta import is_all_gather
+from passes.plan import format_bytes
+from zerofx.checkpoint import consolidate, latest_complete_tag, read_metadata, resolve_tag
 from zerofx.config import parse_config
 from zerofx.data.genome import bundled_genome, genome_windows
 from zerofx.errors import ZeroFXError, did_you_mean
@@ -170,6 +175,8 @@ class TrainOptions:
     lr: float = 3e-3
     seed: int = 0
     print_graph: bool = False
+    output_dir: Path | None = None  # checkpoints go here; a run resumes from its newest complete one
+    save_every: int | None = None  # None: save only after the last step (when output_dir is set)
 
 
 def _free_port() -> int:
@@ -196,6 +203,12 @@ def _check_train_options(opts: TrainOptions) -> TrainOptions:
         raise UsageError(f"--seq-len {opts.seq_len} is invalid for model {opts.model}; accepted: 2..{cfg.max_seq_len}")
     if opts.lr < 0:
         raise UsageError(f"--lr {opts.lr} is invalid; accepted: a number >= 0")
+    if opts.save_every is not None:
+        _check_positive("--save-every", opts.save_every)
+        if opts.output_dir is None:
+            raise UsageError("--save-every needs --output-dir, the directory the checkpoints go to")
+    if opts.output_dir is not None and Path(opts.output_dir).exists() and not Path(opts.output_dir).is_dir():
+        raise UsageError(f"--output-dir {str(opts.output_dir)!r} is a file; accepted: a directory (created if missing)")
     stage = opts.stage
     if stage is None:
         file_stage = parse_config(opts.config).stage if opts.config is not None else None
@@ -229,6 +242,30 @@ def _print_graph(engine: zerofx.Engine) -> None:
     print(f"all_gather_into_tensor nodes: forward {counts['forward']}, backward {counts['backward']}", flush=True)
 
 
+def _resume(engine: zerofx.Engine, opts: TrainOptions, rank: int) -> tuple[int, int]:
+    """Load the newest complete checkpoint in ``opts.output_dir``, if there is one; return the
+    training step it was saved after and how many batches this rank's stream had consumed."""
+    assert opts.output_dir is not None
+    tag = latest_complete_tag(opts.output_dir)
+    if tag is None:
+        return 0, 0
+    meta = read_metadata(opts.output_dir, tag)
+    client = engine.load_checkpoint(opts.output_dir, tag)
+    # A checkpoint saved outside ``zerofx train`` has no data position: count one batch per step.
+    step = int(client.get("step", engine.global_steps))
+    if rank == 0:
+        print(
+            f"resuming from checkpoint {Path(opts.output_dir) / tag}: step {step}, saved at world size "
+            f"{meta['world_size']} and ZeRO stage {meta['stage']}",
+            flush=True,
+        )
+        if meta["world_size"] != engine.world_size:
+            # Windows are dealt to ranks by world size (NOTE [How windows are assigned to ranks]).
+            print(f"note: the genome's windows are now split over {engine.world_size} ranks; the data order differs from "
+                  f"an uninterrupted run at world size {meta['world_size']}", flush=True)
+    return step, int(client.get("batches_consumed", step))
+
+
 def _train_rank(rank: int, opts: TrainOptions) -> None:
     """One rank's training loop; runs inside an initialized process group."""
     world_size = dist.get_world_size()
@@ -247,17 +284,28 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
         )
         if opts.print_graph:
             _print_graph(engine)
-    for step in range(1, opts.steps + 1):
-        batch = first if step == 1 else next(batches)
-        start = time.perf_counter()
+    stream = itertools.chain([first], batches)
+    start, consumed = _resume(engine, opts, rank) if opts.output_dir is not None else (0, 0)
+    for _ in range(consumed):  # the data position: skip what the checkpointed steps trained on
+        next(stream)
+    if start >= opts.steps and rank == 0:
+        print(f"the checkpoint is at step {start}: --steps {opts.steps} already reached, nothing to train", flush=True)
+    for step in range(start + 1, opts.steps + 1):
+        batch = next(stream)
+        t0 = time.perf_counter()
         loss = engine(batch, labels=batch)
         engine.backward(loss)
         engine.step()
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - t0
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)  # every rank must join the collective, not only the printer
         if rank == 0:
             print(f"step {step}/{opts.steps} loss {mean_loss.item() / world_size:.4f} ({elapsed:.3f} s/step)", flush=True)
+        if opts.output_dir is not None and (step == opts.steps or (opts.save_every and step % opts.save_every == 0)):
+            tag = f"step-{step:08d}"
+            engine.save_checkpoint(opts.output_dir, tag, client_state={"step": step, "batches_consumed": consumed + step - start})
+            if rank == 0:
+                print(f"saved checkpoint {Path(opts.output_dir) / tag}", flush=True)
 
 
 def _train_worker(rank: int, opts: TrainOptions, port: int) -> None:
@@ -296,8 +344,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         TrainOptions(
             model=args.model, fasta=args.fasta, world_size=args.world_size, stage=args.stage, config=args.config,
             steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-            print_graph=args.print_graph,
+            print_graph=args.print_graph, output_dir=args.output_dir, save_every=args.save_every,
         )
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------- consolidate
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    """Write a sharded checkpoint as one safetensors file, streaming tensor by tensor."""
+    tag = resolve_tag(args.ckpt_dir, args.tag).name  # one tag for the metadata and the data, even if a save lands now
+    meta = read_metadata(args.ckpt_dir, tag)
+    out = consolidate(args.ckpt_dir, args.out, tag=tag, dtype=args.dtype)
+    print(
+        f"wrote {out} ({format_bytes(out.stat().st_size)}, {args.dtype}): {len(meta['state_dict_keys'])} tensors of "
+        f"{meta['model_class']} at step {meta['step']}, from {meta['world_size']} rank files of {Path(args.ckpt_dir) / tag}"
     )
     return 0
 
@@ -341,7 +402,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate when no --config (default: 3e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed for the model init and the data shuffle (default: 0)")
     p.add_argument("--print-graph", action="store_true", help="print rank 0's forward graph and its all-gather counts")
+    p.add_argument("--output-dir", type=Path,
+                   help="save sharded checkpoints here, and resume from its newest complete one (default: no checkpoints)")
+    p.add_argument("--save-every", type=int, help="save every K training steps (default: only after the last step)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("consolidate", help="write a sharded checkpoint as one safetensors file",
+                       description="Stream a sharded zerofx checkpoint into one safetensors file with the model's "
+                                   "state_dict keys, tensor by tensor: memory stays bounded whatever the model's size.")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR", type=Path, help="the checkpoint directory (engine.save_checkpoint's save_dir)")
+    p.add_argument("out", metavar="OUT.safetensors", type=Path, help="the file to write")
+    p.add_argument("--tag", help="which checkpoint (default: the newest complete one)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="floating-point dtype of the output (default: fp32)")
+    p.set_defaults(func=cmd_consolidate)
     return parser
 
 

@@ -1,0 +1,353 @@
+"""Sharded checkpoints: each rank saves its own slices, any world size and stage loads them.
+
+    engine.save_checkpoint("ckpt", client_state={"batches_consumed": step})   # every rank
+    client_state = engine.load_checkpoint("ckpt")       # any world size M, any stage 0-3
+    zerofx.checkpoint.consolidate("ckpt", "model.safetensors")   # one file, no process group
+
+The files are described in ``zerofx.checkpoint_format`` (NOTE [On-disk layout]): safetensors,
+one file per rank holding that rank's 1/N slice of every padded flat, and a JSON metadata file.
+
+NOTE [Why a save is atomic]
+Every file is written under a temporary name, fsynced and renamed. Ranks write into
+``.<tag>.partial``; after a barrier, rank 0 writes the metadata and ``COMPLETE`` there, renames
+the directory to ``<tag>`` and then replaces ``latest``. A save killed at any point before that
+rename leaves ``<tag>`` absent and ``latest`` naming the previous checkpoint; loading the
+interrupted tag raises ``CheckpointError`` saying so. All ranks must see one file system.
+
+NOTE [Loading at another world size or stage]
+Rank r' of M owns elements ``[r' * s', (r' + 1) * s')`` of each new padded flat. It reads only
+the byte ranges of the saved slices that overlap its real elements (``safe_open().get_slice``),
+so no rank reads the whole model. Where the engine keeps full flats (stages 0-2, and stage-3
+parameters kept whole) they are all-gathered from the ranks' new shards. Optimizer states go in
+through ``optimizer.load_state_dict`` on this rank's tensors, so after a reshard they equal the
+saved ones element for element. The optimizer's hyperparameters (lr, betas, ...) stay those of
+the engine's config: a resumed run may change them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import shutil
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import safetensors
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+import zerofx
+from zerofx.checkpoint_format import (
+    COMPLETE,
+    FORMAT_VERSION,
+    LATEST,
+    METADATA,
+    TAG_RE,
+    CheckpointError,
+    RankFiles,
+    check_rank_files,
+    check_structure,
+    client_file,
+    latest_complete_tag,
+    model_class,
+    model_structure,
+    rank_file,
+    read_metadata,
+    resolve_tag,
+    state_dict_keys,
+    structure,
+    torch_dtype,
+)
+from zerofx.consolidation import consolidate
+
+if TYPE_CHECKING:
+    from zerofx.engine import Engine
+
+__all__ = [
+    "CheckpointError",
+    "check_structure",
+    "consolidate",
+    "latest_complete_tag",
+    "load_checkpoint",
+    "model_structure",
+    "read_metadata",
+    "save_checkpoint",
+]
+
+# --------------------------------------------------------------------------- writing
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Write through ``write(tmp)``, fsync, then rename: ``path`` is whole or absent."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    _fsync(tmp)
+    os.replace(tmp, path)
+
+
+def _check_tag(tag: str) -> str:
+    if not isinstance(tag, str) or not TAG_RE.fullmatch(tag):
+        raise CheckpointError(f"checkpoint tag {tag!r} is invalid; accepted: letters, digits, '_', '-', '.', not starting with '.' or '-'")
+    return tag
+
+
+def _check_loadable(client_state: dict[str, Any]) -> None:
+    """client_state is loaded with ``weights_only=True``: reject now what would fail to load at
+    resume time, naming it."""
+    buf = io.BytesIO()
+    torch.save(client_state, buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as exc:  # pickle's errors vary by type; the message names the culprit
+        raise CheckpointError(
+            f"client_state cannot be checkpointed ({str(exc).splitlines()[0]}); accepted: tensors, numbers, strings, "
+            "bytes, None, and lists/tuples/dicts of them"
+        ) from None
+
+
+def _rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _optimizer_tensors(engine: Engine) -> dict[str, torch.Tensor]:
+    """FQN -> the tensor the optimizer steps: the fp32 master in mixed precision, else the
+    shard (the whole flat at stage 0)."""
+    return dict(getattr(engine, "optimizer_params", None) or {f: engine.shards[f] for f, p in engine.placements.items() if p.requires_grad})
+
+
+def _param_groups(engine: Engine) -> list[list[str]]:
+    """The FQNs of each optimizer param group's tensors, in order."""
+    fqn_of = {id(t): f for f, t in _optimizer_tensors(engine).items()}
+    return [[fqn_of[id(p)] for p in g["params"]] for g in engine.optimizer.param_groups]
+
+
+def _my_slice(engine: Engine, fqn: str, t: torch.Tensor) -> torch.Tensor:
+    """This rank's 1/N slice of a parameter-shaped tensor, whether it holds the slice or the flat."""
+    p, r = engine.placements[fqn], engine.rank
+    if t.numel() == p.shard_numel:
+        return t
+    assert t.numel() == p.padded_numel, (fqn, t.shape)
+    return t[r * p.shard_numel : (r + 1) * p.shard_numel]
+
+
+def _rank_tensors(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """This rank's slice of every parameter, fp32 master and optimizer-state tensor, and the
+    scalar optimizer states (Adam's ``step``)."""
+    tensors = {f"param/{f}": _my_slice(engine, f, engine.shards[f]) for f in engine.placements}
+    tensors.update({f"master/{f}": _my_slice(engine, f, t) for f, t in getattr(engine, "master", {}).items()})
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn, param in _optimizer_tensors(engine).items():
+        for name, v in engine.optimizer.state.get(param, {}).items():
+            if isinstance(v, torch.Tensor) and v.shape == param.shape:
+                tensors[f"state/{fqn}/{name}"] = _my_slice(engine, fqn, v)
+            elif isinstance(v, torch.Tensor) and v.dim() == 0:
+                scalars.setdefault(fqn, {})[name] = {"value": v.item(), "dtype": str(v.dtype)}
+            elif v is None or isinstance(v, (bool, int, float)):
+                scalars.setdefault(fqn, {})[name] = {"value": v, "dtype": None}
+            else:
+                raise CheckpointError(f"optimizer state {name!r} of {fqn} ({type(v).__name__}) cannot be checkpointed")
+    if engine.rank == 0:
+        tensors.update({f"buffer/{k}": engine.buffers[k] for k, owner in state_dict_keys(engine.model) if owner is None})
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, scalars
+
+
+def engine_structure(engine: Engine) -> dict[str, Any]:
+    """``structure`` with the model's own dtypes (not a mixed-precision compute dtype), so fp32 and
+    bf16 runs of one model load each other's checkpoints."""
+    dtypes = {f: str(p.dtype) for f, p in engine.model.named_parameters()}
+    params = [(p.fqn, p.shape, dtypes[p.fqn], p.requires_grad) for p in engine.placements.values()]
+    return structure(params, state_dict_keys(engine.model))
+
+
+def _engine_counters(engine: Engine) -> dict[str, Any]:
+    """Step counters and the fp16 loss scaler's numbers, for the engines that have them."""
+    out = {k: getattr(engine, k) for k in ("micro_steps", "skipped_steps") if hasattr(engine, k)}
+    scaler = getattr(engine, "loss_scaler", None)
+    if scaler is not None:
+        out["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
+    return out
+
+
+def _metadata(engine: Engine, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> dict[str, Any]:
+    program = engine.program
+    groups = _param_groups(engine)
+    return {
+        "format_version": FORMAT_VERSION,
+        "zerofx_version": zerofx.__version__,
+        "torch_version": torch.__version__,
+        "safetensors_version": safetensors.__version__,
+        "model_class": model_class(engine.model),
+        **engine_structure(engine),
+        "placements": {
+            p.fqn: {"numel": p.numel, "shard_numel": p.shard_numel, "padded_numel": p.padded_numel, "dtype": p.dtype}
+            for p in engine.placements.values()
+        },
+        "masters": sorted(k.removeprefix("master/") for k in tensors if k.startswith("master/")),
+        "buffers": {
+            k.removeprefix("buffer/"): {"shape": list(t.shape), "dtype": str(t.dtype)} for k, t in tensors.items() if k.startswith("buffer/")
+        },
+        "config": engine.cfg.raw,
+        "world_size": engine.world_size,
+        "stage": int(engine.stage),
+        "step": engine.global_steps,
+        "counters": _engine_counters(engine),
+        "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "plan_fingerprint": program.plan.fingerprint() if program is not None else None,
+        "optimizer": {
+            "type": engine.cfg.optimizer.type,
+            "param_groups": groups,
+            "tensor_states": {f: sorted(k.rsplit("/", 1)[1] for k in tensors if k.startswith(f"state/{f}/")) for g in groups for f in g},
+            "scalar_states": scalars,
+        },
+    }
+
+
+def save_checkpoint(engine: Engine, save_dir: str | Path, tag: str | None = None, client_state: Mapping[str, Any] | None = None) -> None:
+    """Save ``engine`` under ``save_dir/tag`` (default tag ``step-<global_steps>``). A collective:
+    call on every rank. ``client_state`` (this rank's; tensors, numbers, strings and containers
+    of them) comes back from ``load_checkpoint``. See NOTE [Why a save is atomic]."""
+    tag = _check_tag(tag if tag is not None else f"step-{engine.global_steps:08d}")
+    client = dict(client_state or {})
+    _check_loadable(client)
+    root, rank, n, group = Path(save_dir), engine.rank, engine.world_size, engine.group
+    staging = root / f".{tag}.partial"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # a killed save's leftovers
+        staging.mkdir()
+    dist.barrier(group=group)
+
+    tensors, scalars = _rank_tensors(engine)
+    meta_str = {"zerofx_rank": str(rank), "zerofx_world_size": str(n), "zerofx_tag": tag}
+    _write_atomically(staging / rank_file(rank, n), lambda p: save_file(tensors, p, metadata=meta_str))
+    _write_atomically(staging / client_file(rank, n), lambda p: torch.save({"client_state": client, "rng": _rng_states()}, p))
+    dist.barrier(group=group)
+
+    if rank == 0:
+        meta = json.dumps(_metadata(engine, tensors, scalars), indent=1, default=str)
+        _write_atomically(staging / METADATA, lambda p: p.write_text(meta))
+        _write_atomically(staging / COMPLETE, lambda p: p.write_text(f"{tag}\n"))
+        _fsync(staging)
+        final, old = root / tag, root / f".{tag}.old"
+        if final.exists():  # saving a tag again: move the old copy aside, then drop it
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(staging, final)
+        _write_atomically(root / LATEST, lambda p: p.write_text(f"{tag}\n"))
+        _fsync(root)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier(group=group)
+
+
+# --------------------------------------------------------------------------- loading
+def _fill(engine: Engine, fqn: str, target: torch.Tensor, mine: torch.Tensor) -> None:
+    """Copy this rank's new shard into ``target``: itself when ``target`` is a shard, else the
+    all-gathered padded flat (stage 0 flats, stage 0-2 full parameters)."""
+    p = engine.placements[fqn]
+    if target.numel() == p.shard_numel:
+        target.copy_(mine)
+        return
+    flat = torch.empty(p.padded_numel, dtype=mine.dtype, device=mine.device)
+    dist.all_gather_single(flat, mine, group=engine.group)
+    target.copy_(flat)
+
+
+def _read_shard(engine: Engine, files: RankFiles, meta: Mapping[str, Any], key: str, fqn: str, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's new shard of saved flat ``key``: its real elements from the saved slices,
+    then zeros for the padding."""
+    p = engine.placements[fqn]
+    start, stop = p.owned_range(engine.rank)
+    mine = torch.zeros(p.shard_numel, dtype=dtype, device=engine.device)
+    if stop > start:  # the last ranks may own only padding
+        mine[: stop - start].copy_(files.read_range(key, meta["placements"][fqn]["shard_numel"], start, stop))
+    return mine
+
+
+def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True) -> dict[str, Any]:
+    """Load a checkpoint saved at any world size and stage into ``engine``; return this rank's
+    ``client_state`` (saved rank ``rank % N``'s at a new world size). A collective: call on every
+    rank. Restores parameters (and fp32 masters), persistent buffers, optimizer states and the
+    step counters; at the saved world size also each rank's torch and Python RNG states.
+    ``CheckpointError`` names a missing, incomplete or mismatched checkpoint before anything
+    is changed."""
+    path = resolve_tag(load_dir, tag)
+    meta = read_metadata(load_dir, path.name)
+    check_structure(meta, engine_structure(engine), repr(str(path)))
+    opt = meta["optimizer"]
+    if load_optimizer_states and opt["type"] != engine.cfg.optimizer.type:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds {opt['type']} states but the engine's optimizer is {engine.cfg.optimizer.type}; "
+            f"accepted: the same optimizer type, or load_optimizer_states=False"
+        )
+    if load_optimizer_states and opt["param_groups"] != _param_groups(engine):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: optimizer param groups {opt['param_groups']} differ from the engine's {_param_groups(engine)}"
+        )
+    n = meta["world_size"]
+    with RankFiles(check_rank_files(path, n)) as files:
+        masters = getattr(engine, "master", {})
+        for fqn, p in engine.placements.items():
+            # The most precise saved copy: the fp32 master when the run had one.
+            master = fqn in meta["masters"]
+            saved_dtype = torch.float32 if master else torch_dtype(meta["placements"][fqn]["dtype"])
+            value = _read_shard(engine, files, meta, f"{'master' if master else 'param'}/{fqn}", fqn, saved_dtype)
+            _fill(engine, fqn, engine.shards[fqn], value.to(p.torch_dtype))
+            if fqn in engine.full and engine.full[fqn] is not engine.shards[fqn]:
+                _fill(engine, fqn, engine.full[fqn], value.to(p.torch_dtype))
+            if fqn in masters:
+                _fill(engine, fqn, masters[fqn], value.to(masters[fqn].dtype))
+        for key, owner in state_dict_keys(engine.model):
+            if owner is None:
+                engine.buffers[key].copy_(files.get(0).get_tensor(f"buffer/{key}"))
+        if load_optimizer_states:
+            _load_optimizer(engine, files, meta)
+    engine.global_steps = meta["step"]
+    counters = meta.get("counters", {})
+    for name in ("micro_steps", "skipped_steps"):
+        if name in counters and hasattr(engine, name):
+            setattr(engine, name, counters[name])
+    scaler = getattr(engine, "loss_scaler", None)
+    for name, value in counters.get("loss_scaler", {}).items() if scaler is not None else ():
+        if hasattr(scaler, name):
+            setattr(scaler, name, value)
+    saved = torch.load(path / client_file(engine.rank % n, n), weights_only=True)
+    if n == engine.world_size:  # at another world size two ranks would share rank r % N's stream
+        torch.set_rng_state(saved["rng"]["torch"])
+        random.setstate(saved["rng"]["python"])
+        if "cuda" in saved["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
+    dist.barrier(group=engine.group)  # nobody saves over this tag while a peer still reads it
+    return saved["client_state"]
+
+
+def _load_optimizer(engine: Engine, files: RankFiles, meta: Mapping[str, Any]) -> None:
+    """Rebuild ``optimizer.state`` on this rank's tensors through ``optimizer.load_state_dict``
+    (which keys state by parameter index); the hyperparameters stay the engine's."""
+    opt = meta["optimizer"]
+    tensors = _optimizer_tensors(engine)
+    state: dict[int, dict[str, Any]] = {}
+    for index, fqn in enumerate(f for group in _param_groups(engine) for f in group):
+        param = tensors[fqn]
+        entry: dict[str, Any] = {}
+        for name, s in opt["scalar_states"].get(fqn, {}).items():
+            entry[name] = s["value"] if s["dtype"] is None else torch.tensor(s["value"], dtype=torch_dtype(s["dtype"]))
+        for name in opt["tensor_states"].get(fqn, []):
+            entry[name] = torch.empty_like(param)
+            _fill(engine, fqn, entry[name], _read_shard(engine, files, meta, f"state/{fqn}/{name}", fqn, param.dtype))
+        if entry:
+            state[index] = entry
+    engine.optimizer.load_state_dict({"state": state, "param_groups": engine.optimizer.state_dict()["param_groups"]})
