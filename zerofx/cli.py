@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import socket
 import sys
@@ -30,7 +31,9 @@ import torch.multiprocessing as mp
 from tabulate import tabulate
 
 import zerofx
-from cost_models.memory import zero_paper_bytes
+from cost_models.memory import paper_breakdown
+from cost_models.profiles import load_profile
+from passes.analyze_schedule import format_report
 from passes.meta import is_all_gather
 from passes.plan import format_bytes
 from zerofx.checkpoint import consolidate, latest_complete_tag, read_metadata, resolve_tag
@@ -38,6 +41,7 @@ from zerofx.config import parse_config
 from zerofx.data.genome import bundled_genome, genome_windows
 from zerofx.errors import ZeroFXError, did_you_mean
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig
+from zerofx.planning import ModelSpec, load_model_spec, parse_bytes, plot_report, report_json, solve_seq_len
 from zerofx.program import plan_program, resolve
 
 GIB = 2**30
@@ -106,56 +110,122 @@ def _meta_example(cfg: DNALMConfig, batch_size: int, seq_len: int | None) -> tup
 
 
 # --------------------------------------------------------------------------- plan, estimate
+def _load_model(args: argparse.Namespace) -> ModelSpec:
+    """A bundled DNA LM size (built on the meta device) or a FILE.py:CALLABLE / MODULE:CALLABLE spec."""
+    if ":" in args.model:
+        return load_model_spec(args.model)
+    cfg = model_config(args.model)
+    model, ids = _meta_example(cfg, getattr(args, "batch_size", 1), getattr(args, "seq_len", None))
+    return ModelSpec(model, (ids,), {"labels": ids}, args.model)
+
+
+def _profile(args: argparse.Namespace) -> tuple[Any, Any]:
+    try:
+        return load_profile(args.profile)
+    except ValueError as exc:
+        raise UsageError(f"--profile: {exc}") from exc
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print the ZeRO plan for a bundled model size, planned on the meta device."""
-    cfg = _check_common(args)
+    """Print the ZeRO plan, the communication schedule, memory per rank and a summary."""
+    if ":" not in args.model:
+        model_config(args.model)
+    if args.world_size is not None:
+        _check_positive("--world-size", args.world_size)
+    _check_stage(args.stage)
     if args.world_size is None and args.config is None:
         raise UsageError("--world-size is required (or give --config with zerofx.world_size or batch sizes)")
-    model, ids = _meta_example(cfg, args.batch_size, args.seq_len)
-    program = zerofx.compile(
-        model, world_size=args.world_size, stage=args.stage, example_inputs=(ids,), example_kwargs={"labels": ids}, config=args.config
-    )
-    plan = program.plan
+    budget = parse_bytes(args.budget) if args.budget is not None else None
+    if args.solve is not None and budget is None:
+        raise UsageError("--solve seq_len needs --budget, the memory per rank to fit in (e.g. 80GiB)")
+    comm, device = _profile(args)
+    spec = _load_model(args)
+    program = zerofx.compile(spec.model, world_size=args.world_size, stage=args.stage, config=args.config,
+                             example_inputs=spec.args, example_kwargs=spec.kwargs)
+    report = program.report(args.rank, comm=comm, device=device)
+    solved = None
+    if args.solve is not None:
+        max_len = getattr(getattr(spec.model, "cfg", None), "max_seq_len", None) or args.max_seq_len
+        solved = solve_seq_len(spec, world_size=program.world_size, stage=int(program.stage), config=args.config,
+                               budget_bytes=budget, max_seq_len=max_len, rank=args.rank)
+    if args.plot is not None:
+        plot_report(report, args.plot, title=spec.label, budget_bytes=budget)
     if args.format == "json":
-        print(plan.to_json())
+        data = json.loads(report_json(program, report, budget))
+        if solved is not None:
+            data["solve"] = {"seq_len": solved.seq_len, "peak_bytes_expr": str(solved.peak_expr), "peak_at": solved.peak_node}
+        print(json.dumps(data, indent=1))
         return 0
-    print(f"model {args.model}: DNADecoderLM, input_ids {tuple(ids.shape)}")
-    print(plan)
-    per_graph: dict[str, int] = {}
-    for c in plan.schedule:
-        per_graph[c.graph] = per_graph.get(c.graph, 0) + 1
-    print("collectives per graph: " + (", ".join(f"{g} {n}" for g, n in per_graph.items()) or "none"))
+    shapes = ", ".join(str(tuple(t.shape)) for t in [*spec.args, *spec.kwargs.values()] if isinstance(t, torch.Tensor))
+    print(f"model {spec.label}: {type(spec.model).__name__}, example inputs {shapes}; profile {comm.name} / {device.name}")
+    print(program.plan)
+    print(format_report(report, budget_bytes=budget))
+    if solved is not None:
+        print(f"longest sequence that fits {format_bytes(budget)} per rank: seq_len = {solved.seq_len} "
+              f"(peak bytes = {solved.peak_expr} at {solved.peak_node}, exact in T from captures at {solved.samples})")
+    if args.plot is not None:
+        print(f"wrote {args.plot}")
     return 0
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    """Print per-rank model-state memory for each stage next to the ZeRO paper's formula."""
-    cfg = _check_common(args)
+    """Model-state memory per device with the ZeRO paper's accounting, for each stage."""
+    _check_positive("--world-size", args.world_size)
+    _check_stage(args.stage)
+    if (args.params is None) == (args.model is None):
+        raise UsageError("give exactly one of --params P and --model MODEL")
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
-    # Validate every argument before capture, which takes seconds for the large sizes.
-    resolved = [resolve(args.config, stage=s, world_size=args.world_size) for s in stages]
-    # Model-state bytes do not depend on the batch's shape, so a short one keeps capture cheap.
-    model, ids = _meta_example(cfg, 1, min(64, cfg.max_seq_len))
-    # Capture does not depend on the stage, only planning does: one capture serves every stage.
-    captured = zerofx.capture_step(model, (ids,), {"labels": ids})
-    rows = []
-    num_params = 0
-    optimizer = ""
-    for s, zcfg in zip(stages, resolved):
-        program = plan_program(captured, zcfg, args.world_size)
-        num_params, optimizer = program.plan.num_params, program.plan.optimizer
-        mem = program.memory(0)
-        parts = [mem.get(k, 0) for k in ("params", "grads", "optimizer_states")]
-        paper = zero_paper_bytes(num_params, stage=s, world_size=args.world_size)
-        rows.append((s, *(b / GIB for b in parts), sum(parts) / GIB, paper / GIB))
-    print(f"model {args.model}: {num_params:,} parameters, world size {args.world_size}, optimizer {optimizer}")
-    headers = ["stage", "params GiB", "grads GiB", "optimizer_states GiB", "total GiB", "ZeRO paper GiB"]
-    # Four significant digits: fixed decimals would print a small model's shards as 0.0000.
+    activations: dict[int, float] = {}
+    if args.params is not None:
+        if args.params <= 0:
+            raise UsageError(f"--params {args.params} is invalid; accepted: a number > 0 (e.g. 7.5e9)")
+        num_params, label = float(args.params), f"{args.params:g} parameters"
+    else:
+        spec = _load_model(args)
+        # Capture does not depend on the stage, only planning does: one capture serves every stage.
+        captured = zerofx.capture_step(spec.model, spec.args, spec.kwargs)
+        for s in stages:
+            program = plan_program(captured, resolve(args.config, stage=s, world_size=args.world_size), args.world_size)
+            report = program.report(0)
+            activations[s] = report.peak.live_bytes - report.persistent_bytes
+        num_params = float(sum(p.numel for p in captured.params))
+        label = f"{spec.label}: {int(num_params):,} parameters"
+    rows, per_stage = [], {}
+    for s in stages:
+        b = paper_breakdown(num_params, stage=s, world_size=args.world_size, offload=args.offload)
+        per_stage[s] = {**b, **({"activation_peak_bytes": activations[s]} if s in activations else {})}
+        row = [s, b["params_bytes"] / 1e9, b["grads_bytes"] / 1e9, b["optimizer_states_bytes"] / 1e9, b["per_device_bytes"] / 1e9]
+        if args.offload != "none":
+            row.append(b["offloaded_bytes"] / 1e9)
+        if activations:
+            row.append(activations[s] / 1e9)
+        rows.append(row)
+    if args.format == "json":
+        print(json.dumps({"params": num_params, "world_size": args.world_size, "offload": args.offload,
+                          "per_device_bytes": {str(s): per_stage[s]["per_device_bytes"] for s in stages},
+                          "stages": {str(s): v for s, v in per_stage.items()}}, indent=1))
+        return 0
+    headers = ["stage", "params GB", "grads GB", "optimizer states GB", "per device GB"]
+    if args.offload != "none":
+        headers.append(f"on {args.offload} GB")
+    if activations:
+        headers.append("activation peak GB (fp32, memory model)")
+    print(f"{label}, world size {args.world_size}, mixed-precision Adam (ZeRO paper: 2 + 2 + 12 bytes per parameter)"
+          + (f", optimizer states offloaded to {args.offload}" if args.offload != "none" else ""))
     print(tabulate(rows, headers=headers, tablefmt="simple", floatfmt=".4g"))
-    print(
-        "note: zerofx trains in fp32 (4 B params + 4 B grads + 8 B Adam states per parameter, sharded per stage); "
-        "the ZeRO paper column is its mixed-precision Adam formula (2 + 2 + 12 B per parameter)."
-    )
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure collectives and compute on local gloo ranks; write a profile for ``plan --profile``."""
+    _check_positive("--world-size", args.world_size)
+    _check_positive("--repeats", args.repeats)
+    from zerofx.calibrate import calibrate
+
+    comm, device = calibrate(args.out, world_size=args.world_size, repeats=args.repeats)
+    print(f"wrote {args.out}: all-gather latency {comm.intra_alpha_s * 1e6:.0f} us per ring step, bus bandwidth "
+          f"{comm.intra_bandwidth / 1e9:.3g} GB/s; matmul {device.matmul_flops_per_s / 1e9:.3g} GFLOP/s, "
+          f"memory {device.memory_bytes_per_s / 1e9:.3g} GB/s per rank")
     return 0
 
 
@@ -370,24 +440,45 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"zerofx {zerofx.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("plan", help="print the ZeRO plan for a DNA LM size (planned on the meta device)",
-                       description="Capture and plan a DNA LM on the meta device (no parameter memory) and print the plan.")
-    p.add_argument("model", metavar="MODEL", help=f"DNA LM size: {sizes}")
+    model_help = f"a DNA LM size ({sizes}) or FILE.py:CALLABLE / MODULE:CALLABLE returning (model, example_inputs)"
+    p = sub.add_parser("plan", help="print the plan, communication schedule and memory per rank, before anything runs",
+                       description="Capture and plan a model on the meta device (no parameter memory): the sharding, one row "
+                                   "per collective, memory per rank with a fits verdict, and the estimated step time.")
+    p.add_argument("model", metavar="MODEL_SPEC", help=model_help)
     p.add_argument("--world-size", type=int, help="number of ranks to plan for (required unless the config implies it)")
     p.add_argument("--stage", type=int, help="ZeRO stage 0, 1, 2 or 3 (required unless the config sets it)")
     p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config (ds_config.json)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence in the example batch (default: min(512, max_seq_len))")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences in the example batch (default: 1)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence in a bundled model's example batch (default: min(512, max_seq_len))")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences in a bundled model's example batch (default: 1)")
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
+    p.add_argument("--budget", help="memory per rank to fit in, e.g. 80GiB: adds a fits / doesn't-fit verdict")
+    p.add_argument("--solve", choices=("seq_len",), help="answer the longest sequence length that fits --budget")
+    p.add_argument("--max-seq-len", type=int, default=1 << 20, help="upper bound for --solve when the model states none")
+    p.add_argument("--plot", type=Path, help="draw the memory timeline and a compute/communication Gantt chart to this PNG")
+    p.add_argument("--profile", default="cpu", help="hardware profile: cpu, h100, or a file from zerofx calibrate (default: cpu)")
+    p.add_argument("--rank", type=int, default=0, help="the rank to report (every rank runs the same graphs; default 0)")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("estimate", help="per-rank model-state memory per ZeRO stage, vs the ZeRO paper",
-                       description="Per-rank bytes of parameters, gradients and optimizer states for ZeRO stages 0-3.")
-    p.add_argument("model", metavar="MODEL", help=f"DNA LM size: {sizes}")
+    p = sub.add_parser("estimate", help="model-state memory per device per ZeRO stage (the ZeRO paper's accounting)",
+                       description="Per-device bytes of parameters, gradients and optimizer states for mixed-precision "
+                                   "Adam (2 + 2 + 12 bytes per parameter), per ZeRO stage; with --model, also the "
+                                   "activation peak from the memory model.")
+    p.add_argument("model", metavar="MODEL_SPEC", nargs="?", help=model_help)
+    p.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9 (instead of MODEL_SPEC)")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks")
     p.add_argument("--stage", type=int, help="only this ZeRO stage (default: all of 0, 1, 2, 3)")
-    p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config; its optimizer decides the state size")
+    p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none", help="where optimizer states live (default: none)")
+    p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config, for the --model activation estimate")
+    p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
     p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("calibrate", help="measure this machine's collectives and compute into a planner profile",
+                       description="Time all-gathers on local gloo ranks and a matmul and a copy on one core; fit the "
+                                   "alpha-beta model; write a profile for zerofx plan --profile.")
+    p.add_argument("--world-size", type=int, default=2, help="local ranks to measure with (default: 2)")
+    p.add_argument("--out", type=Path, default=Path("zerofx_profile.json"), help="profile file to write (default: zerofx_profile.json)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (default: 5)")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("train", help="train a DNA LM on local gloo (CPU) ranks",
                        description="Spawn local gloo ranks and train a DNA LM with zerofx on a FASTA genome.")
