@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
+import resource
 import socket
 import sys
 import time
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tabulate import tabulate
+from tqdm import tqdm
 
 import zerofx
 from cost_models.memory import paper_breakdown
@@ -245,7 +248,8 @@ class TrainOptions:
     lr: float = 3e-3
     seed: int = 0
     print_graph: bool = False
-    output_dir: Path | None = None  # checkpoints go here; a run resumes from its newest complete one
+    output_dir: Path | None = None  # checkpoints and train_log.jsonl go here; a run resumes from its newest complete one
+    eval_batches: int = 8  # held-out batches per rank evaluated after training
     save_every: int | None = None  # None: save only after the last step (when output_dir is set)
 
 
@@ -299,7 +303,8 @@ def _cycle_batches(opts: TrainOptions, rank: int) -> Iterator[torch.Tensor]:
     while True:
         assert opts.fasta is not None
         yield from genome_windows(
-            opts.fasta, opts.seq_len, rank=rank, world_size=opts.world_size, batch_size=opts.batch_size, seed=opts.seed + epoch
+            opts.fasta, opts.seq_len, rank=rank, world_size=opts.world_size, batch_size=opts.batch_size,
+            seed=opts.seed + epoch, split="train",
         )
         epoch += 1
 
@@ -340,8 +345,9 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
     """One rank's training loop; runs inside an initialized process group."""
     world_size = dist.get_world_size()
     torch.manual_seed(opts.seed)
-    model = DNADecoderLM(DNA_LM_SIZES[opts.model])
-    batches = _cycle_batches(opts, rank)
+    device = _device()
+    model = DNADecoderLM(DNA_LM_SIZES[opts.model]).to(device)
+    batches = (b.to(device) for b in _cycle_batches(opts, rank))
     first = next(batches)  # (B, T)
     engine = zerofx.initialize(
         model, config=_engine_config(opts), stage=opts.stage, example_inputs=(first,), example_kwargs={"labels": first}
@@ -360,6 +366,9 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
         next(stream)
     if start >= opts.steps and rank == 0:
         print(f"the checkpoint is at step {start}: --steps {opts.steps} already reached, nothing to train", flush=True)
+    log = _JsonlLog(Path(opts.output_dir) / "train_log.jsonl" if opts.output_dir is not None and rank == 0 else None)
+    tokens_per_step = opts.batch_size * opts.seq_len * world_size
+    bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", disable=rank != 0 or not sys.stderr.isatty())
     for step in range(start + 1, opts.steps + 1):
         batch = next(stream)
         t0 = time.perf_counter()
@@ -367,15 +376,63 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
         engine.backward(loss)
         engine.step()
         elapsed = time.perf_counter() - t0
-        mean_loss = loss.detach().clone()
+        mean_loss = loss.detach().float().clone()
         dist.all_reduce(mean_loss)  # every rank must join the collective, not only the printer
+        mean = mean_loss.item() / world_size
+        state_bytes = sum(engine.memory().values())
         if rank == 0:
-            print(f"step {step}/{opts.steps} loss {mean_loss.item() / world_size:.4f} ({elapsed:.3f} s/step)", flush=True)
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            bar.set_postfix(loss=f"{mean:.4f}", tok_s=f"{tokens_per_step / elapsed:,.0f}", state=format_bytes(state_bytes), rss=format_bytes(rss))
+            bar.update(1)
+            bar.write(f"step {step}/{opts.steps} loss {mean:.4f} ({elapsed:.3f} s/step, {tokens_per_step / elapsed:,.0f} tokens/s)")
+            log.write(step=step, loss=mean, lr=engine.optimizer.param_groups[0]["lr"], step_s=elapsed,
+                      tokens_per_s=tokens_per_step / elapsed, model_state_bytes_per_rank=state_bytes, peak_rss_bytes=rss)
         if opts.output_dir is not None and (step == opts.steps or (opts.save_every and step % opts.save_every == 0)):
             tag = f"step-{step:08d}"
             engine.save_checkpoint(opts.output_dir, tag, client_state={"step": step, "batches_consumed": consumed + step - start})
             if rank == 0:
-                print(f"saved checkpoint {Path(opts.output_dir) / tag}", flush=True)
+                bar.write(f"saved checkpoint {Path(opts.output_dir) / tag}")
+    bar.close()
+    _evaluate(engine, opts, rank, log)
+
+
+class _JsonlLog:
+    """One JSON object per line (rank 0 only): appended and flushed as training goes, so a crash
+    loses nothing already logged."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, **record: Any) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+
+def _evaluate(engine: zerofx.Engine, opts: TrainOptions, rank: int, log: _JsonlLog) -> None:
+    """Perplexity on the held-out slice of the genome (every 10th group of windows, never trained on)."""
+    assert opts.fasta is not None
+    total, count = torch.zeros(2), 0
+    try:
+        for batch in itertools.islice(genome_windows(opts.fasta, opts.seq_len, rank=rank, world_size=opts.world_size,
+                                                     batch_size=opts.batch_size, split="eval", shuffle_windows=0), opts.eval_batches):
+            total[0] += engine(batch, labels=batch).detach().float().item()
+            count += 1
+    except ZeroFXError:  # a genome too short to hold out one batch per rank: nothing to evaluate
+        count = 0
+    total[1] = count
+    dist.all_reduce(total)
+    if total[1] == 0:
+        if rank == 0:
+            print("eval: the held-out slice has no full batch at this world size; skipped", flush=True)
+        return
+    loss = (total[0] / total[1]).item()
+    if rank == 0:
+        print(f"eval on held-out windows ({int(total[1])} batches over {opts.world_size} ranks): loss {loss:.4f}, "
+              f"perplexity {math.exp(loss):.3f}, {loss / math.log(2):.3f} bits per token", flush=True)
+        log.write(eval_loss=loss, eval_perplexity=math.exp(loss), eval_batches=int(total[1]))
 
 
 def _train_worker(rank: int, opts: TrainOptions, port: int) -> None:
@@ -392,10 +449,42 @@ def _train_worker(rank: int, opts: TrainOptions, port: int) -> None:
         dist.destroy_process_group()
 
 
+def _device() -> torch.device:
+    """CUDA (this process's local GPU) when there is one, else the CPU: the same code runs NCCL or gloo."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def under_torchrun() -> bool:
+    """True inside a process torchrun (torch.distributed.run) started: it sets these variables."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _train_under_torchrun(opts: TrainOptions) -> None:
+    """torchrun is the launcher (single- or multi-node): join its process group and train this rank."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    opts = _check_train_options(replace(opts, world_size=world_size))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(_device())
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        _train_rank(dist.get_rank(), opts)
+    finally:
+        dist.destroy_process_group()
+
+
 def train(opts: TrainOptions) -> None:
     """Train ``opts.model`` on ``opts.world_size`` local gloo (CPU) ranks; rank 0 prints each
     step's loss averaged over ranks. Raises ``ZeroFXError`` for bad options before starting any
-    process, and ``RankFailedError`` when a rank fails (its traceback printed to stderr)."""
+    process, and ``RankFailedError`` when a rank fails (its traceback printed to stderr).
+
+    Under torchrun (``torchrun --nproc-per-node N -m zerofx.cli train ...``), this process is
+    one rank of torchrun's job instead, on one or many nodes, and ``--world-size`` is torchrun's.
+    """
+    if under_torchrun():
+        _train_under_torchrun(opts)
+        return
     opts = _check_train_options(opts)
     try:
         mp.spawn(_train_worker, args=(opts, _free_port()), nprocs=opts.world_size, join=True)

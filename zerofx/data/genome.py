@@ -166,15 +166,23 @@ def _record_windows(path: Path, seq_len: int) -> Iterator[torch.Tensor]:
         carry = tokens[num_full * seq_len :].clone()
 
 
-def _rank_windows(path: Path, seq_len: int, rank: int, world_size: int) -> Iterator[torch.Tensor]:
-    """This rank's windows: window i goes to rank i % world_size, whole groups only."""
+# Every HOLDOUT_EVERY-th group of windows is held out for evaluation (split="eval").
+HOLDOUT_EVERY = 10
+SPLITS = ("all", "train", "eval")
+
+
+def _rank_windows(path: Path, seq_len: int, rank: int, world_size: int, split: str = "all") -> Iterator[torch.Tensor]:
+    """This rank's windows: window i goes to rank i % world_size, whole groups only; with a
+    ``split``, group g is held out for evaluation when g % HOLDOUT_EVERY == HOLDOUT_EVERY - 1."""
     mine: torch.Tensor | None = None
     for i, window in enumerate(_record_windows(path, seq_len)):
         if i % world_size == rank:
             mine = window
         if i % world_size == world_size - 1:  # group complete: every rank gets one window
             assert mine is not None
-            yield mine
+            held_out = (i // world_size) % HOLDOUT_EVERY == HOLDOUT_EVERY - 1
+            if split == "all" or held_out == (split == "eval"):
+                yield mine
             mine = None
 
 
@@ -209,8 +217,12 @@ def genome_windows(
     reverse_complement: bool = False,
     shuffle_windows: int = DEFAULT_SHUFFLE_WINDOWS,
     kmer: int = 1,
+    split: str = "all",
 ) -> Iterator[torch.Tensor]:
     """Yield this rank's training batches: int64 tensors of shape (batch_size, seq_len).
+
+    ``split`` = "train" leaves out every ``HOLDOUT_EVERY``-th group of windows, which
+    ``split`` = "eval" yields alone: a held-out slice spread over the whole genome.
 
     With ``kmer`` = k > 1, each token is a non-overlapping k-mer (``kmer_tokens``): a window
     covers ``seq_len * k`` bases and the vocabulary has ``kmer_vocab_size(k)`` tokens.
@@ -236,8 +248,10 @@ def genome_windows(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise GenomeError(f"seed={seed!r} is invalid; accepted: an integer")
     _check_int("kmer", kmer, 1)
+    if split not in SPLITS:
+        raise GenomeError(f"split={split!r} is invalid; accepted: {', '.join(SPLITS)}")
     p = _check_fasta_file(path)
-    batches = _batches(p, seq_len * kmer, rank, world_size, batch_size, seed, reverse_complement, shuffle_windows)
+    batches = _batches(p, seq_len * kmer, rank, world_size, batch_size, seed, reverse_complement, shuffle_windows, split)
     return batches if kmer == 1 else (kmer_tokens(b, kmer) for b in batches)
 
 
@@ -268,8 +282,9 @@ def _batches(
     seed: int,
     rc: bool,
     shuffle_windows: int,
+    split: str = "all",
 ) -> Iterator[torch.Tensor]:
-    windows = _rank_windows(path, seq_len, rank, world_size)
+    windows = _rank_windows(path, seq_len, rank, world_size, split)
     if rc:
         windows = (reverse_complement(w) if k % 2 else w for k, w in enumerate(windows))
     if shuffle_windows:
