@@ -1,0 +1,147 @@
+"""Turn the per-step measurements of one benchmark configuration into rows, tables and JSON.
+
+NOTE [Exposed communication time]
+Per step and rank: wall time minus the main thread's CPU time (``time.thread_time``). With one
+compute thread per rank, the main thread runs every kernel itself; it is off the CPU only while
+it waits for a collective (gloo runs them on its own threads) or while the OS runs something
+else. So this is the communication the step could not hide, plus scheduling noise. ``single``
+(and the optional ``local``), which never communicate, measure that noise floor on the same
+machine in the same run. The median over steps of the mean over ranks is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+# Bytes per parameter a rank holds for the optimizer's state: AdamW keeps exp_avg and exp_avg_sq.
+OPTIMIZER_STATE_BYTES_PER_PARAM = {"AdamW": 8, "SGD": 0}
+PARAM_AND_GRAD_BYTES_PER_PARAM = 8  # fp32 parameter + fp32 gradient
+REFERENCE_SYSTEM = "fsdp2"
+
+
+def bytes_per_param(optimizer: str) -> int:
+    """k in the kP/N bound: 16 for fp32 AdamW (the ZeRO paper's stage-3 figure), 8 for SGD."""
+    return PARAM_AND_GRAD_BYTES_PER_PARAM + OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer]
+
+
+def max_param_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    if state.keys() != reference.keys():
+        raise AssertionError(f"state dict keys differ: {sorted(state.keys() ^ reference.keys())}")
+    diff = 0.0
+    for key, ref in reference.items():
+        if state[key].shape != ref.shape:
+            raise AssertionError(f"{key}: shape {tuple(state[key].shape)} != {tuple(ref.shape)}")
+        diff = max(diff, (state[key].double() - ref.double()).abs().max().item())
+    return diff
+
+
+def summarize(
+    system: str, *, setup_s: float, steps: list[list[tuple[float, float, float]]], warmup: int, finish: list[dict[str, Any]],
+    num_params: int, world_size: int, optimizer: str,
+) -> dict[str, Any]:
+    """One table row. ``steps[i][rank]`` is (wall s, main-thread CPU s, loss) of step i."""
+    measured = steps[warmup:] or steps
+    walls = [max(w for w, _, _ in ranks) for ranks in measured]  # the slowest rank ends the step
+    exposed = [statistics.fmean(w - c for w, c, _ in ranks) for ranks in measured]
+    cpu = [statistics.fmean(c for _, c, _ in ranks) for ranks in measured]
+    totals = [sum(r["memory"].values()) for r in finish]
+    bound = bytes_per_param(optimizer) * num_params / world_size
+    quartiles = statistics.quantiles(walls, n=4) if len(walls) > 1 else [walls[0]] * 3
+    row: dict[str, Any] = {
+        "system": system,
+        "setup_s": setup_s,
+        "first_step_s": max(w for w, _, _ in steps[0]),
+        "step_s": statistics.median(walls),
+        "step_p25_s": quartiles[0],
+        "step_p75_s": quartiles[2],
+        "step_all_s": walls,
+        "exposed_comm_s": statistics.median(exposed),
+        "main_cpu_s": statistics.median(cpu),
+        "model_state_bytes": max(totals),
+        "model_state_breakdown": finish[totals.index(max(totals))]["memory"],
+        "bound_bytes": bound,
+        "vs_bound": max(totals) / bound,
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in finish),
+        "final_loss": statistics.fmean(loss for _, _, loss in steps[-1]),
+        "max_param_diff": None,
+        "optimizer": optimizer,
+    }
+    if "peak_device_bytes" in finish[0]:
+        row["peak_device_bytes"] = max(r["peak_device_bytes"] for r in finish)
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    ref = next((r["step_s"] for r in rows if r["system"] == REFERENCE_SYSTEM), None)
+    for r in rows:
+        r["vs_fsdp2"] = r["step_s"] / ref if ref else None
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def markdown_table(rows: list[dict[str, Any]], *, optimizer: str, correctness_only: bool = False) -> str:
+    k = bytes_per_param(optimizer)
+    headers = ["system", "model state / rank", f"× {k}P/N", "final loss", "max |Δparam| vs single"]
+    if not correctness_only:
+        headers[1:1] = ["setup s", "1st step s", "step s (median)", "× fsdp2", "exposed comm s", "main-thread CPU s"]
+        headers[-2:-2] = ["peak RSS / rank"]
+    body = []
+    for r in rows:
+        own_k = bytes_per_param(r.get("optimizer", optimizer))
+        vs_bound = f"{r['vs_bound']:.3f}" + ("" if own_k == k else f" (of {own_k}P/N)")
+        line = [r["system"], human_bytes(r["model_state_bytes"]), vs_bound, f"{r['final_loss']:.4f}",
+                _fmt(r["max_param_diff"], ".2e")]
+        if not correctness_only:
+            line[1:1] = [f"{r['setup_s']:.2f}", f"{r['first_step_s']:.2f}",
+                         f"{r['step_s']:.3f} [{r['step_p25_s']:.2f}–{r['step_p75_s']:.2f}]",
+                         _fmt(r["vs_fsdp2"], ".2f"), f"{r['exposed_comm_s']:.3f}", _fmt(r.get("main_cpu_s"), ".3f")]
+            line[-2:-2] = [human_bytes(r["peak_rss_bytes"])]
+        body.append(line)
+    return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def sweep_table(configs: list[dict[str, Any]]) -> str:
+    """One line per (size, world size, system): how step time and memory per rank grow."""
+    body = []
+    for c in configs:
+        for r in c["rows"]:
+            body.append([c["size"], f"{c['num_params'] / 1e6:.2f}M", c["world_size"], r["system"], f"{r['step_s']:.3f}",
+                         _fmt(r["vs_fsdp2"], ".2f"), human_bytes(r["model_state_bytes"]), human_bytes(r["peak_rss_bytes"])])
+    headers = ["size", "params", "W", "system", "step s", "× fsdp2", "model state / rank", "peak RSS / rank"]
+    return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem_gib = round(int(f.readline().split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    out: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib, "torch": torch.__version__,
+                           "python": platform.python_version(), "platform": platform.platform()}
+    if torch.cuda.is_available():
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return out

@@ -1,0 +1,266 @@
+"""The training systems the benchmark compares, one class each, behind one small interface.
+
+Every runner is built inside one rank of an initialized process group (``single`` needs none)
+from a freshly seeded ``DNADecoderLM``, and then answers:
+
+- ``step(ids) -> float``: one optimizer step on this rank's micro-batch ``ids`` (B, T); the
+  loss is the model's own mean next-token cross-entropy, and the return value is its float;
+- ``full_state() -> dict``: the full, unsharded ``model.state_dict()`` values on every rank
+  (a collective for the sharded systems: every rank calls it);
+- ``memory() -> dict``: the bytes of model state this rank holds, measured on real tensors.
+
+NOTE [How model-state bytes are measured]
+Bytes are the storages of the tensors a system keeps between steps, deduplicated by storage,
+so that views into one flat buffer count once and with their padding:
+- plain PyTorch and DDP: parameters, ``.grad`` and the optimizer's state tensors. DDP runs with
+  ``gradient_as_bucket_view=True``, so its gradient buckets *are* the ``.grad`` storages; with
+  DDP's default the buckets would be a second, uncounted 4P bytes;
+- FSDP2: the same, on the local shards of the DTensors (``to_local()``), which are views into
+  FSDP2's padded flat shard;
+- zerofx: ``engine.memory()``, which measures the engine's own tensors;
+- DeepSpeed: the model's parameters (their ``ds_tensor`` partitions at stage 3) and ``.grad``;
+  the fp32 master partitions its inner torch optimizer steps, their gradients, and that
+  optimizer's state. Its reduce buckets (``reduce_bucket_size`` elements, allocated once and
+  mostly untouched on CPU) are scratch space and are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.profiler import record_function
+
+from zerofx.models import DNA_LM_SIZES, DNADecoderLM
+
+SYSTEMS = (
+    "single", "local", "ddp", "fsdp2", "fsdp2_noreshard", "zerofx1", "zerofx2", "zerofx3",
+    "deepspeed1", "deepspeed2", "deepspeed3",
+)
+DEFAULT_SYSTEMS = ("single", "ddp", "fsdp2", "fsdp2_noreshard", "zerofx1", "zerofx2", "zerofx3")
+# Systems that hold the full model and need no process group.
+NO_GROUP = frozenset({"single"})
+# Systems that do not average gradients across ranks: excluded from the parity check.
+NO_PARITY = frozenset({"local"})
+OPTIMIZERS = ("AdamW", "SGD")
+DEFAULT_LR = {"AdamW": 1e-3, "SGD": 0.1}
+
+
+def split_system(name: str) -> tuple[str, str | None]:
+    """``"zerofx3@AdamW"`` -> ``("zerofx3", "AdamW")``: a system run with its own optimizer (at its
+    default learning rate) instead of the run's. ``"zerofx3"`` -> ``("zerofx3", None)``."""
+    base, _, optimizer = name.partition("@")
+    if base not in SYSTEMS or (optimizer and optimizer not in OPTIMIZERS):
+        raise ValueError(f"unknown system {name!r}; accepted: one of {', '.join(SYSTEMS)}, optionally "
+                         f"followed by @ and one of {', '.join(OPTIMIZERS)}")
+    return base, optimizer or None
+
+
+def needs_group(name: str) -> bool:
+    return split_system(name)[0] not in NO_GROUP
+
+
+def build_model(size: str, seed: int, device: torch.device) -> DNADecoderLM:
+    """The same initial weights in every process: the seed, then the model, in that order."""
+    torch.manual_seed(seed)
+    return DNADecoderLM(DNA_LM_SIZES[size]).to(device)
+
+
+def make_optimizer(kind: str, lr: float, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    assert kind in OPTIMIZERS, kind
+    cls = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[kind]
+    return cls(list(params), lr=lr)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors count their local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_tensors(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optim.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.loss
+
+
+class EagerRunner:
+    """Plain PyTorch around a module (``single``, ``local``) or a wrapper of it (DDP, FSDP2)."""
+
+    def __init__(self, model: nn.Module, wrapped: nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.wrapped, self.optim = model, wrapped, optim
+
+    def step(self, ids: torch.Tensor) -> float:
+        self.optim.zero_grad(set_to_none=True)
+        with record_function("bench::forward"):
+            loss = _loss_of(self.wrapped(ids, labels=ids))
+        with record_function("bench::backward"):
+            loss.backward()
+        with record_function("bench::optimizer"):
+            self.optim.step()
+        return loss.item()
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for key, value in self.model.state_dict().items():  # same order on every rank
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            out[key] = value.detach().to("cpu", copy=True)
+        return out
+
+    def memory(self) -> dict[str, int]:
+        params = list(self.model.parameters())
+        return {
+            "params": storage_bytes(params),
+            "grads": storage_bytes(p.grad for p in params),
+            "optimizer_states": storage_bytes(optimizer_state_tensors(self.optim)),
+        }
+
+
+def _merged(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), dict) else value
+    return out
+
+
+class ZeroFXRunner:
+    def __init__(self, model: nn.Module, stage: int, optim_kind: str, lr: float, example: torch.Tensor,
+                 extra_config: Mapping[str, Any] | None = None) -> None:
+        import zerofx
+
+        config = {"zero_optimization": {"stage": stage}, "optimizer": {"type": optim_kind, "params": {"lr": lr}}}
+        config = _merged(config, extra_config or {})
+        self.engine = zerofx.initialize(model, config, example_inputs=(example,), example_kwargs={"labels": example})
+
+    def step(self, ids: torch.Tensor) -> float:
+        with record_function("bench::forward"):
+            loss = self.engine(ids, labels=ids)
+        with record_function("bench::backward"):
+            self.engine.backward(loss)
+        with record_function("bench::optimizer"):
+            self.engine.step()
+        return loss.item()
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.engine.full_state_dict().items()}
+
+    def memory(self) -> dict[str, int]:
+        return dict(self.engine.memory())
+
+
+class DeepSpeedRunner:
+    def __init__(self, model: nn.Module, stage: int, optim_kind: str, lr: float, micro_batch: int, world_size: int) -> None:
+        import deepspeed
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        config = {
+            "train_micro_batch_size_per_gpu": micro_batch,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": micro_batch * world_size,
+            "zero_optimization": {"stage": stage},
+            # DeepSpeed clips at 1.0 unless told otherwise; the other systems do not clip.
+            "gradient_clipping": 0.0,
+            # The same torch optimizer object as every other system, passed in as a client optimizer.
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 1 << 30,
+        }
+        optim = make_optimizer(optim_kind, lr, model.parameters())
+        self.model = model
+        self.engine, self.optim, _, _ = deepspeed.initialize(model=model, optimizer=optim, config=config)
+        self.stage = stage
+
+    def step(self, ids: torch.Tensor) -> float:
+        with record_function("bench::forward"):
+            loss = _loss_of(self.engine(ids, labels=ids))
+        with record_function("bench::backward"):
+            self.engine.backward(loss)
+        with record_function("bench::optimizer"):
+            self.engine.step()
+        return loss.item()
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(self.model.parameters())) if self.stage == 3 else contextlib.nullcontext()
+        with gather:
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def memory(self) -> dict[str, int]:
+        inner = self.optim.optimizer  # the torch optimizer inside the ZeRO wrapper; it steps the fp32 partitions
+        masters = [p for group in inner.param_groups for p in group["params"]]
+        params = [getattr(p, "ds_tensor", None) if self.stage == 3 else p for p in self.model.parameters()]
+        param_ptrs = {t.untyped_storage().data_ptr() for t in params if t is not None}
+        return {
+            "params": storage_bytes(params),
+            "grads": storage_bytes([p.grad for p in self.model.parameters()] + [p.grad for p in masters]),
+            # fp32 master partitions (a second copy even in fp32 training) and the optimizer's state.
+            "optimizer_states": storage_bytes([p for p in masters if p.untyped_storage().data_ptr() not in param_ptrs]
+                                              + optimizer_state_tensors(inner)),
+        }
+
+
+def build_runner(
+    system: str, *, size: str, seed: int, device: torch.device, optim_kind: str, lr: float, example: torch.Tensor,
+    micro_batch: int, zerofx_config: str | None = None,
+) -> tuple[Any, float, int]:
+    """Build ``system`` on this rank; return (runner, setup seconds, number of parameters).
+
+    Setup time covers what the system adds on top of building the model: wrapping and sharding
+    (DDP, FSDP2, DeepSpeed) or capture, planning and rewriting (zerofx ``initialize``)."""
+    system, own_optimizer = split_system(system)
+    if own_optimizer is not None and own_optimizer != optim_kind:
+        optim_kind, lr = own_optimizer, DEFAULT_LR[own_optimizer]
+    model = build_model(size, seed, device)
+    num_params = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    runner: Any
+    if system in ("single", "local"):
+        runner = EagerRunner(model, model, make_optimizer(optim_kind, lr, model.parameters()))
+    elif system == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, gradient_as_bucket_view=True)
+        runner = EagerRunner(model, ddp, make_optimizer(optim_kind, lr, ddp.parameters()))
+    elif system in ("fsdp2", "fsdp2_noreshard"):
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = system == "fsdp2"
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        runner = EagerRunner(model, model, make_optimizer(optim_kind, lr, model.parameters()))
+    elif system.startswith("zerofx"):
+        runner = ZeroFXRunner(model, int(system[-1]), optim_kind, lr, example, json.loads(zerofx_config or "{}"))
+    elif system.startswith("deepspeed"):
+        runner = DeepSpeedRunner(model, int(system[-1]), optim_kind, lr, micro_batch, dist.get_world_size())
+    else:
+        raise ValueError(f"unknown system {system!r}; accepted: {', '.join(SYSTEMS)}")
+    return runner, time.perf_counter() - start, num_params
+
+
+def synchronize(device: torch.device) -> Callable[[], None]:
+    """A function that waits for ``device``'s queued work (a no-op on CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
