@@ -33,9 +33,10 @@ class CommSpec:
         return self.inter_alpha_s, self.inter_bandwidth
 
 
-# Measured on this project's CPU machine (ANCHORS.md): gloo over loopback moves 0.4-0.75 GB/s
-# for all-gather and reduce-scatter; its per-step latency is around 100 us.
-CPU_GLOO = CommSpec("cpu-gloo", 100e-6, 0.5e9, 100e-6, 0.5e9, ranks_per_node=64)
+# Measured on this project's CPU machine with `zerofx calibrate` (2 gloo ranks over loopback):
+# 450 us per ring step (Python dispatch included) and 0.48 GB/s bus bandwidth, in line with the
+# 0.4-0.75 GB/s ANCHORS.md reports for all-gather and reduce-scatter.
+CPU_GLOO = CommSpec("cpu-gloo", 450e-6, 0.48e9, 450e-6, 0.48e9, ranks_per_node=64)
 # 8 H100 per node on NVLink (~370 GB/s bus bandwidth for NCCL ring collectives), nodes joined by
 # 8 x 400 Gb/s InfiniBand (~45 GB/s per rank).
 H100_NVLINK_IB = CommSpec("8xH100-nvlink-ib400", 10e-6, 370e9, 20e-6, 45e9, ranks_per_node=8)

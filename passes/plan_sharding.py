@@ -28,6 +28,9 @@ def place_param(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, requires_g
     return ParamPlacement(fqn, tuple(shape), str(dtype), requires_grad, numel, shard, shard * world_size)
 
 
+DEFAULT_MAX_BUCKET_NUMEL = 50_000_000
+
+
 def persistent_params(placements: list[ParamPlacement], stage: ZeroStage, threshold: int) -> frozenset[str]:
     """Stage-3 parameters small enough to keep whole on every rank: gathering them would cost a
     collective's latency for a few bytes (DeepSpeed's ``stage3_param_persistence_threshold``)."""
@@ -69,7 +72,9 @@ def plan_sharding(
 
     # Bucket caps: the config's (in elements), else the smallest message the ring moves efficiently.
     itemsize = placements[0].itemsize if placements else 4
-    default_cap = efficient_bucket_bytes(world_size, comm)
+    # At large world sizes the efficient message grows with N (N - 1 latencies per ring); bound it
+    # by DeepSpeed's default stage3_prefetch_bucket_size (5e7 elements) so gathered memory stays sane.
+    default_cap = min(efficient_bucket_bytes(world_size, comm), DEFAULT_MAX_BUCKET_NUMEL * itemsize)
 
     def cap(numel: int | None) -> int:
         return default_cap if numel is None else int(numel) * itemsize

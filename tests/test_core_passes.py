@@ -157,12 +157,13 @@ def test_bucket_planner_closed_form() -> None:
 
 def test_default_buckets_come_from_the_comm_model() -> None:
     # 90% of ring time on the wire: B >= N * bw * alpha * 0.9 / 0.1.
-    assert efficient_bucket_bytes(4, CPU_GLOO) == int(4 * 0.5e9 * 100e-6 * 9)
+    alpha, bandwidth = CPU_GLOO.link(4)
+    assert efficient_bucket_bytes(4, CPU_GLOO) == int(4 * bandwidth * alpha * 0.9 / 0.1)
     plan = meta_program(3, 4).plan  # the tiny model is smaller than one efficient bucket
     assert len(plan.gather_buckets) == 1 and len(plan.reduce_buckets) == 1
     # Ring all-gather: (N - 1) steps of alpha + B / (N bw).
-    assert estimate_all_gather_s(4e6, 4, CPU_GLOO) == pytest.approx(3 * (100e-6 + 1e6 / 0.5e9))
-    assert estimate_all_reduce_s(4e6, 4, CPU_GLOO) == pytest.approx(2 * 3 * (100e-6 + 1e6 / 0.5e9))
+    assert estimate_all_gather_s(4e6, 4, CPU_GLOO) == pytest.approx(3 * (alpha + 1e6 / bandwidth))
+    assert estimate_all_reduce_s(4e6, 4, CPU_GLOO) == pytest.approx(2 * 3 * (alpha + 1e6 / bandwidth))
 
 
 def test_collective_sequence_divergence_is_named() -> None:
