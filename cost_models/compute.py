@@ -41,11 +41,12 @@ def _numel(val: object) -> int:
     return 0
 
 
-def _nbytes(val: object) -> int:
+def value_bytes(val: object) -> int:
+    """Bytes of a node's value: a tensor, or a tuple/list of them (multi-output ops)."""
     if isinstance(val, torch.Tensor):
         return val.numel() * val.element_size()
     if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
+        return sum(value_bytes(v) for v in val)
     return 0
 
 
@@ -86,5 +87,5 @@ def estimate_node_s(node: fx.Node, spec: DeviceSpec) -> float:
         return 0.0
     if is_matmul_like(node):
         return estimate_flops(node) / spec.matmul_flops_per_s
-    moved = _nbytes(node.meta.get("val")) + sum(_nbytes(a.meta.get("val")) for a in node.all_input_nodes)
+    moved = value_bytes(node.meta.get("val")) + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     return moved / spec.memory_bytes_per_s

@@ -15,11 +15,14 @@ into its persistent gradient buffers.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+
+from cost_models.compute import value_bytes
 
 aten = torch.ops.aten
 
@@ -39,19 +42,11 @@ class TimelinePoint:
     live_bytes: int
 
 
-def _nbytes(val: object) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
-    return 0
-
-
 def _is_view(node: fx.Node) -> bool:
     if node.target in VIEW_OPS:
         return True
     # getitem of a multi-output op (e.g. unbind, split) returns a view of that op's storage
-    return node.target is __import__("operator").getitem
+    return node.target is operator.getitem
 
 
 def graph_timeline(gm: fx.GraphModule, name: str, *, counted_inputs: Iterable[str] = (), keep_outputs: bool = False) -> list[TimelinePoint]:
@@ -82,7 +77,7 @@ def graph_timeline(gm: fx.GraphModule, name: str, *, counted_inputs: Iterable[st
         if n.op == "placeholder" and n.name not in counted:
             continue
         if n.op in ("placeholder", "call_function"):
-            size[n] = _nbytes(n.meta.get("val"))
+            size[n] = value_bytes(n.meta.get("val"))
     frees: dict[int, int] = {}
     for o, nbytes in size.items():
         if o not in last_use:
