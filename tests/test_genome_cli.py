@@ -238,3 +238,29 @@ def test_kmer_tokens_and_windows() -> None:
     single = next(iter(genome_windows(bundled_genome(), 96, batch_size=2, shuffle_windows=0)))
     assert batch.shape == (2, 32) and torch.equal(batch, kmer_tokens(single, 3))
     assert int(batch.max()) < kmer_vocab_size(3)
+
+
+def test_config_schema_is_generated_from_the_validator(capsys: pytest.CaptureFixture[str]) -> None:
+    from zerofx.config import SCHEMA
+
+    assert main(["config-schema", "--format", "json"]) == 0
+    keys = {row["key"]: row for row in json.loads(capsys.readouterr().out)}
+    assert set(SCHEMA) <= set(keys)
+    assert keys["zero_optimization.stage"]["accepted"] == "0, 1, 2 or 3"
+    assert keys["fp16.initial_scale_power"]["acted_on"] is True or keys["fp16.initial_scale_power"]["acted_on"] == "yes"
+    assert keys["zero_optimization.offload_optimizer.device"]["acted_on"] == "read, warns"
+
+
+def test_train_under_torchrun(tmp_path: Path) -> None:
+    """torchrun is the launcher: each process it starts is one rank of zerofx train."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "zerofx.cli",
+           "train", "--steps", "2", "--seq-len", "64", "--output-dir", str(tmp_path / "run")]
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "on 2 gloo ranks" in out.stdout and "step 2/2 loss" in out.stdout and "perplexity" in out.stdout
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [r.get("step") for r in log if "step" in r] == [1, 2] and "eval_perplexity" in log[-1]

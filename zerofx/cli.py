@@ -219,6 +219,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_schema(args: argparse.Namespace) -> int:
+    """Print every config key zerofx knows, generated from ``zerofx.config.SCHEMA``."""
+    from zerofx.config import schema_rows
+
+    rows = schema_rows()
+    if args.format == "json":
+        print(json.dumps([dict(zip(("key", "type", "accepted", "acted_on", "meaning"), r)) for r in rows], indent=1))
+    else:
+        print(tabulate(rows, headers=["key", "type", "accepted", "acted on", "meaning"], tablefmt="github"))
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure collectives and compute on local gloo ranks; write a profile for ``plan --profile``."""
     _check_positive("--world-size", args.world_size)
@@ -560,6 +572,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config, for the --model activation estimate")
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
     p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("config-schema", help="list every DeepSpeed/zerofx config key, its type and accepted values",
+                       description="The config's documentation, generated from the schema zerofx validates against.")
+    p.add_argument("--format", choices=("markdown", "json"), default="markdown", help="output format (default: markdown)")
+    p.set_defaults(func=cmd_config_schema)
 
     p = sub.add_parser("calibrate", help="measure this machine's collectives and compute into a planner profile",
                        description="Time all-gathers on local gloo ranks and a matmul and a copy on one core; fit the "

@@ -128,6 +128,18 @@ SCHEMA: dict[str, Key] = {
 _WARNED: set[str] = set()
 
 
+def schema_rows(schema: Mapping[str, Key] = SCHEMA, prefix: str = "") -> list[tuple[str, str, str, str, str]]:
+    """(key, type, accepted, acted on?, meaning) for every key, depth first: the config's
+    documentation, generated from ``SCHEMA`` so it is never written twice."""
+    rows = []
+    for name, key in schema.items():
+        path = f"{prefix}{name}"
+        rows.append((path, _type_names(key.types), key.accepted or "-", "yes" if key.acted_on else "read, warns", key.doc))
+        if key.children is not None:
+            rows += schema_rows(key.children, f"{path}.")
+    return rows
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     """Which optimizer to build on each rank's shard, and with what arguments."""
