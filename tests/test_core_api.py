@@ -34,7 +34,9 @@ def test_huggingface_llama_captures_and_plans() -> None:
     assert program.captured.tied == {"lm_head.weight": "model.embed_tokens.weight"}
     assert any(b.fqn.endswith("inv_freq") for b in program.captured.buffers)
     fw = program.graph_modules(rank=3)["forward"]
-    assert sum(meta.is_all_gather(n) for n in fw.graph.nodes) == len(fqns)
+    gathers = [n for n in fw.graph.nodes if meta.is_all_gather(n)]
+    assert len(gathers) == len(program.plan.gather_buckets)
+    assert {f for g in gathers for f in g.meta[meta.COMM_FQNS]} == fqns
 
 
 @dataclasses.dataclass
@@ -145,8 +147,9 @@ def test_missing_example_inputs_and_bad_rank() -> None:
 
 def test_config_file_and_unacted_keys_warn(tmp_path) -> None:
     path = tmp_path / "ds_config.json"
-    path.write_text('{"zero_optimization": {"stage": 2, "overlap_comm": true}, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}')
-    with pytest.warns(UserWarning, match="zero_optimization.overlap_comm"):
+    path.write_text('{"zero_optimization": {"stage": 2, "contiguous_gradients": true}, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}')
+    zerofx.config._WARNED.discard("zero_optimization.contiguous_gradients")  # warned once per process
+    with pytest.warns(UserWarning, match="zero_optimization.contiguous_gradients"):
         program = zerofx.compile(dna(), config=str(path), example_inputs=(IDS,), example_kwargs={"labels": IDS})
     assert program.world_size == 4 and int(program.stage) == 2  # world size implied by the batch sizes
 
