@@ -27,13 +27,14 @@ def test_zero_paper_figure_1() -> None:
 def test_model_state_bytes_closed_form() -> None:
     @dataclasses.dataclass
     class P:
+        fqn: str
         numel: int
         shard_numel: int
         padded_numel: int
         itemsize: int = 4
         requires_grad: bool = True
 
-    params = [P(10, 3, 12), P(8, 2, 8)]  # N = 4
+    params = [P("a", 10, 3, 12), P("b", 8, 2, 8)]  # N = 4
     assert estimate_model_state_bytes(params, stage=3, optimizer="AdamW") == {"params": 20, "grads": 20, "optimizer_states": 48}
     assert estimate_model_state_bytes(params, stage=0, optimizer="SGD") == {"params": 80, "grads": 80, "optimizer_states": 0}
 
