@@ -264,3 +264,14 @@ def test_train_under_torchrun(tmp_path: Path) -> None:
     assert "on 2 gloo ranks" in out.stdout and "step 2/2 loss" in out.stdout and "perplexity" in out.stdout
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert [r.get("step") for r in log if "step" in r] == [1, 2] and "eval_perplexity" in log[-1]
+
+
+def test_train_takes_the_micro_batch_from_the_config(tmp_path: Path) -> None:
+    from zerofx.cli import TrainOptions, _check_train_options
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}')
+    opts = _check_train_options(TrainOptions(config=cfg, seq_len=64))
+    assert opts.batch_size == 3 and opts.stage == 2
+    assert _check_train_options(TrainOptions(config=cfg, seq_len=64, batch_size=1)).batch_size == 1
+    assert _check_train_options(TrainOptions(seq_len=64)).batch_size == 2

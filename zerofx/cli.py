@@ -49,6 +49,7 @@ from zerofx.program import plan_program, resolve
 
 GIB = 2**30
 DEFAULT_TRAIN_STAGE = 3
+DEFAULT_TRAIN_BATCH = 2
 
 
 class UsageError(ZeroFXError):
@@ -256,7 +257,7 @@ class TrainOptions:
     config: Path | None = None
     steps: int = 20
     seq_len: int = 128
-    batch_size: int = 2
+    batch_size: int | None = None  # None: the config's train_micro_batch_size_per_gpu, else 2
     lr: float = 3e-3
     seed: int = 0
     print_graph: bool = False
@@ -283,6 +284,9 @@ def _check_train_options(opts: TrainOptions) -> TrainOptions:
     genome resolved. Raises ``ZeroFXError`` subclasses naming the bad value."""
     cfg = model_config(opts.model)
     _check_stage(opts.stage)
+    if opts.batch_size is None:
+        micro = parse_config(opts.config).raw.get("train_micro_batch_size_per_gpu") if opts.config is not None else None
+        opts = replace(opts, batch_size=micro or DEFAULT_TRAIN_BATCH)
     for name, value in (("--world-size", opts.world_size), ("--steps", opts.steps), ("--batch-size", opts.batch_size)):
         _check_positive(name, value)
     if not 2 <= opts.seq_len <= cfg.max_seq_len:
@@ -381,14 +385,19 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
     log = _JsonlLog(Path(opts.output_dir) / "train_log.jsonl" if opts.output_dir is not None and rank == 0 else None)
     tokens_per_step = opts.batch_size * opts.seq_len * world_size
     bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", disable=rank != 0 or not sys.stderr.isatty())
+    accumulate = engine.gradient_accumulation_steps  # micro-batches per optimizer step
+    tokens_per_step *= accumulate
     for step in range(start + 1, opts.steps + 1):
-        batch = next(stream)
         t0 = time.perf_counter()
-        loss = engine(batch, labels=batch)
-        engine.backward(loss)
-        engine.step()
+        micro_losses = []
+        for _ in range(accumulate):
+            batch = next(stream)
+            loss = engine(batch, labels=batch)
+            engine.backward(loss)
+            engine.step()  # steps the optimizer at the accumulation boundary only
+            micro_losses.append(loss.detach().float())
         elapsed = time.perf_counter() - t0
-        mean_loss = loss.detach().float().clone()
+        mean_loss = torch.stack(micro_losses).mean()
         dist.all_reduce(mean_loss)  # every rank must join the collective, not only the printer
         mean = mean_loss.item() / world_size
         state_bytes = sum(engine.memory().values())
@@ -401,7 +410,7 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
                       tokens_per_s=tokens_per_step / elapsed, model_state_bytes_per_rank=state_bytes, peak_rss_bytes=rss)
         if opts.output_dir is not None and (step == opts.steps or (opts.save_every and step % opts.save_every == 0)):
             tag = f"step-{step:08d}"
-            engine.save_checkpoint(opts.output_dir, tag, client_state={"step": step, "batches_consumed": consumed + step - start})
+            engine.save_checkpoint(opts.output_dir, tag, client_state={"step": step, "batches_consumed": consumed + (step - start) * accumulate})
             if rank == 0:
                 bar.write(f"saved checkpoint {Path(opts.output_dir) / tag}")
     bar.close()
@@ -593,9 +602,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2, help="number of local ranks to spawn (default: 2)")
     p.add_argument("--stage", type=int, help=f"ZeRO stage 0-3 (default: the config's, else {DEFAULT_TRAIN_STAGE})")
     p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config; replaces the default AdamW and --lr")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
+    p.add_argument("--steps", type=int, default=20,
+                   help="optimizer steps; each takes the config's gradient_accumulation_steps micro-batches (default: 20)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per window (default: 128)")
-    p.add_argument("--batch-size", type=int, default=2, help="windows per rank per step (default: 2)")
+    p.add_argument("--batch-size", type=int,
+                   help="windows per rank per micro-step (default: the config's train_micro_batch_size_per_gpu, else 2)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate when no --config (default: 3e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed for the model init and the data shuffle (default: 0)")
     p.add_argument("--print-graph", action="store_true", help="print rank 0's forward graph and its all-gather counts")
