@@ -42,3 +42,13 @@ def hf_llama_tiny():
         model = LlamaForCausalLM(cfg)
     ids = torch.zeros(1, 256, dtype=torch.long, device="meta")
     return model, {"input_ids": ids, "labels": ids}
+
+
+def decoder_20b():
+    """A 20B-parameter decoder (44 layers, d6144): the planner's scale test, built on meta."""
+    from zerofx.models.dna_lm import DNALMConfig
+
+    with torch.device("meta"):
+        model = DNADecoderLM(DNALMConfig(dim=6144, num_layers=44, num_heads=48, ffn_dim=16384, max_seq_len=2048))
+    ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    return model, ((ids,), {"labels": ids})

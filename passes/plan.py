@@ -101,6 +101,7 @@ class ScheduleOptions:
     max_live_numel: float = float("inf")  # gathered parameter elements alive at once (stage 3)
     persistence_threshold: int = 0  # stage 3: parameters with fewer elements stay unsharded
     overlap: bool = True  # issue collectives early and wait late
+    memory_budget_bytes: float | None = None  # per rank, for the whole step's peak
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,9 @@ class Plan:
     persistent: tuple[str, ...]
     schedule: tuple[Collective, ...]
     estimates: Mapping[str, int] = field(default_factory=dict)
+    # Why a choice differs from its default, with the estimate behind it (e.g. a prefetch
+    # distance lowered to fit the memory budget).
+    decisions: tuple[str, ...] = ()
 
     def param(self, fqn: str) -> ParamPlacement:
         for p in self.params:
@@ -162,6 +166,7 @@ class Plan:
             persistent=tuple(d["persistent"]),
             schedule=tuple(Collective(CommKind(c["kind"]), tuple(c["fqns"]), c["graph"], c["bytes_per_rank"]) for c in d["schedule"]),
             estimates=d["estimates"],
+            decisions=tuple(d.get("decisions", ())),
         )
 
     def fingerprint(self) -> str:
@@ -182,4 +187,7 @@ class Plan:
             counts.setdefault((c.graph, c.kind.value), []).append(c.bytes_per_rank)
         rows = [(g, k, len(v), sum(v)) for (g, k), v in counts.items()]
         lines.append(tabulate(rows, headers=["graph", "collective", "count", "bytes in per rank"], tablefmt="simple"))
+        if self.stage is ZeroStage.THREE:
+            lines.append(f"prefetch distance {self.prefetch_distance} bucket(s) ahead")
+        lines += [f"decision: {d}" for d in self.decisions]
         return "\n".join(lines)

@@ -9,6 +9,7 @@ partitioner produce; a test checks the two agree collective for collective.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -17,8 +18,19 @@ import torch.fx as fx
 from cost_models.comm import CPU_GLOO, CommSpec, efficient_bucket_bytes
 from cost_models.memory import estimate_model_state_bytes
 from passes import meta
-from passes.plan import Collective, CommKind, ParamPlacement, Plan, ScheduleOptions, ZeroStage
-from passes.plan_buckets import choose_prefetch_distance, plan_buckets
+from passes.plan import (
+    Collective,
+    CommKind,
+    ParamPlacement,
+    Plan,
+    ScheduleOptions,
+    ZeroStage,
+)
+from passes.plan_buckets import (
+    choose_prefetch_distance,
+    plan_buckets,
+    repeated_blocks_of,
+)
 
 
 def place_param(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool, world_size: int) -> ParamPlacement:
@@ -80,18 +92,20 @@ def plan_sharding(
         return default_cap if numel is None else int(numel) * itemsize
 
     padded_bytes = {p.fqn: p.padded_numel * p.itemsize for p in placements}
+    block_of = repeated_blocks_of({p.fqn: p.shape for p in placements})
+    buckets = functools.partial(plan_buckets, block_of=block_of)
     gather_buckets = reduce_buckets = sync_buckets = ()
     prefetch = 0
     if stage is ZeroStage.THREE:
-        gather_buckets = plan_buckets(gather_order, padded_bytes, cap(options.gather_bucket_numel))
+        gather_buckets = buckets(gather_order, padded_bytes, cap(options.gather_bucket_numel))
         preferred = 1 if options.prefetch_distance is None else options.prefetch_distance
         numels = [sum(by_fqn[f].padded_numel for f in b) for b in gather_buckets]
         prefetch = choose_prefetch_distance(numels, options.max_live_numel, preferred=preferred) if options.overlap else 0
-    reduce_buckets = plan_buckets(reduce_order, padded_bytes, cap(options.reduce_bucket_numel))
+    reduce_buckets = buckets(reduce_order, padded_bytes, cap(options.reduce_bucket_numel))
     if stage in (ZeroStage.ONE, ZeroStage.TWO):
-        sync_buckets = plan_buckets(reduce_order, padded_bytes, cap(options.sync_bucket_numel))
+        sync_buckets = buckets(reduce_order, padded_bytes, cap(options.sync_bucket_numel))
     elif stage is ZeroStage.THREE and persistent:
-        sync_buckets = plan_buckets([f for f in reduce_order if f in persistent], padded_bytes, cap(options.sync_bucket_numel))
+        sync_buckets = buckets([f for f in reduce_order if f in persistent], padded_bytes, cap(options.sync_bucket_numel))
 
     def shard_bytes(bucket: tuple[str, ...]) -> int:
         return sum(by_fqn[f].shard_numel * by_fqn[f].itemsize for f in bucket)

@@ -39,13 +39,33 @@ from cost_models.profiles import load_profile
 from passes.analyze_schedule import format_report
 from passes.meta import is_all_gather
 from passes.plan import format_bytes
-from zerofx.checkpoint import consolidate, latest_complete_tag, read_metadata, resolve_tag
-from zerofx.config import parse_config
+from zerofx.checkpoint import (
+    consolidate,
+    latest_complete_tag,
+    read_metadata,
+    resolve_tag,
+)
+from zerofx.config import load_config, parse_config
 from zerofx.data.genome import bundled_genome, genome_windows
 from zerofx.errors import ZeroFXError, did_you_mean
+from zerofx.folding import (
+    AUTO_FOLD_MIN_BLOCKS,
+    RepeatedBlocks,
+    find_repeated_blocks,
+    folded_json,
+    format_folded,
+    plan_folded,
+)
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig
-from zerofx.planning import ModelSpec, load_model_spec, parse_bytes, plot_report, report_json, solve_seq_len
-from zerofx.program import plan_program, resolve
+from zerofx.planning import (
+    ModelSpec,
+    load_model_spec,
+    parse_bytes,
+    plot_report,
+    report_json,
+    solve_memory,
+)
+from zerofx.program import Program, plan_program, resolve
 
 GIB = 2**30
 DEFAULT_TRAIN_STAGE = 3
@@ -140,24 +160,38 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.world_size is None and args.config is None:
         raise UsageError("--world-size is required (or give --config with zerofx.world_size or batch sizes)")
     budget = parse_bytes(args.budget) if args.budget is not None else None
+    user_config = args.config
+    if budget is not None:  # the planner fits the prefetch distance to it (zerofx.memory_budget)
+        args.config = _with_memory_budget(args.config, budget)
     if args.solve is not None and budget is None:
-        raise UsageError("--solve seq_len needs --budget, the memory per rank to fit in (e.g. 80GiB)")
+        raise UsageError(f"--solve {args.solve} needs --budget, the memory per rank to fit in (e.g. 80GiB)")
     comm, device = _profile(args)
     spec = _load_model(args)
+    blocks = find_repeated_blocks(spec.model)
+    fold = args.fold == "on" or (args.fold == "auto" and blocks is not None and blocks.count >= AUTO_FOLD_MIN_BLOCKS)
+    if args.fold == "on" and blocks is None:
+        raise UsageError(f"--fold on: {spec.label} has no nn.ModuleList/nn.Sequential of identical blocks to fold; use --fold off")
+    if fold:
+        return _plan_folded(args, spec, blocks, comm, device, budget)
     program = zerofx.compile(spec.model, world_size=args.world_size, stage=args.stage, config=args.config,
                              example_inputs=spec.args, example_kwargs=spec.kwargs)
     report = program.report(args.rank, comm=comm, device=device)
     solved = None
     if args.solve is not None:
-        max_len = getattr(getattr(spec.model, "cfg", None), "max_seq_len", None) or args.max_seq_len
-        solved = solve_seq_len(spec, world_size=program.world_size, stage=int(program.stage), config=args.config,
-                               budget_bytes=budget, max_seq_len=max_len, rank=args.rank)
+        if args.solve == "seq_len":
+            upper = getattr(getattr(spec.model, "cfg", None), "max_seq_len", None) or args.max_seq_len
+        else:
+            upper = args.max_batch_size
+        # The user's config: each sample must plan the same prefetch, or their nodes would not align.
+        solved = solve_memory(spec, args.solve, world_size=program.world_size, stage=int(program.stage), config=user_config,
+                              budget_bytes=budget, upper=upper, rank=args.rank)
     if args.plot is not None:
         plot_report(report, args.plot, title=spec.label, budget_bytes=budget)
     if args.format == "json":
         data = json.loads(report_json(program, report, budget))
         if solved is not None:
-            data["solve"] = {"seq_len": solved.seq_len, "peak_bytes_expr": str(solved.peak_expr), "peak_at": solved.peak_node}
+            data["solve"] = {solved.variable: solved.value, "peak_bytes_expr": str(solved.peak_expr), "peak_at": solved.peak_node,
+                             "samples": [list(x) for x in solved.samples]}
         print(json.dumps(data, indent=1))
         return 0
     shapes = ", ".join(str(tuple(t.shape)) for t in [*spec.args, *spec.kwargs.values()] if isinstance(t, torch.Tensor))
@@ -165,10 +199,63 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(program.plan)
     print(format_report(report, budget_bytes=budget))
     if solved is not None:
-        print(f"longest sequence that fits {format_bytes(budget)} per rank: seq_len = {solved.seq_len} "
-              f"(peak bytes = {solved.peak_expr} at {solved.peak_node}, exact in T from captures at {solved.samples})")
+        what = "longest sequence" if solved.variable == "seq_len" else "largest batch"
+        print(f"{what} that fits {format_bytes(budget)} per rank: {solved.variable} = {solved.value} "
+              f"(peak bytes = {solved.peak_expr} at {solved.peak_node}, exact in B (batch) and T (tokens) "
+              f"from captures at (B, T) = {', '.join(map(str, solved.samples))})")
     if args.plot is not None:
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _with_memory_budget(config: Path | Mapping[str, Any] | None, budget_bytes: float) -> dict[str, Any]:
+    raw = dict(load_config(config)) if config is not None else {}
+    raw["zerofx"] = {**raw.get("zerofx", {}), "memory_budget": budget_bytes}
+    return raw
+
+
+def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBlocks, comm: Any, device: Any,
+                 budget: float | None) -> int:
+    """``zerofx plan`` from captures of the model cut to 1 and 2 blocks (``zerofx.folding``)."""
+    if args.solve is not None or args.plot is not None:
+        raise UsageError("--solve and --plot need the whole model's timeline: add --fold off")
+    programs: list[Program] = []
+
+    def report_for(model: torch.nn.Module, config: Mapping[str, Any]) -> Any:
+        program = zerofx.compile(model, world_size=args.world_size, stage=args.stage, config=config,
+                                 example_inputs=spec.args, example_kwargs=spec.kwargs)
+        programs.append(program)
+        return program.report(args.rank, comm=comm, device=device)
+
+    # The cut models' peaks are smaller than the whole model's, so the planner cannot fit the
+    # prefetch distance to the budget on them (NOTE [Prefetch under a memory budget]): folding
+    # does it here, on the extrapolated peak.
+    config = dict(load_config(args.config)) if args.config is not None else {}
+    own = {k: v for k, v in config.get("zerofx", {}).items() if k != "memory_budget"}
+    folded = plan_folded(spec.model, blocks, lambda m: report_for(m, {**config, "zerofx": own}))
+    sample = programs[-1]
+    first_distance = distance = sample.plan.prefetch_distance
+    while budget is not None and folded.peak_bytes > budget and distance > 0:
+        distance -= 1
+        folded = plan_folded(spec.model, blocks, lambda m: report_for(m, {**config, "zerofx": {**own, "prefetch_distance": distance}}))
+        sample = programs[-1]
+    decisions = [] if distance == first_distance else [
+        f"prefetch distance lowered from {first_distance} to {distance} for the memory budget {format_bytes(budget)} "
+        f"(extrapolated peak {format_bytes(folded.peak_bytes)})"]
+    if args.format == "json":
+        plan_json = json.loads(sample.plan.to_json())
+        plan_json["decisions"] = [*plan_json.get("decisions", []), *decisions]
+        print(json.dumps(folded_json(folded, plan_json, budget), indent=1, default=list))
+        return 0
+    shapes = ", ".join(str(tuple(t.shape)) for t in [*spec.args, *spec.kwargs.values()] if isinstance(t, torch.Tensor))
+    num_params = sum(p.numel() for p in spec.model.parameters())
+    print(f"model {spec.label}: {type(spec.model).__name__}, {num_params:,} parameters, example inputs {shapes}; "
+          f"profile {comm.name} / {device.name}")
+    print(f"plan of the 2-block capture (the whole model's {blocks.count} blocks plan the same way block by block):")
+    print(sample.plan)
+    for d in decisions:
+        print(f"decision: {d}")
+    print(format_folded(folded, budget_bytes=budget))
     return 0
 
 
@@ -562,11 +649,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1, help="sequences in a bundled model's example batch (default: 1)")
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
     p.add_argument("--budget", help="memory per rank to fit in, e.g. 80GiB: adds a fits / doesn't-fit verdict")
-    p.add_argument("--solve", choices=("seq_len",), help="answer the longest sequence length that fits --budget")
-    p.add_argument("--max-seq-len", type=int, default=1 << 20, help="upper bound for --solve when the model states none")
+    p.add_argument("--solve", choices=("seq_len", "batch_size"),
+                   help="answer the longest sequence (at the example's batch size) or the largest batch (at its "
+                        "sequence length) that fits --budget, from the memory model symbolic in both")
+    p.add_argument("--max-seq-len", type=int, default=1 << 20, help="upper bound for --solve seq_len when the model states none")
+    p.add_argument("--max-batch-size", type=int, default=1 << 16, help="upper bound for --solve batch_size (default 65536)")
     p.add_argument("--plot", type=Path, help="draw the memory timeline and a compute/communication Gantt chart to this PNG")
     p.add_argument("--profile", default="cpu", help="hardware profile: cpu, h100, or a file from zerofx calibrate (default: cpu)")
     p.add_argument("--rank", type=int, default=0, help="the rank to report (every rank runs the same graphs; default 0)")
+    p.add_argument("--fold", choices=("auto", "on", "off"), default="auto",
+                   help="plan a model of N identical blocks from captures of 1 and 2 of them and extrapolate (fast; "
+                        f"auto: when N >= {AUTO_FOLD_MIN_BLOCKS}); off plans every block (exact rows)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("estimate", help="model-state memory per device per ZeRO stage (the ZeRO paper's accounting)",

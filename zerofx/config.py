@@ -13,6 +13,7 @@ reported once, by name, as a warning.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -49,6 +50,25 @@ def _pos_int(v: Any) -> bool:
 
 
 _NUM = (int, float)
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str | float) -> float:
+    """'80GiB', '1.5 TB', '123' or a number -> bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ConfigError(f"cannot read {text!r} as a size; accepted: a number with an optional unit among B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    return float(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def _size(v: Any) -> bool:
+    try:
+        return parse_bytes(v) > 0
+    except ConfigError:
+        return False
 _OFFLOAD = {
     "device": Key((str,), "where the state lives", lambda v: v in ("none", "cpu", "nvme"), "none, cpu or nvme", False),
     "nvme_path": Key((str,), "folder for NVMe offload files", acted_on=False),
@@ -122,6 +142,8 @@ SCHEMA: dict[str, Key] = {
     "zerofx": Key((dict,), "zerofx's own settings (DeepSpeed ignores this section)", children={
         "world_size": Key((int,), "number of ranks to plan for", _pos_int, "an integer >= 1"),
         "prefetch_distance": Key((int,), "stage-3 all-gather buckets issued ahead of use", _nonneg_int, "an integer >= 0"),
+        "memory_budget": Key((int, float, str), "memory per rank the step's peak must fit (the planner lowers the prefetch "
+                             "distance to fit it)", _size, "bytes > 0, as a number or a size like '80GiB'"),
     }),
 }
 
@@ -190,6 +212,7 @@ class ZeroConfig:
             max_live_numel=float(zero.get("stage3_max_live_parameters", float("inf"))),
             persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 0)),
             overlap=zero.get("overlap_comm", True),
+            memory_budget_bytes=parse_bytes(own["memory_budget"]) if "memory_budget" in own else None,
         )
 
 

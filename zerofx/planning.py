@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,20 +16,12 @@ import sympy
 import torch
 import torch.nn as nn
 
-from cost_models.symbolic import T, fit_timeline, longest_fitting
+from cost_models.memory_timeline import TimelinePoint
+from cost_models.symbolic import B, T, fit_timeline_batch_seq, longest_fitting
 from passes.analyze_schedule import ScheduleReport
+from zerofx.config import parse_bytes  # noqa: F401  (zerofx.planning.parse_bytes, as before)
 from zerofx.errors import ZeroFXError
 from zerofx.program import Program, compile
-
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_bytes(text: str) -> float:
-    """'80GiB', '1.5 TB', '123' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ZeroFXError(f"cannot read {text!r} as a size; accepted: a number with an optional unit among B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    return float(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
 @dataclass(frozen=True)
@@ -92,42 +83,112 @@ def with_seq_len(value: Any, old: int, new: int) -> Any:
     return value
 
 
+def with_batch_size(value: Any, old: int, new: int) -> Any:
+    """``value`` with every tensor whose dim 0 is the batch (``old``) resized to ``new``."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == old:
+        return torch.zeros((new, *value.shape[1:]), dtype=value.dtype, device=value.device)
+    if isinstance(value, tuple):
+        return tuple(with_batch_size(v, old, new) for v in value)
+    if isinstance(value, dict):
+        return {k: with_batch_size(v, old, new) for k, v in value.items()}
+    return value
+
+
+SOLVABLE = {"seq_len": T, "batch_size": B}
+# How far a sample may stray from the fitted polynomial (NOTE [Why a tolerance] in cost_models/symbolic.py).
+SOLVE_REL_TOL = 1e-3
+PEAK_REL_TOL = 0.05
+
+
 @dataclass(frozen=True)
 class SolveResult:
-    seq_len: int
-    peak_expr: sympy.Expr  # bytes at the peak node, as a polynomial in T
+    variable: str  # "seq_len" or "batch_size"
+    value: int  # the largest that fits; 0 when even the smallest does not
+    peak_expr: sympy.Expr  # bytes at the peak node, a polynomial in B and T
     peak_node: str
-    samples: tuple[int, ...]
+    samples: tuple[tuple[int, int], ...]  # the (batch, seq_len) points captured
+
+    @property
+    def seq_len(self) -> int:
+        assert self.variable == "seq_len"
+        return self.value
+
+
+def solve_memory(
+    spec: ModelSpec, variable: str, *, world_size: int, stage: int, config: Any, budget_bytes: float, upper: int, rank: int = 0
+) -> SolveResult:
+    """The largest ``seq_len`` (at the example's batch size) or ``batch_size`` (at its sequence
+    length) whose whole-step peak memory per rank fits ``budget_bytes``.
+
+    Captures the step at four sequence lengths and two batch sizes, plus one more batch size as a
+    check, fits each node's live bytes as a polynomial in B and T (``cost_models.symbolic``),
+    solves against the budget, and confirms the answer by capturing at it and one past it. Where
+    the partitioner saves different values at different sizes, nodes do not align across the
+    samples and the step's peak is fitted instead; the confirmation then searches from there.
+    """
+    if variable not in SOLVABLE:
+        raise ZeroFXError(f"cannot solve for {variable!r}; accepted: {', '.join(SOLVABLE)}")
+    example = [t for t in [*spec.args, *spec.kwargs.values()] if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    if not example:
+        raise ZeroFXError(f"--solve {variable} needs an example input of shape (batch, seq_len, ...)")
+    batch, seq = example[0].shape[0], example[0].shape[1]
+    base = max(8, min(seq, 64))
+    samples = [(b, t) for b in (batch, 2 * batch) for t in (base, 2 * base, 3 * base, 4 * base)] + [(3 * batch, base)]
+
+    def timeline(b: int, t: int) -> list[TimelinePoint]:
+        args = with_batch_size(with_seq_len(spec.args, seq, t), batch, b)
+        kwargs = with_batch_size(with_seq_len(dict(spec.kwargs), seq, t), batch, b)
+        program: Program = compile(spec.model, world_size=world_size, stage=stage, config=config, example_inputs=args, example_kwargs=kwargs)
+        return list(program.report(rank).timeline)
+
+    timelines, names = {}, None
+    for b, t in samples:
+        points = timeline(b, t)
+        timelines[(b, t)] = [p.live_bytes for p in points]
+        names = [f"{p.graph}:{p.node}" for p in points]
+    try:
+        exprs = fit_timeline_batch_seq(timelines, rel_tol=SOLVE_REL_TOL)
+    except ValueError:
+        # The partitioner saved different values at some sample, so nodes do not align across
+        # samples: fit the step's peak itself instead (the answer is confirmed by capture below).
+        peaks = {k: [max(v)] for k, v in timelines.items()}
+        try:
+            exprs = fit_timeline_batch_seq(peaks, rel_tol=PEAK_REL_TOL)
+        except ValueError as exc:
+            raise ZeroFXError(f"--solve {variable}: peak memory is not polynomial in batch and sequence length for this model ({exc})") from exc
+        names = ["(the step's peak, wherever it is)"]
+    unique = sorted(set(exprs), key=str)
+    symbol = SOLVABLE[variable]
+    fixed = {B: batch} if symbol is T else {T: seq}
+    best = longest_fitting(unique, budget_bytes, upper=upper, symbol=symbol, fixed=fixed)
+
+    def fits(x: int) -> bool:
+        b, t = (batch, x) if symbol is T else (x, seq)
+        return max(p.live_bytes for p in timeline(b, t)) <= budget_bytes
+
+    # Confirm by capture (NOTE [Why a tolerance] in cost_models/symbolic.py): find lo that fits
+    # and hi that does not around the estimate, galloping away from it, then bisect. When the
+    # fit was right, two captures.
+    lo, hi, step = best, best + 1, 1
+    while lo > 0 and not fits(lo):
+        hi, lo, step = lo, max(0, lo - step), step * 2
+    while hi <= upper and fits(hi):
+        lo, hi, step = hi, min(upper + 1, hi + step), step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    best = lo
+    at = {**fixed, symbol: max(best, 1)}
+    peak_index = max(range(len(exprs)), key=lambda i: exprs[i].subs(at))
+    return SolveResult(variable, best, exprs[peak_index], names[peak_index], tuple(samples))
 
 
 def solve_seq_len(
     spec: ModelSpec, *, world_size: int, stage: int, config: Any, budget_bytes: float, max_seq_len: int, rank: int = 0
 ) -> SolveResult:
-    """The longest sequence length whose whole-step peak memory per rank fits ``budget_bytes``.
-
-    Captures the step at four sequence lengths, fits each node's live bytes exactly as a
-    polynomial in T (checked at the fourth), and solves against the budget (``cost_models.symbolic``).
-    """
-    seq = next((t.shape[1] for t in [*spec.args, *spec.kwargs.values()] if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
-    if seq is None:
-        raise ZeroFXError("--solve seq_len needs an example input of shape (batch, seq_len, ...)")
-    base = max(8, min(seq, 64))
-    samples = (base, 2 * base, 3 * base, 4 * base)
-    timelines, names = {}, None
-    for t in samples:
-        program: Program = compile(
-            spec.model, world_size=world_size, stage=stage, config=config,
-            example_inputs=with_seq_len(spec.args, seq, t), example_kwargs=with_seq_len(dict(spec.kwargs), seq, t),
-        )
-        report = program.report(rank)
-        timelines[t] = [p.live_bytes for p in report.timeline]
-        names = [f"{p.graph}:{p.node}" for p in report.timeline]
-    exprs = fit_timeline(timelines)
-    best = longest_fitting(sorted(set(exprs), key=str), budget_bytes, upper=max_seq_len)
-    at = best if best > 0 else samples[0]
-    peak_index = max(range(len(exprs)), key=lambda i: exprs[i].subs(T, at))
-    assert names is not None
-    return SolveResult(best, exprs[peak_index], names[peak_index], samples)
+    """The longest sequence length that fits (``solve_memory(spec, "seq_len", ...)``)."""
+    return solve_memory(spec, "seq_len", world_size=world_size, stage=stage, config=config, budget_bytes=budget_bytes,
+                        upper=max_seq_len, rank=rank)
 
 
 def plot_report(report: ScheduleReport, path: Path, *, title: str, budget_bytes: float | None = None) -> None:

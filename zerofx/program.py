@@ -7,6 +7,7 @@ model built on the meta device plans for world size 8 or 1024 on a laptop.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from cost_models.compute import CPU_CORE, DeviceSpec
 from cost_models.memory import optimizer_kind
 from passes import Plan, ZeroStage, plan_sharding
 from passes.analyze_schedule import ScheduleReport, analyze_schedule
+from passes.plan import ScheduleOptions, format_bytes
 from zerofx.capture import CapturedStep, LossFn, capture_step
 from zerofx.config import ZeroConfig, parse_config
 from zerofx.errors import ZeroFXError
@@ -115,10 +117,37 @@ def resolve(config: str | Path | Mapping[str, Any] | None, *, stage: int | None,
 
 def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, group_name: str = PLANNING_GROUP) -> Program:
     opt = optimizer_kind(cfg.optimizer.type, dict(cfg.optimizer.params))
-    plan = plan_sharding(
-        captured.joint, world_size=world_size, stage=ZeroStage(cfg.stage), optimizer=opt, options=cfg.schedule_options()
-    )
-    return Program(captured, plan, group_name=group_name)
+    options = cfg.schedule_options()
+
+    def plan_with(opts: ScheduleOptions) -> Program:
+        plan = plan_sharding(captured.joint, world_size=world_size, stage=ZeroStage(cfg.stage), optimizer=opt, options=opts)
+        return Program(captured, plan, group_name=group_name)
+
+    program = plan_with(options)
+    budget = options.memory_budget_bytes
+    if budget is None or program.plan.prefetch_distance == 0:
+        return program
+    # NOTE [Prefetch under a memory budget]
+    # Each bucket prefetched ahead keeps one more gathered bucket alive, so the step's peak grows
+    # with the distance. The planner's distance obeys stage3_max_live_parameters; here the memory
+    # model (the lowered graphs' timeline) lowers it until the peak fits the budget. The plan is
+    # rebuilt, never patched: the rewrites read only the Plan.
+    chosen = program.plan.prefetch_distance
+    peak = program.report(0).peak.live_bytes
+    tried = [(chosen, peak)]
+    while peak > budget and program.plan.prefetch_distance > 0:
+        program = plan_with(replace(options, prefetch_distance=program.plan.prefetch_distance - 1))
+        peak = program.report(0).peak.live_bytes
+        tried.append((program.plan.prefetch_distance, peak))
+    if len(tried) > 1:
+        steps = ", ".join(f"{format_bytes(b)} at distance {d}" for d, b in tried)
+        verdict = "fits" if peak <= budget else "does not fit even without prefetch"
+        why = f"prefetch distance lowered from {chosen} to {program.plan.prefetch_distance} for the memory budget " \
+              f"{format_bytes(budget)} (estimated peak {steps}; {verdict})"
+        lowered = program._modules
+        program = Program(captured, replace(program.plan, decisions=(*program.plan.decisions, why)), group_name=group_name)
+        program._modules = lowered  # a decision note changes no graph
+    return program
 
 
 def compile(  # noqa: A001  (the public name users expect)

@@ -1,0 +1,240 @@
+"""Layer folding: plan a deep model from shallow copies of it.
+
+A decoder is a prologue (embeddings), N identical blocks and an epilogue (norm, head, loss).
+Capturing and lowering cost time proportional to N: a 20B decoder with 44 blocks takes minutes.
+Folding captures the model with its block list cut to 1 and to 2 blocks (on the meta device:
+the cut copies share the original's modules and allocate nothing), plans each exactly, and
+extrapolates the whole-model figures.
+
+NOTE [Why linear extrapolation is exact here]
+Every figure the planner reports is a sum over the step's nodes or collectives (bytes moved,
+compute, communication and exposed time, model-state bytes), or a peak of live bytes. Buckets
+end at block boundaries (NOTE [Buckets end at block boundaries] in ``passes/plan_buckets.py``),
+so each extra block adds the same nodes and the same collectives, and a sum over the model with
+N blocks is ``f(1) + (N - 1) * (f(2) - f(1))``. Peaks are taken per graph: a decoder's forward
+peaks in its last block or its head and its backward in its last block, with every earlier
+block's saved activations alive, so each extra block adds what one block keeps alive, which
+the two captures show where their nodes align (the end of forward, the start of backward).
+``tests/test_planning.py`` checks every figure against a full capture (equal, not close).
+What the rows cannot show is per-collective issue and wait node names for blocks 2..N-1;
+``--fold off`` plans the whole model when those matter more than time.
+
+Only ``nn.ModuleList`` / ``nn.Sequential`` containers whose children have the same type and the
+same parameter and buffer shapes and dtypes count as repeated blocks; the model's forward must
+iterate over the container (``for block in self.blocks``), as decoders do.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from passes.analyze_schedule import CollectiveRow, ScheduleReport
+from passes.plan import format_bytes
+
+# ``zerofx plan --fold auto`` folds models with at least this many repeated blocks: below it a
+# full capture takes seconds anyway, and its rows are exact.
+AUTO_FOLD_MIN_BLOCKS = 12
+
+
+@dataclass(frozen=True)
+class RepeatedBlocks:
+    """A container of identical blocks inside a model: its module path and length."""
+
+    path: str
+    count: int
+
+
+def _block_signature(block: nn.Module) -> tuple:
+    return (
+        type(block),
+        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()),
+        tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()),
+    )
+
+
+def find_repeated_blocks(model: nn.Module, *, min_count: int = 2) -> RepeatedBlocks | None:
+    """The container of identical blocks holding the most parameters, or None."""
+    best: tuple[int, RepeatedBlocks] | None = None
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < min_count:
+            continue
+        children = list(module)
+        if len({_block_signature(c) for c in children}) != 1:
+            continue
+        numel = sum(p.numel() for p in module.parameters())
+        if numel > 0 and (best is None or numel > best[0]):
+            best = (numel, RepeatedBlocks(path, len(children)))
+    return None if best is None else best[1]
+
+
+def with_num_blocks(model: nn.Module, blocks: RepeatedBlocks, keep: int) -> nn.Module:
+    """A shallow copy of ``model`` whose block container holds only its first ``keep`` blocks.
+
+    The copy shares every parameter and submodule with ``model`` (nothing is allocated, and on
+    the meta device nothing could be); only the modules on the path to the container are copied,
+    so ``model`` itself is left unchanged.
+    """
+    if not 1 <= keep <= blocks.count:
+        raise ValueError(f"keep={keep} blocks is outside 1..{blocks.count}")
+    root = copy.copy(model)
+    root._modules = dict(model._modules)  # copy.copy shares the child dict; detach it
+    parent, original = root, model
+    *parents, leaf = blocks.path.split(".")
+    for name in parents:
+        child = copy.copy(original._modules[name])
+        child._modules = dict(original._modules[name]._modules)
+        parent._modules[name] = child
+        parent, original = child, original._modules[name]
+    container = original._modules[leaf]
+    parent._modules[leaf] = type(container)(*list(container)[:keep]) if isinstance(container, nn.Sequential) else nn.ModuleList(list(container)[:keep])
+    return root
+
+
+def extrapolate(one: float, two: float, count: int) -> float:
+    """The value at ``count`` blocks of a quantity that is ``one`` at 1 block and ``two`` at 2."""
+    return one + (count - 1) * (two - one)
+
+
+@dataclass(frozen=True)
+class FoldedReport:
+    """Whole-model figures extrapolated from the 1- and 2-block captures, and the 2-block
+    capture's own report, whose rows ``zerofx plan`` prints."""
+
+    blocks: RepeatedBlocks
+    sample: ScheduleReport  # the 2-block capture
+    persistent_bytes: float
+    peak_bytes: float
+    bytes_moved_per_rank: float
+    compute_s: Mapping[str, float]
+    comm_s: float
+    exposed_s: float
+    step_s: float
+    num_collectives: int
+    repeats: Mapping[int, int] = field(default_factory=dict)  # row order -> times it repeats in the whole model
+
+    peak_graph: str = ""
+
+    @property
+    def peak_at(self) -> str:
+        return f"the {self.peak_graph} graph"
+
+
+def _is_block_one(row: CollectiveRow, blocks: RepeatedBlocks) -> bool:
+    prefix = f"{blocks.path}.1." if blocks.path else "1."
+    return bool(row.bucket) and all(f.startswith(prefix) for f in row.bucket)
+
+
+def _graph_points(report: ScheduleReport, graph: str) -> list[int]:
+    return [p.live_bytes for p in report.timeline if p.graph == graph]
+
+
+def _graph_peak(one: ScheduleReport, two: ScheduleReport, graph: str, count: int) -> float:
+    """A graph's peak live bytes at ``count`` blocks. With one block, that block is also the
+    last, so its peak need not sit where a middle block's does: the 2-block peak is the base,
+    and it grows by what each further block keeps alive, read at the graph's ends, where the
+    nodes of the two captures align."""
+    p1, p2 = _graph_points(one, graph), _graph_points(two, graph)
+    if not p2:
+        return 0.0
+    if not p1:
+        return float(max(p2))
+    per_block = max(p2[0] - p1[0], p2[-1] - p1[-1], 0)
+    return max(p2) + (count - 2) * per_block
+
+
+def fold_reports(one: ScheduleReport, two: ScheduleReport, blocks: RepeatedBlocks) -> FoldedReport:
+    n = blocks.count
+
+    def ex(a: float, b: float) -> float:
+        return extrapolate(a, b, n)
+
+    graphs = sorted(set(one.compute_s) | set(two.compute_s))
+    return FoldedReport(
+        blocks=blocks,
+        sample=two,
+        persistent_bytes=ex(one.persistent_bytes, two.persistent_bytes),
+        # Per graph: a decoder's forward and backward peaks grow at different rates per block.
+        peak_bytes=max(_graph_peak(one, two, g, n) for g in {p.graph for p in two.timeline}),
+        bytes_moved_per_rank=ex(one.bytes_moved_per_rank, two.bytes_moved_per_rank),
+        compute_s={g: ex(one.compute_s.get(g, 0.0), two.compute_s.get(g, 0.0)) for g in graphs},
+        comm_s=ex(one.comm_s, two.comm_s),
+        exposed_s=ex(one.exposed_s, two.exposed_s),
+        step_s=ex(one.step_s, two.step_s),
+        num_collectives=round(ex(len(one.rows), len(two.rows))),
+        peak_graph=max({p.graph for p in two.timeline}, key=lambda g: _graph_peak(one, two, g, n)),
+        repeats={r.order: n - 1 for r in two.rows if _is_block_one(r, blocks)},
+    )
+
+
+def plan_folded(
+    model: nn.Module, blocks: RepeatedBlocks, report_for: Callable[[nn.Module], ScheduleReport]
+) -> FoldedReport:
+    """Plan ``model`` by folding: ``report_for`` captures, plans and reports a (cut) model."""
+    if blocks.count < 2:
+        raise ValueError(f"folding needs at least 2 repeated blocks, {blocks.path!r} has {blocks.count}")
+    one = report_for(with_num_blocks(model, blocks, 1))
+    two = report_for(with_num_blocks(model, blocks, 2))
+    return fold_reports(one, two, blocks)
+
+
+def format_folded(report: FoldedReport, *, budget_bytes: float | None = None) -> str:
+    from tabulate import tabulate
+
+    b = report.blocks
+    table = [
+        (r.order, r.graph, r.op.replace("_into_tensor", "").replace("_tensor", ""),
+         f"{len(r.bucket)}: {r.bucket[0] if r.bucket else ''}{' ...' if len(r.bucket) > 1 else ''}",
+         format_bytes(r.bytes_per_rank), r.issued_after, r.waited_at, f"{r.overlap_compute_s * 1e3:.2f}",
+         f"{r.comm_s * 1e3:.2f}", f"{r.exposed_s * 1e3:.2f}", f"x{report.repeats.get(r.order, 1)}")
+        for r in report.sample.rows
+    ]
+    lines = [
+        f"folded: {b.path!r} holds {b.count} identical blocks; planned from captures with 1 and 2 of them "
+        f"(--fold off plans all {b.count}).",
+        f"communication schedule of the 2-block capture (one row per collective; times in ms, estimated). "
+        f"Rows marked x{b.count - 1} are block 1's: blocks 1..{b.count - 1} each issue them; "
+        f"the whole model issues {report.num_collectives} collectives.",
+        tabulate(table, headers=["#", "graph", "op", "bucket (params: first)", "bytes/rank", "issued after", "waited at",
+                                 "overlaps compute", "comm", "exposed", "repeats"]),
+        "",
+        f"memory per rank ({b.count} blocks, extrapolated): persistent model state {format_bytes(report.persistent_bytes)}, "
+        f"peak {format_bytes(report.peak_bytes)} at {report.peak_at}",
+    ]
+    if budget_bytes is not None:
+        verdict = "fits" if report.peak_bytes <= budget_bytes else "does NOT fit"
+        lines.append(f"budget {format_bytes(budget_bytes)}: {verdict}")
+    lines.append(
+        f"summary ({b.count} blocks, extrapolated): {format_bytes(report.bytes_moved_per_rank)} sent in per rank per step; compute "
+        + ", ".join(f"{g} {s * 1e3:.1f} ms" for g, s in report.compute_s.items())
+        + f"; communication {report.comm_s * 1e3:.1f} ms of which exposed {report.exposed_s * 1e3:.1f} ms; "
+        f"estimated step {report.step_s * 1e3:.1f} ms"
+    )
+    return "\n".join(lines)
+
+
+def folded_json(report: FoldedReport, plan_json: Mapping, budget_bytes: float | None) -> dict:
+    """The same keys as an unfolded ``zerofx plan --format json``, plus ``folded``."""
+    b = report.blocks
+    return {
+        "folded": {"path": b.path, "num_blocks": b.count, "captured_blocks": [1, 2], "num_collectives": report.num_collectives},
+        "plan": plan_json,  # of the 2-block capture
+        "schedule": [{**r.__dict__, "repeats": report.repeats.get(r.order, 1)} for r in report.sample.rows],
+        "memory": {
+            "persistent_bytes": report.persistent_bytes,
+            "peak_bytes": report.peak_bytes,
+            "peak_at": report.peak_at,
+            "budget_bytes": budget_bytes,
+            "fits": None if budget_bytes is None else report.peak_bytes <= budget_bytes,
+        },
+        "summary": {
+            "bytes_moved_per_rank": report.bytes_moved_per_rank,
+            "compute_s": dict(report.compute_s),
+            "comm_s": report.comm_s,
+            "exposed_comm_s": report.exposed_s,
+            "step_s": report.step_s,
+        },
+    }
