@@ -234,3 +234,27 @@ def test_memory_model_is_symbolic_in_batch_and_sequence() -> None:
     result = solve_memory(spec, "batch_size", world_size=4, stage=3, config=None, budget_bytes=budget, upper=4096)
     assert result.variable == "batch_size" and result.value == 6
     assert result.peak_expr.free_symbols <= {B, T} and B in result.peak_expr.free_symbols
+
+
+def test_buckets_end_at_block_boundaries() -> None:
+    from passes.plan_buckets import plan_buckets, repeated_blocks_of
+
+    shapes = {"embed.weight": (16, 8), "norm.weight": (8,)}
+    for i in range(3):
+        shapes |= {f"blocks.{i}.attn.weight": (8, 8), f"blocks.{i}.mlp.weight": (8, 8), f"blocks.{i}.norm.weight": (8,)}
+    shapes |= {"heads.0.weight": (4, 8), "heads.1.weight": (2, 8)}  # indexed, but not identical: not blocks
+    block_of = repeated_blocks_of(shapes)
+    assert block_of["blocks.2.mlp.weight"] == "blocks.2" and block_of["embed.weight"] == "" and block_of["heads.1.weight"] == ""
+    order = ["embed.weight"] + [f"blocks.{i}.{n}" for i in range(3) for n in ("norm.weight", "attn.weight", "mlp.weight")] + ["norm.weight"]
+    nbytes = {f: 4 * int(torch.tensor(s).prod()) for f, s in shapes.items()}
+    # A cap that holds 1.5 blocks: without boundaries, buckets drift across blocks.
+    cap = 3 * (256 + 256 + 32) // 2
+    drifting = plan_buckets(order, nbytes, cap)
+    assert any(len({block_of[f] for f in b}) > 1 for b in drifting)
+    aligned = plan_buckets(order, nbytes, cap, block_of=block_of)
+    assert all(len({block_of[f] for f in b}) == 1 for b in aligned)
+    assert aligned == (("embed.weight",), *(tuple(f"blocks.{i}.{n}" for n in ("norm.weight", "attn.weight", "mlp.weight")) for i in range(3)), ("norm.weight",))
+    # A cap smaller than a block still splits inside it, the same way in every block.
+    small = plan_buckets(order, nbytes, 300, block_of=block_of)
+    per_block = [[tuple(f.split(".", 2)[2] for f in b) for b in small if block_of[b[0]] == f"blocks.{i}"] for i in range(3)]
+    assert per_block[0] == per_block[1] == per_block[2] and len(per_block[0]) > 1

@@ -237,7 +237,7 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     first_distance = distance = sample.plan.prefetch_distance
     while budget is not None and folded.peak_bytes > budget and distance > 0:
         distance -= 1
-        folded = plan_folded(spec.model, blocks, lambda m: report_for(m, {**config, "zerofx": {**own, "prefetch_distance": distance}}))
+        folded = plan_folded(spec.model, blocks, lambda m, d=distance: report_for(m, {**config, "zerofx": {**own, "prefetch_distance": d}}))
         sample = programs[-1]
     decisions = [] if distance == first_distance else [
         f"prefetch distance lowered from {first_distance} to {distance} for the memory budget {format_bytes(budget)} "
