@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from passes.plan_tiling import TilingPlan
+
 
 class ZeroStage(enum.IntEnum):
     ZERO = 0  # plain data parallel: gradients all-reduced
@@ -125,6 +127,8 @@ class Plan:
     persistent: tuple[str, ...]
     schedule: tuple[Collective, ...]
     estimates: Mapping[str, int] = field(default_factory=dict)
+    # Sequence tiling of the forward before autograd (attention, token-wise regions, the loss).
+    tiling: TilingPlan | None = None
 
     def param(self, fqn: str) -> ParamPlacement:
         for p in self.params:
@@ -162,6 +166,7 @@ class Plan:
             persistent=tuple(d["persistent"]),
             schedule=tuple(Collective(CommKind(c["kind"]), tuple(c["fqns"]), c["graph"], c["bytes_per_rank"]) for c in d["schedule"]),
             estimates=d["estimates"],
+            tiling=TilingPlan.from_dict(d["tiling"]) if d.get("tiling") is not None else None,
         )
 
     def fingerprint(self) -> str:
@@ -182,4 +187,6 @@ class Plan:
             counts.setdefault((c.graph, c.kind.value), []).append(c.bytes_per_rank)
         rows = [(g, k, len(v), sum(v)) for (g, k), v in counts.items()]
         lines.append(tabulate(rows, headers=["graph", "collective", "count", "bytes in per rank"], tablefmt="simple"))
+        if self.tiling is not None:
+            lines.append(self.tiling.table())
         return "\n".join(lines)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from passes.plan import ScheduleOptions
+from passes.plan_tiling import TilingOptions, tiling_options
 from zerofx.errors import ConfigError, did_you_mean
 
 OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
@@ -46,6 +47,18 @@ def _nonneg_int(v: Any) -> bool:
 
 def _pos_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _bytes_ok(v: Any) -> bool:
+    from passes.plan_tiling import parse_bytes
+
+    if isinstance(v, str):
+        try:
+            parse_bytes(v)
+        except ValueError:
+            return False
+        return True
+    return _nonneg_int(v)
 
 
 _NUM = (int, float)
@@ -122,6 +135,17 @@ SCHEMA: dict[str, Key] = {
     "zerofx": Key((dict,), "zerofx's own settings (DeepSpeed ignores this section)", children={
         "world_size": Key((int,), "number of ranks to plan for", _pos_int, "an integer >= 1"),
         "prefetch_distance": Key((int,), "stage-3 all-gather buckets issued ahead of use", _nonneg_int, "an integer >= 0"),
+        "tiling": Key((dict,), "sequence tiling of attention, token-wise regions and the loss", children={
+            "enabled": Key((bool, str), "tile: true, false, or \"auto\" (from the activation estimate and the budget)",
+                           lambda v: v in (True, False, "auto"), "true, false or \"auto\""),
+            "block_size": Key((int,), "tokens per chunk of token-wise regions and of the loss", _pos_int, "an integer >= 1"),
+            "attention_block_size": Key((int,), "query and key block of tiled attention", _pos_int, "an integer >= 1"),
+            "budget": Key((int, str), "activation bytes to fit (\"auto\" tiles until the estimate fits)", _bytes_ok,
+                          "bytes >= 0 or a size such as \"2GiB\""),
+            "attention": Key((bool,), "may tile attention"),
+            "region": Key((bool,), "may tile token-wise regions (MLP, norms, projections) with per-chunk recompute"),
+            "loss": Key((bool,), "may tile the vocabulary projection and cross-entropy"),
+        }),
     }),
 }
 
@@ -173,6 +197,11 @@ class ZeroConfig:
     @property
     def gradient_clipping(self) -> float:
         return float(self.raw.get("gradient_clipping", 0.0))
+
+    def tiling_options(self) -> TilingOptions | None:
+        """The ``zerofx.tiling`` section as ``TilingOptions``; None when the section is absent."""
+        section = self.raw.get("zerofx", {}).get("tiling")
+        return None if section is None else tiling_options(section)
 
     def schedule_options(self) -> ScheduleOptions:
         """The communication-schedule limits the config sets (DeepSpeed's keys, in elements)."""

@@ -6,6 +6,7 @@ model built on the meta device plans for world size 8 or 1024 on a laptop.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,8 @@ def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, gr
     plan = plan_sharding(
         captured.joint, world_size=world_size, stage=ZeroStage(cfg.stage), optimizer=opt, options=cfg.schedule_options()
     )
+    if captured.tiling is not None:
+        plan = dataclasses.replace(plan, tiling=captured.tiling)
     return Program(captured, plan, group_name=group_name)
 
 
@@ -140,5 +143,7 @@ def compile(  # noqa: A001  (the public name users expect)
     cfg = resolve(config, stage=stage, world_size=world_size)
     if cfg.world_size is None:
         raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
-    captured = capture_step(model, args, example_kwargs, loss_fn=loss_fn, compute_dtype=cfg.compute_dtype)
+    captured = capture_step(
+        model, args, example_kwargs, loss_fn=loss_fn, compute_dtype=cfg.compute_dtype, tiling=cfg.tiling_options()
+    )
     return plan_program(captured, cfg, cfg.world_size)
