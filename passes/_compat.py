@@ -40,6 +40,11 @@ WAIT = c10d_functional.wait_tensor.default
 
 COLLECTIVE_TARGETS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 
+# PyTorch's blocked (flash) attention kernel on CPU and its backward: what
+# scaled_dot_product_attention dispatches to there. Used by zerofx::blocked_attention.
+CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
 
 def fake_process_group(world_size: int, rank: int = 0) -> None:
     """Initialise torch.distributed with the fake backend, for planning and shape checks only.

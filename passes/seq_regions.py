@@ -239,7 +239,7 @@ def _source_sdim(node: fx.Node, t: int) -> int | None:
     if pk is aten.slice and v.dim() >= 1:
         d = _norm(node.args[1], v.dim())
         start = node.args[2] if len(node.args) > 2 else 0
-        if start in (0, None) and v.shape[d] == t and _val(node.args[0]).shape[d] != t:
+        if start in (0, None) and v.shape[d] == t:
             return d
     return None
 
