@@ -1,12 +1,13 @@
 """Longest context under a memory cap: zerofx sequence tiling against plain PyTorch with its own
 ``scaled_dot_product_attention`` (the strongest untiled baseline: on CPU its fused kernel is
-already linear in memory), on the bundled DNA decoder LM.
+already linear in memory), on the bundled DNA decoder LM. ``zerofx_untiled`` (the same engine
+with tiling off) separates zerofx's own overhead from tiling's.
 
     python -m benchmarks.bench_tiling                          # 2 layers, d256, cap 1 GiB
     python -m benchmarks.bench_tiling --cap 768MiB --lengths 1024,2048,4096,8192,16384
 
 Each (system, context length) runs in a fresh subprocess: build the model, (zerofx) initialize a
-one-rank engine with tiling forced on, run ``--steps`` AdamW training steps at batch 1, and report
+one-rank engine with tiling forced on (or off), run ``--steps`` AdamW training steps at batch 1, and report
 the process's peak resident set size (``ru_maxrss``, the real process, everything included:
 Python, torch, the model, Adam states, activations), the resident size before the first step,
 and the mean time of the steps after the first (the first also compiles, for zerofx). A run fits when its peak RSS is at most the cap.
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("pytorch_sdpa", "zerofx_tiled")
+SYSTEMS = ("pytorch_sdpa", "zerofx_untiled", "zerofx_tiled")
 
 
 def _rss_bytes() -> int:
@@ -65,7 +66,7 @@ def run_one(system: str, seq_len: int, dim: int, layers: int, steps: int, block:
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         config = {"zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-                  "zerofx": {"tiling": {"enabled": True, "block_size": block, "attention_block_size": attention_block}}}
+                  "zerofx": {"tiling": {"enabled": system == "zerofx_tiled", "block_size": block, "attention_block_size": attention_block}}}
         engine = zerofx.initialize(model, config, example_inputs=(ids,), example_kwargs={"labels": ids})
 
         def step() -> float:

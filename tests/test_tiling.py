@@ -75,14 +75,15 @@ def count(gm, target) -> int:  # noqa: ANN001
 
 
 # --------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # float64 runs the plain-tensor loops
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_blocked_attention_matches_sdpa(mask_kind: str, causal: bool) -> None:
+def test_blocked_attention_matches_sdpa(mask_kind: str, causal: bool, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 37, 8, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 3, 37, 8, dtype=dtype, requires_grad=True) for _ in range(3))
     keep = torch.ones(2, 37, dtype=torch.bool)
     keep[0, 25:] = False
-    mask = {"none": None, "bool": keep[:, None, None, :], "additive": torch.where(keep, 0.0, -1e9)[:, None, None, :]}[mask_kind]
+    mask = {"none": None, "bool": keep[:, None, None, :], "additive": torch.where(keep, 0.0, -1e9).to(dtype)[:, None, None, :]}[mask_kind]
     ref_mask = mask
     if causal and mask is not None:  # SDPA rejects attn_mask with is_causal: fold the diagonal in
         tril = torch.ones(37, 37, dtype=torch.bool).tril()
