@@ -10,9 +10,13 @@ from tests.tiling_models import dna_lm, tokens
 TILING = {"enabled": True, "block_size": 16, "attention_block_size": 16}
 
 
-def tiled_vs_untiled(rank: int, world_size: int, stage: int) -> dict:
-    """Per rank: the full state after one SGD step (lr 1, so the change is the averaged gradient)
-    and the loss, with and without tiling, plus the tiled plan's fingerprint and tiled ops."""
+def tiled_vs_untiled(rank: int, world_size: int, stages: list[int]) -> dict:
+    """Per stage and rank: the full state after one SGD step (lr 1, so the change is the averaged
+    gradient) and the loss, with and without tiling, plus the tiled plan's fingerprint and ops."""
+    return {stage: _one_stage(rank, stage) for stage in stages}
+
+
+def _one_stage(rank: int, stage: int) -> dict:
     out = {}
     ids = tokens(seed=10 + rank)
     for name, tiling in (("tiled", TILING), ("untiled", {"enabled": False})):
