@@ -10,7 +10,9 @@ Each (system, context length) runs in a fresh subprocess: build the model, (zero
 one-rank engine with tiling forced on (or off), run ``--steps`` AdamW training steps at batch 1, and report
 the process's peak resident set size (``ru_maxrss``, the real process, everything included:
 Python, torch, the model, Adam states, activations), the resident size before the first step,
-and the mean time of the steps after the first (the first also compiles, for zerofx). A run fits when its peak RSS is at most the cap.
+and the mean wall and CPU time (``process_time``, all threads) of the steps after the first (the
+first also compiles, for zerofx). On a shared machine the CPU time is the steadier measure of
+compute cost; wall time also counts waiting for the cores. A run fits when its peak RSS is at most the cap.
 A system stops at its first length that does not fit. Writes markdown and JSON to
 ``benchmarks/results/tiling_*``.
 """
@@ -76,15 +78,17 @@ def run_one(system: str, seq_len: int, dim: int, layers: int, steps: int, block:
             return loss.item()
 
     rss_before = _rss_bytes()
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         losses.append(step())
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    timed = times[1:] or times
+    timed, cpu_timed = times[1:] or times, cpu_times[1:] or cpu_times
     return {"system": system, "seq_len": seq_len, "peak_rss_bytes": peak, "rss_before_steps_bytes": rss_before,
-            "step_s": sum(timed) / len(timed), "first_step_s": times[0], "loss": losses[-1]}
+            "step_s": sum(timed) / len(timed), "step_cpu_s": sum(cpu_timed) / len(cpu_timed), "first_step_s": times[0],
+            "loss": losses[-1]}
 
 
 def _free_port() -> int:
@@ -156,15 +160,15 @@ def markdown(summary: dict[str, Any]) -> str:
         f"DNA LM, {summary['layers']} layers, d{summary['dim']}, batch 1, AdamW, {summary['machine']}; "
         f"cap {summary['cap_bytes'] / mib:.0f} MiB peak RSS; tiled blocks {summary['block']} tokens, attention {summary['attention_block']}",
         "",
-        "| system | context | peak RSS (MiB) | RSS before steps (MiB) | step (s) | fits |",
-        "|---|---:|---:|---:|---:|---|",
+        "| system | context | peak RSS (MiB) | RSS before steps (MiB) | step wall (s) | step CPU (s) | fits |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in summary["rows"]:
         if "error" in r:
-            lines.append(f"| {r['system']} | {r['seq_len']} | - | - | - | no: {r['error'].splitlines()[-1] if r['error'] else 'error'} |")
+            lines.append(f"| {r['system']} | {r['seq_len']} | - | - | - | - | no: {r['error'].splitlines()[-1] if r['error'] else 'error'} |")
         else:
             lines.append(f"| {r['system']} | {r['seq_len']} | {r['peak_rss_bytes'] / mib:.0f} | {r['rss_before_steps_bytes'] / mib:.0f} "
-                         f"| {r['step_s']:.2f} | {'yes' if r['fits'] else 'no'} |")
+                         f"| {r['step_s']:.2f} | {r['step_cpu_s']:.2f} | {'yes' if r['fits'] else 'no'} |")
     lines.append("")
     lines.append("Longest context that fits: " + ", ".join(f"{k} {v}" for k, v in summary["longest_fitting"].items()))
     return "\n".join(lines) + "\n"

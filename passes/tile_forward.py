@@ -21,9 +21,9 @@ chunk's backward, so one chunk of the MLP's 4x-wide activations is alive at a ti
 mechanism ``torch.utils.checkpoint``'s selective policies use under ``torch.compile``.
 
 Meta keys written: ``zerofx_tile_region`` (int, the region's index) and ``zerofx_tiled`` (the
-kind) on inserted nodes. Returns the graph unchanged when the plan tiles nothing. Running it twice
-tiles nothing new: tiled attention and losses are no longer candidates, and the plan's candidate
-counts no longer match, which raises instead of tiling twice.
+kind) on inserted nodes. Returns the graph unchanged when the plan tiles nothing. A graph that is
+already tiled (a node carries ``zerofx_tiled``), or whose candidates differ from the plan's,
+raises ``ValueError`` instead of being tiled twice.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ _MUST_RECOMPUTE = _compat.CheckpointPolicy.MUST_RECOMPUTE
 def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphModule:
     if plan is None or not plan.ops:
         return gm
+    if any(TILED in n.meta for n in gm.graph.nodes):
+        raise ValueError("this graph is already tiled; plan again for the original graph instead of tiling twice")
     analysis = seq_regions.analyze(gm, plan.seq_len)
     found = (len(analysis.attention), len(analysis.regions), len(analysis.losses))
     if found != tuple(plan.num_candidates):

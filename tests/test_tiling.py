@@ -215,3 +215,42 @@ def test_bad_tiling_values() -> None:
     with pytest.raises(ConfigError, match="budget"):
         zerofx.compile(dna_lm(), world_size=1, stage=0, example_inputs=(tokens(),), example_kwargs={"labels": tokens()},
                        config={"zerofx": {"tiling": {"budget": "-3GB"}}})
+
+
+# --------------------------------------------------------------------------- the rewrite alone
+def _mlp_forward(seq: int = SEQ):  # noqa: ANN202
+    """The pre-autograd forward of embedding -> MLP -> mean, with roles tagged as capture tags them."""
+    from passes import _compat, meta
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(emb: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, emb)  # (B, T, 8)
+        return (x + F.linear(F.gelu(F.linear(x, w1)), w2)).pow(2).mean()
+
+    with _compat.FakeTensorMode() as mode:
+        args = [torch.randn(5, 8), torch.randn(32, 8), torch.randn(8, 32), torch.randint(0, 5, (BATCH, seq))]
+    del mode
+    gm = make_fx(step, pre_dispatch=True)(*args)
+    roles = [meta.Role.PARAM] * 3 + [meta.Role.INPUT]
+    for ph, role in zip(gm.graph.find_nodes(op="placeholder"), roles):
+        ph.meta[meta.ROLE] = role
+    return gm
+
+
+def test_region_pass_structure_and_idempotence() -> None:
+    from passes.plan_tiling import plan_tiling
+    from passes.tile_forward import TILE_REGION, tile_forward_pass
+
+    gm = _mlp_forward()
+    plan = plan_tiling(gm, ON)
+    assert [(op.kind, op.block_size) for op in plan.ops] == [("region", 16)]
+    before = str(gm.graph)
+    assert tile_forward_pass(gm, None) is gm and str(gm.graph) == before  # nothing planned: unchanged
+    tiled = tile_forward_pass(gm, plan)
+    linears = tiled.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+    assert len(linears) == 2 * 3  # two linears, three chunks (16, 16, 8)
+    assert sorted({n.meta["val"].shape[1] for n in linears}) == [8, 16]
+    assert all(n.meta.get("recompute") is not None and n.meta[TILE_REGION] == 0 for n in linears)
+    assert len(tiled.graph.find_nodes(op="call_function", target=torch.ops.aten.split_with_sizes.default)) == 1
+    with pytest.raises(ValueError, match="already tiled"):  # a second run is refused
+        tile_forward_pass(tiled, plan)
