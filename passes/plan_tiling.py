@@ -189,7 +189,7 @@ def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | No
         untiled, tiled, shape = estimate_attention_bytes(m, ablock)
         candidates.append(TiledOp("attention", i, what, shape, ablock, untiled, tiled))
     for i, region in enumerate(analysis.regions):
-        num_linear = sum(1 for n in region if seq_regions._packet(n) in (torch.ops.aten.linear, torch.ops.aten.matmul))
+        num_linear = sum(1 for n in region if seq_regions.op_packet(n) in (torch.ops.aten.linear, torch.ops.aten.matmul))
         what = f"token-wise region: {len(region)} ops, {num_linear} linear"
         if block >= seq_len:
             skipped.append(SkippedOp("region", i, what, f"block_size {block} >= sequence length {seq_len}: one chunk"))

@@ -41,7 +41,7 @@ from passes import meta, tiled_kernels  # noqa: F401  (registers the zerofx:: op
 aten = torch.ops.aten
 
 
-def _packet(node: fx.Node) -> object | None:
+def op_packet(node: fx.Node) -> object | None:
     return getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
 
 
@@ -50,7 +50,7 @@ _ELEMENTWISE = {
     aten.neg, aten.exp, aten.log, aten.tanh, aten.sigmoid, aten.cos, aten.sin, aten.to, aten._to_copy, aten.alias,
     aten.clone, aten.contiguous, aten.where, aten.masked_fill, aten.abs, aten.square, aten.reciprocal, aten.erf,
     aten.detach, aten.type_as, aten.clamp, aten.maximum, aten.minimum, aten.ones_like, aten.zeros_like,
-    aten.full_like, aten.rsub, aten.dropout, aten.gelu, aten.leaky_relu, aten.softplus, aten.mish,
+    aten.full_like, aten.rsub, aten.dropout, aten.leaky_relu, aten.softplus, aten.mish,
 }
 _REDUCE = {aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std}
 _VIEWS = {aten.view, aten.reshape, aten._unsafe_view}
@@ -142,7 +142,7 @@ def sequence_length(gm: fx.GraphModule) -> int | None:
 
 def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int | None:
     """The output's sequence dim if ``node`` is token-wise given its inputs' ``sd``, else None."""
-    pk, args = _packet(node), node.args
+    pk, args = op_packet(node), node.args
     out = _val(node)
     x = args[0] if args else None
     s = sd.get(x) if isinstance(x, fx.Node) else None
@@ -233,7 +233,7 @@ def _source_sdim(node: fx.Node, t: int) -> int | None:
     if node.op == "placeholder" and node.meta.get(meta.ROLE) is meta.Role.INPUT:
         dims = [d for d, n in enumerate(v.shape) if n == t]
         return dims[-1] if dims else None
-    pk = _packet(node)
+    pk = op_packet(node)
     if pk is aten.arange and v.dim() == 1 and v.shape[0] == t:
         return 0
     if pk is aten.slice and v.dim() >= 1:
@@ -259,7 +259,7 @@ def analyze(gm: fx.GraphModule, seq_len: int) -> SeqAnalysis:
         if node.op == "call_function" and node.target is operator.getitem and node.args[0] in tok:
             sd[node] = sd[node.args[0]]
             tok.add(node)
-        elif node.op == "call_function" and seq_in and _packet(node) not in _LOSSES:
+        elif node.op == "call_function" and seq_in and op_packet(node) not in _LOSSES:
             sd[node] = _tokenwise_sdim(node, sd, seq_len)
             if sd[node] is not None:
                 tok.add(node)
@@ -318,7 +318,7 @@ def _find_attention(gm: fx.GraphModule) -> list[AttentionMatch]:
             if node.kwargs.get("enable_gqa") and reason is None and _val(q).shape[1] != _val(k).shape[1]:
                 reason = "grouped-query attention (enable_gqa=True)"
             found.append(AttentionMatch(node, q, k, v, mask, bool(causal), float(scale), "sdpa", reason))
-        elif _packet(node) is aten.matmul:
+        elif op_packet(node) is aten.matmul:
             m = _match_softmax_attention(node)
             if m is not None:
                 found.append(m)
@@ -328,13 +328,13 @@ def _find_attention(gm: fx.GraphModule) -> list[AttentionMatch]:
 def _match_softmax_attention(scores: fx.Node) -> AttentionMatch | None:
     """``matmul(q, kᵀ) [* c | / c]* [+ mask] -> softmax(-1) [-> to] [-> dropout(p=0)] -> matmul(., v)``."""
     q, kt = scores.args[:2]
-    if not isinstance(kt, fx.Node) or _packet(kt) is not aten.transpose or _rank(kt) != 4:
+    if not isinstance(kt, fx.Node) or op_packet(kt) is not aten.transpose or _rank(kt) != 4:
         return None
     if {_norm(kt.args[1], 4), _norm(kt.args[2], 4)} != {2, 3}:
         return None
     k, scale, mask, cur = kt.args[0], 1.0, None, scores
     while (nxt := _single_user(cur)) is not None:
-        pk = _packet(nxt)
+        pk = op_packet(nxt)
         if pk in (aten.mul, aten.div) and nxt.args[0] is cur and isinstance(nxt.args[1], (int, float)):
             scale = scale * nxt.args[1] if pk is aten.mul else scale / nxt.args[1]
         elif pk is aten.add and nxt.args[0] is cur and isinstance(nxt.args[1], fx.Node) and mask is None:
@@ -343,15 +343,15 @@ def _match_softmax_attention(scores: fx.Node) -> AttentionMatch | None:
             break
         cur = nxt
     sm = _single_user(cur)
-    if sm is None or _packet(sm) is not aten.softmax or _norm(sm.args[1], 4) != 3:
+    if sm is None or op_packet(sm) is not aten.softmax or _norm(sm.args[1], 4) != 3:
         return None
     cur = sm
-    while (nxt := _single_user(cur)) is not None and _packet(nxt) in (aten.to, aten._to_copy, aten.dropout):
-        if _packet(nxt) is aten.dropout and nxt.args[1] != 0 and nxt.args[2]:
+    while (nxt := _single_user(cur)) is not None and op_packet(nxt) in (aten.to, aten._to_copy, aten.dropout):
+        if op_packet(nxt) is aten.dropout and nxt.args[1] != 0 and nxt.args[2]:
             return None
         cur = nxt
     out = _single_user(cur)
-    if out is None or _packet(out) is not aten.matmul or out.args[0] is not cur:
+    if out is None or op_packet(out) is not aten.matmul or out.args[0] is not cur:
         return None
     v = out.args[1]
     if mask is not None and _val(mask).dtype == torch.bool:
@@ -363,7 +363,7 @@ def _match_softmax_attention(scores: fx.Node) -> AttentionMatch | None:
 def _find_losses(gm: fx.GraphModule) -> list[LossMatch]:
     found = []
     for node in gm.graph.nodes:
-        if _packet(node) not in _LOSSES:
+        if op_packet(node) not in _LOSSES:
             continue
         args = list(node.args) + [None] * 6
         logits, target = args[0], args[1]
@@ -372,12 +372,12 @@ def _find_losses(gm: fx.GraphModule) -> list[LossMatch]:
         ignore = args[4] if args[4] is not None else node.kwargs.get("ignore_index", -100)
         smoothing = args[5] if args[5] is not None else node.kwargs.get("label_smoothing", 0.0)
         chain, cur = [], logits
-        while isinstance(cur, fx.Node) and _packet(cur) in _LOSS_CHAIN and len(cur.users) == 1:
-            if _packet(cur) is aten.slice and _norm(cur.args[1], _rank(cur)) == _rank(cur) - 1:
+        while isinstance(cur, fx.Node) and op_packet(cur) in _LOSS_CHAIN and len(cur.users) == 1:
+            if op_packet(cur) is aten.slice and _norm(cur.args[1], _rank(cur)) == _rank(cur) - 1:
                 break
             chain.append(cur)
             cur = cur.args[0]
-        if not (isinstance(cur, fx.Node) and _packet(cur) is aten.linear and len(cur.users) == 1):
+        if not (isinstance(cur, fx.Node) and op_packet(cur) is aten.linear and len(cur.users) == 1):
             continue
         reason = None
         if weight is not None or smoothing:

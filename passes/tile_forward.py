@@ -92,7 +92,7 @@ def _replace_loss(graph: fx.Graph, m: seq_regions.LossMatch, block: int) -> None
     with graph.inserting_before(m.output):
         cur = h
         for c in m.chain:  # replay the views on the hidden states: (..., V) -> (..., D)
-            pk = seq_regions._packet(c)
+            pk = seq_regions.op_packet(c)
             if pk in (aten.view, aten.reshape, aten._unsafe_view):
                 shape = list(c.meta["val"].shape)
                 shape[-1] = d
@@ -123,7 +123,7 @@ def _chunk_sizes(t: int, block: int) -> list[int]:
 
 def _chunk_args(node: fx.Node, args: tuple, sdim: int, length: int) -> tuple:
     """Shape arguments of a view or expand, with the sequence dim set to the chunk's length."""
-    pk = seq_regions._packet(node)
+    pk = seq_regions.op_packet(node)
     if pk in (aten.view, aten.reshape, aten._unsafe_view):
         shape = list(node.meta["val"].shape)
         shape[sdim] = length
