@@ -146,6 +146,8 @@ class Plan:
         d["estimates"] = dict(self.estimates)
         for c in d["schedule"]:
             c["kind"] = c["kind"].value
+        if self.tiling is None:  # untiled plans keep the JSON (and fingerprint) they had before tiling existed
+            del d["tiling"]
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
