@@ -11,6 +11,9 @@ these, this is the only file to touch.
 - ``torch.ops._c10d_functional``: functional collectives (an op returns a tensor, a separate
   ``wait_tensor`` op waits for it), the form torch's own overlap tooling reads.
 - ``torch.utils.checkpoint.CheckpointPolicy``: the recompute tag the min-cut partitioner honours.
+- ``torch.fx.experimental.proxy_tensor.make_fx`` (``pre_dispatch=True``): the forward before
+  autograd, for tiling; ``torch.fx.traceback.preserve_node_meta``: carries a forward node's
+  ``recompute`` tag onto the nodes AOTAutograd traces from it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from functorch.compile import (  # noqa: F401  (re-exported)
 )
 from torch._guards import detect_fake_mode  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
+from torch.fx.traceback import preserve_node_meta  # noqa: F401
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: F401
 
 TESTED_TORCH = "2.13"
@@ -34,6 +39,11 @@ ALL_REDUCE = c10d_functional.all_reduce.default
 WAIT = c10d_functional.wait_tensor.default
 
 COLLECTIVE_TARGETS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+
+# PyTorch's blocked (flash) attention kernel on CPU and its backward: what
+# scaled_dot_product_attention dispatches to there. Used by zerofx::blocked_attention.
+CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 def fake_process_group(world_size: int, rank: int = 0) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from passes.plan_tiling import TilingPlan
+
 
 class ZeroStage(enum.IntEnum):
     ZERO = 0  # plain data parallel: gradients all-reduced
@@ -129,6 +131,8 @@ class Plan:
     # Why a choice differs from its default, with the estimate behind it (e.g. a prefetch
     # distance lowered to fit the memory budget).
     decisions: tuple[str, ...] = ()
+    # Sequence tiling of the forward before autograd (attention, token-wise regions, the loss).
+    tiling: TilingPlan | None = None
 
     def param(self, fqn: str) -> ParamPlacement:
         for p in self.params:
@@ -146,6 +150,8 @@ class Plan:
         d["estimates"] = dict(self.estimates)
         for c in d["schedule"]:
             c["kind"] = c["kind"].value
+        if self.tiling is None:  # untiled plans keep the JSON (and fingerprint) they had before tiling existed
+            del d["tiling"]
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
@@ -167,6 +173,7 @@ class Plan:
             schedule=tuple(Collective(CommKind(c["kind"]), tuple(c["fqns"]), c["graph"], c["bytes_per_rank"]) for c in d["schedule"]),
             estimates=d["estimates"],
             decisions=tuple(d.get("decisions", ())),
+            tiling=TilingPlan.from_dict(d["tiling"]) if d.get("tiling") is not None else None,
         )
 
     def fingerprint(self) -> str:
@@ -190,4 +197,6 @@ class Plan:
         if self.stage is ZeroStage.THREE:
             lines.append(f"prefetch distance {self.prefetch_distance} bucket(s) ahead")
         lines += [f"decision: {d}" for d in self.decisions]
+        if self.tiling is not None:
+            lines.append(self.tiling.table())
         return "\n".join(lines)

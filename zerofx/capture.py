@@ -30,6 +30,8 @@ import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 from passes import _compat, meta
+from passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
+from passes.tile_forward import tile_forward_pass
 from zerofx.errors import CaptureError
 
 LossFn = Callable[..., torch.Tensor]
@@ -69,6 +71,7 @@ class CapturedStep:
     input_constants: tuple[Any, ...]  # the non-tensor leaves, None where a tensor goes
     tied: Mapping[str, str]  # alias FQN -> the FQN it shares storage with
     model_class: str
+    tiling: TilingPlan | None = None  # what tile_forward_pass did to the forward before autograd
 
     @property
     def num_primals(self) -> int:
@@ -152,6 +155,7 @@ def capture_step(
     param_infos: Sequence[TensorInfo] | None = None,
     device: torch.device | str | None = None,
     compute_dtype: torch.dtype | None = None,
+    tiling: TilingOptions | None = None,
 ) -> CapturedStep:
     """Trace ``model``'s forward, loss and backward on fake tensors into one joint graph.
 
@@ -159,6 +163,8 @@ def capture_step(
     (the engine passes them once it has taken the parameters' memory), else from the model.
     With ``compute_dtype`` (mixed precision), floating parameters and buffers are traced in it.
     Fake tensors live on ``device`` (default: the parameters' device, CPU for meta).
+    With ``tiling`` (see NOTE [Tiling before autograd]), the forward is first recorded before
+    autograd, planned and tiled along the sequence, and the joint graph is traced from that.
     """
     example_kwargs = dict(example_kwargs or {})
     if param_infos is None:
@@ -209,6 +215,11 @@ def capture_step(
     def partition_hook(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int, **_: Any) -> Any:
         raise _CaptureDone(joint, num_fwd_outputs)
 
+    flat_fakes = [*fake_params, *fake_buffers, *fake_inputs]
+    tiling_plan = None
+    if tiling is not None and tiling.enabled is not False:
+        step_fn, tiling_plan = _tiled_step(step_fn, flat_fakes, param_names, buffer_names, tiling, type(model).__name__)
+
     traced = _compat.aot_function(
         step_fn,
         fw_compiler=lambda gm, _: _compat.make_boxed_func(gm.forward),
@@ -216,7 +227,7 @@ def capture_step(
         partition_fn=partition_hook,
     )
     try:
-        out = traced(*fake_params, *fake_buffers, *fake_inputs)
+        out = traced(*flat_fakes)
     except _CaptureDone as done:
         joint, num_fwd_outputs = done.joint, done.num_fwd_outputs
     except CaptureError:
@@ -247,15 +258,39 @@ def capture_step(
         input_constants=constants,
         tied=_tied_aliases(model),
         model_class=type(model).__qualname__,
+        tiling=tiling_plan,
     )
 
 
-def _tag_placeholders(joint: fx.GraphModule, param_names: list[str], buffer_names: list[str], num_inputs: int) -> None:
+def _tiled_step(step_fn: Callable[..., torch.Tensor], flat_fakes: list[torch.Tensor], param_names: list[str],
+                buffer_names: list[str], options: TilingOptions, model_name: str) -> tuple[Callable[..., torch.Tensor], TilingPlan | None]:
+    """NOTE [Tiling before autograd]
+    The step is recorded before autograd (``make_fx(pre_dispatch=True)``, where ``aten.linear``,
+    SDPA and ``cross_entropy_loss`` are still whole), ``plan_tiling`` decides and
+    ``tile_forward_pass`` rewrites it. AOTAutograd then traces the rewritten graph through an
+    ``fx.Interpreter`` under ``preserve_node_meta``, so the backward is derived by autograd, not
+    written by hand, and the per-chunk ``recompute`` tags reach the joint graph."""
+    try:
+        forward = _compat.make_fx(step_fn, pre_dispatch=True)(*flat_fakes)
+    except Exception as exc:
+        raise CaptureError(f"cannot capture {model_name} whole: {_explain(exc)}") from exc
+    _tag_placeholders(forward, param_names, buffer_names, len(flat_fakes) - len(param_names) - len(buffer_names), tangent=False)
+    plan = plan_tiling(forward, options)
+    forward = tile_forward_pass(forward, plan)
+
+    def tiled_step_fn(*flat: torch.Tensor) -> torch.Tensor:
+        with _compat.preserve_node_meta():
+            return fx.Interpreter(forward).run(*flat)
+
+    return tiled_step_fn, plan
+
+
+def _tag_placeholders(joint: fx.GraphModule, param_names: list[str], buffer_names: list[str], num_inputs: int, *, tangent: bool = True) -> None:
     roles = [(meta.Role.PARAM, n) for n in param_names] + [(meta.Role.BUFFER, n) for n in buffer_names]
     roles += [(meta.Role.INPUT, f"input[{i}]") for i in range(num_inputs)]
     nodes = meta.placeholders(joint.graph)
-    assert len(nodes) == len(roles) + 1, "AOTAutograd's joint graph should have one placeholder per primal plus one tangent"
-    for node, (role, name) in zip(nodes, roles + [(meta.Role.TANGENT, "loss")]):
+    assert len(nodes) == len(roles) + tangent, "the graph should have one placeholder per primal (plus one tangent in a joint graph)"
+    for node, (role, name) in zip(nodes, roles + [(meta.Role.TANGENT, "loss")] * tangent):
         node.meta[meta.ROLE] = role
         node.meta[meta.FQN] = name
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from passes.plan import ScheduleOptions
+from passes.plan_tiling import TilingOptions, tiling_options
 from zerofx.errors import ConfigError, did_you_mean
 
 OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
@@ -49,6 +50,18 @@ def _pos_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
+def _bytes_ok(v: Any) -> bool:
+    from passes.plan_tiling import parse_bytes
+
+    if isinstance(v, str):
+        try:
+            parse_bytes(v)
+        except ValueError:
+            return False
+        return True
+    return _nonneg_int(v)
+
+
 _NUM = (int, float)
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -69,6 +82,8 @@ def _size(v: Any) -> bool:
         return parse_bytes(v) > 0
     except ConfigError:
         return False
+
+
 _OFFLOAD = {
     "device": Key((str,), "where the state lives", lambda v: v in ("none", "cpu", "nvme"), "none, cpu or nvme", False),
     "nvme_path": Key((str,), "folder for NVMe offload files", acted_on=False),
@@ -144,6 +159,17 @@ SCHEMA: dict[str, Key] = {
         "prefetch_distance": Key((int,), "stage-3 all-gather buckets issued ahead of use", _nonneg_int, "an integer >= 0"),
         "memory_budget": Key((int, float, str), "memory per rank the step's peak must fit (the planner lowers the prefetch "
                              "distance to fit it)", _size, "bytes > 0, as a number or a size like '80GiB'"),
+        "tiling": Key((dict,), "sequence tiling of attention, token-wise regions and the loss", children={
+            "enabled": Key((bool, str), "tile: true, false, or \"auto\" (from the activation estimate and the budget)",
+                           lambda v: v in (True, False, "auto"), "true, false or \"auto\""),
+            "block_size": Key((int,), "tokens per chunk of token-wise regions and of the loss", _pos_int, "an integer >= 1"),
+            "attention_block_size": Key((int,), "query and key block of tiled attention", _pos_int, "an integer >= 1"),
+            "budget": Key((int, str), "activation bytes to fit (\"auto\" tiles until the estimate fits)", _bytes_ok,
+                          "bytes >= 0 or a size such as \"2GiB\""),
+            "attention": Key((bool,), "may tile attention"),
+            "region": Key((bool,), "may tile token-wise regions (MLP, norms, projections) with per-chunk recompute"),
+            "loss": Key((bool,), "may tile the vocabulary projection and cross-entropy"),
+        }),
     }),
 }
 
@@ -195,6 +221,11 @@ class ZeroConfig:
     @property
     def gradient_clipping(self) -> float:
         return float(self.raw.get("gradient_clipping", 0.0))
+
+    def tiling_options(self) -> TilingOptions | None:
+        """The ``zerofx.tiling`` section as ``TilingOptions``; None when the section is absent."""
+        section = self.raw.get("zerofx", {}).get("tiling")
+        return None if section is None else tiling_options(section)
 
     def schedule_options(self) -> ScheduleOptions:
         """The communication-schedule limits the config sets (DeepSpeed's keys, in elements)."""

@@ -290,7 +290,7 @@ class Engine:
         if program is None:
             captured = capture_step(
                 self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos, device=self.device,
-                compute_dtype=self.compute_dtype,
+                compute_dtype=self.compute_dtype, tiling=self.cfg.tiling_options(),
             )
             program = plan_program(captured, self.cfg, self.world_size, group_name=self.group_name)
             self._check_same_plan(program)

@@ -121,6 +121,8 @@ def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, gr
 
     def plan_with(opts: ScheduleOptions) -> Program:
         plan = plan_sharding(captured.joint, world_size=world_size, stage=ZeroStage(cfg.stage), optimizer=opt, options=opts)
+        if captured.tiling is not None:
+            plan = replace(plan, tiling=captured.tiling)
         return Program(captured, plan, group_name=group_name)
 
     program = plan_with(options)
@@ -169,5 +171,7 @@ def compile(  # noqa: A001  (the public name users expect)
     cfg = resolve(config, stage=stage, world_size=world_size)
     if cfg.world_size is None:
         raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
-    captured = capture_step(model, args, example_kwargs, loss_fn=loss_fn, compute_dtype=cfg.compute_dtype)
+    captured = capture_step(
+        model, args, example_kwargs, loss_fn=loss_fn, compute_dtype=cfg.compute_dtype, tiling=cfg.tiling_options()
+    )
     return plan_program(captured, cfg, cfg.world_size)

@@ -1,0 +1,269 @@
+"""Planner (reads only): which attention ops, sequence regions and losses to tile, and with which
+block sizes, from the activation-memory estimate and the budget.
+
+Expects the pre-autograd forward graph (see ``seq_regions``) with ``zerofx_role`` on its
+placeholders. Returns a frozen ``TilingPlan``; ``tile_forward_pass`` applies it without
+re-running any estimate. The plan is part of the ZeRO ``Plan`` (``Plan.tiling``), so it is
+fingerprinted and compared across ranks like the rest.
+
+NOTE [What the estimates mean]
+Bytes are the activations an op keeps alive for backward, or its largest transient, untiled vs
+tiled; they are functions of ``meta['val']`` only.
+- attention: untiled, the (B, H, Tq, Tk) score matrix an unfused implementation saves (the
+  explicit softmax pattern really does; PyTorch's fused CPU kernel does not, so for SDPA this
+  is an upper bound); tiled, one (B, H, block, block) block.
+- region: untiled, every token-wise output of the region (what autograd saves, at most); tiled,
+  the region's outputs plus one chunk of everything else (recomputed per chunk in backward).
+- loss: untiled, the (N, V) fp32 logits and their gradient; tiled, one chunk of each.
+``auto`` tiles the candidates that save the most until the estimate fits the budget (default
+``DEFAULT_BUDGET_BYTES``); ``true`` tiles every candidate, ``false`` none.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from passes import seq_regions
+from passes.seq_regions import SeqAnalysis
+
+log = logging.getLogger("zerofx.tiling")
+
+DEFAULT_BLOCK_SIZE = 1024  # tokens per chunk: large enough that per-chunk matmuls stay efficient on CPU
+DEFAULT_ATTENTION_BLOCK = 512  # query and key block; the (B, H, 512, 512) score block is 1 MiB per head in fp32
+DEFAULT_BUDGET_BYTES = 1 << 30
+KINDS = ("attention", "region", "loss")
+
+
+def _check_block(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"tiling {name}={value!r} is not a block size; accepted: a positive integer (tokens)")
+    return value
+
+
+@dataclass(frozen=True)
+class TilingOptions:
+    """What the config's ``zerofx.tiling`` section asks for."""
+
+    enabled: bool | str = "auto"  # "auto", True or False
+    block_size: int | None = None  # tokens per region / loss chunk
+    attention_block_size: int | None = None  # query and key block
+    budget_bytes: int | None = None
+    kinds: tuple[str, ...] = KINDS  # which kinds of op may be tiled
+
+    def __post_init__(self) -> None:
+        if self.enabled not in (True, False, "auto"):
+            raise ValueError(f"tiling enabled={self.enabled!r}; accepted: true, false or \"auto\"")
+        _check_block("block_size", self.block_size)
+        _check_block("attention_block_size", self.attention_block_size)
+        if self.budget_bytes is not None and (isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes < 0):
+            raise ValueError(f"tiling budget={self.budget_bytes!r}; accepted: a number of bytes >= 0")
+        bad = [k for k in self.kinds if k not in KINDS]
+        if bad:
+            raise ValueError(f"tiling kinds {bad} are unknown; accepted: {', '.join(KINDS)}")
+
+
+@dataclass(frozen=True)
+class TiledOp:
+    """One tiled op: its kind, its index among candidates of that kind (graph order), what it is."""
+
+    kind: str
+    index: int
+    what: str
+    shape: tuple[int, ...]
+    block_size: int
+    bytes_untiled: int
+    bytes_tiled: int
+
+
+@dataclass(frozen=True)
+class SkippedOp:
+    kind: str
+    index: int
+    what: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class TilingPlan:
+    seq_len: int
+    num_candidates: tuple[int, int, int]  # attention, regions, losses found in the graph
+    ops: tuple[TiledOp, ...] = ()
+    skipped: tuple[SkippedOp, ...] = ()
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    estimate_untiled_bytes: int = 0
+    estimate_tiled_bytes: int = 0
+
+    def chosen(self, kind: str) -> dict[int, TiledOp]:
+        return {op.index: op for op in self.ops if op.kind == kind}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TilingPlan:
+        return cls(
+            seq_len=d["seq_len"],
+            num_candidates=tuple(d["num_candidates"]),
+            ops=tuple(TiledOp(**{**o, "shape": tuple(o["shape"])}) for o in d["ops"]),
+            skipped=tuple(SkippedOp(**s) for s in d["skipped"]),
+            budget_bytes=d["budget_bytes"],
+            estimate_untiled_bytes=d["estimate_untiled_bytes"],
+            estimate_tiled_bytes=d["estimate_tiled_bytes"],
+        )
+
+    def table(self) -> str:
+        from tabulate import tabulate
+
+        from passes.plan import format_bytes
+
+        rows = [(o.kind, o.what, "x".join(map(str, o.shape)), o.block_size, format_bytes(o.bytes_untiled - o.bytes_tiled)) for o in self.ops]
+        head = (f"tiling: sequence length {self.seq_len}, activations {format_bytes(self.estimate_untiled_bytes)} untiled -> "
+                f"{format_bytes(self.estimate_tiled_bytes)} tiled (budget {format_bytes(self.budget_bytes)}), {len(self.ops)} tiled ops")
+        lines = [head]
+        if rows:
+            lines.append(tabulate(rows, headers=["tiled op", "what", "shape", "block", "bytes saved"], tablefmt="simple"))
+        lines += [f"not tiled: {s.kind} #{s.index} ({s.what}): {s.reason}" for s in self.skipped]
+        return "\n".join(lines)
+
+
+def _nbytes(node: fx.Node) -> int:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, (tuple, list)):
+        return sum(x.numel() * x.element_size() for x in v if isinstance(x, torch.Tensor))
+    return 0
+
+
+def estimate_attention_bytes(match: seq_regions.AttentionMatch, block: int) -> tuple[int, int, tuple[int, ...]]:
+    q, k = match.q.meta["val"], match.k.meta["val"]
+    b, h, tq, _ = q.shape
+    tk = k.shape[-2]
+    item = 4  # scores are computed and saved in fp32
+    return b * h * tq * tk * item, b * h * min(block, tq) * min(block, tk) * item, tuple(q.shape)
+
+
+def estimate_region_bytes(analysis: SeqAnalysis, region: list[fx.Node], block: int) -> tuple[int, int]:
+    outs = analysis.region_outputs(region)
+    total = sum(_nbytes(n) for n in region)
+    out_bytes = sum(_nbytes(n) for n in outs)
+    frac = min(1.0, block / analysis.seq_len)
+    return total, out_bytes + math.ceil((total - out_bytes) * frac)
+
+
+def estimate_loss_bytes(match: seq_regions.LossMatch, block: int) -> tuple[int, int, tuple[int, ...]]:
+    logits = match.output.args[0].meta["val"]
+    n, v = logits.shape
+    return 2 * n * v * 4, 2 * min(block, n) * v * 4, (n, v)
+
+
+def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | None = None) -> TilingPlan | None:
+    """The tiling decisions for ``gm``; None when ``options.enabled`` is False or the graph has no
+    sequence axis (no integer input)."""
+    if options.enabled is False:
+        return None
+    seq_len = seq_len or seq_regions.sequence_length(gm)
+    if seq_len is None:
+        log.info("tiling: no integer (token id) input, so no sequence axis; nothing tiled")
+        return None
+    analysis = seq_regions.analyze(gm, seq_len)
+    block = options.block_size or DEFAULT_BLOCK_SIZE
+    ablock = options.attention_block_size or DEFAULT_ATTENTION_BLOCK
+    budget = options.budget_bytes if options.budget_bytes is not None else DEFAULT_BUDGET_BYTES
+    candidates: list[TiledOp] = []
+    skipped: list[SkippedOp] = []
+    for i, m in enumerate(analysis.attention):
+        what = f"{m.pattern} attention{' causal' if m.is_causal else ''}{' masked' if m.mask is not None else ''}"
+        if m.reason:
+            skipped.append(SkippedOp("attention", i, what, m.reason))
+            continue
+        untiled, tiled, shape = estimate_attention_bytes(m, ablock)
+        candidates.append(TiledOp("attention", i, what, shape, ablock, untiled, tiled))
+    for i, region in enumerate(analysis.regions):
+        num_linear = sum(1 for n in region if seq_regions.op_packet(n) in (torch.ops.aten.linear, torch.ops.aten.matmul))
+        what = f"token-wise region: {len(region)} ops, {num_linear} linear"
+        if block >= seq_len:
+            skipped.append(SkippedOp("region", i, what, f"block_size {block} >= sequence length {seq_len}: one chunk"))
+            continue
+        untiled, tiled = estimate_region_bytes(analysis, region, block)
+        shape = tuple(region[0].meta["val"].shape) if isinstance(region[0].meta.get("val"), torch.Tensor) else ()
+        candidates.append(TiledOp("region", i, what, shape, block, untiled, tiled))
+    for i, m in enumerate(analysis.losses):
+        what = "linear + cross_entropy"
+        if m.reason:
+            skipped.append(SkippedOp("loss", i, what, m.reason))
+            continue
+        untiled, tiled, shape = estimate_loss_bytes(m, block)
+        candidates.append(TiledOp("loss", i, what, shape, block, untiled, tiled))
+
+    untiled_total = sum(c.bytes_untiled for c in candidates)
+    allowed = [c for c in candidates if c.kind in options.kinds]
+    skipped += [SkippedOp(c.kind, c.index, c.what, "this kind is turned off in zerofx.tiling") for c in candidates if c not in allowed]
+    if options.enabled is True:
+        chosen = allowed
+    else:  # auto: biggest savings first until the estimate fits
+        chosen, estimate = [], untiled_total
+        for c in sorted(allowed, key=lambda c: c.bytes_untiled - c.bytes_tiled, reverse=True):
+            if estimate <= budget:
+                break
+            chosen.append(c)
+            estimate -= c.bytes_untiled - c.bytes_tiled
+    order = {k: i for i, k in enumerate(KINDS)}
+    chosen = sorted(chosen, key=lambda c: (order[c.kind], c.index))
+    tiled_total = untiled_total - sum(c.bytes_untiled - c.bytes_tiled for c in chosen)
+    for s in skipped:
+        log.info("tiling: %s #%d (%s) not tiled: %s", s.kind, s.index, s.what, s.reason)
+    return TilingPlan(
+        seq_len=seq_len,
+        num_candidates=(len(analysis.attention), len(analysis.regions), len(analysis.losses)),
+        ops=tuple(chosen),
+        skipped=tuple(skipped),
+        budget_bytes=budget,
+        estimate_untiled_bytes=untiled_total,
+        estimate_tiled_bytes=tiled_total,
+    )
+
+
+def tiling_options(section: Mapping[str, Any] | None) -> TilingOptions:
+    """``TilingOptions`` from the config's ``zerofx.tiling`` section (already schema-checked)."""
+    section = dict(section or {})
+    kinds = tuple(k for k in KINDS if section.get(k, True))
+    budget = section.get("budget")
+    if isinstance(budget, str):
+        budget = parse_bytes(budget)
+    return TilingOptions(
+        enabled=section.get("enabled", "auto"),
+        block_size=section.get("block_size"),
+        attention_block_size=section.get("attention_block_size"),
+        budget_bytes=budget,
+        kinds=kinds,
+    )
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"`` -> 2147483648. Accepted units: B, KB/KiB, MB/MiB, GB/GiB, TB/TiB (or none)."""
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value < 0:
+        raise ValueError(f"tiling budget {text!r} is not a size; accepted: a number with an optional unit, e.g. \"2GiB\" or \"512MB\"")
+    return int(value * _UNITS[unit])
+
+

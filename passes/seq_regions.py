@@ -1,0 +1,390 @@
+"""Analysis (reads only): where the sequence axis runs through a pre-autograd forward graph, and
+which ops can be tiled along it.
+
+Expects the pre-autograd ATen forward that ``make_fx(..., pre_dispatch=True)`` records (composite
+ops such as ``aten.linear``, ``aten.scaled_dot_product_attention`` and
+``aten.cross_entropy_loss`` are still whole), with ``meta['val']`` on every node. Used by the
+planner (``plan_tiling``) and the rewrite (``tile_forward_pass``), which must agree; it changes
+nothing.
+
+NOTE [Sequence dimension propagation]
+Every node gets ``sdim``: the dimension of its output that is the sequence axis (length
+``seq_len``), or None. Sources are the user's inputs with a dimension of that length,
+``arange(seq_len)`` and a ``slice(table, d, 0, seq_len)`` of a sequence-free tensor (rotary
+tables). A node is *token-wise* when its output at position t depends only on its inputs at t;
+each op kind has a rule (elementwise with broadcasting, reductions and normalizations over other
+dims, linear over the last dim, views that keep the axis whole, ...). Anything else that reads
+the axis (attention, the loss, a shifted slice) is a *barrier*.
+
+NOTE [Regions and levels]
+A token-wise node's level counts the barriers on its longest path from the inputs. The
+token-wise nodes of one level form a region. A region is convex: a path that leaves it through a
+barrier comes back only at a higher level. So the region can run in sequence chunks, all
+chunks of it before any of its users, each chunk from slices of the region's inputs. In a
+transformer the regions are the embedding with the first norm and QKV projection, then per
+layer "output projection, residual, norm, MLP, residual, next norm, next QKV", then the final
+norm.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from passes import meta, tiled_kernels  # noqa: F401  (registers the zerofx:: ops)
+
+aten = torch.ops.aten
+
+
+def op_packet(node: fx.Node) -> object | None:
+    return getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
+
+
+_ELEMENTWISE = {
+    aten.add, aten.sub, aten.mul, aten.div, aten.pow, aten.rsqrt, aten.sqrt, aten.silu, aten.gelu, aten.relu,
+    aten.neg, aten.exp, aten.log, aten.tanh, aten.sigmoid, aten.cos, aten.sin, aten.to, aten._to_copy, aten.alias,
+    aten.clone, aten.contiguous, aten.where, aten.masked_fill, aten.abs, aten.square, aten.reciprocal, aten.erf,
+    aten.detach, aten.type_as, aten.clamp, aten.maximum, aten.minimum, aten.ones_like, aten.zeros_like,
+    aten.full_like, aten.rsub, aten.dropout, aten.leaky_relu, aten.softplus, aten.mish,
+}
+_REDUCE = {aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std}
+_VIEWS = {aten.view, aten.reshape, aten._unsafe_view}
+_LOSSES = {aten.cross_entropy_loss}
+_LOSS_CHAIN = {aten.view, aten.reshape, aten._unsafe_view, aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias, aten.slice}
+
+
+def is_sdpa(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is aten.scaled_dot_product_attention.default
+
+
+def is_blocked_attention(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.zerofx.blocked_attention.default
+
+
+def _val(node: object) -> object:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _rank(node: fx.Node) -> int | None:
+    v = _val(node)
+    return v.dim() if isinstance(v, torch.Tensor) else None
+
+
+def _norm(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+@dataclass(frozen=True)
+class AttentionMatch:
+    """``softmax(q kᵀ · scale + mask) v`` found in the graph: ``output`` is the node to replace."""
+
+    output: fx.Node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    mask: fx.Node | None
+    is_causal: bool
+    scale: float
+    pattern: str  # "sdpa" or "softmax"
+    reason: str | None = None  # why it cannot be tiled, or None
+
+
+@dataclass(frozen=True)
+class LossMatch:
+    """``cross_entropy(chain(linear(h, w, b)), target)``: ``chain`` is the views and casts between."""
+
+    output: fx.Node
+    linear: fx.Node
+    chain: tuple[fx.Node, ...]
+    target: fx.Node
+    reduction: int
+    ignore_index: int
+    reason: str | None = None
+
+
+@dataclass
+class SeqAnalysis:
+    seq_len: int
+    sdim: dict[fx.Node, int | None] = field(default_factory=dict)
+    tokenwise: set[fx.Node] = field(default_factory=set)
+    level: dict[fx.Node, int] = field(default_factory=dict)
+    regions: list[list[fx.Node]] = field(default_factory=list)  # by level, graph order
+    attention: list[AttentionMatch] = field(default_factory=list)
+    losses: list[LossMatch] = field(default_factory=list)
+
+    def region_inputs(self, region: Sequence[fx.Node]) -> list[fx.Node]:
+        inside = set(region)
+        seen: dict[fx.Node, None] = {}
+        for n in region:
+            for a in n.all_input_nodes:
+                if a not in inside:
+                    seen[a] = None
+        return list(seen)
+
+    def region_outputs(self, region: Sequence[fx.Node]) -> list[fx.Node]:
+        inside = set(region)
+        return [n for n in region if any(u not in inside for u in n.users)]
+
+
+def sequence_length(gm: fx.GraphModule) -> int | None:
+    """The sequence length: the last dimension of the first integer user input (token ids)."""
+    for ph in meta.placeholders(gm.graph, meta.Role.INPUT):
+        v = _val(ph)
+        if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dim() >= 1:
+            return int(v.shape[-1])
+    return None
+
+
+def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int | None:
+    """The output's sequence dim if ``node`` is token-wise given its inputs' ``sd``, else None."""
+    pk, args = op_packet(node), node.args
+    out = _val(node)
+    x = args[0] if args else None
+    s = sd.get(x) if isinstance(x, fx.Node) else None
+    rank = _rank(x) if isinstance(x, fx.Node) else None
+    if pk in _ELEMENTWISE:
+        if pk is aten.dropout and args[1] != 0 and args[2]:
+            return None  # random per call: a recomputed chunk would draw a different mask
+        if not isinstance(out, torch.Tensor):
+            return None
+        r_out, found = out.dim(), set()
+        tensors = [a for a in [*args, *node.kwargs.values()] if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor)]
+        for a in tensors:
+            if sd.get(a) is not None:
+                found.add(sd[a] + r_out - _val(a).dim())
+        if len(found) != 1:
+            return None
+        so = found.pop()
+        for a in tensors:
+            if sd.get(a) is None:
+                pos = so - (r_out - _val(a).dim())
+                if 0 <= pos < _val(a).dim() and _val(a).shape[pos] != 1:
+                    return None  # a full-length operand we cannot slice
+        return so
+    if pk is aten.embedding:
+        return sd.get(args[1])
+    if pk is aten.cat and isinstance(out, torch.Tensor):
+        d = _norm(args[1] if len(args) > 1 else node.kwargs.get("dim", 0), out.dim())
+        # Empty pieces (an empty key/value cache) do not take part.
+        sds = {sd.get(a) for a in args[0] if not (isinstance(_val(a), torch.Tensor) and _val(a).dim() > d and _val(a).shape[d] == 0)}
+        s = sds.pop() if len(sds) == 1 else None
+        return s if s is not None and d != s else None
+    if s is None or rank is None:
+        return None
+    if pk in _REDUCE:
+        dims = args[1] if len(args) > 1 else node.kwargs.get("dim")
+        if dims is None:
+            return None
+        dims = [_norm(d, rank) for d in ([dims] if isinstance(dims, int) else dims)]
+        keep = args[2] if len(args) > 2 else node.kwargs.get("keepdim", False)
+        return None if s in dims else (s if keep else s - sum(d < s for d in dims))
+    if pk in (aten.softmax, aten.log_softmax):
+        return None if _norm(args[1], rank) == s else s
+    if pk in (aten.layer_norm, aten.rms_norm):
+        return s if s < rank - len(args[1]) else None
+    if pk is aten.linear:
+        return s if s < rank - 1 else None
+    if pk is aten.matmul:
+        w = args[1]
+        ok = isinstance(w, fx.Node) and sd.get(w) is None and _rank(w) in (1, 2) and s < rank - 1
+        return s if ok else None
+    if pk in _VIEWS:
+        shape_in, shape_out = list(_val(x).shape), list(out.shape)
+        prefix = math.prod(shape_in[:s])
+        for j in range(len(shape_out)):
+            if math.prod(shape_out[:j]) == prefix and shape_out[j] == t:
+                return j
+        return None
+    if pk is aten.transpose:
+        a, b = _norm(args[1], rank), _norm(args[2], rank)
+        return b if s == a else a if s == b else s
+    if pk is aten.permute:
+        return [_norm(d, rank) for d in args[1]].index(s)
+    if pk is aten.unsqueeze:
+        d = _norm(args[1], rank + 1)
+        return s + 1 if d <= s else s
+    if pk in (aten.select, aten.unbind):
+        d = _norm(args[1] if len(args) > 1 else 0, rank)
+        return None if d == s else s - (d < s)
+    if pk in (aten.slice, aten.narrow):
+        d = _norm(args[1] if len(args) > 1 else 0, rank)
+        if d != s:
+            return s
+        return s if out.shape[d] == t else None  # a full slice keeps the axis; a shift does not
+    if pk in (aten.chunk, aten.split, aten.split_with_sizes):
+        d = _norm(args[2] if len(args) > 2 else node.kwargs.get("dim", 0), rank)
+        return None if d == s else s
+    if pk is aten.expand:
+        so = s + out.dim() - rank
+        return so if out.shape[so] == t else None
+    return None
+
+
+def _source_sdim(node: fx.Node, t: int) -> int | None:
+    """The sequence dim of a source: a user input, ``arange(seq_len)``, a prefix slice of a table."""
+    v = _val(node)
+    if not isinstance(v, torch.Tensor):
+        return None
+    if node.op == "placeholder" and node.meta.get(meta.ROLE) is meta.Role.INPUT:
+        dims = [d for d, n in enumerate(v.shape) if n == t]
+        return dims[-1] if dims else None
+    pk = op_packet(node)
+    if pk is aten.arange and v.dim() == 1 and v.shape[0] == t:
+        return 0
+    if pk is aten.slice and v.dim() >= 1:
+        d = _norm(node.args[1], v.dim())
+        start = node.args[2] if len(node.args) > 2 else 0
+        if start in (0, None) and v.shape[d] == t:
+            return d
+    return None
+
+
+def analyze(gm: fx.GraphModule, seq_len: int) -> SeqAnalysis:
+    """Sequence dims, token-wise nodes, regions by level, attention and loss matches."""
+    res = SeqAnalysis(seq_len=seq_len)
+    sd, tok, dep, level = res.sdim, res.tokenwise, {}, res.level
+    res.attention = _find_attention(gm)
+    # An attention's output runs along the query's sequence axis, whatever ops compute it.
+    attention_out = {m.output: m.q for m in res.attention}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        inputs = node.all_input_nodes
+        seq_in = [a for a in inputs if sd.get(a) is not None]
+        if node.op == "call_function" and node.target is operator.getitem and node.args[0] in tok:
+            sd[node] = sd[node.args[0]]
+            tok.add(node)
+        elif node.op == "call_function" and seq_in and op_packet(node) not in _LOSSES:
+            sd[node] = _tokenwise_sdim(node, sd, seq_len)
+            if sd[node] is not None:
+                tok.add(node)
+        if node not in tok:
+            if is_sdpa(node) or is_blocked_attention(node):
+                sd[node] = sd.get(node.args[0])
+            elif node in attention_out:
+                sd[node] = sd.get(attention_out[node])
+            elif node.op == "call_function" and node.target is operator.getitem and is_blocked_attention(node.args[0]):
+                sd[node] = sd.get(node.args[0])  # out (B, H, Tq, D) and lse (B, H, Tq): both dim 2
+            elif not any(dep.get(a) for a in inputs):
+                sd[node] = _source_sdim(node, seq_len) if not seq_in else None
+            else:
+                sd.setdefault(node, None)
+        dep[node] = node in tok or any(dep.get(a) for a in inputs)
+        if node in tok:
+            level[node] = max([0] + [level[a] + (0 if a in tok or not dep[a] else 1) for a in inputs])
+        else:
+            level[node] = max([0] + [level[a] for a in inputs]) if dep[node] else 0
+    by_level: dict[int, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node in tok:
+            by_level.setdefault(level[node], []).append(node)
+    res.regions = [by_level[k] for k in sorted(by_level)]
+    res.losses = _find_losses(gm)
+    return res
+
+
+# --------------------------------------------------------------------------- attention
+def _single_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _attention_reason(q: fx.Node, k: fx.Node, v: fx.Node, mask: fx.Node | None) -> str | None:
+    qv, kv, vv = _val(q), _val(k), _val(v)
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (qv, kv, vv)):
+        return "q, k and v must be 4-d (batch, heads, sequence, head_dim)"
+    if qv.shape[1] != kv.shape[1] or kv.shape[1] != vv.shape[1]:
+        return f"query heads {qv.shape[1]} differ from key/value heads {kv.shape[1]} (grouped-query attention)"
+    if mask is not None and getattr(_val(mask), "requires_grad", False):
+        return "the attention mask requires grad"
+    return None
+
+
+def _find_attention(gm: fx.GraphModule) -> list[AttentionMatch]:
+    found = []
+    for node in gm.graph.nodes:
+        if is_sdpa(node):
+            q, k, v = node.args[:3]
+            get = lambda i, name, default: node.args[i] if len(node.args) > i else node.kwargs.get(name, default)  # noqa: E731
+            mask, dropout, causal = get(3, "attn_mask", None), get(4, "dropout_p", 0.0), get(5, "is_causal", False)
+            scale = node.kwargs.get("scale") or 1.0 / math.sqrt(_val(q).shape[-1])
+            reason = _attention_reason(q, k, v, mask)
+            if dropout:
+                reason = f"dropout_p={dropout}; only dropout-free attention is tiled (accepted: 0.0)"
+            if node.kwargs.get("enable_gqa") and reason is None and _val(q).shape[1] != _val(k).shape[1]:
+                reason = "grouped-query attention (enable_gqa=True)"
+            found.append(AttentionMatch(node, q, k, v, mask, bool(causal), float(scale), "sdpa", reason))
+        elif op_packet(node) is aten.matmul:
+            m = _match_softmax_attention(node)
+            if m is not None:
+                found.append(m)
+    return found
+
+
+def _match_softmax_attention(scores: fx.Node) -> AttentionMatch | None:
+    """``matmul(q, kᵀ) [* c | / c]* [+ mask] -> softmax(-1) [-> to] [-> dropout(p=0)] -> matmul(., v)``."""
+    q, kt = scores.args[:2]
+    if not isinstance(kt, fx.Node) or op_packet(kt) is not aten.transpose or _rank(kt) != 4:
+        return None
+    if {_norm(kt.args[1], 4), _norm(kt.args[2], 4)} != {2, 3}:
+        return None
+    k, scale, mask, cur = kt.args[0], 1.0, None, scores
+    while (nxt := _single_user(cur)) is not None:
+        pk = op_packet(nxt)
+        if pk in (aten.mul, aten.div) and nxt.args[0] is cur and isinstance(nxt.args[1], (int, float)):
+            scale = scale * nxt.args[1] if pk is aten.mul else scale / nxt.args[1]
+        elif pk is aten.add and nxt.args[0] is cur and isinstance(nxt.args[1], fx.Node) and mask is None:
+            mask = nxt.args[1]
+        else:
+            break
+        cur = nxt
+    sm = _single_user(cur)
+    if sm is None or op_packet(sm) is not aten.softmax or _norm(sm.args[1], 4) != 3:
+        return None
+    cur = sm
+    while (nxt := _single_user(cur)) is not None and op_packet(nxt) in (aten.to, aten._to_copy, aten.dropout):
+        if op_packet(nxt) is aten.dropout and nxt.args[1] != 0 and nxt.args[2]:
+            return None
+        cur = nxt
+    out = _single_user(cur)
+    if out is None or op_packet(out) is not aten.matmul or out.args[0] is not cur:
+        return None
+    v = out.args[1]
+    if mask is not None and _val(mask).dtype == torch.bool:
+        return None
+    return AttentionMatch(out, q, k, v, mask, False, float(scale), "softmax", _attention_reason(q, k, v, mask))
+
+
+# --------------------------------------------------------------------------- loss
+def _find_losses(gm: fx.GraphModule) -> list[LossMatch]:
+    found = []
+    for node in gm.graph.nodes:
+        if op_packet(node) not in _LOSSES:
+            continue
+        args = list(node.args) + [None] * 6
+        logits, target = args[0], args[1]
+        weight = args[2] if args[2] is not None else node.kwargs.get("weight")
+        reduction = args[3] if args[3] is not None else node.kwargs.get("reduction", 1)
+        ignore = args[4] if args[4] is not None else node.kwargs.get("ignore_index", -100)
+        smoothing = args[5] if args[5] is not None else node.kwargs.get("label_smoothing", 0.0)
+        chain, cur = [], logits
+        while isinstance(cur, fx.Node) and op_packet(cur) in _LOSS_CHAIN and len(cur.users) == 1:
+            if op_packet(cur) is aten.slice and _norm(cur.args[1], _rank(cur)) == _rank(cur) - 1:
+                break
+            chain.append(cur)
+            cur = cur.args[0]
+        if not (isinstance(cur, fx.Node) and op_packet(cur) is aten.linear and len(cur.users) == 1):
+            continue
+        reason = None
+        if weight is not None or smoothing:
+            reason = "class weights or label smoothing"
+        elif reduction not in (1, 2):
+            reason = f"reduction={reduction}; tiled are mean (1) and sum (2)"
+        elif _rank(logits) != 2 or _rank(target) != 1:
+            reason = "logits must be (N, V) and the target (N,)"
+        found.append(LossMatch(node, cur, tuple(reversed(chain)), target, int(reduction), int(ignore), reason))
+    return found

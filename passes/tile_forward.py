@@ -1,0 +1,230 @@
+"""Rewrite: tile attention, token-wise regions and the vocabulary loss along the sequence.
+
+Expects the pre-autograd forward graph (``make_fx(..., pre_dispatch=True)``, see ``seq_regions``)
+and a ``TilingPlan`` from ``plan_tiling`` for it. AOTAutograd derives the backward of the
+rewritten forward afterwards. Postconditions:
+- each planned attention (SDPA or the explicit softmax pattern) is one
+  ``zerofx::blocked_attention`` node (see NOTE [Blocked attention] in ``tiled_kernels``);
+- each planned loss is one ``zerofx::chunked_linear_cross_entropy`` node, divided by the count of
+  non-ignored targets for a mean;
+- each planned region runs in chunks of ``block_size`` tokens: its sequence-carrying inputs are
+  split along their sequence dim, the region's nodes are replayed per chunk, and each output is
+  the ``cat`` of its chunks. Every node of the chunked copy carries
+  ``meta['recompute'] = CheckpointPolicy.MUST_RECOMPUTE`` and ``zerofx_tile_region``.
+
+NOTE [Per-chunk recompute through the partitioner]
+AOTAutograd copies a forward node's ``recompute`` tag onto the joint graph's node when it traces
+under ``torch.fx.traceback.preserve_node_meta`` (capture does), so the min-cut partitioner must
+recompute the chunk's intermediates in backward and saves only the region's inputs and outputs.
+Its ``reordering_to_mimic_autograd_engine`` places each recomputed chunk right before that
+chunk's backward, so one chunk of the MLP's 4x-wide activations is alive at a time. This is the
+mechanism ``torch.utils.checkpoint``'s selective policies use under ``torch.compile``.
+
+Meta keys written: ``zerofx_tile_region`` (int, the region's index) and ``zerofx_tiled`` (the
+kind) on inserted nodes. Returns the graph unchanged when the plan tiles nothing. A graph that is
+already tiled (a node carries ``zerofx_tiled``), or whose candidates differ from the plan's,
+raises ``ValueError`` instead of being tiled twice.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from passes import _compat, meta, seq_regions
+from passes.plan_tiling import TilingPlan
+
+aten = torch.ops.aten
+TILE_REGION = "zerofx_tile_region"
+TILED = "zerofx_tiled"
+_MUST_RECOMPUTE = _compat.CheckpointPolicy.MUST_RECOMPUTE
+
+
+def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphModule:
+    if plan is None or not plan.ops:
+        return gm
+    if any(TILED in n.meta for n in gm.graph.nodes):
+        raise ValueError("this graph is already tiled; plan again for the original graph instead of tiling twice")
+    analysis = seq_regions.analyze(gm, plan.seq_len)
+    found = (len(analysis.attention), len(analysis.regions), len(analysis.losses))
+    if found != tuple(plan.num_candidates):
+        raise ValueError(f"the tiling plan was made for {tuple(plan.num_candidates)} (attention, region, loss) candidates, "
+                         f"this graph has {found}; plan again for this graph")
+    graph = gm.graph
+    for i, op in plan.chosen("attention").items():
+        _replace_attention(graph, analysis.attention[i], op.block_size)
+    for i, op in plan.chosen("loss").items():
+        _replace_loss(graph, analysis.losses[i], op.block_size)
+    graph.eliminate_dead_code()
+    regions = plan.chosen("region")
+    if regions:
+        after = seq_regions.analyze(gm, plan.seq_len)
+        assert len(after.regions) == plan.num_candidates[1], "replacing attention and losses must keep the regions"
+        gm = _chunk_regions(gm, after, {i: op.block_size for i, op in regions.items()})
+    _propagate_vals(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _replace_attention(graph: fx.Graph, m: seq_regions.AttentionMatch, block: int) -> None:
+    with graph.inserting_before(m.output):
+        node = meta.add_call(
+            graph, torch.ops.zerofx.blocked_attention.default, (m.q, m.k, m.v, m.mask, m.is_causal, m.scale, block, block)
+        )
+        out = meta.add_call(graph, operator.getitem, (node, 0))
+    for n in (node, out):
+        n.meta[TILED] = "attention"
+    m.output.replace_all_uses_with(out)
+    graph.erase_node(m.output)
+
+
+def _replace_loss(graph: fx.Graph, m: seq_regions.LossMatch, block: int) -> None:
+    h, w = m.linear.args[0], m.linear.args[1]
+    b = m.linear.args[2] if len(m.linear.args) > 2 else m.linear.kwargs.get("bias")
+    d = h.meta["val"].shape[-1]
+    new: list[fx.Node] = []
+    with graph.inserting_before(m.output):
+        cur = h
+        for c in m.chain:  # replay the views on the hidden states: (..., V) -> (..., D)
+            pk = seq_regions.op_packet(c)
+            if pk in (aten.view, aten.reshape, aten._unsafe_view):
+                shape = list(c.meta["val"].shape)
+                shape[-1] = d
+                cur = meta.add_call(graph, aten.reshape.default, (cur, shape))
+                new.append(cur)
+            elif pk is aten.slice:
+                cur = meta.add_call(graph, c.target, (cur, *c.args[1:]), dict(c.kwargs))
+                new.append(cur)
+        total = meta.add_call(
+            graph, torch.ops.zerofx.chunked_linear_cross_entropy.default, (cur, w, b, m.target, m.ignore_index, block)
+        )
+        new.append(total)
+        loss = total
+        if m.reduction == 1:  # mean over the targets that are not ignored, as cross_entropy's mean
+            keep = meta.add_call(graph, aten.ne.Scalar, (m.target, m.ignore_index))
+            count = meta.add_call(graph, aten.sum.default, (keep,))
+            loss = meta.add_call(graph, aten.div.Tensor, (total, count))
+            new += [keep, count, loss]
+    for n in new:
+        n.meta[TILED] = "loss"
+    m.output.replace_all_uses_with(loss)
+    graph.erase_node(m.output)
+
+
+def _chunk_sizes(t: int, block: int) -> list[int]:
+    return [min(block, t - s) for s in range(0, t, block)]
+
+
+def _chunk_args(node: fx.Node, args: tuple, sdim: int, length: int) -> tuple:
+    """Shape arguments of a view or expand, with the sequence dim set to the chunk's length."""
+    pk = seq_regions.op_packet(node)
+    if pk in (aten.view, aten.reshape, aten._unsafe_view):
+        shape = list(node.meta["val"].shape)
+        shape[sdim] = length
+        return (args[0], shape, *args[2:])
+    if pk is aten.expand:
+        sizes = list(args[1])
+        sizes[sdim] = length
+        return (args[0], sizes, *args[2:])
+    return args
+
+
+def _chunk_regions(gm: fx.GraphModule, a: seq_regions.SeqAnalysis, blocks: dict[int, int]) -> fx.GraphModule:
+    """A new graph where each region in ``blocks`` runs in chunks; see NOTE [Regions and levels]."""
+    old = gm.graph
+    position = {n: i for i, n in enumerate(old.nodes)}
+    region_of = {n: r for r in blocks for n in a.regions[r]}
+    # Units: one per chunked region, one per other node. Topologically sorted, ties by position.
+    def unit(n: fx.Node) -> Any:
+        return ("region", region_of[n]) if n in region_of else n
+
+    members: dict[Any, list[fx.Node]] = {}
+    for n in old.nodes:
+        if n.op != "output":
+            members.setdefault(unit(n), []).append(n)
+    deps: dict[Any, set[Any]] = {u: set() for u in members}
+    users: dict[Any, set[Any]] = {u: set() for u in members}
+    for u, nodes in members.items():
+        for n in nodes:
+            for inp in n.all_input_nodes:
+                if unit(inp) != u:
+                    deps[u].add(unit(inp))
+                    users[unit(inp)].add(u)
+    key = {u: min(position[n] for n in nodes) for u, nodes in members.items()}
+    ready = [(key[u], i, u) for i, u in enumerate(members) if not deps[u]]
+    heapq.heapify(ready)
+    order, counter = [], len(members)
+    remaining = {u: len(d) for u, d in deps.items()}
+    while ready:
+        _, _, u = heapq.heappop(ready)
+        order.append(u)
+        for v in users[u]:
+            remaining[v] -= 1
+            if remaining[v] == 0:
+                counter += 1
+                heapq.heappush(ready, (key[v], counter, v))
+    assert len(order) == len(members), "regions must be convex (see NOTE [Regions and levels])"
+
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for u in order:
+        if isinstance(u, tuple):
+            _emit_region(new, env, a, members[u], u[1], blocks[u[1]])
+        else:
+            env[u] = new.node_copy(u, lambda x: env[x])
+    new.output(fx.map_arg(meta.output_node(old).args[0], lambda x: env[x]))
+    out = fx.GraphModule(gm, new)
+    return out
+
+
+def _emit_region(g: fx.Graph, env: dict[fx.Node, fx.Node], a: seq_regions.SeqAnalysis, region: list[fx.Node], index: int, block: int) -> None:
+    sizes = _chunk_sizes(a.seq_len, block)
+    inside = set(region)
+
+    def tag(n: fx.Node) -> fx.Node:
+        n.meta["recompute"] = _MUST_RECOMPUTE
+        n.meta[TILE_REGION] = index
+        n.meta[TILED] = "region"
+        return n
+
+    pieces: dict[fx.Node, list[fx.Node]] = {}
+    for x in a.region_inputs(region):
+        if a.sdim.get(x) is not None:
+            split = tag(g.call_function(aten.split_with_sizes.default, (env[x], sizes, a.sdim[x])))
+            pieces[x] = [tag(g.call_function(operator.getitem, (split, c))) for c in range(len(sizes))]
+    chunks: list[dict[fx.Node, fx.Node]] = []
+    for c, length in enumerate(sizes):
+        cenv: dict[fx.Node, fx.Node] = {}
+
+        def lookup(x: fx.Node) -> fx.Node:
+            if x in inside:
+                return cenv[x]
+            return pieces[x][c] if x in pieces else env[x]  # noqa: B023  (used within this iteration)
+
+        for n in region:
+            args = fx.map_arg(n.args, lookup)
+            kwargs = fx.map_arg(n.kwargs, lookup)
+            if a.sdim.get(n) is not None:
+                args = _chunk_args(n, args, a.sdim[n], length)
+            new = g.create_node("call_function", n.target, args, kwargs)
+            new.meta.update({k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")})
+            cenv[n] = tag(new)
+        chunks.append(cenv)
+    for o in a.region_outputs(region):
+        assert isinstance(o.meta.get("val"), torch.Tensor), "a region output must be one tensor"
+        env[o] = g.call_function(aten.cat.default, ([ch[o] for ch in chunks], a.sdim[o]))
+        env[o].meta[TILED] = "region"
+
+
+def _propagate_vals(gm: fx.GraphModule) -> None:
+    """Recompute ``meta['val']`` of every node on the placeholders' fake values."""
+    vals = [ph.meta["val"] for ph in gm.graph.find_nodes(op="placeholder")]
+    fake_mode = _compat.detect_fake_mode(vals)
+    assert fake_mode is not None, "tile_forward_pass expects fake values on the placeholders"
+    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*vals)

@@ -1,0 +1,256 @@
+"""Sequence tiling (issue #8): which ops get tiled, that the tiled graphs never hold an n x n
+tensor, parity of the tiled step with eager PyTorch (loss and gradients within 1e-5, fp32) in
+one process and through the engine at stages 0 and 3 on 2 gloo ranks, and clear errors.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zerofx
+from passes import partition_joint, tiled_kernels  # noqa: F401  (registers zerofx:: ops)
+from passes.plan import Plan
+from passes.plan_tiling import TilingOptions, parse_bytes
+from tests.dist_utils import run_ranks
+from tests.tiling_models import BATCH, SEQ, dna_lm, llama, padding_mask, softmax_lm, tokens
+from tests.tiling_workers import tiled_vs_untiled
+from zerofx.capture import capture_step, flatten_call
+from zerofx.errors import ConfigError
+
+ON = TilingOptions(enabled=True, block_size=16, attention_block_size=16)
+OFF = TilingOptions(enabled=False)
+TOL = 1e-5
+zf = torch.ops.zerofx
+
+
+def run_partitioned(model, args, kwargs, tiling):  # noqa: ANN001, ANN201
+    """Capture, partition with the min-cut partitioner, and run the forward and backward graphs
+    on the model's real tensors: the loss, the gradients by FQN, and both graphs."""
+    cap = capture_step(model, args, kwargs, tiling=tiling)
+    fw, bw = partition_joint(cap.joint)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    flat = [params[p.fqn].detach() for p in cap.params] + [buffers[b.fqn] for b in cap.buffers]
+    flat += flatten_call(cap, model, args, kwargs, None)
+    loss, *saved = fw(*flat)
+    grads = bw(*saved, torch.ones((), dtype=loss.dtype))
+    return cap, loss, {p.fqn: g for p, g in zip(cap.params, grads)}, (fw, bw)
+
+
+def eager(model, args, kwargs):  # noqa: ANN001, ANN201
+    out = model(*args, **kwargs)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [dict(model.named_parameters())[n] for n in names])
+    return loss.detach(), dict(zip(names, grads))
+
+
+def assert_parity(model, args, kwargs) -> tuple:  # noqa: ANN001
+    ref_loss, ref_grads = eager(model, args, kwargs)
+    cap, loss, grads, graphs = run_partitioned(model, args, kwargs, ON)
+    assert abs(loss.item() - ref_loss.item()) < TOL
+    assert ref_grads.keys() <= grads.keys()
+    for name, g in ref_grads.items():
+        assert (grads[name] - g).abs().max().item() < TOL, name
+    return cap, graphs
+
+
+def square_tensors(graphs, seq: int = SEQ) -> list[tuple[str, tuple[int, ...]]]:  # noqa: ANN001
+    """Nodes whose value has two dimensions of the full sequence length: an n x n tensor."""
+    found = []
+    for gm in graphs:
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and sum(1 for d in v.shape if d == seq) >= 2:
+                found.append((n.name, tuple(v.shape)))
+    return found
+
+
+def count(gm, target) -> int:  # noqa: ANN001
+    return len(gm.graph.find_nodes(op="call_function", target=target))
+
+
+# --------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # float64 runs the plain-tensor loops
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_blocked_attention_matches_sdpa(mask_kind: str, causal: bool, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 37, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    keep = torch.ones(2, 37, dtype=torch.bool)
+    keep[0, 25:] = False
+    mask = {"none": None, "bool": keep[:, None, None, :], "additive": torch.where(keep, 0.0, -1e9).to(dtype)[:, None, None, :]}[mask_kind]
+    ref_mask = mask
+    if causal and mask is not None:  # SDPA rejects attn_mask with is_causal: fold the diagonal in
+        tril = torch.ones(37, 37, dtype=torch.bool).tril()
+        ref_mask = (mask & tril) if mask.dtype == torch.bool else mask.masked_fill(~tril, float("-inf"))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=ref_mask, is_causal=causal and mask is None)
+    out, lse = zf.blocked_attention(q, k, v, mask, causal, 8**-0.5, 8, 5)  # blocks that do not divide 37
+    assert lse.shape == (2, 3, 37)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(ref, (q, k, v), g), torch.autograd.grad(out, (q, k, v), g)):
+        assert (a - b).abs().max().item() < TOL
+    assert (out - ref).abs().max().item() < TOL
+
+
+def test_chunked_loss_matches_cross_entropy() -> None:
+    torch.manual_seed(0)
+    h, w, b = torch.randn(50, 16, requires_grad=True), torch.randn(7, 16, requires_grad=True), torch.randn(7, requires_grad=True)
+    t = torch.randint(0, 7, (50,))
+    t[3] = -100
+    ref = F.cross_entropy(F.linear(h, w, b), t, reduction="sum")
+    out = zf.chunked_linear_cross_entropy(h, w, b, t, -100, 16)
+    assert abs(ref.item() - out.item()) < TOL
+    for x, y in zip(torch.autograd.grad(ref, (h, w, b)), torch.autograd.grad(out, (h, w, b))):
+        assert (x - y).abs().max().item() < TOL
+
+
+# --------------------------------------------------------------------------- rewrite, in one process
+def test_dna_lm_sdpa_causal_regions_and_loss() -> None:
+    model, ids = dna_lm(), tokens()
+    cap, (fw, bw) = assert_parity(model, (ids,), {"labels": ids})
+    kinds = [(op.kind, op.block_size) for op in cap.tiling.ops]
+    # Two SDPA layers, three token-wise regions (embedding..QKV, out-proj..MLP..QKV, out-proj..norm), the loss.
+    assert kinds == [("attention", 16)] * 2 + [("region", 16)] * 3 + [("loss", 16)]
+    assert count(fw, zf.blocked_attention.default) == 2 and count(bw, zf.blocked_attention_backward.default) == 2
+    assert count(fw, zf.chunked_linear_cross_entropy.default) == 1
+    assert count(fw, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default) == 0
+    # The MLP's matmuls run per chunk of 16 tokens (2 x 16 rows) in forward and again in backward.
+    mm_rows = {n.meta["val"].shape[0] for gm in (fw, bw) for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default)}
+    assert BATCH * SEQ not in mm_rows and BATCH * 16 in mm_rows
+    # Saved for backward: no (B, T, ffn) activation; untiled saves several.
+    ffn = model.cfg.ffn_dim
+    saved = [n.meta["val"].shape for n in fw.graph.output_node().args[0][1:]]
+    assert not any(ffn in s and (SEQ in s or BATCH * SEQ in s) for s in saved)
+    _, _, _, (fw0, _) = run_partitioned(model, (ids,), {"labels": ids}, OFF)
+    saved0 = [n.meta["val"].shape for n in fw0.graph.output_node().args[0][1:]]
+    assert any(ffn in s and BATCH * SEQ in s for s in saved0)
+
+
+def test_softmax_attention_with_padding_mask() -> None:
+    model, ids, mask = softmax_lm(), tokens(vocab=7), padding_mask()
+    kwargs = {"attention_mask": mask, "labels": ids}
+    cap, graphs = assert_parity(model, (ids,), kwargs)
+    assert [op.what for op in cap.tiling.ops if op.kind == "attention"] == ["softmax attention masked"] * 2
+    assert square_tensors(graphs) == []
+    _, _, _, untiled = run_partitioned(model, (ids,), kwargs, OFF)
+    assert square_tensors(untiled), "the untiled graphs hold the (B, H, T, T) scores; the check above can fail"
+
+
+def test_llama_sdpa() -> None:
+    model, ids = llama(), tokens(vocab=16)
+    cap, graphs = assert_parity(model, (ids,), {"labels": ids})
+    assert sorted({op.kind for op in cap.tiling.ops}) == ["attention", "loss", "region"]
+    assert square_tensors(graphs) == []
+
+
+def test_grouped_query_attention_is_left_alone_with_a_reason(caplog: pytest.LogCaptureFixture) -> None:
+    model, ids = llama(kv_heads=2), tokens(vocab=16)
+    with caplog.at_level(logging.INFO, logger="zerofx.tiling"):
+        cap, _ = assert_parity(model, (ids,), {"labels": ids})
+    assert not [op for op in cap.tiling.ops if op.kind == "attention"]
+    assert any("grouped-query" in s.reason or "heads" in s.reason for s in cap.tiling.skipped)
+    assert "not tiled" in caplog.text
+
+
+def test_auto_tiles_only_over_budget() -> None:
+    model, ids = dna_lm(), tokens()
+    small = capture_step(model, (ids,), {"labels": ids}, tiling=TilingOptions(block_size=16, budget_bytes=1 << 30))
+    assert small.tiling.ops == ()  # everything fits 1 GiB: nothing tiled
+    tight = capture_step(model, (ids,), {"labels": ids}, tiling=TilingOptions(block_size=16, budget_bytes=1_000_000))
+    chosen = tight.tiling
+    assert chosen.ops and chosen.estimate_tiled_bytes <= 1_000_000 < chosen.estimate_untiled_bytes
+    assert len(chosen.ops) < sum(chosen.num_candidates)  # only as much as the budget needs
+    # Largest savings first: a region (the MLP layer) is chosen before the 3 KiB loss.
+    assert chosen.ops[0].kind in ("attention", "region") and "loss" not in [o.kind for o in chosen.ops]
+
+
+def test_plan_carries_tiling_and_round_trips() -> None:
+    model, ids = dna_lm(), tokens()
+    program = zerofx.compile(model, world_size=2, stage=3, example_inputs=(ids,), example_kwargs={"labels": ids},
+                             config={"zerofx": {"tiling": {"enabled": True, "block_size": 16, "attention_block_size": 16}}})
+    plan = program.plan
+    assert Plan.from_json(plan.to_json()) == plan
+    text = str(plan)
+    assert "tiled op" in text and "linear + cross_entropy" in text and "sdpa attention causal" in text
+    untiled = zerofx.compile(model, world_size=2, stage=3, example_inputs=(ids,), example_kwargs={"labels": ids})
+    assert untiled.plan.tiling is None and untiled.plan.fingerprint() != plan.fingerprint()
+
+
+# --------------------------------------------------------------------------- engine, 2 gloo ranks
+def test_engine_parity_tiled_vs_untiled_stages_0_and_3() -> None:
+    results = run_ranks(2, tiled_vs_untiled, [0, 3])
+    initial = dna_lm().state_dict()
+    for stage in (0, 3):
+        for res in (r[stage] for r in results):
+            tiled, untiled = res["tiled"], res["untiled"]
+            assert ("attention", 16) in tiled["tiled_ops"] and ("region", 16) in tiled["tiled_ops"] and untiled["tiled_ops"] == []
+            assert abs(tiled["loss"].item() - untiled["loss"].item()) < TOL, stage
+            for k, v in untiled["state"].items():  # SGD with lr 1: the state difference is the gradient difference
+                assert (tiled["state"][k] - v).abs().max().item() < TOL, (stage, k)
+            assert max((untiled["state"][k] - v).abs().max().item() for k, v in initial.items()) > 1e-3
+        assert results[0][stage]["tiled"]["fingerprint"] == results[1][stage]["tiled"]["fingerprint"]
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True, "16"])
+def test_bad_block_sizes_raise_naming_the_value(bad: object) -> None:
+    with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(").replace(".", r"\.")):
+        TilingOptions(block_size=bad)
+    with pytest.raises(ConfigError, match="block_size"):
+        zerofx.compile(dna_lm(), world_size=1, stage=0, example_inputs=(tokens(),), example_kwargs={"labels": tokens()},
+                       config={"zerofx": {"tiling": {"block_size": bad}}})
+
+
+def test_bad_tiling_values() -> None:
+    with pytest.raises(ValueError, match="'sometimes'"):
+        TilingOptions(enabled="sometimes")
+    with pytest.raises(ValueError, match="'lots'"):
+        parse_bytes("lots")
+    assert parse_bytes("2GiB") == 2 << 30
+    with pytest.raises(ConfigError, match="budget"):
+        zerofx.compile(dna_lm(), world_size=1, stage=0, example_inputs=(tokens(),), example_kwargs={"labels": tokens()},
+                       config={"zerofx": {"tiling": {"budget": "-3GB"}}})
+
+
+# --------------------------------------------------------------------------- the rewrite alone
+def _mlp_forward(seq: int = SEQ):  # noqa: ANN202
+    """The pre-autograd forward of embedding -> MLP -> mean, with roles tagged as capture tags them."""
+    from passes import _compat, meta
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(emb: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, emb)  # (B, T, 8)
+        return (x + F.linear(F.gelu(F.linear(x, w1)), w2)).pow(2).mean()
+
+    with _compat.FakeTensorMode() as mode:
+        args = [torch.randn(5, 8), torch.randn(32, 8), torch.randn(8, 32), torch.randint(0, 5, (BATCH, seq))]
+    del mode
+    gm = make_fx(step, pre_dispatch=True)(*args)
+    roles = [meta.Role.PARAM] * 3 + [meta.Role.INPUT]
+    for ph, role in zip(gm.graph.find_nodes(op="placeholder"), roles):
+        ph.meta[meta.ROLE] = role
+    return gm
+
+
+def test_region_pass_structure_and_idempotence() -> None:
+    from passes.plan_tiling import plan_tiling
+    from passes.tile_forward import TILE_REGION, tile_forward_pass
+
+    gm = _mlp_forward()
+    plan = plan_tiling(gm, ON)
+    assert [(op.kind, op.block_size) for op in plan.ops] == [("region", 16)]
+    before = str(gm.graph)
+    assert tile_forward_pass(gm, None) is gm and str(gm.graph) == before  # nothing planned: unchanged
+    tiled = tile_forward_pass(gm, plan)
+    linears = tiled.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+    assert len(linears) == 2 * 3  # two linears, three chunks (16, 16, 8)
+    assert sorted({n.meta["val"].shape[1] for n in linears}) == [8, 16]
+    assert all(n.meta.get("recompute") is not None and n.meta[TILE_REGION] == 0 for n in linears)
+    assert len(tiled.graph.find_nodes(op="call_function", target=torch.ops.aten.split_with_sizes.default)) == 1
+    with pytest.raises(ValueError, match="already tiled"):  # a second run is refused
+        tile_forward_pass(tiled, plan)

@@ -1,0 +1,37 @@
+"""What each spawned rank runs in the tiling tests: one SGD step, tiled and untiled."""
+
+from __future__ import annotations
+
+import torch
+
+import zerofx
+from tests.tiling_models import dna_lm, tokens
+
+TILING = {"enabled": True, "block_size": 16, "attention_block_size": 16}
+
+
+def tiled_vs_untiled(rank: int, world_size: int, stages: list[int]) -> dict:
+    """Per stage and rank: the full state after one SGD step (lr 1, so the change is the averaged
+    gradient) and the loss, with and without tiling, plus the tiled plan's fingerprint and ops."""
+    return {stage: _one_stage(rank, stage) for stage in stages}
+
+
+def _one_stage(rank: int, stage: int) -> dict:
+    out = {}
+    ids = tokens(seed=10 + rank)
+    for name, tiling in (("tiled", TILING), ("untiled", {"enabled": False})):
+        model = dna_lm()
+        cfg = {"zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+               "zerofx": {"tiling": tiling}}
+        engine = zerofx.initialize(model, cfg, example_inputs=(ids,), example_kwargs={"labels": ids})
+        loss = engine(ids, labels=ids)
+        engine.backward(loss)
+        engine.step()
+        plan = engine.program.plan
+        out[name] = {
+            "loss": loss.detach().clone(),
+            "state": engine.full_state_dict(),
+            "tiled_ops": [(op.kind, op.block_size) for op in plan.tiling.ops] if plan.tiling else [],
+            "fingerprint": plan.fingerprint(),
+        }
+    return out
