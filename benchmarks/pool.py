@@ -133,6 +133,8 @@ def _worker(systems: tuple[str, ...], rank: int, num_ranks: int, spec: BenchSpec
                 runner = runners.pop(system)
                 state = runner.full_state()
                 result: dict[str, Any] = {"memory": runner.memory(), **_peak_memory_bytes(device)}
+                if hasattr(runner, "compile_s"):  # graph compilation inside the first step (zerofx.compile)
+                    result["compile_s"] = runner.compile_s()
                 if rank == 0 and arg:
                     buf = io.BytesIO()
                     torch.save(state, buf)  # bytes, not shared-memory tensors that die with this process

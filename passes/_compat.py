@@ -11,9 +11,14 @@ these, this is the only file to touch.
 - ``torch.ops._c10d_functional``: functional collectives (an op returns a tensor, a separate
   ``wait_tensor`` op waits for it), the form torch's own overlap tooling reads.
 - ``torch.utils.checkpoint.CheckpointPolicy``: the recompute tag the min-cut partitioner honours.
+- ``torch._inductor.compile``: Inductor's documented entry point for an FX graph captured
+  without Dynamo ("Compile a given FX graph with TorchInductor"), imported on first use.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from functorch.compile import (  # noqa: F401  (re-exported)
@@ -34,6 +39,13 @@ ALL_REDUCE = c10d_functional.all_reduce.default
 WAIT = c10d_functional.wait_tensor.default
 
 COLLECTIVE_TARGETS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    """``gm`` compiled by TorchInductor for inputs like ``example_inputs``; called as ``gm`` is."""
+    import torch._inductor
+
+    return torch._inductor.compile(gm, example_inputs)
 
 
 def fake_process_group(world_size: int, rank: int = 0) -> None:

@@ -82,3 +82,26 @@ def initialize_error(rank: int, world_size: int, size: str, kwargs: dict) -> str
     except zerofx.ZeroFXError as exc:
         return str(exc)
     return "no error"
+
+
+def eager_vs_inductor(rank: int, world_size: int, size: str, stage: int, steps: int) -> dict:
+    """Train ``size`` (meta-built, same init) for ``steps`` SGD steps with the graphs run as FX
+    code and compiled by Inductor (``zerofx.compile``); losses and final full state of each."""
+    cfg = DNA_LM_SIZES[size]
+    g = torch.Generator().manual_seed(200 + rank)
+    data = [torch.randint(0, cfg.vocab_size, (2, 32), generator=g) for _ in range(steps)]
+    out: dict[str, Any] = {}
+    for compiler in ("none", "inductor"):
+        with torch.device("meta"):
+            model = DNADecoderLM(cfg)
+        engine = zerofx.initialize(model, _config(stage, {"zerofx": {"compile": compiler}}),
+                                   example_inputs=(data[0],), example_kwargs={"labels": data[0]}, init_seed=1)
+        losses = []
+        for ids in data:
+            loss = engine(ids, labels=ids)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[compiler] = {"losses": losses, "state": engine.full_state_dict(), "compile_s": engine.compile_s,
+                         "compiled": sorted(engine.program._compiled)}
+    return out

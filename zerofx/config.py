@@ -16,6 +16,7 @@ import json
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,13 @@ from passes.plan import ScheduleOptions
 from zerofx.errors import ConfigError, did_you_mean
 
 OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
+
+
+class GraphCompiler(Enum):
+    """What runs each rank's forward and backward graphs (config key ``zerofx.compile``)."""
+
+    NONE = "none"  # the GraphModules' generated Python, op by op in eager ATen
+    INDUCTOR = "inductor"  # compiled once per program with TorchInductor
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
@@ -122,6 +130,9 @@ SCHEMA: dict[str, Key] = {
     "zerofx": Key((dict,), "zerofx's own settings (DeepSpeed ignores this section)", children={
         "world_size": Key((int,), "number of ranks to plan for", _pos_int, "an integer >= 1"),
         "prefetch_distance": Key((int,), "stage-3 all-gather buckets issued ahead of use", _nonneg_int, "an integer >= 0"),
+        "compile": Key((str,), "compile each rank's forward and backward graphs: none (run them as FX code) or inductor",
+                       lambda v: v in {c.value for c in GraphCompiler}, ", ".join(c.value for c in GraphCompiler)),
+        "fused_optimizer": Key((bool,), "Adam/AdamW with fused=True (one kernel over all of a rank's shards)"),
     }),
 }
 
@@ -165,6 +176,14 @@ class ZeroConfig:
         if self.raw.get("fp16", {}).get("enabled"):
             return torch.float16
         return None
+
+    @property
+    def graph_compiler(self) -> GraphCompiler:
+        return GraphCompiler(self.raw.get("zerofx", {}).get("compile", GraphCompiler.NONE.value))
+
+    @property
+    def fused_optimizer(self) -> bool:
+        return bool(self.raw.get("zerofx", {}).get("fused_optimizer", False))
 
     @property
     def gradient_accumulation_steps(self) -> int:

@@ -115,10 +115,12 @@ class LossScaler:
             self.scale *= 2
 
 
-def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor], *, fused: bool = False) -> torch.optim.Optimizer:
     kw = dict(spec.params)
     if "betas" in kw:
         kw["betas"] = tuple(kw["betas"])
+    if fused and spec.type in ("Adam", "AdamW"):  # config key zerofx.fused_optimizer
+        kw["fused"] = True
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[spec.type]
     return cls(params, **kw)
 
@@ -197,7 +199,7 @@ class Engine:
         if not self.master:
             for f, t in self.optimizer_params.items():
                 t.grad = self._grad_shard(f)
-        self.optimizer = build_optimizer(cfg.optimizer, list(self.optimizer_params.values()))
+        self.optimizer = build_optimizer(cfg.optimizer, list(self.optimizer_params.values()), fused=cfg.fused_optimizer)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.micro_steps = 0
@@ -364,7 +366,7 @@ class Engine:
         primals = [self._param_input(p.fqn) for p in captured.params]
         primals += [self.buffers[b.fqn] for b in captured.buffers]
         primals += inputs
-        outputs = self._run("forward", program.graph_modules(self.rank)["forward"], primals)
+        outputs = self._run(program, "forward", primals)
         loss = outputs[0]
         self._pending = (program, list(outputs[1:]), loss)
         self._last_loss = loss
@@ -372,10 +374,17 @@ class Engine:
 
     forward = __call__
 
-    def _run(self, name: str, gm: fx.GraphModule, args: list[torch.Tensor]) -> Any:
+    def _run(self, program: Program, name: str, args: list[torch.Tensor]) -> Any:
+        """Run graph ``name`` of ``program``: compiled per ``zerofx.compile``, or op by op under
+        the WaitTimer when one is set (it times the FX graph's own wait nodes)."""
         if self.wait_timer is not None:
-            return self.wait_timer.run(name, gm, *args)
-        return gm(*args)
+            return self.wait_timer.run(name, program.graph_modules(self.rank)[name], *args)
+        return program.runnable(self.rank, name, args, self.cfg.graph_compiler)(*args)
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling graphs with Inductor so far (0 unless ``zerofx.compile`` is set)."""
+        return sum(p.compile_s for p in self._programs.values())
 
     def backward(self, loss: torch.Tensor) -> None:
         """Run the backward graph for the last forward; accumulate this rank's gradients."""
@@ -386,7 +395,7 @@ class Engine:
         # d(loss)/d(loss): 1 over the accumulation steps (DeepSpeed averages micro-batches), times
         # the fp16 loss scale.
         seed = (self.loss_scaler.scale if self.loss_scaler else 1.0) / self.gradient_accumulation_steps
-        grads = self._run("backward", program.graph_modules(self.rank)["backward"], [*saved, torch.full_like(loss, seed)])
+        grads = self._run(program, "backward", [*saved, torch.full_like(loss, seed)])
         del saved
         for info, g in zip(program.captured.params, grads):
             if g is not None:
@@ -478,9 +487,8 @@ class Engine:
             return
         program = self.program
         if program is not None and "param_sync" in program.graph_modules(self.rank):
-            sync = program.graph_modules(self.rank)["param_sync"]
             order = [f for bucket in program.plan.sync_buckets for f in bucket]
-            for fqn, full in zip(order, self._run("param_sync", sync, [self.shards[f] for f in order])):
+            for fqn, full in zip(order, self._run(program, "param_sync", [self.shards[f] for f in order])):
                 self.full[fqn].copy_(full)
 
     # ----------------------------------------------------------------- state
