@@ -42,7 +42,7 @@ def max_param_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Te
 
 
 def summarize(
-    system: str, *, setup_s: float, steps: list[list[tuple[float, float, float]]], warmup: int, finish: list[dict[str, Any]],
+    system: str, *, setup_s: float, setup_rss_bytes: int | None = None, steps: list[list[tuple[float, float, float]]], warmup: int, finish: list[dict[str, Any]],
     num_params: int, world_size: int, optimizer: str,
 ) -> dict[str, Any]:
     """One table row. ``steps[i][rank]`` is (wall s, main-thread CPU s, loss) of step i."""
@@ -69,6 +69,7 @@ def summarize(
         "bound_bytes": bound,
         "vs_bound": max(totals) / bound,
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in finish),
+        "setup_peak_rss_bytes": setup_rss_bytes,
         "final_loss": statistics.fmean(loss for _, _, loss in steps[-1]),
         "max_param_diff": None,
         "optimizer": optimizer,
@@ -100,7 +101,7 @@ def markdown_table(rows: list[dict[str, Any]], *, optimizer: str, correctness_on
     headers = ["system", "model state / rank", f"× {k}P/N", "final loss", "max |Δparam| vs single"]
     if not correctness_only:
         headers[1:1] = ["setup s", "compile s", "1st step s", "step s (median)", "× fsdp2", "exposed comm s", "main-thread CPU s"]
-        headers[-2:-2] = ["peak RSS / rank"]
+        headers[-2:-2] = ["setup peak RSS / rank", "peak RSS / rank"]
     body = []
     for r in rows:
         own_k = bytes_per_param(r.get("optimizer", optimizer))
@@ -111,7 +112,8 @@ def markdown_table(rows: list[dict[str, Any]], *, optimizer: str, correctness_on
             line[1:1] = [f"{r['setup_s']:.2f}", _fmt(r.get("compile_s"), ".1f"), f"{r['first_step_s']:.2f}",
                          f"{r['step_s']:.3f} [{r['step_p25_s']:.2f}–{r['step_p75_s']:.2f}]",
                          _fmt(r["vs_fsdp2"], ".2f"), f"{r['exposed_comm_s']:.3f}", _fmt(r.get("main_cpu_s"), ".3f")]
-            line[-2:-2] = [human_bytes(r["peak_rss_bytes"])]
+            setup_rss = r.get("setup_peak_rss_bytes")
+            line[-2:-2] = ["—" if setup_rss is None else human_bytes(setup_rss), human_bytes(r["peak_rss_bytes"])]
         body.append(line)
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 
