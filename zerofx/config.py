@@ -26,6 +26,7 @@ from passes.plan import ScheduleOptions
 from zerofx.errors import ConfigError, did_you_mean
 
 OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 class GraphCompiler(Enum):
@@ -33,7 +34,6 @@ class GraphCompiler(Enum):
 
     NONE = "none"  # the GraphModules' generated Python, op by op in eager ATen
     INDUCTOR = "inductor"  # compiled once per program with TorchInductor
-SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 @dataclass(frozen=True)
