@@ -115,7 +115,10 @@ def _worker(systems: tuple[str, ...], rank: int, num_ranks: int, spec: BenchSpec
                 system, size=spec.size, seed=spec.seed, device=device, optim_kind=spec.optimizer, lr=spec.lr,
                 example=batches[system][0].to(device), micro_batch=spec.batch_per_rank, zerofx_config=spec.zerofx_config,
             )
-            ready[system] = {"setup_s": setup_s, "num_params": num_params}
+            # Peak RSS once built and sharded, before any step: what building the model cost. In a
+            # pool of one system it is that system's alone.
+            ready[system] = {"setup_s": setup_s, "num_params": num_params,
+                             "setup_peak_rss_bytes": _peak_memory_bytes(device)["peak_rss_bytes"]}
         sync = synchronize(device)
         conn.send(("ok", ready))
         while True:
@@ -133,6 +136,8 @@ def _worker(systems: tuple[str, ...], rank: int, num_ranks: int, spec: BenchSpec
                 runner = runners.pop(system)
                 state = runner.full_state()
                 result: dict[str, Any] = {"memory": runner.memory(), **_peak_memory_bytes(device)}
+                if hasattr(runner, "compile_s"):  # graph compilation inside the first step (zerofx.compile)
+                    result["compile_s"] = runner.compile_s()
                 if rank == 0 and arg:
                     buf = io.BytesIO()
                     torch.save(state, buf)  # bytes, not shared-memory tensors that die with this process
@@ -178,6 +183,7 @@ class RankPool:
             self.procs.append(proc)
         ready = self._gather(range(num_ranks), READY_TIMEOUT_S)
         self.setup_s = {s: max(r[s]["setup_s"] for r in ready if s in r) for s in systems}
+        self.setup_rss_bytes = {s: max(r[s]["setup_peak_rss_bytes"] for r in ready if s in r) for s in systems}
         self.num_params = ready[0][systems[0]]["num_params"]
 
     def _ranks_of(self, system: str) -> range:

@@ -40,7 +40,7 @@ from tabulate import tabulate
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.pool import BenchSpec, _free_port, rank_batches
-from benchmarks.systems import DEFAULT_LR, build_runner, needs_group, split_system
+from benchmarks.systems import DEFAULT_LR, ZEROFX_VARIANTS, build_runner, needs_group, split_system
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
 PHASES = ("bench::forward", "bench::backward", "bench::optimizer")
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report(system, ranks), "\n", flush=True)
         base, _ = split_system(system)
         if args.compile and base.startswith("zerofx"):
-            print(compile_profile(args.size, int(base[-1]), spec, args.top), flush=True)
+            print(compile_profile(args.size, ZEROFX_VARIANTS[base][0], spec, args.top), flush=True)
     return 0
 
 

@@ -42,7 +42,7 @@ def max_param_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Te
 
 
 def summarize(
-    system: str, *, setup_s: float, steps: list[list[tuple[float, float, float]]], warmup: int, finish: list[dict[str, Any]],
+    system: str, *, setup_s: float, setup_rss_bytes: int | None = None, steps: list[list[tuple[float, float, float]]], warmup: int, finish: list[dict[str, Any]],
     num_params: int, world_size: int, optimizer: str,
 ) -> dict[str, Any]:
     """One table row. ``steps[i][rank]`` is (wall s, main-thread CPU s, loss) of step i."""
@@ -56,6 +56,7 @@ def summarize(
     row: dict[str, Any] = {
         "system": system,
         "setup_s": setup_s,
+        "compile_s": max(r["compile_s"] for r in finish) if "compile_s" in finish[0] else None,
         "first_step_s": max(w for w, _, _ in steps[0]),
         "step_s": statistics.median(walls),
         "step_p25_s": quartiles[0],
@@ -68,6 +69,7 @@ def summarize(
         "bound_bytes": bound,
         "vs_bound": max(totals) / bound,
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in finish),
+        "setup_peak_rss_bytes": setup_rss_bytes,
         "final_loss": statistics.fmean(loss for _, _, loss in steps[-1]),
         "max_param_diff": None,
         "optimizer": optimizer,
@@ -98,8 +100,8 @@ def markdown_table(rows: list[dict[str, Any]], *, optimizer: str, correctness_on
     k = bytes_per_param(optimizer)
     headers = ["system", "model state / rank", f"× {k}P/N", "final loss", "max |Δparam| vs single"]
     if not correctness_only:
-        headers[1:1] = ["setup s", "1st step s", "step s (median)", "× fsdp2", "exposed comm s", "main-thread CPU s"]
-        headers[-2:-2] = ["peak RSS / rank"]
+        headers[1:1] = ["setup s", "compile s", "1st step s", "step s (median)", "× fsdp2", "exposed comm s", "main-thread CPU s"]
+        headers[-2:-2] = ["setup peak RSS / rank", "peak RSS / rank"]
     body = []
     for r in rows:
         own_k = bytes_per_param(r.get("optimizer", optimizer))
@@ -107,10 +109,11 @@ def markdown_table(rows: list[dict[str, Any]], *, optimizer: str, correctness_on
         line = [r["system"], human_bytes(r["model_state_bytes"]), vs_bound, f"{r['final_loss']:.4f}",
                 _fmt(r["max_param_diff"], ".2e")]
         if not correctness_only:
-            line[1:1] = [f"{r['setup_s']:.2f}", f"{r['first_step_s']:.2f}",
+            line[1:1] = [f"{r['setup_s']:.2f}", _fmt(r.get("compile_s"), ".1f"), f"{r['first_step_s']:.2f}",
                          f"{r['step_s']:.3f} [{r['step_p25_s']:.2f}–{r['step_p75_s']:.2f}]",
                          _fmt(r["vs_fsdp2"], ".2f"), f"{r['exposed_comm_s']:.3f}", _fmt(r.get("main_cpu_s"), ".3f")]
-            line[-2:-2] = [human_bytes(r["peak_rss_bytes"])]
+            setup_rss = r.get("setup_peak_rss_bytes")
+            line[-2:-2] = ["—" if setup_rss is None else human_bytes(setup_rss), human_bytes(r["peak_rss_bytes"])]
         body.append(line)
     return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
 

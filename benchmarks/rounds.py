@@ -117,11 +117,13 @@ def _run_chunk(
     num_params = 0
     try:
         setup_s: dict[str, float] = {}
+        setup_rss: dict[str, int] = {}
         for systems in [chunk] if opts.shared_processes else [(s,) for s in chunk]:
             start = time.perf_counter()
             pool = RankPool(systems, spec)
             pools.update(dict.fromkeys(systems, pool))
             setup_s.update(pool.setup_s)
+            setup_rss.update(pool.setup_rss_bytes)
             num_params = pool.num_params
             setups = ", ".join(f"{s} {pool.setup_s[s]:.2f} s" for s in systems)
             log(f"{tag} {pool.label}: ready in {time.perf_counter() - start:.1f} s (setup {setups})")
@@ -143,7 +145,7 @@ def _run_chunk(
             if pool not in pools.values():
                 pool.close()
             state = torch.load(io.BytesIO(finish[0].pop("state")), weights_only=True) if want_state else None
-            row = summarize(system, setup_s=setup_s[system], steps=steps[system], warmup=opts.warmup, finish=finish,
+            row = summarize(system, setup_s=setup_s[system], setup_rss_bytes=setup_rss[system], steps=steps[system], warmup=opts.warmup, finish=finish,
                             num_params=num_params, world_size=spec.world_size, optimizer=optimizer)
             if system == "single":
                 reference = state

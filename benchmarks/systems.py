@@ -41,10 +41,20 @@ from torch.profiler import record_function
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
 SYSTEMS = (
-    "single", "local", "ddp", "fsdp2", "fsdp2_noreshard", "zerofx1", "zerofx2", "zerofx3",
-    "deepspeed1", "deepspeed2", "deepspeed3",
+    "single", "local", "ddp", "fsdp2", "fsdp2_noreshard", "fsdp2_compile", "zerofx1", "zerofx2", "zerofx3",
+    "zerofx3_meta", "zerofx3_inductor", "deepspeed1", "deepspeed2", "deepspeed3",
 )
-DEFAULT_SYSTEMS = ("single", "ddp", "fsdp2", "fsdp2_noreshard", "zerofx1", "zerofx2", "zerofx3")
+DEFAULT_SYSTEMS = ("single", "ddp", "fsdp2", "fsdp2_noreshard", "zerofx1", "zerofx2", "zerofx3", "zerofx3_meta")
+# zerofx variants: (stage, build on the meta device, extra "zerofx" config section).
+ZEROFX_VARIANTS: dict[str, tuple[int, bool, dict[str, Any]]] = {
+    "zerofx1": (1, False, {}),
+    "zerofx2": (2, False, {}),
+    "zerofx3": (3, False, {}),
+    # Built on the meta device: each rank initializes only its shard (zerofx.materialize).
+    "zerofx3_meta": (3, True, {}),
+    # Also: forward and backward graphs compiled by Inductor, fused AdamW over the shards.
+    "zerofx3_inductor": (3, True, {"compile": "inductor", "fused_optimizer": True}),
+}
 # Systems that hold the full model and need no process group.
 NO_GROUP = frozenset({"single"})
 # Systems that do not average gradients across ranks: excluded from the parity check.
@@ -68,15 +78,18 @@ def needs_group(name: str) -> bool:
 
 
 def build_model(size: str, seed: int, device: torch.device) -> DNADecoderLM:
-    """The same initial weights in every process: the seed, then the model, in that order."""
+    """The same initial weights in every process, and the ones a meta-built zerofx run starts
+    from: the model's own init, module by module from ``seed`` (``zerofx.init_weights_``)."""
+    from zerofx.materialize import init_weights_
+
     torch.manual_seed(seed)
-    return DNADecoderLM(DNA_LM_SIZES[size]).to(device)
+    return init_weights_(DNADecoderLM(DNA_LM_SIZES[size]), seed=seed).to(device)
 
 
-def make_optimizer(kind: str, lr: float, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(kind: str, lr: float, params: Iterable[nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
     assert kind in OPTIMIZERS, kind
     cls = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[kind]
-    return cls(list(params), lr=lr)
+    return cls(list(params), lr=lr, **kwargs)
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -146,12 +159,17 @@ def _merged(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
 
 class ZeroFXRunner:
     def __init__(self, model: nn.Module, stage: int, optim_kind: str, lr: float, example: torch.Tensor,
-                 extra_config: Mapping[str, Any] | None = None) -> None:
+                 extra_config: Mapping[str, Any] | None = None, *, init_seed: int = 0) -> None:
         import zerofx
 
         config = {"zero_optimization": {"stage": stage}, "optimizer": {"type": optim_kind, "params": {"lr": lr}}}
         config = _merged(config, extra_config or {})
-        self.engine = zerofx.initialize(model, config, example_inputs=(example,), example_kwargs={"labels": example})
+        # init_seed applies to a meta-built model only (the others arrive initialized).
+        seed = {"init_seed": init_seed} if any(p.is_meta for p in model.parameters()) else {}
+        self.engine = zerofx.initialize(model, config, example_inputs=(example,), example_kwargs={"labels": example}, **seed)
+
+    def compile_s(self) -> float:
+        return self.engine.compile_s
 
     def step(self, ids: torch.Tensor) -> float:
         with record_function("bench::forward"):
@@ -231,7 +249,12 @@ def build_runner(
     system, own_optimizer = split_system(system)
     if own_optimizer is not None and own_optimizer != optim_kind:
         optim_kind, lr = own_optimizer, DEFAULT_LR[own_optimizer]
-    model = build_model(size, seed, device)
+    on_meta = system in ZEROFX_VARIANTS and ZEROFX_VARIANTS[system][1]
+    if on_meta:
+        with torch.device("meta"):
+            model = DNADecoderLM(DNA_LM_SIZES[size])
+    else:
+        model = build_model(size, seed, device)
     num_params = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
     runner: Any
@@ -242,16 +265,24 @@ def build_runner(
 
         ddp = DDP(model, gradient_as_bucket_view=True)
         runner = EagerRunner(model, ddp, make_optimizer(optim_kind, lr, ddp.parameters()))
-    elif system in ("fsdp2", "fsdp2_noreshard"):
+    elif system in ("fsdp2", "fsdp2_noreshard", "fsdp2_compile"):
         from torch.distributed.fsdp import fully_shard
 
-        reshard = system == "fsdp2"
+        reshard = system != "fsdp2_noreshard"
+        compiled = system == "fsdp2_compile"
         for block in model.blocks:
+            if compiled:
+                # torchtitan's recipe: torch.compile each block (Inductor), then shard it. Blocks
+                # share their code, so Dynamo compiles one graph; it runs on the first step.
+                block.compile()
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
-        runner = EagerRunner(model, model, make_optimizer(optim_kind, lr, model.parameters()))
-    elif system.startswith("zerofx"):
-        runner = ZeroFXRunner(model, int(system[-1]), optim_kind, lr, example, json.loads(zerofx_config or "{}"))
+        fused = {"fused": True} if compiled and optim_kind == "AdamW" else {}
+        runner = EagerRunner(model, model, make_optimizer(optim_kind, lr, model.parameters(), **fused))
+    elif system in ZEROFX_VARIANTS:
+        stage, _, own = ZEROFX_VARIANTS[system]
+        extra = _merged({"zerofx": own} if own else {}, json.loads(zerofx_config or "{}"))
+        runner = ZeroFXRunner(model, stage, optim_kind, lr, example, extra, init_seed=seed)
     elif system.startswith("deepspeed"):
         runner = DeepSpeedRunner(model, int(system[-1]), optim_kind, lr, micro_batch, dist.get_world_size())
     else:

@@ -14,9 +14,14 @@ these, this is the only file to touch.
 - ``torch.fx.experimental.proxy_tensor.make_fx`` (``pre_dispatch=True``): the forward before
   autograd, for tiling; ``torch.fx.traceback.preserve_node_meta``: carries a forward node's
   ``recompute`` tag onto the nodes AOTAutograd traces from it.
+- ``torch._inductor.compile``: Inductor's documented entry point for an FX graph captured
+  without Dynamo ("Compile a given FX graph with TorchInductor"), imported on first use.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from functorch.compile import (  # noqa: F401  (re-exported)
@@ -44,6 +49,13 @@ COLLECTIVE_TARGETS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 # scaled_dot_product_attention dispatches to there. Used by zerofx::blocked_attention.
 CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    """``gm`` compiled by TorchInductor for inputs like ``example_inputs``; called as ``gm`` is."""
+    import torch._inductor
+
+    return torch._inductor.compile(gm, example_inputs)
 
 
 def fake_process_group(world_size: int, rank: int = 0) -> None:

@@ -10,6 +10,7 @@ from zerofx.checkpoint import CheckpointError, consolidate
 from zerofx.config import ZeroConfig, parse_config
 from zerofx.engine import Engine, initialize
 from zerofx.errors import CaptureError, ConfigError, RankDivergenceError, ZeroFXError
+from zerofx.materialize import init_weights_
 from zerofx.program import Program, compile  # noqa: A004
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "capture_step",
     "compile",
     "consolidate",
+    "init_weights_",
     "initialize",
     "parse_config",
 ]

@@ -17,6 +17,7 @@ import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,13 @@ from zerofx.errors import ConfigError, did_you_mean
 
 OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+class GraphCompiler(Enum):
+    """What runs each rank's forward and backward graphs (config key ``zerofx.compile``)."""
+
+    NONE = "none"  # the GraphModules' generated Python, op by op in eager ATen
+    INDUCTOR = "inductor"  # compiled once per program with TorchInductor
 
 
 @dataclass(frozen=True)
@@ -170,6 +178,9 @@ SCHEMA: dict[str, Key] = {
             "region": Key((bool,), "may tile token-wise regions (MLP, norms, projections) with per-chunk recompute"),
             "loss": Key((bool,), "may tile the vocabulary projection and cross-entropy"),
         }),
+        "compile": Key((str,), "compile each rank's forward and backward graphs: none (run them as FX code) or inductor",
+                       lambda v: v in {c.value for c in GraphCompiler}, ", ".join(c.value for c in GraphCompiler)),
+        "fused_optimizer": Key((bool,), "Adam/AdamW with fused=True (one kernel over all of a rank's shards)"),
     }),
 }
 
@@ -213,6 +224,14 @@ class ZeroConfig:
         if self.raw.get("fp16", {}).get("enabled"):
             return torch.float16
         return None
+
+    @property
+    def graph_compiler(self) -> GraphCompiler:
+        return GraphCompiler(self.raw.get("zerofx", {}).get("compile", GraphCompiler.NONE.value))
+
+    @property
+    def fused_optimizer(self) -> bool:
+        return bool(self.raw.get("zerofx", {}).get("fused_optimizer", False))
 
     @property
     def gradient_accumulation_steps(self) -> int:

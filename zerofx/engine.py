@@ -15,6 +15,14 @@ stage 0), so it updates the stored parameters in place. Where parameters are kep
 (stages 1-2, persistent ones at stage 3) the ``param_sync`` graph then all-gathers the
 updated shards. At stage 3 the engine takes the parameters' memory: each
 model parameter's ``.data`` becomes an empty tensor; ``full_state_dict()`` gathers them.
+
+NOTE [Meta-device models]
+A model built on the meta device never had full parameters. The engine computes each
+parameter's initial value on every rank, one module at a time (``zerofx.materialize``), keeps
+what its stage holds (at stage 3, its shard) and drops the rest, so at most one module's full
+tensors are alive beyond the stage's own storage. No broadcast is needed: every rank computes
+the same values, at any world size. The model's own tensors stay on the meta device, and the
+engine's storage lives on the CPU (gloo) or the current CUDA device (NCCL).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from passes.plan_sharding import persistent_params, place_param
 from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, cast_info, flatten_call, split_loss_kwargs
 from zerofx.config import OptimizerSpec, ZeroConfig
 from zerofx.errors import CaptureError, RankDivergenceError, ZeroFXError
+from zerofx.materialize import InitFn, check_all_meta_or_none, iter_initial_state
 from zerofx.program import Program, check_example_inputs, plan_program, resolve
 from zerofx.schedulers import lr_at
 
@@ -106,10 +115,12 @@ class LossScaler:
             self.scale *= 2
 
 
-def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor], *, fused: bool = False) -> torch.optim.Optimizer:
     kw = dict(spec.params)
     if "betas" in kw:
         kw["betas"] = tuple(kw["betas"])
+    if fused and spec.type in ("Adam", "AdamW"):  # config key zerofx.fused_optimizer
+        kw["fused"] = True
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[spec.type]
     return cls(params, **kw)
 
@@ -134,6 +145,8 @@ class Engine:
         *,
         loss_fn: LossFn | None = None,
         group: dist.ProcessGroup | None = None,
+        init_fn: InitFn | None = None,
+        init_seed: int = 0,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ZeroFXError(
@@ -148,14 +161,19 @@ class Engine:
                 f"world_size={cfg.world_size} differs from the process group's world size {self.world_size}; "
                 f"accepted: {self.world_size} or leave it out"
             )
-        if any(p.is_meta for p in model.parameters()):
-            raise ZeroFXError("zerofx.initialize needs materialized parameters; the model has parameters on the meta device")
+        # A model built on the meta device is initialized here, shard by shard: NOTE [Meta-device models].
+        self._from_meta = check_all_meta_or_none(model)
+        if not self._from_meta and (init_fn is not None or init_seed != 0):
+            raise ZeroFXError(
+                "init_fn= and init_seed= apply to a model built on the meta device; this model is materialized "
+                "(initialize it yourself, e.g. zerofx.init_weights_(model, seed=...))"
+            )
         self.model = model
         self.cfg = cfg
         self.stage = ZeroStage(cfg.stage)
         self.loss_fn = loss_fn
         self.group_name = self.group.group_name
-        self.device = next(model.parameters()).device
+        self.device = _meta_init_device(self.group) if self._from_meta else next(model.parameters()).device
         self.compute_dtype = cfg.compute_dtype
         infos = [TensorInfo(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()]
         if self.compute_dtype is not None:
@@ -173,7 +191,7 @@ class Engine:
         self._state_keys = [
             (key, param_aliases.get(key)) for key in model.state_dict().keys()
         ]
-        self._init_storage(model)
+        self._init_storage(model, init_fn=init_fn, init_seed=init_seed)
         trainable = [f for f, p in self.placements.items() if p.requires_grad]
         # The tensors the optimizer steps: fp32 master copies of this rank's shards in mixed
         # precision, else the shards themselves (their gradients are the persistent buffers).
@@ -181,7 +199,7 @@ class Engine:
         if not self.master:
             for f, t in self.optimizer_params.items():
                 t.grad = self._grad_shard(f)
-        self.optimizer = build_optimizer(cfg.optimizer, list(self.optimizer_params.values()))
+        self.optimizer = build_optimizer(cfg.optimizer, list(self.optimizer_params.values()), fused=cfg.fused_optimizer)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.micro_steps = 0
@@ -201,53 +219,48 @@ class Engine:
                 raise
 
     # ----------------------------------------------------------------- storage
-    def _init_storage(self, model: nn.Module) -> None:
-        r = self.rank
-        params = dict(model.named_parameters())
+    def _init_storage(self, model: nn.Module, *, init_fn: InitFn | None = None, init_seed: int = 0) -> None:
         self.persistent = persistent_params(list(self.placements.values()), self.stage, self.cfg.schedule_options().persistence_threshold)
         sharded = [f for f, p in self.placements.items() if p.is_sharded(self.stage, self.persistent)]
         self.full: dict[str, torch.Tensor] = {}
         self.shards: dict[str, torch.Tensor] = {}
         self._shard_flat: torch.Tensor | None = None
-        offsets: dict[str, int] = {}
+        self._offsets: dict[str, int] = {}
         self.master: dict[str, torch.Tensor] = {}
-        master_offsets: dict[str, int] = {}
+        self._master_offsets: dict[str, int] = {}
         if self.compute_dtype is not None:
             total = 0
             for f, p in self.placements.items():
                 if p.requires_grad:
-                    master_offsets[f] = total
+                    self._master_offsets[f] = total
                     total += p.padded_numel if self.stage is ZeroStage.ZERO else p.shard_numel
             self._master_flat = torch.empty(total, dtype=torch.float32, device=self.device)
         if sharded:
             total = 0
             for f in sharded:
-                offsets[f] = total
+                self._offsets[f] = total
                 total += self.placements[f].shard_numel
             self._shard_flat = torch.empty(total, dtype=self._flat_dtype(), device=self.device)
-        # One parameter at a time, so at most one full parameter is alive beyond what the stage keeps.
-        for fqn, p in self.placements.items():
-            source = params[fqn].detach()
-            flat = torch.zeros(p.padded_numel, dtype=source.dtype, device=self.device)
-            flat[: p.numel].copy_(source.reshape(-1))
-            # Data parallel starts from one set of weights: rank 0's, as DDP does.
-            dist.broadcast(flat, src=0, group=self.group)
-            if fqn in master_offsets:  # the fp32 master of what this rank owns, before rounding to 16 bits
-                start = master_offsets[fqn]
-                owned = flat if self.stage is ZeroStage.ZERO else flat[r * p.shard_numel : (r + 1) * p.shard_numel]
-                self.master[fqn] = self._master_flat[start : start + owned.numel()]
-                self.master[fqn].copy_(owned)
-            flat = flat.to(p.torch_dtype)
-            own = flat[r * p.shard_numel : (r + 1) * p.shard_numel]
-            if fqn in offsets:
-                self.shards[fqn] = self._shard_flat[offsets[fqn] : offsets[fqn] + p.shard_numel]
-                self.shards[fqn].copy_(own)
-            else:
-                self.full[fqn] = flat
-                self.shards[fqn] = flat if self.stage is ZeroStage.ZERO else own
-        for b in self.buffers.values():
-            dist.broadcast(b.data, src=0, group=self.group)
-        if self.stage is ZeroStage.THREE:
+        if self._from_meta:
+            # Every rank computes the same values (NOTE [The init scheme] in zerofx.materialize):
+            # no broadcast, and one module's tensors alive at a time.
+            stored: set[str] = set()
+            for item in iter_initial_state(model, seed=init_seed, init_fn=init_fn):
+                if item.is_param:
+                    self._store_param(item.fqn, item.value, broadcast=False)
+                    stored.add(item.fqn)
+                else:
+                    b = item.value.to(self.device)
+                    self.buffers[item.fqn] = b.to(self.compute_dtype) if self.compute_dtype is not None and b.is_floating_point() else b
+            assert stored == set(self.placements), f"parameters left uninitialized: {sorted(set(self.placements) - stored)}"
+        else:
+            params = dict(model.named_parameters())
+            for fqn in self.placements:
+                # Data parallel starts from one set of weights: rank 0's, as DDP does.
+                self._store_param(fqn, params[fqn].detach(), broadcast=True)
+            for b in self.buffers.values():
+                dist.broadcast(b.data, src=0, group=self.group)
+        if self.stage is ZeroStage.THREE and not self._from_meta:
             # The engine owns the parameters now: free the model's full copies.
             for prm in model.parameters():
                 prm.data = torch.empty(0, dtype=prm.dtype, device=prm.device)
@@ -257,6 +270,30 @@ class Engine:
             if p.requires_grad:
                 size = p.padded_numel if self.stage <= ZeroStage.ONE else p.shard_numel
                 self.grads[fqn] = torch.zeros(size, dtype=p.torch_dtype, device=self.device)
+
+    def _store_param(self, fqn: str, source: torch.Tensor, *, broadcast: bool) -> None:
+        """Keep what this rank holds of parameter ``fqn`` given its full value ``source``: the
+        padded full flat where the stage keeps it whole, else only this rank's shard (and, in
+        mixed precision, the fp32 master of what this rank owns). At most this one full
+        parameter is alive beyond what the stage keeps."""
+        p, r = self.placements[fqn], self.rank
+        flat = torch.zeros(p.padded_numel, dtype=source.dtype, device=self.device)
+        flat[: p.numel].copy_(source.reshape(-1))
+        if broadcast:
+            dist.broadcast(flat, src=0, group=self.group)
+        if fqn in self._master_offsets:  # the fp32 master of what this rank owns, before rounding to 16 bits
+            start = self._master_offsets[fqn]
+            owned = flat if self.stage is ZeroStage.ZERO else flat[r * p.shard_numel : (r + 1) * p.shard_numel]
+            self.master[fqn] = self._master_flat[start : start + owned.numel()]
+            self.master[fqn].copy_(owned)
+        flat = flat.to(p.torch_dtype)
+        own = flat[r * p.shard_numel : (r + 1) * p.shard_numel]
+        if fqn in self._offsets:
+            self.shards[fqn] = self._shard_flat[self._offsets[fqn] : self._offsets[fqn] + p.shard_numel]
+            self.shards[fqn].copy_(own)
+        else:
+            self.full[fqn] = flat
+            self.shards[fqn] = flat if self.stage is ZeroStage.ZERO else own
 
     def _flat_dtype(self) -> torch.dtype:
         dtypes = {p.torch_dtype for p in self.placements.values()}
@@ -329,7 +366,7 @@ class Engine:
         primals = [self._param_input(p.fqn) for p in captured.params]
         primals += [self.buffers[b.fqn] for b in captured.buffers]
         primals += inputs
-        outputs = self._run("forward", program.graph_modules(self.rank)["forward"], primals)
+        outputs = self._run(program, "forward", primals)
         loss = outputs[0]
         self._pending = (program, list(outputs[1:]), loss)
         self._last_loss = loss
@@ -337,10 +374,17 @@ class Engine:
 
     forward = __call__
 
-    def _run(self, name: str, gm: fx.GraphModule, args: list[torch.Tensor]) -> Any:
+    def _run(self, program: Program, name: str, args: list[torch.Tensor]) -> Any:
+        """Run graph ``name`` of ``program``: compiled per ``zerofx.compile``, or op by op under
+        the WaitTimer when one is set (it times the FX graph's own wait nodes)."""
         if self.wait_timer is not None:
-            return self.wait_timer.run(name, gm, *args)
-        return gm(*args)
+            return self.wait_timer.run(name, program.graph_modules(self.rank)[name], *args)
+        return program.runnable(self.rank, name, args, self.cfg.graph_compiler)(*args)
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling graphs with Inductor so far (0 unless ``zerofx.compile`` is set)."""
+        return sum(p.compile_s for p in self._programs.values())
 
     def backward(self, loss: torch.Tensor) -> None:
         """Run the backward graph for the last forward; accumulate this rank's gradients."""
@@ -351,7 +395,7 @@ class Engine:
         # d(loss)/d(loss): 1 over the accumulation steps (DeepSpeed averages micro-batches), times
         # the fp16 loss scale.
         seed = (self.loss_scaler.scale if self.loss_scaler else 1.0) / self.gradient_accumulation_steps
-        grads = self._run("backward", program.graph_modules(self.rank)["backward"], [*saved, torch.full_like(loss, seed)])
+        grads = self._run(program, "backward", [*saved, torch.full_like(loss, seed)])
         del saved
         for info, g in zip(program.captured.params, grads):
             if g is not None:
@@ -443,9 +487,8 @@ class Engine:
             return
         program = self.program
         if program is not None and "param_sync" in program.graph_modules(self.rank):
-            sync = program.graph_modules(self.rank)["param_sync"]
             order = [f for bucket in program.plan.sync_buckets for f in bucket]
-            for fqn, full in zip(order, self._run("param_sync", sync, [self.shards[f] for f in order])):
+            for fqn, full in zip(order, self._run(program, "param_sync", [self.shards[f] for f in order])):
                 self.full[fqn].copy_(full)
 
     # ----------------------------------------------------------------- state
@@ -496,6 +539,13 @@ class Engine:
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states)
 
 
+def _meta_init_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a meta-built model's shards live: the current CUDA device under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def initialize(
     model: nn.Module,
     config: str | Path | Mapping[str, Any] | None = None,
@@ -506,11 +556,20 @@ def initialize(
     world_size: int | None = None,
     loss_fn: LossFn | None = None,
     group: dist.ProcessGroup | None = None,
+    init_fn: InitFn | None = None,
+    init_seed: int = 0,
 ) -> Engine:
     """Shard ``model`` across the process group and return this rank's training engine.
 
     Call it on every rank, inside an initialized ``torch.distributed`` process group.
+
+    ``model`` may be built on the meta device (``with torch.device("meta"): model = ...``).
+    Each rank then computes its own shards, module by module, from ``init_seed`` and the
+    modules' init functions (``init_fn(module)``, else the model's ``_init_weights(module)``,
+    else each module's ``reset_parameters()``): NOTE [The init scheme] in
+    ``zerofx.materialize``. No rank ever holds more than one module's full tensors beyond what
+    its stage keeps, and the values are the same at every world size.
     """
     args = check_example_inputs(example_inputs)
     cfg = resolve(config, stage=stage, world_size=world_size)
-    return Engine(model, cfg, args, example_kwargs, loss_fn=loss_fn, group=group)
+    return Engine(model, cfg, args, example_kwargs, loss_fn=loss_fn, group=group, init_fn=init_fn, init_seed=init_seed)

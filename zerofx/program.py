@@ -6,22 +6,24 @@ model built on the meta device plans for world size 8 or 1024 on a laptop.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from cost_models.comm import CPU_GLOO, CommSpec
 from cost_models.compute import CPU_CORE, DeviceSpec
 from cost_models.memory import optimizer_kind
-from passes import Plan, ZeroStage, plan_sharding
+from passes import Plan, ZeroStage, _compat, plan_sharding
 from passes.analyze_schedule import ScheduleReport, analyze_schedule
 from passes.plan import ScheduleOptions, format_bytes
 from zerofx.capture import CapturedStep, LossFn, capture_step
-from zerofx.config import ZeroConfig, parse_config
+from zerofx.config import GraphCompiler, ZeroConfig, parse_config
 from zerofx.errors import ZeroFXError
 from zerofx.pipeline import lower
 
@@ -38,6 +40,8 @@ class Program:
         self.plan = plan
         self.group_name = group_name
         self._modules: dict[str, fx.GraphModule] | None = None
+        self._compiled: dict[str, Callable[..., Any]] = {}
+        self.compile_s = 0.0  # seconds spent compiling this program's graphs (GraphCompiler.INDUCTOR)
 
     @property
     def world_size(self) -> int:
@@ -62,6 +66,19 @@ class Program:
         if self._modules is None:
             self._modules = lower(self.captured.joint, self.plan, group_name=self.group_name)
         return dict(self._modules)
+
+    def runnable(self, rank: int, name: str, args: Sequence[torch.Tensor], compiler: GraphCompiler) -> Callable[..., Any]:
+        """What runs graph ``name`` of rank ``rank``: the GraphModule itself, or (with
+        ``GraphCompiler.INDUCTOR``) its Inductor compilation for inputs like ``args``, compiled
+        on the first call and cached here. ``param_sync`` (all-gathers only) is never compiled."""
+        gm = self.graph_modules(rank)[name]
+        if compiler is GraphCompiler.NONE or name == "param_sync":
+            return gm
+        if name not in self._compiled:
+            start = time.perf_counter()
+            self._compiled[name] = _compat.inductor_compile(gm, list(args))
+            self.compile_s += time.perf_counter() - start
+        return self._compiled[name]
 
     def report(self, rank: int, *, comm: CommSpec = CPU_GLOO, device: DeviceSpec = CPU_CORE) -> ScheduleReport:
         """The estimated schedule of rank ``rank``: one row per collective (where it is issued and

@@ -54,6 +54,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The statistics in fp32: in fp16, eps underflows and rsqrt's gradient overflows.
         x32 = x.float()
@@ -78,6 +81,7 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         self.out = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.out.residual_init = True  # a projection into the residual stream: scaled init
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -93,6 +97,7 @@ class SwiGLU(nn.Module):
         self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.down.residual_init = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -130,15 +135,26 @@ class DNADecoderLM(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        std = 0.02
+        """Initialize every parameter and buffer from the global RNG, module by module."""
         for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                if m.weight.device.type != "meta":
-                    nn.init.normal_(m.weight, std=std)
-        for blk in self.blocks:  # GPT-2 style scaled init of residual projections
-            for w in (blk.attn.out.weight, blk.mlp.down.weight):
-                if w.device.type != "meta":
-                    nn.init.normal_(w, std=std / math.sqrt(2 * self.cfg.num_layers))
+            self._init_weights(m)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Initialize ``module``'s own tensors (not its children's): N(0, 0.02) for linears and
+        the embedding, GPT-2's N(0, 0.02 / sqrt(2 L)) for projections into the residual stream,
+        ones for RMSNorm, and the rotary tables for the model itself. ``zerofx.initialize``
+        calls it one module at a time on a model built on the meta device."""
+        std = 0.02
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            scaled = getattr(module, "residual_init", False)
+            nn.init.normal_(module.weight, std=std / math.sqrt(2 * self.cfg.num_layers) if scaled else std)
+        elif isinstance(module, RMSNorm):
+            module.reset_parameters()
+        elif isinstance(module, DNADecoderLM):
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+            module.rope_cos.copy_(cos)
+            module.rope_sin.copy_(sin)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> DNALMOutput:
         t = input_ids.shape[1]
