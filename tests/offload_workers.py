@@ -44,9 +44,10 @@ def run(rank: int, world_size: int, cfg: dict, steps: int, *, save: tuple[str, i
         losses.append(loss.float().item())
         if save is not None and step + 1 == save[1]:
             engine.save_checkpoint(save[0])
+    state = {k: v.float() for k, v in engine.full_state_dict().items()}  # also waits for the write-backs
     plan = getattr(engine, "offload_plan", None)
     out = {
-        "state": {k: v.float() for k, v in engine.full_state_dict().items()},
+        "state": state,
         "losses": losses,
         "memory": engine.memory(),
         "tiers": {f: t.value for f, t in plan.tiers} if plan is not None else {},
@@ -58,9 +59,10 @@ def run(rank: int, world_size: int, cfg: dict, steps: int, *, save: tuple[str, i
     return out
 
 
-def run_many(rank: int, world_size: int, runs: dict[str, tuple[dict, int]]) -> dict[str, dict]:
-    """Several ``run``s in one process group: spawning ranks costs more than a tiny run."""
-    return {name: run(rank, world_size, cfg, steps) for name, (cfg, steps) in runs.items()}
+def run_many(rank: int, world_size: int, runs: dict[str, tuple]) -> dict[str, dict]:
+    """Several ``run``s in one process group (spawning ranks costs more than a tiny run): each
+    value is ``(config, steps)`` or ``(config, steps, checkpoint_to_load)``."""
+    return {name: run(rank, world_size, spec[0], spec[1], load=spec[2] if len(spec) > 2 else None) for name, spec in runs.items()}
 
 
 def nvme_folder_vanishes(rank: int, world_size: int, cfg: dict, steps_before: int) -> str:

@@ -497,9 +497,12 @@ class Engine:
     # ----------------------------------------------------------------- state
     def flush(self) -> None:
         """With the one-step delayed update, apply the update still in flight (a collective at
-        stages 1-2, which re-gather the parameters). Reading state calls it first."""
-        if isinstance(self.optimizer, OffloadedOptimizer) and self.optimizer.finish():
-            self._sync_params()
+        stages 1-2, which re-gather the parameters), and wait for offloaded state's write-backs.
+        Reading state calls it first."""
+        if isinstance(self.optimizer, OffloadedOptimizer):
+            if self.optimizer.finish():
+                self._sync_params()
+            self.optimizer.store.drain()  # the write-backs still going on; raises their errors
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict (same keys and shapes as ``model.state_dict()``) on every rank.

@@ -165,6 +165,19 @@ def plan_engine_offload(
         raise ConfigError(str(exc)) from None
 
 
+def plan_for_program(plan: Any, raw: Mapping[str, Any], *, mixed_precision: bool, device_is_cpu: bool,
+                     compute_s: Mapping[str, float]) -> OffloadPlan | None:
+    """What ``zerofx plan`` shows: the engine's ``OffloadPlan`` for a ``Plan`` (None without
+    offload), with the schedule's estimated forward and backward times as the I/O's cover."""
+    options = OffloadOptions.from_config(raw)
+    if options is None:
+        return None
+    owned = {p.fqn: p.padded_numel if int(plan.stage) == 0 else p.shard_numel for p in plan.params if p.requires_grad}
+    forward, backward = compute_s.get("forward", 0.0), compute_s.get("backward", 0.0)
+    return plan_engine_offload(owned, options, optimizer=plan.optimizer, mixed_precision=mixed_precision,
+                               device_is_cpu=device_is_cpu, forward_backward_s=forward + backward, backward_s=backward)
+
+
 # --------------------------------------------------------------------------- NVMe files
 class NvmeFiles:
     """The NVMe tier of one rank: one file per record under ``<root>/rank-<r>``, whole-file
@@ -304,6 +317,7 @@ class OffloadStore:
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-offload-io") if nvme else None
         self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
         self._writes: deque[tuple[Future, torch.Tensor]] = deque()
+        self._last_write: dict[str, Future] = {}  # a record's newest write-back, which its next read must follow
         self._nvme_order = [r.fqn for r in nvme]
         self._next_read = 0
 
@@ -388,8 +402,16 @@ class OffloadStore:
             if buf is None:
                 return  # the next acquire issues it, once a write-back frees a buffer
             fqn = self._nvme_order[self._next_read]
-            self._reads[fqn] = (self._io.submit(self.files.read, fqn, buf, self.records[fqn].nbytes), buf)
+            self._reads[fqn] = (self._io.submit(self._read_after_write, fqn, buf), buf)
             self._next_read += 1
+
+    def _read_after_write(self, fqn: str, buf: torch.Tensor) -> None:
+        """On an I/O thread: read ``fqn`` once its previous step's write-back has ended. That
+        write was submitted first, so it is running or done: waiting on it cannot deadlock."""
+        previous = self._last_write.get(fqn)
+        if previous is not None:
+            previous.result()
+        self.files.read(fqn, buf, self.records[fqn].nbytes)
 
     def acquire(self, fqn: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The record's fp32 flat, in memory; and the host buffer holding it (NVMe only)."""
@@ -410,7 +432,9 @@ class OffloadStore:
     def release(self, fqn: str, buf: torch.Tensor | None) -> None:
         """Write an NVMe record back, behind the next updates."""
         if buf is not None:
-            self._writes.append((self._io.submit(self.files.write, fqn, buf, self.records[fqn].nbytes), buf))
+            future = self._io.submit(self.files.write, fqn, buf, self.records[fqn].nbytes)
+            self._last_write[fqn] = future
+            self._writes.append((future, buf))
 
     def end_step(self) -> None:
         """The step's records are all updated: the next step reads from the first again."""
