@@ -25,7 +25,7 @@ def config(stage: int, opt: dict, offload: dict | None = None, *, zerofx_offload
     return cfg
 
 
-def run(rank: int, world_size: int, cfg: dict, steps: int, *, save: tuple[str, int] | None = None, load: str | None = None) -> dict:
+def run(rank: int, world_size: int, cfg: dict, steps: int, save: tuple[str, int] | None = None, load: str | None = None) -> dict:
     """Train the tiny DNA LM ``steps`` steps (rank r's batch of step s is ``batches()[s, r]``);
     ``save=(dir, k)`` checkpoints after step k, ``load=dir`` resumes from it first."""
     data = batches(world_size, steps, VOCAB["dna"])

@@ -184,7 +184,7 @@ def test_vanishing_nvme_folder_is_an_error_not_corruption(tmp_path: Path) -> Non
 
 def test_checkpoint_holds_offloaded_state(tmp_path: Path) -> None:
     steps, ckpt = 4, str(tmp_path / "ckpt")
-    whole = run_ranks(2, run, config(2, ADAMW, nvme(tmp_path / "n1"), bf16=True), steps, save=(ckpt, 2))
+    whole = run_ranks(2, run, config(2, ADAMW, nvme(tmp_path / "n1"), bf16=True), steps, (ckpt, 2))
     # Resume from step 2 with offload to another folder, and without offload: the same run.
     runs = {"nvme": (config(2, ADAMW, nvme(tmp_path / "n2"), bf16=True), steps, ckpt), "plain": (config(2, ADAMW, bf16=True), steps, ckpt)}
     resumed = run_ranks(2, run_many, runs)
@@ -198,7 +198,7 @@ def test_checkpoint_holds_offloaded_state(tmp_path: Path) -> None:
 
 def test_plan_shows_the_placement(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps(config(3, ADAMW, nvme(tmp_path / "p", buffer_count=2), zerofx_offload={"cpu_budget_bytes": 1e5}, bf16=True)))
+    cfg.write_text(json.dumps(config(3, ADAMW, nvme(tmp_path / "p", buffer_count=2), zerofx_offload={"cpu_budget_bytes": 1e4}, bf16=True)))
     assert main(["plan", "tiny", "--world-size", "4", "--config", str(cfg), "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
     assert "offload: optimizer-state records per tier, 2 NVMe buffers" in out
