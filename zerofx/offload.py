@@ -263,6 +263,30 @@ class NvmeFiles:
         return sum(self.path(f).stat().st_size for f in fqns if self.path(f).exists())
 
 
+def measure_nvme_bytes_per_s(nvme_path: Path, *, nbytes: int = 64 << 20, rank: int = 0) -> tuple[float, float]:
+    """(read, write) bytes per second of whole-record transfers under ``nvme_path``, the way the
+    runtime moves records: a calibration to put into ``zerofx.offload.nvme_*_bytes_per_s``.
+    Measure once and give every rank the same numbers (plans must not differ across ranks).
+    Reads right after writes may come from the page cache, as the runtime's do."""
+    import time
+
+    files = NvmeFiles(Path(nvme_path), rank)
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    start = time.perf_counter()
+    files.write(".calibration", buf, nbytes)
+    fd = os.open(files.path(".calibration"), os.O_RDONLY)
+    try:
+        os.fsync(fd)  # count the time to reach the disk, not only the page cache
+    finally:
+        os.close(fd)
+    write_s = time.perf_counter() - start
+    start = time.perf_counter()
+    files.read(".calibration", buf, nbytes)
+    read_s = time.perf_counter() - start
+    files.path(".calibration").unlink()
+    return nbytes / read_s, nbytes / write_s
+
+
 # --------------------------------------------------------------------------- records
 @dataclass
 class Record:
@@ -545,8 +569,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         delayed update the work goes to a background thread; ``finish()`` applies it."""
         if closure is not None or grads is None:
             raise ZeroFXError("OffloadedOptimizer.step takes grads={fqn: gradient}; the engine calls it, closures are not supported")
+        # The hyperparameters as they are now: a schedule may change them before a delayed update ends.
+        hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         if not self.delayed:
-            self._run(grads, self.params_by_fqn)
+            self._run(grads, self.params_by_fqn, hyper)
             return
         assert self._pending is None, "finish() the previous delayed update first"
         snapshot = {f: g.detach().clone() for f, g in grads.items()}  # the next backward reuses the buffers
@@ -554,7 +580,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._staged = {f: torch.empty_like(t) for f, t in self.params_by_fqn.items()}
         for f, t in self.params_by_fqn.items():
             self._staged[f].copy_(t)
-        self._pending = self._worker.submit(self._run, snapshot, self._staged)
+        self._pending = self._worker.submit(self._run, snapshot, self._staged, hyper)
 
     def finish(self) -> bool:
         """Delayed update: wait for the update in flight and copy its parameters into the shards.
@@ -572,13 +598,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self._pending is None:
             self.store.prefetch()
 
-    def _run(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]) -> None:
+    def _run(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> None:
         store = self.store
         try:
             for fqn in store.plan.update_order:
                 flat, buf = store.acquire(fqn)
                 try:
-                    self._update(store.records[fqn], flat, targets[fqn], grads[fqn])
+                    self._update(store.records[fqn], flat, targets[fqn], grads[fqn], hyper)
                 except BaseException:
                     if buf is not None:
                         store._free.append(buf)
@@ -589,7 +615,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             store.drain_quietly()
             raise
 
-    def _update(self, rec: Record, flat: torch.Tensor, target: torch.Tensor, grad: torch.Tensor) -> None:
+    def _update(self, rec: Record, flat: torch.Tensor, target: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any]) -> None:
         """One record's update, where the record lives (NOTE [Tiers on this machine and on an
         accelerator]); the new parameter ends in ``target`` (the shard, or its staging copy)."""
         seg = rec.views(flat)
@@ -605,7 +631,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             param = target.to(where, non_blocking=True) if crossing else target
         if crossing and target.device.type == "cuda":
             torch.cuda.current_stream(target.device).synchronize()  # the non_blocking copies have landed
-        group = self.param_groups[0]
         if self.optimizer_type in ("AdamW", "Adam"):
             fn = adamw_update if self.optimizer_type == "AdamW" else adam_update
             beta1, beta2 = group["betas"]
