@@ -120,19 +120,30 @@ def test_offload_config_is_acted_on_and_checked() -> None:
 THREE_TIERS = {"device_budget_bytes": 2000, "cpu_budget_bytes": 3000}
 
 
-def test_every_tier_at_every_stage(tmp_path: Path) -> None:
-    steps = 3
+STEPS, DPU_STEPS = 3, 4
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
+    """Every 2-rank training run these tests read, in one process group (spawning is the cost)."""
+    root = tmp_path_factory.mktemp("nvme")
     runs: dict[str, tuple[dict, int]] = {
-        f"sgd-{stage}": (config(stage, SGD, nvme(tmp_path / f"s{stage}", buffer_count=2), zerofx_offload=THREE_TIERS), steps)
+        f"sgd-{stage}": (config(stage, SGD, nvme(root / f"s{stage}", buffer_count=2), zerofx_offload=THREE_TIERS), STEPS)
         for stage in (1, 2, 3)
     }
-    runs["adamw-3-bf16"] = (config(3, ADAMW, bf16=True), steps)
-    runs["adamw-3-bf16-nvme"] = (config(3, ADAMW, nvme(tmp_path / "adambf16", buffer_count=1), bf16=True), steps)
-    res = run_ranks(2, run_many, runs)
-    expected = reference("dna", 2, steps, SGD)
-    for r in range(2):
+    runs["adamw-3-bf16"] = (config(3, ADAMW, bf16=True), STEPS)
+    runs["adamw-3-bf16-nvme"] = (config(3, ADAMW, nvme(root / "adambf16", buffer_count=1), bf16=True), STEPS)
+    runs["adamw-1-bf16-cpu"] = (config(1, ADAMW, {"device": "cpu"}, bf16=True), 1)
+    dpu = config(3, SGD, nvme(root / "dpu", buffer_count=1), zerofx_offload={**THREE_TIERS, "delayed_update": True})
+    runs["sgd-3-delayed"] = (dpu, DPU_STEPS)
+    return run_ranks(2, run_many, runs)
+
+
+def test_every_tier_at_every_stage(trained: list[dict[str, dict]]) -> None:
+    expected = reference("dna", 2, STEPS, SGD)
+    for res in trained:
         for stage in (1, 2, 3):
-            out = res[r][f"sgd-{stage}"]
+            out = res[f"sgd-{stage}"]
             assert max_diff(out["state"], expected) < 1e-5, stage
             assert set(out["tiers"].values()) == {"device", "cpu", "nvme"}
             mem = out["memory"]
@@ -142,17 +153,15 @@ def test_every_tier_at_every_stage(tmp_path: Path) -> None:
             assert 0 < mem["offload_window_bytes"] < mem["offload_nvme_bytes"]
             read, written = out["io"]
             # Every step reads and writes each NVMe record once; initialization writes them once more.
-            assert (read, written) == (steps * mem["offload_nvme_bytes"], (steps + 1) * mem["offload_nvme_bytes"])
+            assert (read, written) == (STEPS * mem["offload_nvme_bytes"], (STEPS + 1) * mem["offload_nvme_bytes"])
         # torch's own functional AdamW over the fp32 masters on NVMe: the non-offloaded run exactly.
-        assert max_diff(res[r]["adamw-3-bf16-nvme"]["state"], res[r]["adamw-3-bf16"]["state"]) == 0.0
-        assert res[r]["adamw-3-bf16-nvme"]["losses"] == res[r]["adamw-3-bf16"]["losses"]
+        assert max_diff(res["adamw-3-bf16-nvme"]["state"], res["adamw-3-bf16"]["state"]) == 0.0
+        assert res["adamw-3-bf16-nvme"]["losses"] == res["adamw-3-bf16"]["losses"]
 
 
-def test_estimate_agrees_with_what_the_engine_holds(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    runs = {"1-cpu": (config(1, ADAMW, {"device": "cpu"}, bf16=True), 1), "3-nvme": (config(3, ADAMW, nvme(tmp_path / "e"), bf16=True), 1)}
-    res = run_ranks(2, run_many, runs)
-    for name, out in res[1].items():
-        stage, device = int(name[0]), name[2:]
+def test_estimate_agrees_with_what_the_engine_holds(trained: list[dict[str, dict]], capsys: pytest.CaptureFixture) -> None:
+    for name, stage, device in (("adamw-1-bf16-cpu", 1, "cpu"), ("adamw-3-bf16-nvme", 3, "nvme")):
+        out = trained[1][name]
         assert main(["estimate", "--params", str(out["num_params"]), "--world-size", "2", "--stage", str(stage),
                      "--offload", device, "--format", "json"]) == 0
         est = json.loads(capsys.readouterr().out)["stages"][str(stage)]
@@ -165,16 +174,14 @@ def test_estimate_agrees_with_what_the_engine_holds(tmp_path: Path, capsys: pyte
         assert mem["params"] + mem["grads"] == pytest.approx(est["per_device_bytes"], rel=2e-3)
 
 
-def test_delayed_update_equals_late_update_reference(tmp_path: Path) -> None:
-    steps = 4
-    cfg = config(3, SGD, nvme(tmp_path / "dpu", buffer_count=1), zerofx_offload={**THREE_TIERS, "delayed_update": True})
-    res = run_ranks(2, run, cfg, steps)
-    late, on_time = reference_late(2, steps, SGD), reference("dna", 2, steps, SGD)
+def test_delayed_update_equals_late_update_reference(trained: list[dict[str, dict]]) -> None:
+    late, on_time = reference_late(2, DPU_STEPS, SGD), reference("dna", 2, DPU_STEPS, SGD)
     assert max_diff(late, on_time) > 1e-3  # the delay really changes the numerics
-    for r in range(2):
-        assert max_diff(res[r]["state"], late) < 1e-5
-        assert set(res[r]["tiers"].values()) == {"device", "cpu", "nvme"}
-        assert res[r]["memory"]["offload_staging_bytes"] > 0
+    for res in trained:
+        out = res["sgd-3-delayed"]
+        assert max_diff(out["state"], late) < 1e-5
+        assert set(out["tiers"].values()) == {"device", "cpu", "nvme"}
+        assert out["memory"]["offload_staging_bytes"] > 0
 
 
 def test_vanishing_nvme_folder_is_an_error_not_corruption(tmp_path: Path) -> None:

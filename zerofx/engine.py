@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 
 from cost_models.memory import optimizer_kind
 from cost_models.offload import Tier
-from passes import ParamPlacement, ZeroStage
+from passes import OffloadPlan, ParamPlacement, ZeroStage
 from passes.meta import is_wait
 from passes.check_collectives import collective_sequence, first_divergence
 from passes.plan_sharding import persistent_params, place_param
@@ -182,6 +182,7 @@ class Engine:
         ]
         self.offload_options = OffloadOptions.from_config(cfg.raw)
         self.offload_store: OffloadStore | None = None
+        self.offload_plan: OffloadPlan | None = None
         self._init_storage(model)
         trainable = [f for f, p in self.placements.items() if p.requires_grad]
         # The tensors the optimizer steps: fp32 master copies of this rank's shards in mixed
@@ -541,7 +542,7 @@ class Engine:
             out["offload_cpu_bytes"] = store.resident_bytes(Tier.CPU)
             out["offload_nvme_bytes"] = store.nvme_bytes()
             out["offload_window_bytes"] = store.window_bytes()
-            out["offload_staging_bytes"] = _storage_bytes(list(self.optimizer._staged.values())) if self.optimizer._staged else 0
+            out["offload_staging_bytes"] = self.optimizer.staging_bytes()
             return out
         states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         states += list(self.master.values())  # the fp32 master copy counts with the optimizer states, as in ZeRO

@@ -593,6 +593,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             t.copy_(self._staged[f])
         return True
 
+    def staging_bytes(self) -> int:
+        """Bytes of the delayed update's staging copy of the shards (0 until the first step)."""
+        return sum(t.untyped_storage().nbytes() for t in self._staged.values())
+
     def prefetch(self) -> None:
         """Start reading the first NVMe records (the engine calls it as the last backward starts)."""
         if self._pending is None:
