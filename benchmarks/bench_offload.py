@@ -6,7 +6,11 @@ training, median step time, and NVMe bytes read and written per step.
     python -m benchmarks.bench_offload --size small --steps 4   # a quick look
 
 Each configuration runs in fresh processes, one after the other, so peak RSS is that
-configuration's own. The first ``--warmup`` steps are left out of the step time. Results go to
+configuration's own. glibc's malloc keeps freed blocks resident and raises its mmap threshold as
+large blocks are freed, so by default a tensor allocated after the backward (torch's Adam state at
+the first step) partly reuses activation memory that is already resident, and peak RSS
+understates what the state costs. ``MALLOC_MMAP_THRESHOLD_=131072`` fixes the threshold: blocks
+above 128 KiB are mapped and unmapped, and RSS follows the live tensors. The README gives both. The first ``--warmup`` steps are left out of the step time. Results go to
 ``benchmarks/results/offload_<size>_w<W>.{json,md}``.
 """
 
@@ -173,7 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--buffer-count", type=int, default=4)
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/zerofx_bench_nvme"))
     parser.add_argument("--runs", default="memory,nvme,nvme+dpu", help="comma-separated: memory, nvme, nvme+dpu")
-    parser.add_argument("--machine", default=f"{os.cpu_count()}-core CPU, no GPU, torch {torch.__version__}")
+    malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    parser.add_argument("--machine", default=f"{os.cpu_count()}-core CPU, no GPU, torch {torch.__version__}, "
+                        + (f"MALLOC_MMAP_THRESHOLD_={malloc}" if malloc else "glibc malloc defaults"))
     args = parser.parse_args(argv)
     from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
