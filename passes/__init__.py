@@ -3,6 +3,7 @@
 from passes.param_sync import build_param_sync
 from passes.partition import partition_joint
 from passes.plan import Collective, CommKind, ParamPlacement, Plan, ZeroStage
+from passes.plan_offload import OffloadPlan, plan_offload
 from passes.plan_sharding import plan_sharding
 from passes.reduce_grads import reduce_grads_pass
 from passes.shard_params import shard_params_pass
@@ -10,11 +11,13 @@ from passes.shard_params import shard_params_pass
 __all__ = [
     "Collective",
     "CommKind",
+    "OffloadPlan",
     "ParamPlacement",
     "Plan",
     "ZeroStage",
     "build_param_sync",
     "partition_joint",
+    "plan_offload",
     "plan_sharding",
     "reduce_grads_pass",
     "shard_params_pass",

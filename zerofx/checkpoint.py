@@ -129,6 +129,16 @@ def _optimizer_tensors(engine: Engine) -> dict[str, torch.Tensor]:
     return dict(getattr(engine, "optimizer_params", None) or {f: engine.shards[f] for f, p in engine.placements.items() if p.requires_grad})
 
 
+def _masters(engine: Engine) -> dict[str, torch.Tensor]:
+    """FQN -> fp32 master of this rank's owned elements: the engine's, or copies read back from
+    the offload tiers (``OffloadedOptimizer.master_tensors``)."""
+    out = dict(getattr(engine, "master", {}))
+    offloaded = getattr(engine.optimizer, "master_tensors", None)
+    if offloaded is not None:
+        out.update(offloaded())
+    return out
+
+
 def _param_groups(engine: Engine) -> list[list[str]]:
     """The FQNs of each optimizer param group's tensors, in order."""
     fqn_of = {id(t): f for f, t in _optimizer_tensors(engine).items()}
@@ -148,9 +158,10 @@ def _rank_tensors(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, di
     """This rank's slice of every parameter, fp32 master and optimizer-state tensor, and the
     scalar optimizer states (Adam's ``step``)."""
     tensors = {f"param/{f}": _my_slice(engine, f, engine.shards[f]) for f in engine.placements}
-    tensors.update({f"master/{f}": _my_slice(engine, f, t) for f, t in getattr(engine, "master", {}).items()})
+    tensors.update({f"master/{f}": _my_slice(engine, f, t) for f, t in _masters(engine).items()})
     scalars: dict[str, dict[str, Any]] = {}
     for fqn, param in _optimizer_tensors(engine).items():
+        # Offloaded states are read back from their tier here, one parameter at a time.
         for name, v in engine.optimizer.state.get(param, {}).items():
             if isinstance(v, torch.Tensor) and v.shape == param.shape:
                 tensors[f"state/{fqn}/{name}"] = _my_slice(engine, fqn, v)
@@ -300,6 +311,7 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
     n = meta["world_size"]
     with RankFiles(check_rank_files(path, n)) as files:
         masters = getattr(engine, "master", {})
+        load_offloaded_master = getattr(engine.optimizer, "load_master", None) if getattr(engine, "offload_store", None) else None
         for fqn, p in engine.placements.items():
             # The most precise saved copy: the fp32 master when the run had one.
             master = fqn in meta["masters"]
@@ -310,6 +322,10 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
                 _fill(engine, fqn, engine.full[fqn], value.to(p.torch_dtype))
             if fqn in masters:
                 _fill(engine, fqn, masters[fqn], value.to(masters[fqn].dtype))
+            elif load_offloaded_master is not None and p.requires_grad and engine.compute_dtype is not None:
+                owned = torch.empty(engine.optimizer_params[fqn].numel(), dtype=torch.float32, device=engine.device)
+                _fill(engine, fqn, owned, value)
+                load_offloaded_master(fqn, owned)
         for key, owner in state_dict_keys(engine.model):
             if owner is None:
                 engine.buffers[key].copy_(files.get(0).get_tensor(f"buffer/{key}"))
@@ -345,9 +361,11 @@ def _load_optimizer(engine: Engine, files: RankFiles, meta: Mapping[str, Any]) -
         entry: dict[str, Any] = {}
         for name, s in opt["scalar_states"].get(fqn, {}).items():
             entry[name] = s["value"] if s["dtype"] is None else torch.tensor(s["value"], dtype=torch_dtype(s["dtype"]))
+        # Offloaded states are fp32 whatever the parameters' dtype (the optimizer steps the shards).
+        dtype = torch.float32 if getattr(engine, "offload_store", None) is not None else param.dtype
         for name in opt["tensor_states"].get(fqn, []):
-            entry[name] = torch.empty_like(param)
-            _fill(engine, fqn, entry[name], _read_shard(engine, files, meta, f"state/{fqn}/{name}", fqn, param.dtype))
+            entry[name] = torch.empty(param.shape, dtype=dtype, device=param.device)
+            _fill(engine, fqn, entry[name], _read_shard(engine, files, meta, f"state/{fqn}/{name}", fqn, dtype))
         if entry:
             state[index] = entry
     engine.optimizer.load_state_dict({"state": state, "param_groups": engine.optimizer.state_dict()["param_groups"]})

@@ -57,6 +57,7 @@ from zerofx.folding import (
     plan_folded,
 )
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig
+from zerofx.offload import plan_for_program
 from zerofx.planning import (
     ModelSpec,
     load_model_spec,
@@ -187,8 +188,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               budget_bytes=budget, upper=upper, rank=args.rank)
     if args.plot is not None:
         plot_report(report, args.plot, title=spec.label, budget_bytes=budget)
+    cfg = resolve(args.config, stage=args.stage, world_size=args.world_size)
+    offload = plan_for_program(program.plan, cfg.raw, mixed_precision=cfg.compute_dtype is not None,
+                               device_is_cpu=device.name.startswith("cpu"), compute_s=report.compute_s)
     if args.format == "json":
         data = json.loads(report_json(program, report, budget))
+        if offload is not None:
+            data["offload"] = json.loads(offload.to_json())
         if solved is not None:
             data["solve"] = {solved.variable: solved.value, "peak_bytes_expr": str(solved.peak_expr), "peak_at": solved.peak_node,
                              "samples": [list(x) for x in solved.samples]}
@@ -197,6 +203,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     shapes = ", ".join(str(tuple(t.shape)) for t in [*spec.args, *spec.kwargs.values()] if isinstance(t, torch.Tensor))
     print(f"model {spec.label}: {type(spec.model).__name__}, example inputs {shapes}; profile {comm.name} / {device.name}")
     print(program.plan)
+    if offload is not None:
+        print(offload)
     print(format_report(report, budget_bytes=budget))
     if solved is not None:
         what = "longest sequence" if solved.variable == "seq_len" else "largest batch"

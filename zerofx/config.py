@@ -16,7 +16,7 @@ import json
 import re
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -92,12 +92,23 @@ def _size(v: Any) -> bool:
         return False
 
 
-_OFFLOAD = {
-    "device": Key((str,), "where the state lives", lambda v: v in ("none", "cpu", "nvme"), "none, cpu or nvme", False),
-    "nvme_path": Key((str,), "folder for NVMe offload files", acted_on=False),
-    "pin_memory": Key((bool,), "pin host memory for offloaded state", acted_on=False),
-    "buffer_count": Key((int,), "number of I/O buffers", _pos_int, "an integer >= 1", False),
-    "ratio": Key(_NUM, "fraction of the optimizer state to offload", acted_on=False),
+_OFFLOAD_DEVICE = Key((str,), "where the state lives", lambda v: v in ("none", "cpu", "nvme"), "none, cpu or nvme")
+_OFFLOAD_OPTIMIZER = {
+    "device": _OFFLOAD_DEVICE,
+    "nvme_path": Key((str,), "folder for NVMe offload files (one subfolder per rank)"),
+    "pin_memory": Key((bool,), "pin host memory for offloaded state (CUDA)"),
+    "buffer_count": Key((int,), "host buffers NVMe records pass through: the window", _pos_int, "an integer >= 1"),
+    "ratio": Key(_NUM, "fraction of the optimizer state to offload (the rest stays on the device)", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+}
+_OFFLOAD_PARAM = {name: replace(key, acted_on=False) for name, key in _OFFLOAD_OPTIMIZER.items()}
+_BYTES = lambda v: v >= 0  # noqa: E731
+_ZEROFX_OFFLOAD = {
+    "delayed_update": Key((bool,), "one-step delayed parameter update (DPU): the optimizer step runs during the next forward/backward; changes the numerics"),
+    "device_budget_bytes": Key(_NUM, "optimizer-state bytes per rank kept on the device (default: (1 - ratio) x all)", _BYTES, "a number >= 0"),
+    "cpu_budget_bytes": Key(_NUM, "optimizer-state bytes per rank in host memory (default: all with device cpu, 0 with nvme)", _BYTES, "a number >= 0"),
+    "host_copy_bytes_per_s": Key(_NUM, "measured host <-> device copy bandwidth, for the placement plan", lambda v: v > 0, "a number > 0"),
+    "nvme_read_bytes_per_s": Key(_NUM, "measured NVMe read bandwidth, for the placement plan", lambda v: v > 0, "a number > 0"),
+    "nvme_write_bytes_per_s": Key(_NUM, "measured NVMe write bandwidth, for the placement plan", lambda v: v > 0, "a number > 0"),
 }
 
 SCHEMA: dict[str, Key] = {
@@ -114,8 +125,8 @@ SCHEMA: dict[str, Key] = {
         "stage3_max_reuse_distance": Key(_NUM, "reuse distance for keeping a gathered parameter", lambda v: v >= 0, "a number >= 0", False),
         "stage3_param_persistence_threshold": Key(_NUM, "parameters smaller than this stay unsharded", lambda v: v >= 0, "a number >= 0"),
         "stage3_gather_16bit_weights_on_model_save": Key((bool,), "gather 16-bit weights when saving", acted_on=False),
-        "offload_optimizer": Key((dict,), "optimizer-state offload", children=_OFFLOAD, acted_on=False),
-        "offload_param": Key((dict,), "parameter offload (stage 3)", children=_OFFLOAD, acted_on=False),
+        "offload_optimizer": Key((dict,), "optimizer-state offload: fp32 masters and optimizer states", children=_OFFLOAD_OPTIMIZER),
+        "offload_param": Key((dict,), "parameter offload (stage 3)", children=_OFFLOAD_PARAM, acted_on=False),
         "sub_group_size": Key(_NUM, "optimizer sub-group size", lambda v: v > 0, "a number > 0", False),
     }),
     "optimizer": Key((dict,), "the optimizer", children={
@@ -181,6 +192,7 @@ SCHEMA: dict[str, Key] = {
         "compile": Key((str,), "compile each rank's forward and backward graphs: none (run them as FX code) or inductor",
                        lambda v: v in {c.value for c in GraphCompiler}, ", ".join(c.value for c in GraphCompiler)),
         "fused_optimizer": Key((bool,), "Adam/AdamW with fused=True (one kernel over all of a rank's shards)"),
+        "offload": Key((dict,), "offload planning and the delayed update (with zero_optimization.offload_optimizer)", children=_ZEROFX_OFFLOAD),
     }),
 }
 
@@ -339,6 +351,9 @@ def parse_config(
         bad = sorted(set(params) & {"momentum", "nesterov", "dampening"})
     if bad:
         raise ConfigError(f"optimizer.params {bad} do not apply to optimizer type {kind!r}")
+    from zerofx.offload import OffloadOptions  # offload imports the cost models; only its checks are needed here
+
+    OffloadOptions.from_config(raw)  # offload settings that contradict each other
     return ZeroConfig(
         stage=stage if stage is not None else cfg_stage,
         world_size=world_size if world_size is not None else cfg_world,

@@ -23,6 +23,10 @@ what its stage holds (at stage 3, its shard) and drops the rest, so at most one 
 tensors are alive beyond the stage's own storage. No broadcast is needed: every rank computes
 the same values, at any world size. The model's own tensors stay on the meta device, and the
 engine's storage lives on the CPU (gloo) or the current CUDA device (NCCL).
+
+With ``offload_optimizer`` the fp32 masters and optimizer states are not laid out here: each
+parameter's record goes to the tier ``plan_offload`` chose (device, host memory or NVMe), and the
+optimizer is an ``OffloadedOptimizer`` over the shards themselves (see ``zerofx.offload``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from passes import ParamPlacement, ZeroStage
+from cost_models.memory import optimizer_kind
+from cost_models.offload import Tier
+from passes import OffloadPlan, ParamPlacement, ZeroStage
 from passes.meta import is_wait
 from passes.check_collectives import collective_sequence, first_divergence
 from passes.plan_sharding import persistent_params, place_param
@@ -46,6 +52,7 @@ from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, cast_
 from zerofx.config import OptimizerSpec, ZeroConfig
 from zerofx.errors import CaptureError, RankDivergenceError, ZeroFXError
 from zerofx.materialize import InitFn, check_all_meta_or_none, iter_initial_state
+from zerofx.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, plan_engine_offload
 from zerofx.program import Program, check_example_inputs, plan_program, resolve
 from zerofx.schedulers import lr_at
 
@@ -191,15 +198,23 @@ class Engine:
         self._state_keys = [
             (key, param_aliases.get(key)) for key in model.state_dict().keys()
         ]
+        self.offload_options = OffloadOptions.from_config(cfg.raw)
+        self.offload_store: OffloadStore | None = None
+        self.offload_plan: OffloadPlan | None = None
         self._init_storage(model, init_fn=init_fn, init_seed=init_seed)
         trainable = [f for f, p in self.placements.items() if p.requires_grad]
         # The tensors the optimizer steps: fp32 master copies of this rank's shards in mixed
         # precision, else the shards themselves (their gradients are the persistent buffers).
+        # Offloaded, the masters live in the store and the optimizer steps the shards.
         self.optimizer_params = {f: self.master[f] if self.master else self.shards[f] for f in trainable}
-        if not self.master:
+        if self.compute_dtype is None:
             for f, t in self.optimizer_params.items():
                 t.grad = self._grad_shard(f)
-        self.optimizer = build_optimizer(cfg.optimizer, list(self.optimizer_params.values()), fused=cfg.fused_optimizer)
+        self.optimizer: torch.optim.Optimizer
+        if self.offload_store is not None:
+            self.optimizer = OffloadedOptimizer(self.optimizer_params, self.offload_store, cfg.optimizer.type, cfg.optimizer.params)
+        else:
+            self.optimizer = build_optimizer(cfg.optimizer, list(self.optimizer_params.values()), fused=cfg.fused_optimizer)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.micro_steps = 0
@@ -228,7 +243,9 @@ class Engine:
         self._offsets: dict[str, int] = {}
         self.master: dict[str, torch.Tensor] = {}
         self._master_offsets: dict[str, int] = {}
-        if self.compute_dtype is not None:
+        if self.offload_options is not None:
+            self.offload_store = self._build_offload_store()
+        elif self.compute_dtype is not None:
             total = 0
             for f, p in self.placements.items():
                 if p.requires_grad:
@@ -286,6 +303,9 @@ class Engine:
             owned = flat if self.stage is ZeroStage.ZERO else flat[r * p.shard_numel : (r + 1) * p.shard_numel]
             self.master[fqn] = self._master_flat[start : start + owned.numel()]
             self.master[fqn].copy_(owned)
+        elif self.offload_store is not None and p.requires_grad:  # one record at a time
+            owned = flat if self.stage is ZeroStage.ZERO else flat[r * p.shard_numel : (r + 1) * p.shard_numel]
+            self.offload_store.init_record(fqn, owned if self.compute_dtype is not None else None)
         flat = flat.to(p.torch_dtype)
         own = flat[r * p.shard_numel : (r + 1) * p.shard_numel]
         if fqn in self._offsets:
@@ -294,6 +314,22 @@ class Engine:
         else:
             self.full[fqn] = flat
             self.shards[fqn] = flat if self.stage is ZeroStage.ZERO else own
+
+    def _owned_numel(self, fqn: str) -> int:
+        p = self.placements[fqn]
+        return p.padded_numel if self.stage is ZeroStage.ZERO else p.shard_numel
+
+    def _build_offload_store(self) -> OffloadStore:
+        """Plan the tiers of the optimizer-state records and create them (empty; ``init_record``
+        fills each). The plan is a function of the config and the shapes: the same on every rank."""
+        assert self.offload_options is not None
+        owned = {f: self._owned_numel(f) for f, p in self.placements.items() if p.requires_grad}
+        kind = optimizer_kind(self.cfg.optimizer.type, dict(self.cfg.optimizer.params))
+        mixed = self.compute_dtype is not None
+        self.offload_plan = plan_engine_offload(owned, self.offload_options, optimizer=kind, mixed_precision=mixed,
+                                                device_is_cpu=self.device.type == "cpu")
+        return OffloadStore(self.offload_plan, self.offload_options, owned, optimizer=kind, mixed_precision=mixed,
+                            device=self.device, rank=self.rank)
 
     def _flat_dtype(self) -> torch.dtype:
         dtypes = {p.torch_dtype for p in self.placements.values()}
@@ -392,6 +428,8 @@ class Engine:
             raise ZeroFXError("engine.backward(loss) needs the loss returned by the engine's most recent forward call")
         program, saved, _ = self._pending
         self._pending = None
+        if self.offload_store is not None and self.is_gradient_accumulation_boundary():
+            self.optimizer.prefetch()  # the first NVMe records load while backward runs
         # d(loss)/d(loss): 1 over the accumulation steps (DeepSpeed averages micro-batches), times
         # the fp16 loss scale.
         seed = (self.loss_scaler.scale if self.loss_scaler else 1.0) / self.gradient_accumulation_steps
@@ -425,19 +463,25 @@ class Engine:
         if schedule:
             for group, base in zip(self.optimizer.param_groups, self._base_lrs):
                 group["lr"] = lr_at(schedule, self.global_steps, base)
+        if isinstance(self.optimizer, OffloadedOptimizer):
+            applied = self.optimizer.finish()  # delayed update: the previous step's, now
+            self.optimizer.step(grads=grads)
+            self._after_step(updated=applied or not self.optimizer.delayed)
+            return
         self.optimizer.step()
         self._after_step(updated=True)
 
     def _optimizer_grads(self) -> dict[str, torch.Tensor]:
         """Gradients of what the optimizer steps. In mixed precision, fp32 copies of this rank's
         16-bit gradient shards, unscaled; they live only through the step."""
-        if not self.master:
+        if self.compute_dtype is None:
             return {f: t.grad for f, t in self.optimizer_params.items()}
         inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler else 1.0
         out = {}
         for f, t in self.optimizer_params.items():
-            t.grad = self._grad_shard(f).to(torch.float32).mul_(inv_scale)
-            out[f] = t.grad
+            out[f] = self._grad_shard(f).to(torch.float32).mul_(inv_scale)
+            if self.master:  # a torch optimizer over the masters reads .grad
+                t.grad = out[f]
         return out
 
     def _owned(self, fqn: str, grad: torch.Tensor) -> torch.Tensor:
@@ -483,8 +527,11 @@ class Engine:
             loss = f"{self._last_loss.item():.4f}" if self._last_loss is not None else "n/a"
             scale = f", loss scale {self.loss_scaler.scale:g}" if self.loss_scaler else ""
             print(f"[zerofx] step {self.global_steps}: loss {loss}, lr {self.optimizer.param_groups[0]['lr']:.3g}{scale}", flush=True)
-        if not updated:
-            return
+        if updated:
+            self._sync_params()
+
+    def _sync_params(self) -> None:
+        """Where the stage keeps parameters whole, all-gather the updated shards (a collective)."""
         program = self.program
         if program is not None and "param_sync" in program.graph_modules(self.rank):
             order = [f for bucket in program.plan.sync_buckets for f in bucket]
@@ -492,9 +539,19 @@ class Engine:
                 self.full[fqn].copy_(full)
 
     # ----------------------------------------------------------------- state
+    def flush(self) -> None:
+        """With the one-step delayed update, apply the update still in flight (a collective at
+        stages 1-2, which re-gather the parameters), and wait for offloaded state's write-backs.
+        Reading state calls it first."""
+        if isinstance(self.optimizer, OffloadedOptimizer):
+            if self.optimizer.finish():
+                self._sync_params()
+            self.optimizer.store.drain()  # the write-backs still going on; raises their errors
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict (same keys and shapes as ``model.state_dict()``) on every rank.
         At stage 3 this all-gathers every parameter: a collective, so call it on all ranks."""
+        self.flush()
         out: dict[str, torch.Tensor] = {}
         gathered: dict[str, torch.Tensor] = {}
         for key, owner in self._state_keys:
@@ -513,15 +570,27 @@ class Engine:
         return out
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank really holds: parameter, gradient and optimizer-state tensors."""
+        """Bytes this rank really holds: parameter, gradient and optimizer-state tensors. With
+        offload, ``optimizer_states`` is what stays on the device, and ``offload_cpu_bytes`` /
+        ``offload_nvme_bytes`` what host memory and the NVMe files hold (``offload_window_bytes``:
+        the host buffers NVMe records pass through; ``offload_staging_bytes``: the delayed
+        update's copy of the shards)."""
         params = list(self.full.values()) + ([self._shard_flat] if self._shard_flat is not None else [])
+        out = {"params": _storage_bytes(params), "grads": _storage_bytes(list(self.grads.values()))}
+        if isinstance(self.optimizer, OffloadedOptimizer):
+            store = self.offload_store
+            assert store is not None
+            steps = [r.step for r in store.records.values()] if self.cfg.optimizer.type in ("AdamW", "Adam") else []
+            out["optimizer_states"] = store.resident_bytes(Tier.DEVICE) + sum(t.untyped_storage().nbytes() for t in steps)
+            out["offload_cpu_bytes"] = store.resident_bytes(Tier.CPU)
+            out["offload_nvme_bytes"] = store.nvme_bytes()
+            out["offload_window_bytes"] = store.window_bytes()
+            out["offload_staging_bytes"] = self.optimizer.staging_bytes()
+            return out
         states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         states += list(self.master.values())  # the fp32 master copy counts with the optimizer states, as in ZeRO
-        return {
-            "params": _storage_bytes(params),
-            "grads": _storage_bytes(list(self.grads.values())),
-            "optimizer_states": _storage_bytes(states),
-        }
+        out["optimizer_states"] = _storage_bytes(states)
+        return out
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: Mapping[str, Any] | None = None) -> None:
@@ -529,6 +598,7 @@ class Engine:
         atomically; a collective, call on every rank. See ``zerofx.checkpoint``."""
         from zerofx.checkpoint import save_checkpoint  # the checkpoint module imports engine types
 
+        self.flush()
         save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True) -> dict[str, Any]:
@@ -536,6 +606,7 @@ class Engine:
         return this rank's ``client_state``. A collective, call on every rank. See ``zerofx.checkpoint``."""
         from zerofx.checkpoint import load_checkpoint
 
+        self.flush()  # an update in flight must not land on the loaded parameters
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states)
 
 

@@ -1,0 +1,155 @@
+"""Planner: which tier holds each parameter's optimizer-state record, and in what order the
+optimizer step swaps records in.
+
+Reads no graph: its input is the per-parameter record sizes (``cost_models.offload``, NOTE [What
+an offloaded record holds]) in the order backward produces the gradients, a ``TierSpec`` per
+tier and the step's compute times. It returns a frozen ``OffloadPlan`` that the runtime
+(``zerofx.offload``) follows and ``zerofx plan`` prints. The same inputs give the same plan on
+every rank: no measurement happens here.
+
+NOTE [Bandwidth-centric placement]
+Every record is moved twice per step (read before its update, written after), so a byte on a
+tier costs ``1/read + 1/write`` seconds of that tier's bandwidth per step, and the step's I/O
+time is the sum over tiers of bytes times that cost. With the budgets fixed, it is least when
+the fastest tiers are as full as their budgets allow. The planner fills them first-fit
+decreasing: records largest first, each on the fastest tier whose remaining budget holds it
+(device, then host memory, then NVMe). Largest first leaves less of a fast tier's budget unused
+than step order would: small records fill the gaps at the end.
+
+The update order puts device and host records first, then NVMe records in backward order: the
+first ``buffer_count`` NVMe reads are issued as the backward pass starts, so they have the
+whole backward pass and the updates of the in-memory records to complete before they are needed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+from cost_models.offload import OffloadItem, Tier, TierSpec, estimate_offload_timeline
+
+_FASTEST_FIRST = (Tier.DEVICE, Tier.CPU, Tier.NVME)
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Per-parameter tiers, the update (swap-in) order, and the estimates that justified them."""
+
+    tiers: tuple[tuple[str, Tier], ...]  # (fqn, tier), in update order
+    record_bytes: tuple[tuple[str, int], ...]  # (fqn, bytes of its record), in update order
+    buffer_count: int
+    delayed_update: bool
+    # Seconds per step: the whole optimizer step, its updates, all record I/O, and the I/O the
+    # step waits for (the rest is hidden).
+    estimates: Mapping[str, float]
+
+    @property
+    def update_order(self) -> tuple[str, ...]:
+        return tuple(f for f, _ in self.tiers)
+
+    def tier_of(self, fqn: str) -> Tier:
+        for f, t in self.tiers:
+            if f == fqn:
+                return t
+        raise KeyError(fqn)
+
+    def fqns_on(self, tier: Tier) -> tuple[str, ...]:
+        return tuple(f for f, t in self.tiers if t is tier)
+
+    def bytes_on(self, tier: Tier) -> int:
+        sizes = dict(self.record_bytes)
+        return sum(sizes[f] for f in self.fqns_on(tier))
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["tiers"] = [[f, t.value] for f, t in self.tiers]
+        d["estimates"] = dict(self.estimates)
+        return json.dumps(d, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> OffloadPlan:
+        d = json.loads(text)
+        return cls(
+            tiers=tuple((f, Tier(t)) for f, t in d["tiers"]),
+            record_bytes=tuple((f, int(b)) for f, b in d["record_bytes"]),
+            buffer_count=d["buffer_count"],
+            delayed_update=d["delayed_update"],
+            estimates=d["estimates"],
+        )
+
+    def __str__(self) -> str:
+        from tabulate import tabulate
+
+        from passes.plan import format_bytes
+
+        e = self.estimates
+        rows = [(t.value, len(self.fqns_on(t)), format_bytes(self.bytes_on(t))) for t in _FASTEST_FIRST]
+        lines = [
+            f"offload: optimizer-state records per tier, {self.buffer_count} NVMe buffers"
+            + (", one-step delayed update" if self.delayed_update else ""),
+            tabulate(rows, headers=["tier", "tensors", "bytes per rank"], tablefmt="simple"),
+            f"optimizer step {e['step_s'] * 1e3:.1f} ms: updates {e['update_s'] * 1e3:.1f} ms, record I/O "
+            f"{e['io_s'] * 1e3:.1f} ms per step, of which hidden {e['hidden_io_s'] * 1e3:.1f} ms and "
+            f"exposed {e['exposed_io_s'] * 1e3:.1f} ms",
+        ]
+        return "\n".join(lines)
+
+
+def plan_offload(
+    records: Sequence[tuple[str, int]],
+    tiers: Mapping[Tier, TierSpec],
+    *,
+    buffer_count: int,
+    update_bytes_per_s: float,
+    prefetch_lead_s: float = 0.0,
+    delayed_update: bool = False,
+    forward_backward_s: float = 0.0,
+) -> OffloadPlan:
+    """Place each ``(fqn, record_bytes)`` (in backward order) on a tier of ``tiers``; see NOTE
+    [Bandwidth-centric placement]. ``Tier.DEVICE`` is always available (budget 0 if absent).
+    ``ValueError`` when the records do not fit the tiers' budgets, naming the shortfall."""
+    budgets = {t: (tiers[t].budget_bytes if t in tiers else 0.0) for t in _FASTEST_FIRST}
+    if Tier.NVME not in tiers:
+        budgets[Tier.NVME] = 0.0
+    left = dict(budgets)
+    placed: dict[str, Tier] = {}
+    position = {f: i for i, (f, _) in enumerate(records)}
+    for fqn, size in sorted(records, key=lambda r: (-r[1], position[r[0]])):
+        tier = next((t for t in _FASTEST_FIRST if size <= left[t]), None)
+        if tier is None:
+            total = sum(b for _, b in records)
+            raise ValueError(
+                f"optimizer-state records of {total} bytes do not fit the offload budgets "
+                f"({', '.join(f'{t.value} {b:g}' for t, b in budgets.items())} bytes): {fqn} ({size} bytes) has no room; "
+                "raise a budget or offload to nvme"
+            )
+        left[tier] -= size
+        placed[fqn] = tier
+    order = [f for t in _FASTEST_FIRST for f, _ in records if placed[f] is t]
+    sizes = dict(records)
+    timeline = estimate_offload_timeline(
+        [OffloadItem(f, placed[f], sizes[f]) for f in order],
+        tiers,
+        buffer_count=buffer_count,
+        update_bytes_per_s=update_bytes_per_s,
+        prefetch_lead_s=prefetch_lead_s,
+        delayed_update=delayed_update,
+        forward_backward_s=forward_backward_s,
+    )
+    estimates = {
+        "step_s": timeline.step_s,
+        "update_s": timeline.update_s,
+        "io_s": timeline.io_s,
+        "exposed_io_s": timeline.exposed_io_s,
+        "hidden_io_s": timeline.hidden_io_s,
+    }
+    assert all(math.isfinite(v) for v in estimates.values()), estimates
+    return OffloadPlan(
+        tiers=tuple((f, placed[f]) for f in order),
+        record_bytes=tuple((f, sizes[f]) for f in order),
+        buffer_count=buffer_count,
+        delayed_update=delayed_update,
+        estimates=estimates,
+    )

@@ -1,0 +1,711 @@
+"""ZeRO-Offload / ZeRO-Infinity at run time: optimizer-state records on the device, in host
+memory or in files on NVMe, stepped through a bounded window with the I/O overlapped.
+
+The engine builds an ``OffloadStore`` (records and their tiers, per the ``OffloadPlan``) before
+it lays out the parameters, writes each parameter's initial fp32 master into it one at a time,
+then wraps it in an ``OffloadedOptimizer``: a ``torch.optim.Optimizer`` over the engine's
+parameter shards, so learning-rate schedules, logging and checkpoints see the usual API.
+
+NOTE [Tiers on this machine and on an accelerator]
+``Tier.DEVICE`` records are tensors on the engine's device; the update runs there. ``Tier.CPU``
+records are host tensors (pinned when the device is CUDA and ``pin_memory`` is set): the update
+runs on the CPU, with the gradient copied to the host and the new parameter copied back
+(``non_blocking`` from pinned memory, then one synchronize per record). ``Tier.NVME`` records
+are files; the update runs on the CPU in one of ``buffer_count`` host buffers. When the device
+is the CPU, the copies are skipped: the CPU tier is then host memory that the engine reports
+apart from the device's, and only the NVMe tier changes what the process holds.
+
+NOTE [NVMe I/O]
+One file per record, ``<nvme_path>/rank-<r>/<fqn>.state``, holding the record's fp32 tensors
+back to back (cost_models.offload NOTE [What an offloaded record holds]). Files are read and
+written whole with ``os.preadv``/``os.pwrite`` in blocks of ``IO_BLOCK_BYTES`` at offsets that are
+multiples of it, by a pool of ``IO_THREADS`` threads, each file opened for that one transfer: a
+folder that vanishes is an error on the next transfer, not a silent write into an unlinked
+file. Transfers go through the page cache rather than ``O_DIRECT``, which would need 4 KiB-
+aligned host buffers that torch's allocator does not promise; the page cache is not resident
+memory of the process, so what the process holds is the window and nothing more. Every short
+read or failed transfer is an ``OffloadError`` naming the file and the operation.
+
+The window: records are read in update order into free buffers, at most ``buffer_count``
+ahead; a buffer is free again when its record's write-back has finished. The first
+``buffer_count`` reads are issued by ``prefetch()``, which the engine calls as the backward pass
+of a boundary micro-step starts.
+
+NOTE [One-step delayed update]
+With ``delayed_update`` the update computed from step t's gradients runs on a background
+thread while step t+1's forward and backward run, and it is applied to the parameters when step
+t+1's optimizer step begins (or when the engine's state is read: ``flush()``). So the gradients
+of step t+1 are taken at parameters that lack step t's update: ZeRO-Offload's DPU. It changes
+the numerics: training equals a run in which each gradient is applied one step late. The
+gradients are copied before the next backward accumulates into the engine's buffers, and the
+new parameters go to a staging copy of this rank's shards, which costs one shard of memory.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import threading
+from collections import deque
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import torch
+from torch.optim.adam import adam as adam_update
+from torch.optim.adamw import adamw as adamw_update
+from torch.optim.sgd import sgd as sgd_update
+
+from cost_models.compute import CPU_CORE
+from cost_models.offload import FP32_BYTES, Tier, TierSpec, record_numels
+from passes.plan_offload import OffloadPlan, plan_offload
+from zerofx.errors import ConfigError, ZeroFXError
+
+IO_BLOCK_BYTES = 8 << 20
+IO_THREADS = 2
+# Defaults when the config gives no measured bandwidth: a PCIe 4 x16 link (host <-> device) and
+# a datacenter NVMe drive; `zerofx.offload.*_bytes_per_s` overrides them.
+DEFAULT_HOST_COPY_BYTES_PER_S = 12e9
+DEFAULT_NVME_READ_BYTES_PER_S = 3e9
+DEFAULT_NVME_WRITE_BYTES_PER_S = 1.5e9
+
+
+class OffloadError(ZeroFXError):
+    """Offloaded state could not be stored or read back: names the path and what failed."""
+
+
+# --------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class OffloadOptions:
+    """What the config asks for (``zero_optimization.offload_optimizer`` and ``zerofx.offload``)."""
+
+    device: Tier  # the slowest tier records may go to: CPU or NVME
+    nvme_path: Path | None
+    pin_memory: bool
+    buffer_count: int
+    ratio: float
+    delayed_update: bool
+    device_budget_bytes: float | None
+    cpu_budget_bytes: float | None
+    host_copy_bytes_per_s: float
+    nvme_read_bytes_per_s: float
+    nvme_write_bytes_per_s: float
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any]) -> OffloadOptions | None:
+        """None when optimizer offload is off. ``ConfigError`` for settings that contradict."""
+        zero = raw.get("zero_optimization", {})
+        own = raw.get("zerofx", {}).get("offload", {})
+        section = zero.get("offload_optimizer", {})
+        device = section.get("device", "none")
+        if device == "none":
+            if own:
+                raise ConfigError("zerofx.offload is set but zero_optimization.offload_optimizer.device is not; set it to cpu or nvme")
+            return None
+        if device == "nvme" and not section.get("nvme_path"):
+            raise ConfigError("zero_optimization.offload_optimizer.device is nvme but nvme_path is missing; accepted: a writable folder")
+        ratio = float(section.get("ratio", 1.0))
+        if not 0.0 <= ratio <= 1.0:
+            raise ConfigError(f"config key 'zero_optimization.offload_optimizer.ratio' got {ratio!r}; accepted: a number in [0, 1]")
+        return cls(
+            device=Tier(device),
+            nvme_path=Path(section["nvme_path"]) if section.get("nvme_path") else None,
+            pin_memory=bool(section.get("pin_memory", False)),
+            buffer_count=int(section.get("buffer_count", 4)),
+            ratio=ratio,
+            delayed_update=bool(own.get("delayed_update", False)),
+            device_budget_bytes=own.get("device_budget_bytes"),
+            cpu_budget_bytes=own.get("cpu_budget_bytes"),
+            host_copy_bytes_per_s=float(own.get("host_copy_bytes_per_s", DEFAULT_HOST_COPY_BYTES_PER_S)),
+            nvme_read_bytes_per_s=float(own.get("nvme_read_bytes_per_s", DEFAULT_NVME_READ_BYTES_PER_S)),
+            nvme_write_bytes_per_s=float(own.get("nvme_write_bytes_per_s", DEFAULT_NVME_WRITE_BYTES_PER_S)),
+        )
+
+    def tier_specs(self, total_bytes: int, *, device_is_cpu: bool) -> dict[Tier, TierSpec]:
+        """Budgets and bandwidths per tier. The device keeps ``(1 - ratio)`` of the records unless
+        ``device_budget_bytes`` says otherwise; host memory is unbounded when it is the slowest
+        tier, else it holds ``cpu_budget_bytes`` (default 0); NVMe is unbounded."""
+        device_budget = self.device_budget_bytes if self.device_budget_bytes is not None else (1.0 - self.ratio) * total_bytes
+        copy = math.inf if device_is_cpu else self.host_copy_bytes_per_s
+        if self.device is Tier.CPU:
+            cpu_budget = self.cpu_budget_bytes if self.cpu_budget_bytes is not None else math.inf
+        else:
+            cpu_budget = self.cpu_budget_bytes if self.cpu_budget_bytes is not None else 0.0
+        tiers = {Tier.DEVICE: TierSpec(device_budget, math.inf, math.inf), Tier.CPU: TierSpec(cpu_budget, copy, copy)}
+        if self.device is Tier.NVME:
+            tiers[Tier.NVME] = TierSpec(math.inf, self.nvme_read_bytes_per_s, self.nvme_write_bytes_per_s)
+        return tiers
+
+
+def plan_engine_offload(
+    owned_numels: Mapping[str, int], options: OffloadOptions, *, optimizer: str, mixed_precision: bool, device_is_cpu: bool,
+    forward_backward_s: float = 0.0, backward_s: float = 0.0,
+) -> OffloadPlan:
+    """The ``OffloadPlan`` for a rank's trainable parameters (``fqn -> owned elements``, in model
+    order). Backward produces gradients in about the reverse order, so records are listed that way."""
+    records = [
+        (f, FP32_BYTES * sum(record_numels(n, optimizer=optimizer, mixed_precision=mixed_precision)))
+        for f, n in reversed(list(owned_numels.items()))
+    ]
+    try:
+        return plan_offload(
+            records,
+            options.tier_specs(sum(b for _, b in records), device_is_cpu=device_is_cpu),
+            buffer_count=options.buffer_count,
+            update_bytes_per_s=CPU_CORE.memory_bytes_per_s,
+            prefetch_lead_s=backward_s,
+            delayed_update=options.delayed_update,
+            forward_backward_s=forward_backward_s,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def plan_for_program(plan: Any, raw: Mapping[str, Any], *, mixed_precision: bool, device_is_cpu: bool,
+                     compute_s: Mapping[str, float]) -> OffloadPlan | None:
+    """What ``zerofx plan`` shows: the engine's ``OffloadPlan`` for a ``Plan`` (None without
+    offload), with the schedule's estimated forward and backward times as the I/O's cover."""
+    options = OffloadOptions.from_config(raw)
+    if options is None:
+        return None
+    owned = {p.fqn: p.padded_numel if int(plan.stage) == 0 else p.shard_numel for p in plan.params if p.requires_grad}
+    forward, backward = compute_s.get("forward", 0.0), compute_s.get("backward", 0.0)
+    return plan_engine_offload(owned, options, optimizer=plan.optimizer, mixed_precision=mixed_precision,
+                               device_is_cpu=device_is_cpu, forward_backward_s=forward + backward, backward_s=backward)
+
+
+# --------------------------------------------------------------------------- NVMe files
+class NvmeFiles:
+    """The NVMe tier of one rank: one file per record under ``<root>/rank-<r>``, whole-file
+    transfers in aligned blocks (NOTE [NVMe I/O]); counts the bytes moved."""
+
+    def __init__(self, root: Path, rank: int) -> None:
+        self.root = Path(root) / f"rank-{rank:05d}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OffloadError(
+                f"NVMe offload: cannot create folder {str(self.root)!r} under nvme_path {str(root)!r}: {exc.strerror or exc}; "
+                "accepted: a writable folder on a local disk"
+            ) from None
+        probe = self.root / ".zerofx-write-test"
+        try:
+            probe.write_bytes(b"\0" * 4096)
+            probe.unlink()
+        except OSError as exc:
+            raise OffloadError(f"NVMe offload: folder {str(self.root)!r} is not writable: {exc.strerror or exc}") from None
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def path(self, fqn: str) -> Path:
+        return self.root / f"{quote(fqn, safe='')}.state"
+
+    def _fail(self, op: str, path: Path, exc: OSError) -> OffloadError:
+        if exc.errno == errno.ENOENT and not path.parent.exists():
+            what = f"folder {str(path.parent)!r} no longer exists (removed while training?)"
+        elif exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            what = f"the disk is full ({exc.strerror})"
+        else:
+            what = exc.strerror or str(exc)
+        return OffloadError(f"NVMe offload: {op} {str(path)!r} failed: {what}")
+
+    def write(self, fqn: str, buf: torch.Tensor, nbytes: int) -> None:
+        """Write ``buf[:nbytes]`` (uint8, host) as the record of ``fqn``."""
+        path = self.path(fqn)
+        view = memoryview(buf.numpy())[:nbytes]
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                for offset in range(0, nbytes, IO_BLOCK_BYTES):
+                    chunk = view[offset : offset + IO_BLOCK_BYTES]
+                    done = 0
+                    while done < len(chunk):
+                        done += os.pwrite(fd, chunk[done:], offset + done)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._fail(f"writing {nbytes} bytes of {fqn}'s optimizer state to", path, exc) from None
+        with self._lock:
+            self.bytes_written += nbytes
+
+    def read(self, fqn: str, buf: torch.Tensor, nbytes: int) -> None:
+        """Read the record of ``fqn`` into ``buf[:nbytes]``; a short read is an error."""
+        path = self.path(fqn)
+        view = memoryview(buf.numpy())[:nbytes]
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for offset in range(0, nbytes, IO_BLOCK_BYTES):
+                    chunk = view[offset : offset + IO_BLOCK_BYTES]
+                    done = 0
+                    while done < len(chunk):
+                        got = os.preadv(fd, [chunk[done:]], offset + done)
+                        if got == 0:
+                            raise OffloadError(
+                                f"NVMe offload: short read of {str(path)!r}: got {offset + done} of {nbytes} bytes of {fqn}'s "
+                                "optimizer state (file truncated or replaced?)"
+                            )
+                        done += got
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._fail(f"reading {nbytes} bytes of {fqn}'s optimizer state from", path, exc) from None
+        with self._lock:
+            self.bytes_read += nbytes
+
+    def stored_bytes(self, fqns: list[str]) -> int:
+        """Bytes of the record files on disk now."""
+        return sum(self.path(f).stat().st_size for f in fqns if self.path(f).exists())
+
+
+def measure_nvme_bytes_per_s(nvme_path: Path, *, nbytes: int = 64 << 20, rank: int = 0) -> tuple[float, float]:
+    """(read, write) bytes per second of whole-record transfers under ``nvme_path``, the way the
+    runtime moves records: a calibration to put into ``zerofx.offload.nvme_*_bytes_per_s``.
+    Measure once and give every rank the same numbers (plans must not differ across ranks).
+    Reads right after writes may come from the page cache, as the runtime's do."""
+    import time
+
+    files = NvmeFiles(Path(nvme_path), rank)
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    start = time.perf_counter()
+    files.write(".calibration", buf, nbytes)
+    fd = os.open(files.path(".calibration"), os.O_RDONLY)
+    try:
+        os.fsync(fd)  # count the time to reach the disk, not only the page cache
+    finally:
+        os.close(fd)
+    write_s = time.perf_counter() - start
+    start = time.perf_counter()
+    files.read(".calibration", buf, nbytes)
+    read_s = time.perf_counter() - start
+    files.path(".calibration").unlink()
+    return nbytes / read_s, nbytes / write_s
+
+
+# --------------------------------------------------------------------------- records
+@dataclass
+class Record:
+    """One parameter's optimizer-state record: named fp32 segments of one flat, and where it lives."""
+
+    fqn: str
+    tier: Tier
+    names: tuple[str, ...]  # "master"? then the optimizer's state tensors
+    numel: int  # elements per segment (this rank's owned elements)
+    flat: torch.Tensor | None  # resident tiers only
+    step: torch.Tensor  # Adam's step count, kept in memory as torch does (a float32 scalar)
+    initialized: bool = False  # SGD's momentum buffer exists (torch creates it at the first step)
+
+    @property
+    def nbytes(self) -> int:
+        return FP32_BYTES * self.numel * len(self.names)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: flat[i * self.numel : (i + 1) * self.numel] for i, name in enumerate(self.names)}
+
+
+def state_names(optimizer: str) -> tuple[str, ...]:
+    return {"AdamW": ("exp_avg", "exp_avg_sq"), "Adam": ("exp_avg", "exp_avg_sq"), "SGD": (), "SGD+momentum": ("momentum_buffer",)}[optimizer]
+
+
+class OffloadStore:
+    """The records of one rank, on the tiers the plan chose, and the window of host buffers
+    that NVMe records pass through (NOTE [NVMe I/O])."""
+
+    def __init__(
+        self, plan: OffloadPlan, options: OffloadOptions, owned_numels: Mapping[str, int], *,
+        optimizer: str, mixed_precision: bool, device: torch.device, rank: int,
+    ) -> None:
+        self.plan, self.options, self.device = plan, options, device
+        self.optimizer_kind, self.mixed_precision = optimizer, mixed_precision
+        names = (("master",) if mixed_precision else ()) + state_names(optimizer)
+        self._pin = options.pin_memory and device.type == "cuda"
+        self.records: dict[str, Record] = {}
+        for fqn in plan.update_order:
+            tier = plan.tier_of(fqn)
+            rec = Record(fqn, tier, names, owned_numels[fqn], None, torch.tensor(0.0, dtype=torch.float32))
+            if tier is not Tier.NVME:
+                where = device if tier is Tier.DEVICE else torch.device("cpu")
+                rec.flat = torch.zeros(rec.numel * len(names), dtype=torch.float32, device=where, pin_memory=self._pin and tier is Tier.CPU)
+            self.records[fqn] = rec
+        nvme = [r for r in self.records.values() if r.tier is Tier.NVME]
+        self.files = NvmeFiles(options.nvme_path, rank) if nvme and options.nvme_path is not None else None
+        self._buffer_bytes = max((r.nbytes for r in nvme), default=0)
+        self._free: list[torch.Tensor] = [
+            torch.empty(self._buffer_bytes, dtype=torch.uint8, pin_memory=self._pin) for _ in range(options.buffer_count if nvme else 0)
+        ]
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-offload-io") if nvme else None
+        self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
+        self._writes: deque[tuple[Future, torch.Tensor]] = deque()
+        self._last_write: dict[str, Future] = {}  # a record's newest write-back, which its next read must follow
+        self._nvme_order = [r.fqn for r in nvme]
+        self._next_read = 0
+
+    # ------------------------------------------------------------- initial values, state access
+    def init_record(self, fqn: str, master: torch.Tensor | None) -> None:
+        """Write ``fqn``'s first record: its fp32 master (mixed precision) and zero states."""
+        rec = self.records[fqn]
+        if rec.tier is not Tier.NVME:
+            if master is not None:
+                rec.views(rec.flat)["master"].copy_(master)
+            return
+        buf = self._take_buffer()
+        flat = self._as_fp32(buf, rec)
+        flat.zero_()
+        if master is not None:
+            rec.views(flat)["master"].copy_(master)
+        try:
+            self.files.write(fqn, buf, rec.nbytes)
+        finally:
+            self._free.append(buf)
+
+    def read_segments(self, fqn: str) -> dict[str, torch.Tensor]:
+        """A copy of ``fqn``'s record segments (for checkpoints), on the host."""
+        self.drain()
+        rec = self.records[fqn]
+        if rec.tier is not Tier.NVME:
+            return {k: v.detach().to("cpu", copy=True) for k, v in rec.views(rec.flat).items()}
+        buf = self._take_buffer()
+        try:
+            self.files.read(fqn, buf, rec.nbytes)
+            return {k: v.clone() for k, v in rec.views(self._as_fp32(buf, rec)).items()}
+        finally:
+            self._free.append(buf)
+
+    def write_segments(self, fqn: str, values: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite some of ``fqn``'s segments (checkpoint loading); the others are kept."""
+        self.drain()
+        rec = self.records[fqn]
+        if rec.tier is not Tier.NVME:
+            views = rec.views(rec.flat)
+            for k, v in values.items():
+                views[k].copy_(v)
+            return
+        buf = self._take_buffer()
+        try:
+            self.files.read(fqn, buf, rec.nbytes)
+            views = rec.views(self._as_fp32(buf, rec))
+            for k, v in values.items():
+                views[k].copy_(v)
+            self.files.write(fqn, buf, rec.nbytes)
+        finally:
+            self._free.append(buf)
+
+    def _as_fp32(self, buf: torch.Tensor, rec: Record) -> torch.Tensor:
+        return buf[: rec.nbytes].view(torch.float32)
+
+    # ------------------------------------------------------------- the window
+    def _take_buffer(self, *, block: bool = True) -> torch.Tensor | None:
+        """A free host buffer. Reclaims those whose write-back has ended; with ``block``, waits
+        for the oldest write-back when none has, else returns None."""
+        while self._writes and (not self._free or self._writes[0][0].done()):
+            if not block and not self._writes[0][0].done():
+                break
+            future, buf = self._writes.popleft()
+            try:
+                future.result()
+            finally:
+                self._free.append(buf)
+        if self._free:
+            return self._free.pop()
+        assert not block, "every buffer is held by a read or an update: the window is larger than buffer_count"
+        return None
+
+    def prefetch(self, count: int | None = None, *, block: bool = False) -> None:
+        """Issue reads of the next NVMe records in update order, up to ``count`` (default: the
+        whole window) ahead, into the buffers free now (with ``block``, waiting for write-backs)."""
+        if self._io is None:
+            return
+        ahead = self.options.buffer_count if count is None else count
+        while self._next_read < len(self._nvme_order) and len(self._reads) < ahead:
+            buf = self._take_buffer(block=block)
+            if buf is None:
+                return  # the next acquire issues it, once a write-back frees a buffer
+            fqn = self._nvme_order[self._next_read]
+            self._reads[fqn] = (self._io.submit(self._read_after_write, fqn, buf), buf)
+            self._next_read += 1
+
+    def _read_after_write(self, fqn: str, buf: torch.Tensor) -> None:
+        """On an I/O thread: read ``fqn`` once its previous step's write-back has ended. That
+        write was submitted first, so it is running or done: waiting on it cannot deadlock."""
+        previous = self._last_write.get(fqn)
+        if previous is not None:
+            previous.result()
+        self.files.read(fqn, buf, self.records[fqn].nbytes)
+
+    def acquire(self, fqn: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The record's fp32 flat, in memory; and the host buffer holding it (NVMe only)."""
+        rec = self.records[fqn]
+        if rec.tier is not Tier.NVME:
+            return rec.flat, None
+        if fqn not in self._reads:
+            self.prefetch(count=len(self._reads) + 1, block=True)
+        future, buf = self._reads.pop(fqn)
+        try:
+            future.result()
+        except BaseException:
+            self._free.append(buf)
+            raise
+        self.prefetch()  # the next read goes out while this record is updated
+        return self._as_fp32(buf, rec), buf
+
+    def release(self, fqn: str, buf: torch.Tensor | None) -> None:
+        """Write an NVMe record back, behind the next updates."""
+        if buf is not None:
+            future = self._io.submit(self.files.write, fqn, buf, self.records[fqn].nbytes)
+            self._last_write[fqn] = future
+            self._writes.append((future, buf))
+
+    def end_step(self) -> None:
+        """The step's records are all updated: the next step reads from the first again."""
+        assert not self._reads, f"records read but not updated: {sorted(self._reads)}"
+        self._next_read = 0
+
+    def drain(self) -> None:
+        """Wait for every write-back (raising its error, if any); cancel nothing."""
+        first: BaseException | None = None
+        for future, buf in list(self._reads.values()):
+            try:
+                future.result()
+            except BaseException as exc:  # keep draining, then raise the first failure
+                first = first or exc
+            self._free.append(buf)
+        self._reads.clear()
+        self._next_read = 0
+        while self._writes:
+            future, buf = self._writes.popleft()
+            try:
+                future.result()
+            except BaseException as exc:
+                first = first or exc
+            self._free.append(buf)
+        if first is not None:
+            raise first
+
+    def drain_quietly(self) -> None:
+        """``drain`` after a failed step: the step's own error is the one to raise, so failures of
+        the transfers still in flight are dropped here."""
+        try:
+            self.drain()
+        except BaseException:  # noqa: BLE001  (see docstring)
+            pass
+
+    def close(self) -> None:
+        if self._io is not None:
+            try:
+                self.drain()
+            finally:
+                self._io.shutdown(wait=True)
+                self._io = None
+
+    # ------------------------------------------------------------- accounting
+    def resident_bytes(self, tier: Tier) -> int:
+        return sum(r.flat.untyped_storage().nbytes() for r in self.records.values() if r.tier is tier and r.flat is not None)
+
+    def nvme_bytes(self) -> int:
+        """Bytes of optimizer state the NVMe tier holds (the record files' sizes)."""
+        return self.files.stored_bytes(self._nvme_order) if self.files is not None else 0
+
+    def window_bytes(self) -> int:
+        """Host memory of the NVMe window: ``buffer_count`` buffers of the largest record."""
+        return self._buffer_bytes * (self.options.buffer_count if self._nvme_order else 0)
+
+    def io_bytes(self) -> tuple[int, int]:
+        """(read, written) bytes to NVMe so far."""
+        return (self.files.bytes_read, self.files.bytes_written) if self.files is not None else (0, 0)
+
+
+# --------------------------------------------------------------------------- the optimizer
+class _TieredState(Mapping):
+    """``optimizer.state`` keyed by parameter, as torch's is; values are read from the tiers."""
+
+    def __init__(self, opt: OffloadedOptimizer) -> None:
+        self._opt = opt
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+        fqn = self._opt.fqn_of[id(param)]
+        return self._opt.record_state(fqn)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._opt.params_by_fqn.values())
+
+    def __len__(self) -> int:
+        return len(self._opt.params_by_fqn)
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """AdamW, Adam or SGD over the engine's parameter shards, with their state in an
+    ``OffloadStore``. Each record's update calls torch's own functional optimizer
+    (``torch.optim.adamw.adamw`` and its siblings, public in their modules' ``__all__``) on whole tensors, so it matches the torch class
+    bit for bit. ``step(grads=...)`` takes the fp32 gradients by FQN."""
+
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], store: OffloadStore, optimizer_type: str, hyper: Mapping[str, Any],
+    ) -> None:
+        kw = dict(hyper)
+        if "betas" in kw:
+            kw["betas"] = tuple(kw["betas"])
+        cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[optimizer_type]
+        # torch's defaults for every hyperparameter the config leaves out, from the class itself.
+        defaults = cls([torch.zeros(1)], **kw).defaults
+        super().__init__(list(params.values()), defaults)
+        self.state = _TieredState(self)  # type: ignore[assignment]
+        self.optimizer_type, self.store = optimizer_type, store
+        self.params_by_fqn = dict(params)
+        self.fqn_of = {id(t): f for f, t in params.items()}
+        self.delayed = store.options.delayed_update
+        self._staged: dict[str, torch.Tensor] = {}
+        self._pending: Future | None = None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerofx-offload-step") if self.delayed else None
+
+    # ------------------------------------------------------------- stepping
+    @torch.no_grad()
+    def step(self, closure: Any = None, *, grads: Mapping[str, torch.Tensor] | None = None) -> None:  # type: ignore[override]
+        """Update every record with ``grads`` (fp32, this rank's owned elements). With the
+        delayed update the work goes to a background thread; ``finish()`` applies it."""
+        if closure is not None or grads is None:
+            raise ZeroFXError("OffloadedOptimizer.step takes grads={fqn: gradient}; the engine calls it, closures are not supported")
+        # The hyperparameters as they are now: a schedule may change them before a delayed update ends.
+        hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        if not self.delayed:
+            self._run(grads, self.params_by_fqn, hyper)
+            return
+        assert self._pending is None, "finish() the previous delayed update first"
+        snapshot = {f: g.detach().clone() for f, g in grads.items()}  # the next backward reuses the buffers
+        if not self._staged:
+            self._staged = {f: torch.empty_like(t) for f, t in self.params_by_fqn.items()}
+        for f, t in self.params_by_fqn.items():
+            self._staged[f].copy_(t)
+        self._pending = self._worker.submit(self._run, snapshot, self._staged, hyper)
+
+    def finish(self) -> bool:
+        """Delayed update: wait for the update in flight and copy its parameters into the shards.
+        True when parameters changed (the engine then re-gathers them where it keeps them whole)."""
+        if self._pending is None:
+            return False
+        future, self._pending = self._pending, None
+        future.result()
+        for f, t in self.params_by_fqn.items():
+            t.copy_(self._staged[f])
+        return True
+
+    def staging_bytes(self) -> int:
+        """Bytes of the delayed update's staging copy of the shards (0 until the first step)."""
+        return sum(t.untyped_storage().nbytes() for t in self._staged.values())
+
+    def prefetch(self) -> None:
+        """Start reading the first NVMe records (the engine calls it as the last backward starts)."""
+        if self._pending is None:
+            self.store.prefetch()
+
+    def _run(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> None:
+        store = self.store
+        try:
+            for fqn in store.plan.update_order:
+                flat, buf = store.acquire(fqn)
+                try:
+                    self._update(store.records[fqn], flat, targets[fqn], grads[fqn], hyper)
+                except BaseException:
+                    if buf is not None:
+                        store._free.append(buf)
+                    raise
+                store.release(fqn, buf)
+            store.end_step()
+        except BaseException:
+            store.drain_quietly()
+            raise
+
+    def _update(self, rec: Record, flat: torch.Tensor, target: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any]) -> None:
+        """One record's update, where the record lives (NOTE [Tiers on this machine and on an
+        accelerator]); the new parameter ends in ``target`` (the shard, or its staging copy)."""
+        seg = rec.views(flat)
+        where = flat.device
+        # State off the accelerator: the gradient comes to the host, and in fp32 training (no
+        # master in the record) so does the parameter.
+        crossing = where != target.device
+        if crossing:
+            grad = grad.to(where, non_blocking=True)
+        if store_master := "master" in seg:
+            param = seg["master"]
+        else:
+            param = target.to(where, non_blocking=True) if crossing else target
+        if crossing and target.device.type == "cuda":
+            torch.cuda.current_stream(target.device).synchronize()  # the non_blocking copies have landed
+        if self.optimizer_type in ("AdamW", "Adam"):
+            fn = adamw_update if self.optimizer_type == "AdamW" else adam_update
+            beta1, beta2 = group["betas"]
+            fn(
+                [param], [grad], [seg["exp_avg"]], [seg["exp_avg_sq"]], [], [rec.step],
+                foreach=group["foreach"], capturable=group["capturable"], differentiable=False, fused=group["fused"],
+                amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                eps=group["eps"], maximize=group["maximize"],
+            )
+        else:
+            buffers: list[torch.Tensor | None] = [seg["momentum_buffer"] if rec.initialized else None] if "momentum_buffer" in seg else [None]
+            sgd_update(
+                [param], [grad], buffers, foreach=group["foreach"], fused=group["fused"],
+                weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
+                dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"],
+            )
+            if "momentum_buffer" in seg and not rec.initialized:
+                seg["momentum_buffer"].copy_(buffers[0])  # torch made it from the first gradient
+                rec.initialized = True
+        if store_master or param is not target:
+            target.copy_(param, non_blocking=crossing)
+            if crossing and target.device.type == "cuda":
+                torch.cuda.current_stream(target.device).synchronize()  # the host buffer is reused next
+
+    # ------------------------------------------------------------- state access (checkpoints)
+    def record_state(self, fqn: str) -> dict[str, Any]:
+        """The optimizer state of ``fqn`` as torch keeps it: tensors shaped like the parameter
+        shard, plus Adam's ``step``. Read from its tier (a copy)."""
+        rec = self.store.records[fqn]
+        out: dict[str, Any] = {}
+        if self.optimizer_type in ("AdamW", "Adam"):
+            out["step"] = rec.step.detach().clone()
+        if rec.names == ("master",) or not (set(rec.names) - {"master"}):
+            return out
+        if self.optimizer_type.startswith("SGD") and not rec.initialized:
+            return out
+        segs = self.store.read_segments(fqn)
+        out.update({k: v for k, v in segs.items() if k != "master"})
+        return out
+
+    def master_tensors(self) -> dict[str, torch.Tensor]:
+        """FQN -> a host copy of its fp32 master (mixed precision only)."""
+        if not self.store.mixed_precision:
+            return {}
+        return {f: self.store.read_segments(f)["master"] for f in self.store.records}
+
+    def load_master(self, fqn: str, value: torch.Tensor) -> None:
+        self.store.write_segments(fqn, {"master": value.to(torch.float32)})
+
+    def state_dict(self) -> dict[str, Any]:
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
+        return {"state": {index[id(p)]: self.record_state(f) for f, p in self.params_by_fqn.items()}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore states into the tiers; the hyperparameters in ``param_groups`` are taken too."""
+        self.finish()
+        order = [self.fqn_of[id(p)] for g in self.param_groups for p in g["params"]]
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for index, entry in state_dict["state"].items():
+            fqn = order[int(index)]
+            rec = self.store.records[fqn]
+            if "step" in entry:
+                rec.step = torch.as_tensor(entry["step"], dtype=torch.float32).detach().clone().cpu()
+            tensors = {k: v for k, v in entry.items() if k in rec.names and k != "master"}
+            if tensors:
+                self.store.write_segments(fqn, tensors)
+                rec.initialized = True
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        self.store.close()
