@@ -55,14 +55,16 @@ def run(rank: int, world_size: int, cfg: dict, steps: int, save: tuple[str, int]
         "owned": sum(p.shard_numel for p in engine.placements.values() if p.requires_grad),
         "tensors": sum(1 for p in engine.placements.values() if p.requires_grad),
         "num_params": sum(p.numel for p in engine.placements.values() if p.requires_grad),
+        "checkpoint_dir": save[0] if save is not None else None,
     }
     return out
 
 
 def run_many(rank: int, world_size: int, runs: dict[str, tuple]) -> dict[str, dict]:
     """Several ``run``s in one process group (spawning ranks costs more than a tiny run): each
-    value is ``(config, steps)`` or ``(config, steps, checkpoint_to_load)``."""
-    return {name: run(rank, world_size, spec[0], spec[1], load=spec[2] if len(spec) > 2 else None) for name, spec in runs.items()}
+    value is ``(config, steps)``, ``(config, steps, checkpoint_to_load)`` or ``(config, steps, None,
+    (checkpoint_dir, save_after_step))``."""
+    return {name: run(rank, world_size, spec[0], spec[1], *spec[3:4], load=spec[2] if len(spec) > 2 else None) for name, spec in runs.items()}
 
 
 def nvme_folder_vanishes(rank: int, world_size: int, cfg: dict, steps_before: int) -> str:

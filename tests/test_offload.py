@@ -19,7 +19,7 @@ from cost_models.offload import OffloadItem, Tier, TierSpec, estimate_offload_ti
 from passes.plan_offload import OffloadPlan, plan_offload
 from tests.dist_utils import run_ranks
 from tests.models import reference
-from tests.offload_workers import config, nvme_folder_vanishes, reference_late, run, run_many
+from tests.offload_workers import config, nvme_folder_vanishes, reference_late, run_many
 from zerofx.cli import main
 from zerofx.offload import NvmeFiles, OffloadError
 
@@ -120,7 +120,7 @@ def test_offload_config_is_acted_on_and_checked() -> None:
 THREE_TIERS = {"device_budget_bytes": 2000, "cpu_budget_bytes": 3000}
 
 
-STEPS, DPU_STEPS = 3, 4
+STEPS, DPU_STEPS, CKPT_STEPS = 3, 4, 4
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +136,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
     runs["adamw-1-bf16-cpu"] = (config(1, ADAMW, {"device": "cpu"}, bf16=True), 1)
     dpu = config(3, SGD, nvme(root / "dpu", buffer_count=1), zerofx_offload={**THREE_TIERS, "delayed_update": True})
     runs["sgd-3-delayed"] = (dpu, DPU_STEPS)
+    # Saves a checkpoint after step 2 (test_checkpoint_holds_offloaded_state resumes from it).
+    runs["adamw-2-bf16-nvme-saved"] = (config(2, ADAMW, nvme(root / "n1"), bf16=True), CKPT_STEPS, None, (str(root / "ckpt"), 2))
     return run_ranks(2, run_many, runs)
 
 
@@ -189,13 +191,14 @@ def test_vanishing_nvme_folder_is_an_error_not_corruption(tmp_path: Path) -> Non
     assert msg.startswith("OffloadError: NVMe offload: reading") and "no longer exists" in msg and str(tmp_path / "gone") in msg
 
 
-def test_checkpoint_holds_offloaded_state(tmp_path: Path) -> None:
-    steps, ckpt = 4, str(tmp_path / "ckpt")
-    whole = run_ranks(2, run, config(2, ADAMW, nvme(tmp_path / "n1"), bf16=True), steps, (ckpt, 2))
+def test_checkpoint_holds_offloaded_state(trained: list[dict[str, dict]], tmp_path: Path) -> None:
+    whole = [res["adamw-2-bf16-nvme-saved"] for res in trained]
+    ckpt = Path(whole[0]["checkpoint_dir"])
     # Resume from step 2 with offload to another folder, and without offload: the same run.
-    runs = {"nvme": (config(2, ADAMW, nvme(tmp_path / "n2"), bf16=True), steps, ckpt), "plain": (config(2, ADAMW, bf16=True), steps, ckpt)}
+    runs = {"nvme": (config(2, ADAMW, nvme(tmp_path / "n2"), bf16=True), CKPT_STEPS, str(ckpt)),
+            "plain": (config(2, ADAMW, bf16=True), CKPT_STEPS, str(ckpt))}
     resumed = run_ranks(2, run_many, runs)
-    meta = json.loads((Path(ckpt) / "step-00000002" / "metadata.json").read_text())
+    meta = json.loads((ckpt / "step-00000002" / "metadata.json").read_text())
     assert meta["masters"] and all(v == ["exp_avg", "exp_avg_sq"] for v in meta["optimizer"]["tensor_states"].values())
     for r in range(2):
         for name in runs:
