@@ -73,7 +73,7 @@ def _gather(engine: zerofx.Engine, fqn: str, t: torch.Tensor) -> torch.Tensor:
     flat = t
     if t.numel() != p.padded_numel:
         flat = torch.empty(p.padded_numel, dtype=t.dtype)
-        dist.all_gather_single(flat, t, group=engine.group)
+        dist.all_gather_into_tensor(flat, t, group=engine.group)
     return flat[: p.numel].clone()
 
 

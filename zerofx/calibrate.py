@@ -44,7 +44,7 @@ def measure(rank: int, world_size: int, repeats: int = 5) -> list[float]:
         shard = torch.ones(nbytes // 4)
         out = torch.empty(shard.numel() * world_size)
         dist.barrier()
-        t = _time(lambda: dist.all_gather_single(out, shard), repeats)
+        t = _time(lambda: dist.all_gather_into_tensor(out, shard), repeats)
         # Ring: t = (N - 1) * alpha + (N - 1) * nbytes / bw  ->  linear in nbytes.
         xs.append((world_size - 1) * nbytes)
         ys.append(t)

@@ -273,7 +273,7 @@ def _fill(engine: Engine, fqn: str, target: torch.Tensor, mine: torch.Tensor) ->
         target.copy_(mine)
         return
     flat = torch.empty(p.padded_numel, dtype=mine.dtype, device=mine.device)
-    dist.all_gather_single(flat, mine, group=engine.group)
+    dist.all_gather_into_tensor(flat, mine, group=engine.group)
     target.copy_(flat)
 
 

@@ -562,7 +562,7 @@ class Engine:
                 p = self.placements[owner]
                 if owner not in self.full:
                     flat = torch.empty(p.padded_numel, dtype=p.torch_dtype, device=self.device)
-                    dist.all_gather_single(flat, self.shards[owner], group=self.group)
+                    dist.all_gather_into_tensor(flat, self.shards[owner], group=self.group)
                 else:
                     flat = self.full[owner].clone()
                 gathered[owner] = flat[: p.numel].view(p.shape)
