@@ -57,8 +57,10 @@ def test_cuda_offload_matches_device_state(nccl: None, tmp_path: Path, opt: dict
     ]:
         state, mem = _train(config(3, opt, offload, zerofx_offload=extra, bf16=bf16), steps)
         diff = max((state[k] - expected[k]).abs().max().item() for k in expected)
-        # Host (CPU) kernels against the GPU's: the same math, rounded differently.
-        assert diff < 1e-5, (name, diff)
+        # Host (CPU) kernels against the GPU's: the same math, rounded differently. In bf16 that
+        # last-bit difference in the fp32 master can flip one rounding of the 16-bit copy:
+        # 2**-8 relative, 2.4e-4 at the weights' magnitude (seen on an H200).
+        assert diff < (1e-3 if bf16 else 1e-5), (name, diff)
         assert mem["offload_cpu_bytes"] + mem["offload_nvme_bytes"] > 0, name
 
 
