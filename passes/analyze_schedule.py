@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch.fx as fx
 
@@ -158,10 +159,29 @@ def format_report(report: ScheduleReport, *, budget_bytes: float | None = None) 
     if budget_bytes is not None:
         verdict = "fits" if report.peak.live_bytes <= budget_bytes else "does NOT fit"
         lines.append(f"budget {format_bytes(budget_bytes)}: {verdict}")
-    lines.append(
-        f"summary: {format_bytes(report.bytes_moved_per_rank)} sent in per rank per step; compute "
+    lines.append(format_summary(report, "summary"))
+    return "\n".join(lines)
+
+
+def format_summary(report: ScheduleReport | Any, label: str) -> str:
+    """The one-line step summary of a report, or of anything with the same summary fields
+    (``zerofx.folding.FoldedReport``)."""
+    from passes.plan import format_bytes
+
+    return (
+        f"{label}: {format_bytes(report.bytes_moved_per_rank)} sent in per rank per step; compute "
         + ", ".join(f"{g} {s * 1e3:.1f} ms" for g, s in report.compute_s.items())
         + f"; communication {report.comm_s * 1e3:.1f} ms of which exposed {report.exposed_s * 1e3:.1f} ms; "
         f"estimated step {report.step_s * 1e3:.1f} ms"
     )
-    return "\n".join(lines)
+
+
+def summary_json(report: ScheduleReport | Any) -> dict[str, Any]:
+    """The step summary as ``zerofx plan --format json`` writes it."""
+    return {
+        "bytes_moved_per_rank": report.bytes_moved_per_rank,
+        "compute_s": dict(report.compute_s),
+        "comm_s": report.comm_s,
+        "exposed_comm_s": report.exposed_s,
+        "step_s": report.step_s,
+    }

@@ -258,3 +258,18 @@ def test_buckets_end_at_block_boundaries() -> None:
     small = plan_buckets(order, nbytes, 300, block_of=block_of)
     per_block = [[tuple(f.split(".", 2)[2] for f in b) for b in small if block_of[b[0]] == f"blocks.{i}"] for i in range(3)]
     assert per_block[0] == per_block[1] == per_block[2] and len(per_block[0]) > 1
+
+
+def test_cli_folded_json_agrees_with_the_full_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from zerofx.cli import main
+
+    argv = ["plan", "small", "--world-size", "4", "--stage", "3", "--format", "json", "--seq-len", "128"]
+    assert main([*argv, "--fold", "on"]) == 0
+    folded = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--fold", "off"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert folded["folded"] == {"path": "blocks", "num_blocks": 4, "captured_blocks": [1, 2], "num_collectives": len(full["schedule"])}
+    assert folded["memory"]["peak_bytes"] == full["memory"]["peak_bytes"]
+    assert folded["summary"]["bytes_moved_per_rank"] == full["summary"]["bytes_moved_per_rank"]
+    assert folded["summary"]["step_s"] == pytest.approx(full["summary"]["step_s"], rel=1e-9)
+    assert {r["repeats"] for r in folded["schedule"]} == {1, 3}

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from passes.analyze_schedule import CollectiveRow, ScheduleReport
+from passes.analyze_schedule import CollectiveRow, ScheduleReport, format_summary, summary_json
 from passes.plan import format_bytes
 
 # ``zerofx plan --fold auto`` folds models with at least this many repeated blocks: below it a
@@ -207,12 +207,7 @@ def format_folded(report: FoldedReport, *, budget_bytes: float | None = None) ->
     if budget_bytes is not None:
         verdict = "fits" if report.peak_bytes <= budget_bytes else "does NOT fit"
         lines.append(f"budget {format_bytes(budget_bytes)}: {verdict}")
-    lines.append(
-        f"summary ({b.count} blocks, extrapolated): {format_bytes(report.bytes_moved_per_rank)} sent in per rank per step; compute "
-        + ", ".join(f"{g} {s * 1e3:.1f} ms" for g, s in report.compute_s.items())
-        + f"; communication {report.comm_s * 1e3:.1f} ms of which exposed {report.exposed_s * 1e3:.1f} ms; "
-        f"estimated step {report.step_s * 1e3:.1f} ms"
-    )
+    lines.append(format_summary(report, f"summary ({b.count} blocks, extrapolated)"))
     return "\n".join(lines)
 
 
@@ -230,11 +225,5 @@ def folded_json(report: FoldedReport, plan_json: Mapping, budget_bytes: float | 
             "budget_bytes": budget_bytes,
             "fits": None if budget_bytes is None else report.peak_bytes <= budget_bytes,
         },
-        "summary": {
-            "bytes_moved_per_rank": report.bytes_moved_per_rank,
-            "compute_s": dict(report.compute_s),
-            "comm_s": report.comm_s,
-            "exposed_comm_s": report.exposed_s,
-            "step_s": report.step_s,
-        },
+        "summary": summary_json(report),
     }

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from cost_models.memory_timeline import TimelinePoint
 from cost_models.symbolic import B, T, fit_timeline_batch_seq, longest_fitting
-from passes.analyze_schedule import ScheduleReport
+from passes.analyze_schedule import ScheduleReport, summary_json
 from zerofx.config import parse_bytes  # noqa: F401  (zerofx.planning.parse_bytes, as before)
 from zerofx.errors import ZeroFXError
 from zerofx.program import Program, compile
@@ -237,13 +237,7 @@ def report_json(program: Program, report: ScheduleReport, budget_bytes: float | 
                 "budget_bytes": budget_bytes,
                 "fits": None if budget_bytes is None else report.peak.live_bytes <= budget_bytes,
             },
-            "summary": {
-                "bytes_moved_per_rank": report.bytes_moved_per_rank,
-                "compute_s": dict(report.compute_s),
-                "comm_s": report.comm_s,
-                "exposed_comm_s": report.exposed_s,
-                "step_s": report.step_s,
-            },
+            "summary": summary_json(report),
         },
         indent=1,
         default=list,
