@@ -95,7 +95,8 @@ def test_huggingface_llama_parity() -> None:
 
 def test_diverging_plans_raise_instead_of_hanging() -> None:
     msgs = run_ranks(2, diverging_plans)
-    assert all("diverge at collective #0" in m and "rank 1" in m for m in msgs)
+    # The embedding's bucket is the same under both bucket sizes; the first block's differs.
+    assert all("diverge at collective #1" in m and "rank 1" in m for m in msgs), msgs
 
 
 def test_bad_runtime_inputs() -> None:

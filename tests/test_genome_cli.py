@@ -157,13 +157,13 @@ def test_cli_plan_1b_at_world_size_1024(capsys: pytest.CaptureFixture[str]) -> N
 
 def test_cli_plan_spec_json_plot_and_solve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "timeline.png"
-    argv = ["plan", "examples.model_specs:dna_small", "--world-size", "4", "--stage", "3", "--format", "json",
-            "--budget", "20MiB", "--solve", "seq_len", "--plot", str(png)]
+    argv = ["plan", "tiny", "--seq-len", "512", "--world-size", "4", "--stage", "3", "--format", "json",
+            "--budget", "2MiB", "--solve", "seq_len", "--plot", str(png)]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["world_size"] == 4 and data["plan"]["stage"] == 3
     assert {r["op"] for r in data["schedule"]} == {"all_gather_into_tensor", "reduce_scatter_tensor"}
-    assert data["memory"]["fits"] is False  # 512 tokens need more than 20 MiB per rank
+    assert data["memory"]["fits"] is False  # 512 tokens need more than 2 MiB per rank
     assert 64 < data["solve"]["seq_len"] < 512 and "T" in data["solve"]["peak_bytes_expr"]
     assert png.read_bytes()[:4] == b"\x89PNG"
 
@@ -249,7 +249,8 @@ def test_config_schema_is_generated_from_the_validator(capsys: pytest.CaptureFix
     assert set(SCHEMA) <= set(keys)
     assert keys["zero_optimization.stage"]["accepted"] == "0, 1, 2 or 3"
     assert keys["fp16.initial_scale_power"]["acted_on"] is True or keys["fp16.initial_scale_power"]["acted_on"] == "yes"
-    assert keys["zero_optimization.offload_optimizer.device"]["acted_on"] == "read, warns"
+    assert keys["zero_optimization.offload_optimizer.device"]["acted_on"] == "yes"
+    assert keys["zero_optimization.offload_param.device"]["acted_on"] == "read, warns"
 
 
 def test_train_under_torchrun(tmp_path: Path) -> None:
