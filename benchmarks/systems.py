@@ -116,6 +116,18 @@ def _loss_of(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.loss
 
 
+def _engine_step(engine: Any, ids: torch.Tensor) -> float:
+    """One step of an engine with DeepSpeed's interface (``engine(...)``, ``.backward``, ``.step``),
+    each phase labelled for the profiler; zerofx's and DeepSpeed's runners share it."""
+    with record_function("bench::forward"):
+        loss = _loss_of(engine(ids, labels=ids))
+    with record_function("bench::backward"):
+        engine.backward(loss)
+    with record_function("bench::optimizer"):
+        engine.step()
+    return loss.item()
+
+
 class EagerRunner:
     """Plain PyTorch around a module (``single``, ``local``) or a wrapper of it (DDP, FSDP2)."""
 
@@ -172,13 +184,7 @@ class ZeroFXRunner:
         return self.engine.compile_s
 
     def step(self, ids: torch.Tensor) -> float:
-        with record_function("bench::forward"):
-            loss = self.engine(ids, labels=ids)
-        with record_function("bench::backward"):
-            self.engine.backward(loss)
-        with record_function("bench::optimizer"):
-            self.engine.step()
-        return loss.item()
+        return _engine_step(self.engine, ids)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.engine.full_state_dict().items()}
@@ -209,13 +215,7 @@ class DeepSpeedRunner:
         self.stage = stage
 
     def step(self, ids: torch.Tensor) -> float:
-        with record_function("bench::forward"):
-            loss = _loss_of(self.engine(ids, labels=ids))
-        with record_function("bench::backward"):
-            self.engine.backward(loss)
-        with record_function("bench::optimizer"):
-            self.engine.step()
-        return loss.item()
+        return _engine_step(self.engine, ids)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         import deepspeed
