@@ -5,7 +5,8 @@ these, this is the only file to touch.
 
 - ``functorch.compile``: AOTAutograd's documented entry points (``aot_function``, the
   partitioners, ``make_boxed_func``); the same machinery a ``torch.compile`` backend built
-  with ``aot_autograd`` runs.
+  with ``aot_autograd`` runs. ``torch._functorch.config``: its documented switches, patched
+  for one call (``cse``, NOTE [Our own CSE instead of the partitioner's] in passes/cse.py).
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: fake tensors, so planning a 1B-parameter
   model at world size 1024 allocates no parameter memory.
 - ``torch.ops._c10d_functional``: functional collectives (an op returns a tensor, a separate
@@ -36,6 +37,14 @@ from torch.fx.traceback import preserve_node_meta  # noqa: F401
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: F401
 
 TESTED_TORCH = "2.13"
+
+
+def min_cut_partition_without_cse(joint: torch.fx.GraphModule, inputs: Any, *, num_fwd_outputs: int) -> Any:
+    """The min-cut partitioner with its own CSE off (``passes.cse`` has run instead)."""
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(cse=False):
+        return min_cut_rematerialization_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs)
 
 c10d_functional = torch.ops._c10d_functional
 ALL_GATHER = c10d_functional.all_gather_into_tensor.default

@@ -1,8 +1,9 @@
 """Split the rewritten joint graph into a forward and a backward graph.
 
 Expects a joint graph whose outputs are ``[loss, grad per primal]`` (one forward output) and
-whose placeholders are ``primals_*`` then ``tangents_1``. Uses AOTAutograd's min-cut
-partitioner, which honours the ``MUST_RECOMPUTE`` tags ``shard_params_pass`` sets.
+whose placeholders are ``primals_*`` then ``tangents_1``. Runs ``passes.cse`` on it (in place),
+then AOTAutograd's min-cut partitioner, which honours the ``MUST_RECOMPUTE`` tags
+``shard_params_pass`` sets.
 
 Postconditions, relied on by the runtime and checked here:
 - forward placeholders are the primals, in order; its outputs are ``[loss, *saved]``;
@@ -16,13 +17,15 @@ from __future__ import annotations
 import torch.fx as fx
 
 from passes import _compat, meta
+from passes.cse import eliminate_common_subexpressions
 
 
 def partition_joint(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
     nodes = meta.placeholders(joint.graph)
     primal_vals = [n.meta["val"] for n in nodes if n.meta[meta.ROLE] is not meta.Role.TANGENT]
     tangent_vals = [n.meta["val"] for n in nodes if n.meta[meta.ROLE] is meta.Role.TANGENT]
-    fw, bw = _compat.min_cut_rematerialization_partition(joint, (primal_vals, tangent_vals), num_fwd_outputs=1)
+    eliminate_common_subexpressions(joint)
+    fw, bw = _compat.min_cut_partition_without_cse(joint, (primal_vals, tangent_vals), num_fwd_outputs=1)
 
     joint_meta = {n.name: n.meta for n in nodes}
     for gm in (fw, bw):

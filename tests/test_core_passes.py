@@ -287,3 +287,50 @@ def test_small_parameters_persist_unsharded() -> None:
     base = meta_program(3, 4, **SMALL_BUCKETS).plan.estimates
     extra = sum((plan.param(f).padded_numel - plan.param(f).shard_numel) * 4 for f in small)
     assert plan.estimates["params"] == base["params"] + extra
+
+
+def _rewritten_joint(program: zerofx.Program) -> fx.GraphModule:
+    gm = meta.clone_graph_module(program.captured.joint)
+    return reduce_grads_pass(shard_params_pass(gm, program.plan, group_name="g"), program.plan, group_name="g")
+
+
+@pytest.mark.parametrize("kind", ["dna_stage3", "llama_stage3"])
+def test_cse_merges_what_the_partitioners_cse_merges(kind: str) -> None:
+    """passes.cse replaces the min-cut partitioner's own CSE (NOTE [Our own CSE instead of the
+    partitioner's]): on real joints it must produce the same graph, node for node."""
+    from torch._functorch.compile_utils import fx_graph_cse
+
+    from passes.cse import eliminate_common_subexpressions
+    from tests.models import llama
+
+    if kind == "llama_stage3":
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        program = zerofx.compile(llama(), world_size=4, stage=3, config={"zero_optimization": SMALL_BUCKETS},
+                                 example_inputs=(ids,), example_kwargs={"labels": ids})
+    else:
+        program = meta_program(int(kind[-1]), 4, **SMALL_BUCKETS)
+    joint = _rewritten_joint(program)
+    theirs = fx.GraphModule(joint, fx_graph_cse(meta.clone_graph_module(joint).graph))
+    ours = eliminate_common_subexpressions(meta.clone_graph_module(joint))
+    assert len(ours.graph.nodes) < len(joint.graph.nodes), "nothing to merge: the comparison would be vacuous"
+    assert ours.code == theirs.code
+
+
+def test_cse_keeps_random_ops_and_collectives_apart() -> None:
+    from passes import _compat
+    from passes.cse import eliminate_common_subexpressions
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4)
+    draws = [graph.call_function(torch.ops.aten.rand_like.default, (x,)) for _ in range(2)]
+    gathers = [graph.call_function(_compat.ALL_GATHER, (x, 2, "g")) for _ in range(2)]
+    twins = [graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0)) for _ in range(2)]
+    signed = graph.call_function(torch.ops.aten.mul.Tensor, (x, -0.0))
+    zero = graph.call_function(torch.ops.aten.mul.Tensor, (x, 0.0))
+    graph.output([*draws, *gathers, *twins, signed, zero])
+    gm = eliminate_common_subexpressions(fx.GraphModule(torch.nn.Module(), graph))
+    kept = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert [n.target for n in kept].count(torch.ops.aten.rand_like.default) == 2
+    assert [n.target for n in kept].count(_compat.ALL_GATHER) == 2
+    assert len([n for n in kept if n.target is torch.ops.aten.mul.Tensor]) == 3  # the twins merged; -0.0 and 0.0 did not

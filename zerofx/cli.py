@@ -240,12 +240,13 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     # does it here, on the extrapolated peak.
     config = dict(load_config(args.config)) if args.config is not None else {}
     own = {k: v for k, v in config.get("zerofx", {}).items() if k != "memory_budget"}
-    folded = plan_folded(spec.model, blocks, lambda m: report_for(m, {**config, "zerofx": own}))
+    folded = plan_folded(spec.model, blocks, lambda m: report_for(m, {**config, "zerofx": own}), parallel=True)
     sample = programs[-1]
     first_distance = distance = sample.plan.prefetch_distance
     while budget is not None and folded.peak_bytes > budget and distance > 0:
         distance -= 1
-        folded = plan_folded(spec.model, blocks, lambda m, d=distance: report_for(m, {**config, "zerofx": {**own, "prefetch_distance": d}}))
+        folded = plan_folded(spec.model, blocks, lambda m, d=distance: report_for(m, {**config, "zerofx": {**own, "prefetch_distance": d}}),
+                             parallel=True)
         sample = programs[-1]
     decisions = [] if distance == first_distance else [
         f"prefetch distance lowered from {first_distance} to {distance} for the memory budget {format_bytes(budget)} "

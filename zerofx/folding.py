@@ -27,6 +27,9 @@ iterate over the container (``for block in self.blocks``), as decoders do.
 from __future__ import annotations
 
 import copy
+import logging
+import os
+import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -34,6 +37,8 @@ import torch.nn as nn
 
 from passes.analyze_schedule import CollectiveRow, ScheduleReport, format_summary, summary_json
 from passes.plan import format_bytes
+
+log = logging.getLogger("zerofx.folding")
 
 # ``zerofx plan --fold auto`` folds models with at least this many repeated blocks: below it a
 # full capture takes seconds anyway, and its rows are exact.
@@ -171,14 +176,56 @@ def fold_reports(one: ScheduleReport, two: ScheduleReport, blocks: RepeatedBlock
 
 
 def plan_folded(
-    model: nn.Module, blocks: RepeatedBlocks, report_for: Callable[[nn.Module], ScheduleReport]
+    model: nn.Module, blocks: RepeatedBlocks, report_for: Callable[[nn.Module], ScheduleReport], *, parallel: bool = False
 ) -> FoldedReport:
-    """Plan ``model`` by folding: ``report_for`` captures, plans and reports a (cut) model."""
+    """Plan ``model`` by folding: ``report_for`` captures, plans and reports a (cut) model.
+
+    With ``parallel``, the 1-block capture runs in a forked child while this process plans the
+    2-block one (NOTE [Planning the two captures in parallel])."""
     if blocks.count < 2:
         raise ValueError(f"folding needs at least 2 repeated blocks, {blocks.path!r} has {blocks.count}")
-    one = report_for(with_num_blocks(model, blocks, 1))
+    one_block = with_num_blocks(model, blocks, 1)
+    pending_one = _in_forked_child(report_for, one_block) if parallel else None
     two = report_for(with_num_blocks(model, blocks, 2))
+    one = pending_one() if pending_one is not None else report_for(one_block)
     return fold_reports(one, two, blocks)
+
+
+# NOTE [Planning the two captures in parallel]
+# The two captures are independent and each is single-threaded Python (tracing, partitioning),
+# so on a machine with two cores or more ``zerofx plan`` runs the 1-block one in a child
+# process made by fork: it inherits the imported torch and the meta model for free, where a
+# spawned process would pay the 6 s import again. The child pickles its ScheduleReport (plain
+# dataclasses) through a pipe. Nothing has run a parallel ATen kernel before the fork (the
+# model lives on the meta device), so no OpenMP pool is copied half-alive. If the child fails
+# or dies, the parent plans the 1-block model itself: the answer never depends on the fork.
+def _in_forked_child(fn: Callable[[nn.Module], ScheduleReport], arg: nn.Module) -> Callable[[], ScheduleReport]:
+    if not hasattr(os, "fork") or (os.cpu_count() or 1) < 2:
+        return lambda: fn(arg)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, send, and leave without running the parent's atexit hooks
+        os.close(read_fd)
+        status = 0
+        try:
+            payload = pickle.dumps(fn(arg))
+        except BaseException:
+            payload, status = b"", 1
+        with os.fdopen(write_fd, "wb") as out:
+            out.write(payload)
+        os._exit(status)
+    os.close(write_fd)
+
+    def result() -> ScheduleReport:
+        with os.fdopen(read_fd, "rb") as pipe:
+            payload = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        if status != 0 or not payload:
+            log.info("the forked 1-block capture failed (wait status %d); planning it in this process", status)
+            return fn(arg)
+        return pickle.loads(payload)
+
+    return result
 
 
 def format_folded(report: FoldedReport, *, budget_bytes: float | None = None) -> str:
