@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import os
-import resource
 import socket
 import time
 import traceback
@@ -28,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.systems import build_runner, needs_group, split_system, synchronize
+from zerofx.rss import peak_rss_bytes
 
 READY_TIMEOUT_S = 900.0
 STEP_TIMEOUT_S = 900.0
@@ -80,7 +80,7 @@ def _device(rank: int) -> torch.device:
 
 
 def _peak_memory_bytes(device: torch.device) -> dict[str, int]:
-    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    out = {"peak_rss_bytes": peak_rss_bytes()}  # NOTE [VmHWM, not ru_maxrss]
     if device.type == "cuda":
         out["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
     return out

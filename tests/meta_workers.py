@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,20 +9,12 @@ import torch
 import zerofx
 from zerofx.materialize import init_weights_
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
-
-
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024  # kB
-    raise RuntimeError(f"/proc/self/status has no {field}")
+from zerofx.rss import peak_rss_bytes
 
 
 def _peak_rss_bytes() -> int:
-    # VmHWM, this process's own peak: ru_maxrss also carries the peak of the process that
-    # spawned it (Linux keeps it across fork and exec), so a large pytest parent would hide
-    # what init adds here.
-    return _status_bytes("VmHWM")
+    # A large pytest parent would hide what init adds here (NOTE [VmHWM, not ru_maxrss]).
+    return peak_rss_bytes()
 
 
 def _config(stage: int, extra: dict | None = None) -> dict:

@@ -18,7 +18,6 @@ import itertools
 import json
 import math
 import os
-import resource
 import socket
 import sys
 import time
@@ -67,6 +66,7 @@ from zerofx.planning import (
     solve_memory,
 )
 from zerofx.program import Program, plan_program, resolve
+from zerofx.rss import peak_rss_bytes
 
 GIB = 2**30
 DEFAULT_TRAIN_STAGE = 3
@@ -498,7 +498,7 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
         mean = mean_loss.item() / world_size
         state_bytes = sum(engine.memory().values())
         if rank == 0:
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            rss = peak_rss_bytes()
             bar.set_postfix(loss=f"{mean:.4f}", tok_s=f"{tokens_per_step / elapsed:,.0f}", state=format_bytes(state_bytes), rss=format_bytes(rss))
             bar.update(1)
             bar.write(f"step {step}/{opts.steps} loss {mean:.4f} ({elapsed:.3f} s/step, {tokens_per_step / elapsed:,.0f} tokens/s)")
