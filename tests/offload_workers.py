@@ -113,3 +113,55 @@ def reference_late(world_size: int, steps: int, opt: dict) -> dict[str, torch.Te
         p.grad = g
     optim.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def param_config(stage: int, opt: dict, param: dict, offload: dict | None = None, *, bf16: bool = False, **zero: object) -> dict:
+    """``config`` with ``zero_optimization.offload_param`` (and extra ``zero_optimization`` keys)."""
+    cfg = config(stage, opt, offload, bf16=bf16)
+    cfg["zero_optimization"].update({"offload_param": param, **zero})
+    return cfg
+
+
+def run_param(rank: int, world_size: int, cfg: dict, steps: int, save: tuple[str, int] | None = None, load: str | None = None) -> dict:
+    """``run`` plus what the parameter store holds and moved, and its peak of live NVMe shards."""
+    data = batches(world_size, steps, VOCAB["dna"])
+    engine = zerofx.initialize(BUILDERS["dna"](), cfg, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
+    start = 0
+    if load is not None:
+        engine.load_checkpoint(load)
+        start = engine.global_steps
+    store = engine.param_store
+    losses = []
+    for step in range(start, steps):
+        ids = data[step, rank]
+        loss = engine(ids, labels=ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+        if save is not None and step + 1 == save[1]:
+            engine.save_checkpoint(save[0])
+    engine.flush()
+    out = {
+        "losses": losses,
+        "memory": engine.memory(),
+        "param_tiers": {f: t.value for f, t in engine.param_offload_plan.tiers} if engine.param_offload_plan else {},
+        "param_io": store.io_bytes() if store is not None else (0, 0),
+        "peak_held_shards": store.peak_held_shards if store is not None else 0,
+        "peak_held_bytes": store.peak_held_bytes if store is not None else 0,
+        "num_offloaded": len(store.numels) if store is not None else 0,
+        "offloaded_bytes": sum(store.nbytes(f) for f in store.numels) if store is not None else 0,
+        "max_shard_bytes": max(store.nbytes(f) for f in store.numels) if store is not None else 0,
+        "shards_resident": sorted(engine.shards),
+        "sharded_numel": sum(p.shard_numel for f, p in engine.placements.items() if f not in engine.full),
+        "itemsize": engine.placements[next(iter(engine.placements))].itemsize,
+        "num_params": sum(p.numel for p in engine.placements.values() if p.requires_grad),
+        "checkpoint_dir": save[0] if save is not None else None,
+    }
+    out["state"] = {k: v.float() for k, v in engine.full_state_dict().items()}
+    return out
+
+
+def run_many_param(rank: int, world_size: int, runs: dict[str, tuple]) -> dict[str, dict]:
+    """``run_many`` with ``run_param``: values are ``(config, steps[, load[, (save_dir, after)]])``."""
+    return {name: run_param(rank, world_size, spec[0], spec[1], *spec[3:4], load=spec[2] if len(spec) > 2 else None)
+            for name, spec in runs.items()}

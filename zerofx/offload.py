@@ -44,9 +44,11 @@ new parameters go to a staging copy of this rank's shards, which costs one shard
 from __future__ import annotations
 
 import errno
+import itertools
 import math
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,7 +64,8 @@ from torch.optim.sgd import sgd as sgd_update
 
 from cost_models.compute import CPU_CORE
 from cost_models.offload import FP32_BYTES, Tier, TierSpec, record_numels
-from passes.plan_offload import OffloadPlan, plan_offload
+from passes.fetch_params import fetch_shard
+from passes.plan_offload import OffloadPlan, ParamOffloadPlan, plan_offload, plan_param_offload
 from zerofx.errors import ConfigError, ZeroFXError
 
 IO_BLOCK_BYTES = 8 << 20
@@ -103,7 +106,7 @@ class OffloadOptions:
         section = zero.get("offload_optimizer", {})
         device = section.get("device", "none")
         if device == "none":
-            if own:
+            if own and zero.get("offload_param", {}).get("device", "none") == "none":
                 raise ConfigError("zerofx.offload is set but zero_optimization.offload_optimizer.device is not; set it to cpu or nvme")
             return None
         if device == "nvme" and not section.get("nvme_path"):
@@ -123,6 +126,21 @@ class OffloadOptions:
             host_copy_bytes_per_s=float(own.get("host_copy_bytes_per_s", DEFAULT_HOST_COPY_BYTES_PER_S)),
             nvme_read_bytes_per_s=float(own.get("nvme_read_bytes_per_s", DEFAULT_NVME_READ_BYTES_PER_S)),
             nvme_write_bytes_per_s=float(own.get("nvme_write_bytes_per_s", DEFAULT_NVME_WRITE_BYTES_PER_S)),
+        )
+
+    @classmethod
+    def on_device(cls, raw: Mapping[str, Any]) -> OffloadOptions:
+        """Every record on the device: what the engine uses when only ``offload_param`` is set, so
+        that one optimizer streams the offloaded shards through the update (NOTE [Stepping
+        offloaded shards])."""
+        own = raw.get("zerofx", {}).get("offload", {})
+        if own.get("delayed_update"):
+            raise ConfigError("zerofx.offload.delayed_update needs zero_optimization.offload_optimizer; "
+                              "it is not supported with offload_param alone")
+        return cls(
+            device=Tier.CPU, nvme_path=None, pin_memory=False, buffer_count=1, ratio=0.0, delayed_update=False,
+            device_budget_bytes=None, cpu_budget_bytes=0.0, host_copy_bytes_per_s=DEFAULT_HOST_COPY_BYTES_PER_S,
+            nvme_read_bytes_per_s=DEFAULT_NVME_READ_BYTES_PER_S, nvme_write_bytes_per_s=DEFAULT_NVME_WRITE_BYTES_PER_S,
         )
 
     def tier_specs(self, total_bytes: int, *, device_is_cpu: bool) -> dict[Tier, TierSpec]:
@@ -165,17 +183,116 @@ def plan_engine_offload(
         raise ConfigError(str(exc)) from None
 
 
+@dataclass(frozen=True)
+class ProgramOffload:
+    """What ``zerofx plan`` prints for offload: the optimizer-state placement and, at stage 3
+    with ``offload_param``, the parameter-shard placement. Its JSON is the optimizer plan's
+    (unchanged) with a ``params`` key added for the shards."""
+
+    optimizer: OffloadPlan | None
+    params: ParamOffloadPlan | None
+
+    def to_json(self) -> str:
+        import json
+
+        out: dict[str, Any] = json.loads(self.optimizer.to_json()) if self.optimizer is not None else {}
+        if self.params is not None:
+            out["params"] = json.loads(self.params.to_json())
+        return json.dumps(out, indent=1, sort_keys=True)
+
+    def __str__(self) -> str:
+        return "\n".join(str(p) for p in (self.optimizer, self.params) if p is not None)
+
+
 def plan_for_program(plan: Any, raw: Mapping[str, Any], *, mixed_precision: bool, device_is_cpu: bool,
-                     compute_s: Mapping[str, float]) -> OffloadPlan | None:
-    """What ``zerofx plan`` shows: the engine's ``OffloadPlan`` for a ``Plan`` (None without
-    offload), with the schedule's estimated forward and backward times as the I/O's cover."""
+                     compute_s: Mapping[str, float]) -> ProgramOffload | None:
+    """What ``zerofx plan`` shows: the engine's ``OffloadPlan`` and ``ParamOffloadPlan`` for a
+    ``Plan`` (None without offload), with the schedule's estimated forward and backward times as
+    the I/O's cover."""
     options = OffloadOptions.from_config(raw)
-    if options is None:
-        return None
-    owned = {p.fqn: p.padded_numel if int(plan.stage) == 0 else p.shard_numel for p in plan.params if p.requires_grad}
+    param_options = ParamOffloadOptions.from_config(raw)
     forward, backward = compute_s.get("forward", 0.0), compute_s.get("backward", 0.0)
-    return plan_engine_offload(owned, options, optimizer=plan.optimizer, mixed_precision=mixed_precision,
-                               device_is_cpu=device_is_cpu, forward_backward_s=forward + backward, backward_s=backward)
+    opt_plan = None
+    if options is not None:
+        owned = {p.fqn: p.padded_numel if int(plan.stage) == 0 else p.shard_numel for p in plan.params if p.requires_grad}
+        opt_plan = plan_engine_offload(owned, options, optimizer=plan.optimizer, mixed_precision=mixed_precision,
+                                       device_is_cpu=device_is_cpu, forward_backward_s=forward + backward, backward_s=backward)
+    param_plan = None
+    if param_options is not None and int(plan.stage) == 3:
+        sharded = [p for p in plan.params if p.fqn not in plan.persistent]
+        param_plan = plan_engine_param_offload(
+            [(p.fqn, p.shard_numel, p.itemsize, p.requires_grad) for p in sharded], plan.gather_buckets, param_options,
+            device_is_cpu=device_is_cpu, forward_s=forward, backward_s=backward,
+        )
+    if opt_plan is None and param_plan is None:
+        return None
+    return ProgramOffload(opt_plan, param_plan)
+
+
+# --------------------------------------------------------------------------- parameter offload (stage 3)
+DEFAULT_PARAM_BUFFER_COUNT = 5  # DeepSpeed's offload_param.buffer_count default
+
+
+@dataclass(frozen=True)
+class ParamOffloadOptions:
+    """What ``zero_optimization.offload_param`` asks for (bandwidths from ``zerofx.offload``)."""
+
+    device: Tier  # CPU or NVME
+    nvme_path: Path | None
+    pin_memory: bool
+    buffer_count: int
+    max_in_cpu: float  # elements per rank kept in host memory with device nvme
+    host_copy_bytes_per_s: float
+    nvme_read_bytes_per_s: float
+    nvme_write_bytes_per_s: float
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any]) -> ParamOffloadOptions | None:
+        """None when parameter offload is off. ``ConfigError`` for settings that contradict."""
+        section = raw.get("zero_optimization", {}).get("offload_param", {})
+        own = raw.get("zerofx", {}).get("offload", {})
+        device = section.get("device", "none")
+        if device == "none":
+            return None
+        if device == "nvme" and not section.get("nvme_path"):
+            raise ConfigError("zero_optimization.offload_param.device is nvme but nvme_path is missing; accepted: a writable folder")
+        return cls(
+            device=Tier(device),
+            nvme_path=Path(section["nvme_path"]) if section.get("nvme_path") else None,
+            pin_memory=bool(section.get("pin_memory", False)),
+            buffer_count=int(section.get("buffer_count", DEFAULT_PARAM_BUFFER_COUNT)),
+            max_in_cpu=float(section.get("max_in_cpu", 0)),
+            host_copy_bytes_per_s=float(own.get("host_copy_bytes_per_s", DEFAULT_HOST_COPY_BYTES_PER_S)),
+            nvme_read_bytes_per_s=float(own.get("nvme_read_bytes_per_s", DEFAULT_NVME_READ_BYTES_PER_S)),
+            nvme_write_bytes_per_s=float(own.get("nvme_write_bytes_per_s", DEFAULT_NVME_WRITE_BYTES_PER_S)),
+        )
+
+    def tier_specs(self, itemsize: int, *, device_is_cpu: bool) -> dict[Tier, TierSpec]:
+        """Nothing stays on the device (DeepSpeed offloads every sharded parameter). Host memory
+        holds everything with device cpu, ``max_in_cpu`` elements with nvme; NVMe the rest."""
+        copy = math.inf if device_is_cpu else self.host_copy_bytes_per_s
+        cpu_budget = math.inf if self.device is Tier.CPU else self.max_in_cpu * itemsize
+        tiers = {Tier.DEVICE: TierSpec(0.0, math.inf, math.inf), Tier.CPU: TierSpec(cpu_budget, copy, copy)}
+        if self.device is Tier.NVME:
+            tiers[Tier.NVME] = TierSpec(math.inf, self.nvme_read_bytes_per_s, self.nvme_write_bytes_per_s)
+        return tiers
+
+
+def plan_engine_param_offload(
+    shards: list[tuple[str, int, int, bool]], buckets: Any, options: ParamOffloadOptions, *, device_is_cpu: bool,
+    forward_s: float = 0.0, backward_s: float = 0.0,
+) -> ParamOffloadPlan:
+    """The ``ParamOffloadPlan`` for a rank's sharded parameters ``(fqn, shard_numel, itemsize,
+    trainable)`` in model order and the plan's gather buckets."""
+    itemsize = max((i for _, _, i, _ in shards), default=1)
+    try:
+        return plan_param_offload(
+            [(f, n * i, t) for f, n, i, t in shards], [tuple(b) for b in buckets],
+            options.tier_specs(itemsize, device_is_cpu=device_is_cpu), buffer_count=options.buffer_count,
+            forward_s=forward_s, backward_s=backward_s,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- NVMe files
@@ -183,7 +300,8 @@ class NvmeFiles:
     """The NVMe tier of one rank: one file per record under ``<root>/rank-<r>``, whole-file
     transfers in aligned blocks (NOTE [NVMe I/O]); counts the bytes moved."""
 
-    def __init__(self, root: Path, rank: int) -> None:
+    def __init__(self, root: Path, rank: int, *, suffix: str = ".state", what: str = "optimizer state") -> None:
+        self.suffix, self.what = suffix, what
         self.root = Path(root) / f"rank-{rank:05d}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -203,7 +321,7 @@ class NvmeFiles:
         self.bytes_written = 0
 
     def path(self, fqn: str) -> Path:
-        return self.root / f"{quote(fqn, safe='')}.state"
+        return self.root / f"{quote(fqn, safe='')}{self.suffix}"
 
     def _fail(self, op: str, path: Path, exc: OSError) -> OffloadError:
         if exc.errno == errno.ENOENT and not path.parent.exists():
@@ -229,7 +347,7 @@ class NvmeFiles:
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise self._fail(f"writing {nbytes} bytes of {fqn}'s optimizer state to", path, exc) from None
+            raise self._fail(f"writing {nbytes} bytes of {fqn}'s {self.what} to", path, exc) from None
         with self._lock:
             self.bytes_written += nbytes
 
@@ -248,13 +366,13 @@ class NvmeFiles:
                         if got == 0:
                             raise OffloadError(
                                 f"NVMe offload: short read of {str(path)!r}: got {offset + done} of {nbytes} bytes of {fqn}'s "
-                                "optimizer state (file truncated or replaced?)"
+                                f"{self.what} (file truncated or replaced?)"
                             )
                         done += got
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise self._fail(f"reading {nbytes} bytes of {fqn}'s optimizer state from", path, exc) from None
+            raise self._fail(f"reading {nbytes} bytes of {fqn}'s {self.what} from", path, exc) from None
         with self._lock:
             self.bytes_read += nbytes
 
@@ -545,6 +663,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], store: OffloadStore, optimizer_type: str, hyper: Mapping[str, Any],
+        param_store: ParamStore | None = None,
     ) -> None:
         kw = dict(hyper)
         if "betas" in kw:
@@ -558,6 +677,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.params_by_fqn = dict(params)
         self.fqn_of = {id(t): f for f, t in params.items()}
         self.delayed = store.options.delayed_update
+        # NOTE [Stepping offloaded shards]
+        # With offload_param, ``params`` holds shape-only handles for the offloaded shards (no
+        # storage); each update takes the shard from the parameter store in host memory, right
+        # next to its record, and hands it back to be written. One shard and one record are in
+        # memory per update (plus the reads ahead). In fp32 the record holds no master: the shard
+        # itself is what the optimizer steps, so the weights are stored once, in the shard's file.
+        self.param_store = param_store
+        if param_store is not None and self.delayed:
+            raise ConfigError("zerofx.offload.delayed_update is not supported with offload_param (the staging copy would hold every shard)")
         self._staged: dict[str, torch.Tensor] = {}
         self._pending: Future | None = None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerofx-offload-step") if self.delayed else None
@@ -605,15 +733,20 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _run(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> None:
         store = self.store
         try:
+            shards = self.param_store
             for fqn in store.plan.update_order:
                 flat, buf = store.acquire(fqn)
+                offloaded = shards is not None and fqn in shards
+                target = shards.acquire(fqn) if offloaded else targets[fqn]
                 try:
-                    self._update(store.records[fqn], flat, targets[fqn], grads[fqn], hyper)
+                    self._update(store.records[fqn], flat, target, grads[fqn], hyper)
                 except BaseException:
                     if buf is not None:
                         store._free.append(buf)
                     raise
                 store.release(fqn, buf)
+                if offloaded:
+                    shards.release(fqn, target)
             store.end_step()
         except BaseException:
             store.drain_quietly()
@@ -633,8 +766,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             param = seg["master"]
         else:
             param = target.to(where, non_blocking=True) if crossing else target
-        if crossing and target.device.type == "cuda":
-            torch.cuda.current_stream(target.device).synchronize()  # the non_blocking copies have landed
+        cuda = next((d for d in (target.device, where) if d.type == "cuda"), None)
+        if crossing and cuda is not None:
+            torch.cuda.current_stream(cuda).synchronize()  # the non_blocking copies have landed
         if self.optimizer_type in ("AdamW", "Adam"):
             fn = adamw_update if self.optimizer_type == "AdamW" else adam_update
             beta1, beta2 = group["betas"]
@@ -656,8 +790,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 rec.initialized = True
         if store_master or param is not target:
             target.copy_(param, non_blocking=crossing)
-            if crossing and target.device.type == "cuda":
-                torch.cuda.current_stream(target.device).synchronize()  # the host buffer is reused next
+            if crossing and cuda is not None:
+                torch.cuda.current_stream(cuda).synchronize()  # the host buffer is reused (or written to NVMe) next
 
     # ------------------------------------------------------------- state access (checkpoints)
     def record_state(self, fqn: str) -> dict[str, Any]:
@@ -709,3 +843,230 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self._worker is not None:
             self._worker.shutdown(wait=True)
         self.store.close()
+        if self.param_store is not None:
+            self.param_store.close()
+
+
+# --------------------------------------------------------------------------- the parameter store
+# NOTE [The parameter store]
+# At stage 3 with ``offload_param`` the engine keeps no offloaded shard itself. ``ParamStore``
+# holds them on their tiers: host tensors (pinned on CUDA with ``pin_memory``) or one file per
+# shard, ``<nvme_path>/rank-<r>/<fqn>.param``, read and written whole through ``NvmeFiles`` (NOTE
+# [NVMe I/O]). The graphs ask for a shard with ``zerofx::fetch_shard`` (``passes.fetch_params``)
+# right before its bucket's all-gather; the optimizer asks for it to update it (``acquire`` /
+# ``release``, which writes it back).
+#
+# Read-ahead: the engine gives the store the *schedule*, the order of every use in a step
+# (forward fetches, backward fetches, then the updates), read from the rewritten graphs. A
+# cursor follows it; after each use the store issues reads of the next NVMe shards in the
+# schedule, at most ``buffer_count`` in flight, on a pool of ``IO_THREADS`` threads. A use that
+# is not the next one in the schedule (another program, an evaluation forward) still works:
+# the cursor jumps to it, and a shard not read ahead is read at once.
+#
+# Every NVMe read lands in a fresh host tensor that the fetch hands over: the graph drops it
+# after the gather's pack, so the host memory the shards use is the reads in flight plus the
+# shards between fetch and gather (the buckets the prefetch distance keeps in flight). The
+# store counts those buffers while they are alive (``held_shards``, ``peak_held_*``).
+#
+# Consistency: a shard's read waits for its last write-back (both go through the pool, the
+# write submitted first, so the wait cannot deadlock); a write-back discards a read of the same
+# shard issued before it (read ahead for the next forward while the update was pending).
+_STORES: weakref.WeakValueDictionary[int, ParamStore] = weakref.WeakValueDictionary()
+_STORE_IDS = itertools.count(1)
+
+
+class ParamStore:
+    """This rank's offloaded parameter shards, on the tiers a ``ParamOffloadPlan`` chose; see
+    NOTE [The parameter store]. ``token`` is what the graphs take in place of each shard."""
+
+    def __init__(
+        self, plan: ParamOffloadPlan, options: ParamOffloadOptions, numels: Mapping[str, int], dtype: torch.dtype, *,
+        device: torch.device, rank: int,
+    ) -> None:
+        self.plan, self.options, self.device, self.dtype = plan, options, device, dtype
+        self.numels = {f: numels[f] for f, _ in plan.tiers if f in plan.offloaded}
+        self.tier = {f: plan.tier_of(f) for f in self.numels}
+        self._pin = options.pin_memory and device.type == "cuda"
+        self.host = {f: torch.zeros(n, dtype=dtype, pin_memory=self._pin) for f, n in self.numels.items() if self.tier[f] is Tier.CPU}
+        self._nvme = [f for f in self.numels if self.tier[f] is Tier.NVME]
+        self.files = NvmeFiles(options.nvme_path, rank, suffix=".param", what="parameter shard") if self._nvme else None
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-param-io") if self._nvme else None
+        self._reads: dict[str, Future] = {}  # NVMe reads issued ahead of their use
+        self._last_write: dict[str, Future] = {}
+        self._schedule: list[str] = list(self.numels)
+        self._cursor = 0
+        self._lock = threading.Lock()
+        self.held_shards = self.held_bytes = self.peak_held_shards = self.peak_held_bytes = 0
+        self.id = next(_STORE_IDS)
+        _STORES[self.id] = self
+        self.token = torch.tensor([self.id], dtype=torch.int64)  # (1,): names this store to fetch_shard
+
+    def __contains__(self, fqn: object) -> bool:
+        return fqn in self.numels
+
+    def nbytes(self, fqn: str) -> int:
+        return self.numels[fqn] * self.dtype.itemsize
+
+    # ------------------------------------------------------------- schedule and read-ahead
+    def set_schedule(self, order: list[str]) -> None:
+        """Every use of an offloaded shard in one step, in order (see the NOTE)."""
+        self._schedule = [f for f in order if f in self.numels] or list(self.numels)
+        self._cursor = 0
+
+    def _advance(self, fqn: str) -> None:
+        """Move the cursor past the next use of ``fqn`` (jumping to it if out of order)."""
+        n = len(self._schedule)
+        for step in range(n):
+            i = (self._cursor + step) % n
+            if self._schedule[i] == fqn:
+                self._cursor = (i + 1) % n
+                return
+
+    def _read_ahead(self) -> None:
+        if self._io is None:
+            return
+        n = len(self._schedule)
+        for step in range(n):
+            if len(self._reads) >= self.options.buffer_count:
+                return
+            f = self._schedule[(self._cursor + step) % n]
+            if self.tier[f] is Tier.NVME and f not in self._reads:
+                self._reads[f] = self._io.submit(self._read, f)
+
+    def _read(self, fqn: str) -> torch.Tensor:
+        """On an I/O thread: a fresh host tensor holding ``fqn``'s shard, after its last write."""
+        previous = self._last_write.get(fqn)
+        if previous is not None:
+            previous.result()
+        buf = torch.empty(self.numels[fqn], dtype=self.dtype, pin_memory=self._pin)
+        self._track(buf)
+        self.files.read(fqn, buf.view(torch.uint8), self.nbytes(fqn))
+        return buf
+
+    def _track(self, buf: torch.Tensor) -> None:
+        nbytes = buf.numel() * buf.element_size()
+        with self._lock:
+            self.held_shards += 1
+            self.held_bytes += nbytes
+            self.peak_held_shards = max(self.peak_held_shards, self.held_shards)
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        weakref.finalize(buf, self._untrack, nbytes)
+
+    def _untrack(self, nbytes: int) -> None:
+        with self._lock:
+            self.held_shards -= 1
+            self.held_bytes -= nbytes
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_held_shards, self.peak_held_bytes = self.held_shards, self.held_bytes
+
+    def _take(self, fqn: str) -> torch.Tensor:
+        """The host tensor of ``fqn``'s shard: the CPU tier's own, or an NVMe read (read ahead,
+        else issued now); the next reads go out before this one is waited for."""
+        self._advance(fqn)
+        if self.tier[fqn] is Tier.CPU:
+            self._read_ahead()
+            return self.host[fqn]
+        future = self._reads.pop(fqn, None)
+        if future is None:
+            future = self._io.submit(self._read, fqn)
+        self._read_ahead()
+        return future.result()
+
+    # ------------------------------------------------------------- uses
+    def fetch(self, fqn: str) -> torch.Tensor:
+        """``fqn``'s shard on the compute device, owned by the caller (the graph)."""
+        host = self._take(fqn)
+        if self.device.type == "cpu":
+            # The op's output must be a fresh tensor (torch.library's contract; Inductor may reuse
+            # it): an NVMe read is; a host-tier shard is copied.
+            return host if self.tier[fqn] is Tier.NVME else host.clone()
+        # From pinned memory the copy is asynchronous on the current stream, ordered before the
+        # all-gather that reads it; the caching host allocator keeps the source alive until then.
+        return host.to(self.device, non_blocking=self._pin)
+
+    def acquire(self, fqn: str) -> torch.Tensor:
+        """``fqn``'s shard in host memory for the optimizer to update in place; ``release`` it."""
+        return self._take(fqn)
+
+    def release(self, fqn: str, host: torch.Tensor) -> None:
+        """The update of ``fqn`` is done: write an NVMe shard back, behind the next updates."""
+        if self.tier[fqn] is not Tier.NVME:
+            return
+        stale = self._reads.pop(fqn, None)  # read before this write: drop it
+        self._last_write[fqn] = self._io.submit(self.files.write, fqn, host.view(torch.uint8), self.nbytes(fqn))
+        if stale is not None:
+            self._read_ahead()
+
+    # ------------------------------------------------------------- whole-shard access
+    def init_shard(self, fqn: str, value: torch.Tensor) -> None:
+        """Store ``fqn``'s shard (initialization, checkpoint loading)."""
+        if self.tier[fqn] is Tier.CPU:
+            self.host[fqn].copy_(value)
+            return
+        self._wait_for(fqn)
+        buf = value.detach().to("cpu", self.dtype).contiguous()
+        self.files.write(fqn, buf.view(torch.uint8), self.nbytes(fqn))
+
+    def read_shard(self, fqn: str) -> torch.Tensor:
+        """A host copy of ``fqn``'s shard (checkpoints, ``full_state_dict``)."""
+        if self.tier[fqn] is Tier.CPU:
+            return self.host[fqn].clone()
+        self._wait_for(fqn)
+        buf = torch.empty(self.numels[fqn], dtype=self.dtype)
+        self.files.read(fqn, buf.view(torch.uint8), self.nbytes(fqn))
+        return buf
+
+    def _wait_for(self, fqn: str) -> None:
+        stale = self._reads.pop(fqn, None)
+        if stale is not None:
+            stale.exception()  # let it end; its buffer is dropped
+        previous = self._last_write.pop(fqn, None)
+        if previous is not None:
+            previous.result()
+
+    def drain(self) -> None:
+        """Wait for every write-back (raising the first error) and every read in flight."""
+        first: BaseException | None = None
+        for future in [*self._last_write.values(), *self._reads.values()]:
+            try:
+                future.result()
+            except BaseException as exc:  # keep draining, then raise the first failure
+                first = first or exc
+        self._last_write.clear()
+        self._reads.clear()
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        if self._io is not None:
+            try:
+                self.drain()
+            finally:
+                self._io.shutdown(wait=True)
+                self._io = None
+
+    # ------------------------------------------------------------- accounting
+    def cpu_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.host.values())
+
+    def nvme_bytes(self) -> int:
+        return self.files.stored_bytes(self._nvme) if self.files is not None else 0
+
+    def window_bytes(self) -> int:
+        """The read-ahead bound: ``buffer_count`` reads of the largest NVMe shard."""
+        return self.options.buffer_count * max((self.nbytes(f) for f in self._nvme), default=0)
+
+    def io_bytes(self) -> tuple[int, int]:
+        return (self.files.bytes_read, self.files.bytes_written) if self.files is not None else (0, 0)
+
+
+@fetch_shard.register_kernel("cpu")
+def _fetch_shard_kernel(token: torch.Tensor, fqn: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    store = _STORES.get(int(token[0]))
+    if store is None:
+        raise OffloadError(f"zerofx::fetch_shard({fqn!r}): parameter store {int(token[0])} is gone (its engine was closed?)")
+    out = store.fetch(fqn)
+    assert out.numel() == numel and out.dtype == dtype, (fqn, out.shape, out.dtype, numel, dtype)
+    return out
