@@ -219,9 +219,9 @@ class ParamOffloadPlan:
         return "\n".join([
             f"offload_param: parameter shards per tier, {self.buffer_count} NVMe reads ahead",
             tabulate(rows, headers=["tier", "shards", "bytes per rank"], tablefmt="simple"),
-            f"parameter I/O {e['io_s'] * 1e3:.1f} ms per step (reads {e['read_s'] * 1e3:.1f} ms in forward and backward, "
-            f"write-backs {e['write_s'] * 1e3:.1f} ms), of which hidden {e['hidden_io_s'] * 1e3:.1f} ms and exposed "
-            f"{e['exposed_io_s'] * 1e3:.1f} ms",
+            f"parameter I/O {e['io_s'] * 1e3:.3g} ms per step (reads {e['read_s'] * 1e3:.3g} ms in forward and backward, "
+            f"write-backs {e['write_s'] * 1e3:.3g} ms), of which hidden {e['hidden_io_s'] * 1e3:.3g} ms and exposed "
+            f"{e['exposed_io_s'] * 1e3:.3g} ms",
         ])
 
 

@@ -46,6 +46,7 @@ def run(rank: int, world_size: int, cfg: dict, steps: int, save: tuple[str, int]
             engine.save_checkpoint(save[0])
     state = {k: v.float() for k, v in engine.full_state_dict().items()}  # also waits for the write-backs
     plan = getattr(engine, "offload_plan", None)
+    store = engine.param_store
     out = {
         "state": state,
         "losses": losses,
@@ -57,6 +58,19 @@ def run(rank: int, world_size: int, cfg: dict, steps: int, save: tuple[str, int]
         "num_params": sum(p.numel for p in engine.placements.values() if p.requires_grad),
         "checkpoint_dir": save[0] if save is not None else None,
     }
+    if store is not None:  # offload_param: what the parameter store holds and moved
+        out["param"] = {
+            "tiers": {f: t.value for f, t in engine.param_offload_plan.tiers},
+            "io": store.io_bytes(),
+            "peak_held_shards": store.peak_held_shards,
+            "peak_held_bytes": store.peak_held_bytes,
+            "shard_bytes": {f: store.nbytes(f) for f in store.numels},
+            "trainable": [f for f in store.numels if engine.placements[f].requires_grad],
+            "resident_shards": sorted(engine.shards),
+            "gather_buckets": engine.program.plan.gather_buckets,
+            "prefetch_distance": engine.program.plan.prefetch_distance,
+            "buffer_count": store.options.buffer_count,
+        }
     return out
 
 
@@ -120,48 +134,3 @@ def param_config(stage: int, opt: dict, param: dict, offload: dict | None = None
     cfg = config(stage, opt, offload, bf16=bf16)
     cfg["zero_optimization"].update({"offload_param": param, **zero})
     return cfg
-
-
-def run_param(rank: int, world_size: int, cfg: dict, steps: int, save: tuple[str, int] | None = None, load: str | None = None) -> dict:
-    """``run`` plus what the parameter store holds and moved, and its peak of live NVMe shards."""
-    data = batches(world_size, steps, VOCAB["dna"])
-    engine = zerofx.initialize(BUILDERS["dna"](), cfg, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
-    start = 0
-    if load is not None:
-        engine.load_checkpoint(load)
-        start = engine.global_steps
-    store = engine.param_store
-    losses = []
-    for step in range(start, steps):
-        ids = data[step, rank]
-        loss = engine(ids, labels=ids)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.float().item())
-        if save is not None and step + 1 == save[1]:
-            engine.save_checkpoint(save[0])
-    engine.flush()
-    out = {
-        "losses": losses,
-        "memory": engine.memory(),
-        "param_tiers": {f: t.value for f, t in engine.param_offload_plan.tiers} if engine.param_offload_plan else {},
-        "param_io": store.io_bytes() if store is not None else (0, 0),
-        "peak_held_shards": store.peak_held_shards if store is not None else 0,
-        "peak_held_bytes": store.peak_held_bytes if store is not None else 0,
-        "num_offloaded": len(store.numels) if store is not None else 0,
-        "offloaded_bytes": sum(store.nbytes(f) for f in store.numels) if store is not None else 0,
-        "max_shard_bytes": max(store.nbytes(f) for f in store.numels) if store is not None else 0,
-        "shards_resident": sorted(engine.shards),
-        "sharded_numel": sum(p.shard_numel for f, p in engine.placements.items() if f not in engine.full),
-        "itemsize": engine.placements[next(iter(engine.placements))].itemsize,
-        "num_params": sum(p.numel for p in engine.placements.values() if p.requires_grad),
-        "checkpoint_dir": save[0] if save is not None else None,
-    }
-    out["state"] = {k: v.float() for k, v in engine.full_state_dict().items()}
-    return out
-
-
-def run_many_param(rank: int, world_size: int, runs: dict[str, tuple]) -> dict[str, dict]:
-    """``run_many`` with ``run_param``: values are ``(config, steps[, load[, (save_dir, after)]])``."""
-    return {name: run_param(rank, world_size, spec[0], spec[1], *spec[3:4], load=spec[2] if len(spec) > 2 else None)
-            for name, spec in runs.items()}

@@ -358,9 +358,10 @@ def parse_config(
         bad = sorted(set(params) & {"momentum", "nesterov", "dampening"})
     if bad:
         raise ConfigError(f"optimizer.params {bad} do not apply to optimizer type {kind!r}")
-    from zerofx.offload import OffloadOptions  # offload imports the cost models; only its checks are needed here
+    from zerofx.offload import OffloadOptions, ParamOffloadOptions  # offload imports the cost models; only its checks are needed here
 
     OffloadOptions.from_config(raw)  # offload settings that contradict each other
+    ParamOffloadOptions.from_config(raw)
     return ZeroConfig(
         stage=stage if stage is not None else cfg_stage,
         world_size=world_size if world_size is not None else cfg_world,

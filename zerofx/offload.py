@@ -864,9 +864,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 # the cursor jumps to it, and a shard not read ahead is read at once.
 #
 # Every NVMe read lands in a fresh host tensor that the fetch hands over: the graph drops it
-# after the gather's pack, so the host memory the shards use is the reads in flight plus the
-# shards between fetch and gather (the buckets the prefetch distance keeps in flight). The
-# store counts those buffers while they are alive (``held_shards``, ``peak_held_*``).
+# after the gather's pack (or the gather's wait, for a bucket of one shard). So the NVMe shards
+# in host memory at any time are at most: ``buffer_count`` reads ahead, ``buffer_count``
+# write-backs in flight (``release`` waits for the oldest beyond that), the shard being updated,
+# and the shards between fetch and gather: one bucket being packed, or the d + 1 single-shard
+# gathers the prefetch distance d keeps in flight. The store counts these buffers while they
+# are alive (``held_shards``, ``peak_held_*``); the tests check the bound.
 #
 # Consistency: a shard's read waits for its last write-back (both go through the pool, the
 # write submitted first, so the wait cannot deadlock); a write-back discards a read of the same
@@ -893,6 +896,7 @@ class ParamStore:
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-param-io") if self._nvme else None
         self._reads: dict[str, Future] = {}  # NVMe reads issued ahead of their use
         self._last_write: dict[str, Future] = {}
+        self._writes: deque[Future] = deque()  # write-backs in flight, at most buffer_count
         self._schedule: list[str] = list(self.numels)
         self._cursor = 0
         self._lock = threading.Lock()
@@ -995,7 +999,11 @@ class ParamStore:
         if self.tier[fqn] is not Tier.NVME:
             return
         stale = self._reads.pop(fqn, None)  # read before this write: drop it
-        self._last_write[fqn] = self._io.submit(self.files.write, fqn, host.view(torch.uint8), self.nbytes(fqn))
+        future = self._io.submit(self.files.write, fqn, host.view(torch.uint8), self.nbytes(fqn))
+        self._last_write[fqn] = future
+        self._writes.append(future)
+        while len(self._writes) > self.options.buffer_count:  # each holds its shard's host buffer
+            self._writes.popleft().result()
         if stale is not None:
             self._read_ahead()
 
@@ -1027,15 +1035,19 @@ class ParamStore:
             previous.result()
 
     def drain(self) -> None:
-        """Wait for every write-back (raising the first error) and every read in flight."""
+        """Wait for every write-back (raising the first error) and drop the reads ahead (their
+        errors are raised by the use that needs them, not here)."""
+        for future in self._reads.values():
+            future.exception()
         first: BaseException | None = None
-        for future in [*self._last_write.values(), *self._reads.values()]:
+        for future in self._last_write.values():
             try:
                 future.result()
             except BaseException as exc:  # keep draining, then raise the first failure
                 first = first or exc
         self._last_write.clear()
         self._reads.clear()
+        self._writes.clear()
         if first is not None:
             raise first
 
