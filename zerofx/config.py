@@ -358,7 +358,8 @@ def parse_config(
         bad = sorted(set(params) & {"momentum", "nesterov", "dampening"})
     if bad:
         raise ConfigError(f"optimizer.params {bad} do not apply to optimizer type {kind!r}")
-    from zerofx.offload import OffloadOptions, ParamOffloadOptions  # offload imports the cost models; only its checks are needed here
+    from zerofx.offload import OffloadOptions  # offload imports the cost models; only its checks are needed here
+    from zerofx.param_offload import ParamOffloadOptions
 
     OffloadOptions.from_config(raw)  # offload settings that contradict each other
     ParamOffloadOptions.from_config(raw)

@@ -58,22 +58,15 @@ from cost_models.offload import Tier
 from passes import OffloadPlan, ParamPlacement, ZeroStage
 from passes.meta import is_wait
 from passes.check_collectives import collective_sequence, first_divergence
+from passes.fetch_params import fetch_order
+from passes.plan_offload import ParamOffloadPlan
 from passes.plan_sharding import persistent_params, place_param
 from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, cast_info, flatten_call, split_loss_kwargs
 from zerofx.config import OptimizerSpec, ZeroConfig
 from zerofx.errors import CaptureError, RankDivergenceError, ZeroFXError
 from zerofx.materialize import InitFn, check_all_meta_or_none, iter_initial_state
-from passes.fetch_params import fetch_order
-from passes.plan_offload import ParamOffloadPlan
-from zerofx.offload import (
-    OffloadedOptimizer,
-    OffloadOptions,
-    OffloadStore,
-    ParamOffloadOptions,
-    ParamStore,
-    plan_engine_offload,
-    plan_engine_param_offload,
-)
+from zerofx.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, plan_engine_offload
+from zerofx.param_offload import ParamOffloadOptions, ParamStore, plan_engine_param_offload
 from zerofx.program import Program, check_example_inputs, plan_program, resolve
 from zerofx.schedulers import lr_at
 
@@ -233,6 +226,7 @@ class Engine:
         self.offload_plan: OffloadPlan | None = None
         self.param_store: ParamStore | None = None
         self.param_offload_plan: ParamOffloadPlan | None = None
+        self._scheduled: Program | None = None  # the program whose fetch order the store reads ahead along
         self._init_storage(model, init_fn=init_fn, init_seed=init_seed)
         trainable = [f for f, p in self.placements.items() if p.requires_grad]
         # The tensors the optimizer steps: fp32 master copies of this rank's shards in mixed
@@ -435,11 +429,12 @@ class Engine:
                                    param_offload=self.param_offload_plan)
             self._check_same_plan(program)
             self._programs[sig] = program
-        if self.param_store is not None:
+        if self.param_store is not None and program is not self._scheduled:
             # Every use of an offloaded shard in one step, in order: the store reads ahead along it.
             gms = program.graph_modules(self.rank)
             updates = [f for f in self.offload_plan.update_order if f in self.param_store] if self.offload_plan else []
             self.param_store.set_schedule(fetch_order(gms["forward"]) + fetch_order(gms["backward"]) + updates)
+            self._scheduled = program
         return program
 
     def _check_same_plan(self, program: Program) -> None:
