@@ -134,3 +134,28 @@ def param_config(stage: int, opt: dict, param: dict, offload: dict | None = None
     cfg = config(stage, opt, offload, bf16=bf16)
     cfg["zero_optimization"].update({"offload_param": param, **zero})
     return cfg
+
+
+def param_faults(rank: int, world_size: int, stage2_cfg: dict, cfg: dict) -> dict[str, str]:
+    """offload_param below stage 3 (the error), then a stage-3 run whose NVMe folder is removed
+    before a forward: the error the fetch inside the graph raises."""
+    data = batches(world_size, 2, VOCAB["dna"])
+    out = {}
+    try:
+        zerofx.initialize(BUILDERS["dna"](), stage2_cfg, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
+        out["stage2"] = "no error"
+    except zerofx.ZeroFXError as exc:
+        out["stage2"] = f"{type(exc).__name__}: {exc}"
+    engine = zerofx.initialize(BUILDERS["dna"](), cfg, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
+    out["root"] = str(engine.param_store.files.root)
+    ids = data[0, rank]
+    engine.backward(engine(ids, labels=ids))
+    engine.step()
+    engine.flush()
+    shutil.rmtree(engine.param_store.files.root)
+    try:
+        engine(data[1, rank], labels=data[1, rank])
+        out["vanished"] = "no error"
+    except zerofx.ZeroFXError as exc:
+        out["vanished"] = f"{type(exc).__name__}: {exc}"
+    return out

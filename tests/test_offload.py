@@ -20,7 +20,7 @@ from cost_models.offload import OffloadItem, Tier, TierSpec, estimate_offload_ti
 from passes.plan_offload import OffloadPlan, plan_offload
 from tests.dist_utils import run_ranks
 from tests.models import reference
-from tests.offload_workers import config, nvme_folder_vanishes, param_config, reference_late, run_many
+from tests.offload_workers import config, nvme_folder_vanishes, param_config, param_faults, reference_late, run_many
 from zerofx.cli import main
 from zerofx.offload import NvmeFiles, OffloadError
 
@@ -462,3 +462,12 @@ def test_estimate_agrees_with_offloaded_params(trained: list[dict[str, dict]], c
     # What stays on the device: gradient shards and (offload_optimizer off) the AdamW records.
     assert mem["params"] + mem["grads"] + mem["optimizer_states"] == pytest.approx(est["per_device_bytes"], rel=2e-3)
 
+
+
+def test_offload_param_faults_in_the_engine(tmp_path: Path) -> None:
+    stage2 = param_config(2, SGD, {"device": "cpu"})
+    (out,) = run_ranks(1, param_faults, stage2, param_config(3, SGD, nvme(tmp_path / "gone", buffer_count=1)))
+    assert out["stage2"].startswith("ZeroFXError: zero_optimization.offload_param applies at ZeRO stage 3")
+    # The shard's read fails inside the forward graph; the error names the file and the shard.
+    assert out["vanished"].startswith("OffloadError: NVMe offload: reading") and "parameter shard" in out["vanished"]
+    assert f"folder '{out['root']}' no longer exists" in out["vanished"]
