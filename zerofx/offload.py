@@ -46,11 +46,9 @@ new parameters go to a staging copy of this rank's shards, which costs one shard
 from __future__ import annotations
 
 import errno
-import itertools
 import math
 import os
 import threading
-import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -213,7 +211,10 @@ def plan_for_program(plan: Any, raw: Mapping[str, Any], *, mixed_precision: bool
     """What ``zerofx plan`` shows: the engine's ``OffloadPlan`` and ``ParamOffloadPlan`` for a
     ``Plan`` (None without offload), with the schedule's estimated forward and backward times as
     the I/O's cover."""
-    from zerofx.param_offload import ParamOffloadOptions, plan_engine_param_offload  # it imports this module
+    from zerofx.param_offload import (  # it imports this module
+        ParamOffloadOptions,
+        plan_engine_param_offload,
+    )
 
     options = OffloadOptions.from_config(raw)
     param_options = ParamOffloadOptions.from_config(raw)
