@@ -159,3 +159,9 @@ def param_faults(rank: int, world_size: int, stage2_cfg: dict, cfg: dict) -> dic
     except zerofx.ZeroFXError as exc:
         out["vanished"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def fault_runs(rank: int, world_size: int, cfg: dict, steps_before: int, stage2_cfg: dict, param_cfg: dict) -> dict:
+    """``nvme_folder_vanishes`` and ``param_faults`` in one process."""
+    return {"records": nvme_folder_vanishes(rank, world_size, cfg, steps_before),
+            "params": param_faults(rank, world_size, stage2_cfg, param_cfg)}

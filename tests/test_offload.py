@@ -20,7 +20,7 @@ from cost_models.offload import OffloadItem, Tier, TierSpec, estimate_offload_ti
 from passes.plan_offload import OffloadPlan, plan_offload
 from tests.dist_utils import run_ranks
 from tests.models import reference
-from tests.offload_workers import config, nvme_folder_vanishes, param_config, param_faults, reference_late, run_many
+from tests.offload_workers import config, fault_runs, param_config, reference_late, run_many
 from zerofx.cli import main
 from zerofx.offload import NvmeFiles, OffloadError
 
@@ -192,9 +192,19 @@ def test_delayed_update_equals_late_update_reference(trained: list[dict[str, dic
         assert out["memory"]["offload_staging_bytes"] > 0
 
 
-def test_vanishing_nvme_folder_is_an_error_not_corruption(tmp_path: Path) -> None:
-    (msg,) = run_ranks(1, nvme_folder_vanishes, config(2, SGD, nvme(tmp_path / "gone")), 1)
-    assert msg.startswith("OffloadError: NVMe offload: reading") and "no longer exists" in msg and str(tmp_path / "gone") in msg
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The one-rank fault runs, in one process (spawning is the cost)."""
+    root = tmp_path_factory.mktemp("faults")
+    cfg = config(2, SGD, nvme(root / "gone"))
+    param = (param_config(2, SGD, {"device": "cpu"}), param_config(3, SGD, nvme(root / "gone-param", buffer_count=1)))
+    (out,) = run_ranks(1, fault_runs, cfg, 1, *param)
+    return {**out, "root": root}
+
+
+def test_vanishing_nvme_folder_is_an_error_not_corruption(faults: dict) -> None:
+    msg = faults["records"]
+    assert msg.startswith("OffloadError: NVMe offload: reading") and "no longer exists" in msg and str(faults["root"] / "gone") in msg
 
 
 def test_checkpoint_holds_offloaded_state(trained: list[dict[str, dict]], tmp_path: Path) -> None:
@@ -466,9 +476,8 @@ def test_estimate_agrees_with_offloaded_params(trained: list[dict[str, dict]], c
 
 
 
-def test_offload_param_faults_in_the_engine(tmp_path: Path) -> None:
-    stage2 = param_config(2, SGD, {"device": "cpu"})
-    (out,) = run_ranks(1, param_faults, stage2, param_config(3, SGD, nvme(tmp_path / "gone", buffer_count=1)))
+def test_offload_param_faults_in_the_engine(faults: dict) -> None:
+    out = faults["params"]
     assert out["stage2"].startswith("ZeroFXError: zero_optimization.offload_param applies at ZeRO stage 3")
     # The shard's read fails inside the forward graph; the error names the file and the shard.
     assert out["vanished"].startswith("OffloadError: NVMe offload: reading") and "parameter shard" in out["vanished"]
