@@ -1,9 +1,14 @@
 """Offload benchmark: the DNA LM trained with its optimizer state in memory, and on NVMe (files on
-the local disk), with and without the one-step delayed update. Per rank: peak RSS, RSS after
-training, median step time, and NVMe bytes read and written per step.
+the local disk), with and without the one-step delayed update, and (stage 3) with the parameter
+shards on NVMe as well (``param-nvme``: offload_param and offload_optimizer). Per rank: peak RSS,
+RSS after training, median step time, and NVMe bytes read and written per step.
 
     python -m benchmarks.bench_offload                          # 25m, 2 ranks, stage 2, fp32 AdamW
     python -m benchmarks.bench_offload --size small --steps 4   # a quick look
+    python -m benchmarks.bench_offload --stage 3 --runs memory,nvme,param-nvme   # parameter offload
+
+Peak RSS is ``VmHWM`` from ``/proc/self/status``: ``ru_maxrss`` would carry the spawning
+process's peak over into a spawned rank.
 
 Each configuration runs in fresh processes, one after the other, so peak RSS is that
 configuration's own. glibc's malloc keeps freed blocks resident and raises its mmap threshold as
@@ -20,7 +25,6 @@ import argparse
 import json
 import os
 import queue as queue_mod
-import resource
 import shutil
 import socket
 import statistics
@@ -43,6 +47,8 @@ def _config(kind: str, stage: int, nvme_path: Path, buffer_count: int, bandwidth
     cfg: dict[str, Any] = {"zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     if kind != "memory":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(nvme_path), "buffer_count": buffer_count}
+    if kind == "param-nvme":
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(nvme_path), "buffer_count": buffer_count}
         # The disk's measured bandwidth, so the engine's plan estimates this machine's I/O.
         cfg["zerofx"] = {"offload": {"nvme_read_bytes_per_s": bandwidth[0], "nvme_write_bytes_per_s": bandwidth[1],
                                      "delayed_update": kind == "nvme+dpu"}}
@@ -52,6 +58,21 @@ def _config(kind: str, stage: int, nvme_path: Path, buffer_count: int, bandwidth
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    """``VmHWM``: this process's own peak resident set (``ru_maxrss`` starts from the parent's)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _io_bytes(engine: Any) -> tuple[int, int]:
+    """NVMe bytes (read, written) so far: optimizer records and parameter shards."""
+    stores = [s for s in (engine.offload_store, getattr(engine, "param_store", None)) if s is not None]
+    return (sum(s.io_bytes()[0] for s in stores), sum(s.io_bytes()[1] for s in stores))
 
 
 def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: Any) -> None:
@@ -71,7 +92,7 @@ def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: An
         engine = zerofx.initialize(model, cfg, example_inputs=(batches[0],), example_kwargs={"labels": batches[0]})
         times, reads, writes = [], [], []
         for ids in batches:
-            before = engine.offload_store.io_bytes() if engine.offload_store is not None else (0, 0)
+            before = _io_bytes(engine)
             dist.barrier()
             start = time.perf_counter()
             loss = engine(ids, labels=ids)
@@ -79,14 +100,14 @@ def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: An
             engine.step()
             dist.barrier()
             times.append(time.perf_counter() - start)
-            after = engine.offload_store.io_bytes() if engine.offload_store is not None else (0, 0)
+            after = _io_bytes(engine)
             reads.append(after[0] - before[0])
             writes.append(after[1] - before[1])
         engine.flush()
         mem = engine.memory()
         warm = args["warmup"]
         out = {
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
+            "peak_rss_bytes": _peak_rss_bytes(),
             "end_rss_bytes": _rss_bytes(),
             "step_s": statistics.median(times[warm:]),
             "read_bytes_per_step": statistics.median(reads[warm:]),
@@ -94,6 +115,8 @@ def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: An
             "memory": mem,
             "final_loss": loss.item(),
             "plan_estimates": dict(engine.offload_plan.estimates) if engine.offload_store is not None else None,
+            "param_plan_estimates": dict(engine.param_offload_plan.estimates) if engine.param_store is not None else None,
+            "param_peak_held_bytes": engine.param_store.peak_held_bytes if engine.param_store is not None else 0,
         }
         queue.put((rank, "ok", out))
     except BaseException:
@@ -141,19 +164,21 @@ def render(result: dict[str, Any]) -> str:
         f"(buffer_count {result['buffer_count']}; measured {result['nvme_read_bytes_per_s'] / 1e9:.2f} GB/s read, "
         f"{result['nvme_write_bytes_per_s'] / 1e9:.2f} GB/s write with fsync). Machine: {result['machine']}.",
         "",
-        "| run | rank | optimizer state in memory MiB | on NVMe MiB | NVMe window MiB | peak RSS MiB | RSS after MiB | "
-        "peak RSS saved, % of state | step s | step time vs memory | read MiB/step | written MiB/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | rank | optimizer state in memory MiB | on NVMe MiB | NVMe window MiB | params in memory MiB | "
+        "params on NVMe MiB | param shards in host memory at peak MiB | peak RSS MiB | RSS after MiB | "
+        "peak RSS saved, % of what left memory | step s | step time vs memory | read MiB/step | written MiB/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, ranks in result["runs"].items():
         for r, out in enumerate(ranks):
-            state = base[r]["memory"]["optimizer_states"]
-            mem = out["memory"]
-            saved = "-" if kind == "memory" else f"{(base[r]['peak_rss_bytes'] - out['peak_rss_bytes']) / state * 100:.0f}"
+            mem, held = out["memory"], base[r]["memory"]
+            left = held["optimizer_states"] + held["params"] - mem["optimizer_states"] - mem["params"]
+            saved = "-" if kind == "memory" or left <= 0 else f"{(base[r]['peak_rss_bytes'] - out['peak_rss_bytes']) / left * 100:.0f}"
             slower = "-" if kind == "memory" else f"{(out['step_s'] / base[r]['step_s'] - 1) * 100:+.0f}%"
             lines.append(
                 f"| {kind} | {r} | {_mib(mem['optimizer_states'])} | {_mib(mem.get('offload_nvme_bytes', 0))} | "
-                f"{_mib(mem.get('offload_window_bytes', 0))} | {_mib(out['peak_rss_bytes'])} | {_mib(out['end_rss_bytes'])} | "
+                f"{_mib(mem.get('offload_window_bytes', 0))} | {_mib(mem['params'])} | {_mib(mem.get('offload_param_nvme_bytes', 0))} | "
+                f"{_mib(out.get('param_peak_held_bytes', 0))} | {_mib(out['peak_rss_bytes'])} | {_mib(out['end_rss_bytes'])} | "
                 f"{saved} | {out['step_s']:.2f} | {slower} | "
                 f"{_mib(out['read_bytes_per_step'])} | {_mib(out['written_bytes_per_step'])} |"
             )
@@ -162,6 +187,12 @@ def render(result: dict[str, Any]) -> str:
                  "timed a forward or backward, so nothing is counted as hiding behind them: " + "; ".join(
         f"{kind}: record I/O {e['io_s'] * 1e3:.0f} ms, hidden {e['hidden_io_s'] * 1e3:.0f} ms, exposed {e['exposed_io_s'] * 1e3:.0f} ms"
         for kind, ranks in result["runs"].items() if (e := ranks[0].get("plan_estimates"))))
+    params = [(kind, e) for kind, ranks in result["runs"].items() if (e := ranks[0].get("param_plan_estimates"))]
+    if params:
+        lines.append("")
+        lines.append("The engine's parameter-shard plan per step (rank 0), likewise without compute times: " + "; ".join(
+            f"{kind}: shard I/O {e['io_s'] * 1e3:.0f} ms (reads {e['read_s'] * 1e3:.0f} ms, write-backs {e['write_s'] * 1e3:.0f} ms), "
+            f"hidden {e['hidden_io_s'] * 1e3:.0f} ms, exposed {e['exposed_io_s'] * 1e3:.0f} ms" for kind, e in params))
     return "\n".join(lines)
 
 
@@ -176,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--buffer-count", type=int, default=4)
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/zerofx_bench_nvme"))
-    parser.add_argument("--runs", default="memory,nvme,nvme+dpu", help="comma-separated: memory, nvme, nvme+dpu")
+    parser.add_argument("--runs", default="memory,nvme,nvme+dpu", help="comma-separated: memory, nvme, nvme+dpu, param-nvme (stage 3)")
+    parser.add_argument("--out", default=None, help="results file stem under benchmarks/results (default offload_<size>_w<W>)")
     malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     parser.add_argument("--machine", default=f"{os.cpu_count()}-core CPU, no GPU, torch {torch.__version__}, "
                         + (f"MALLOC_MMAP_THRESHOLD_={malloc}" if malloc else "glibc malloc defaults"))
@@ -188,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from zerofx.offload import measure_nvme_bytes_per_s
 
     bandwidth = measure_nvme_bytes_per_s(args.nvme_path)
+    stem_name = args.out or f"offload_{args.size}_w{args.world_size}"
     result: dict[str, Any] = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "num_params": num_params,
                               "nvme_read_bytes_per_s": bandwidth[0], "nvme_write_bytes_per_s": bandwidth[1], "runs": {}}
     for kind in args.runs.split(","):
@@ -198,11 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[bench_offload] {kind} ...", file=sys.stderr, flush=True)
         result["runs"][kind] = run_config(spec, args.world_size)
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"offload_{args.size}_w{args.world_size}.json").write_text(json.dumps(result, indent=1))  # partial, so far
+        (RESULTS / f"{stem_name}.json").write_text(json.dumps(result, indent=1))  # partial, so far
     shutil.rmtree(args.nvme_path, ignore_errors=True)
     text = render(result)
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"offload_{args.size}_w{args.world_size}"
+    stem = RESULTS / stem_name
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(text + "\n")
     print(text)

@@ -76,22 +76,27 @@ def zero_paper_bytes(num_params: int, *, stage: int, world_size: int) -> float:
     return {0: 16 * p, 1: 4 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}[stage]
 
 
-def paper_breakdown(num_params: float, *, stage: int, world_size: int, offload: str = "none") -> dict[str, float]:
+def paper_breakdown(num_params: float, *, stage: int, world_size: int, offload: str = "none",
+                    offload_param: str = "none") -> dict[str, float]:
     """The ZeRO paper's per-device accounting for mixed-precision Adam: fp16 parameters (2 bytes),
     fp16 gradients (2) and fp32 master weights + momentum + variance (12), sharded per stage.
     With ``offload`` = "cpu" or "nvme" (ZeRO-Offload/Infinity), the optimizer states leave the
-    device for that tier: they are reported as ``offloaded_bytes``."""
-    if offload not in ("none", "cpu", "nvme"):
-        raise ValueError(f"offload={offload!r}; accepted: none, cpu, nvme")
+    device for that tier: they are reported as ``offloaded_bytes``. With ``offload_param`` (stage
+    3 only: the parameter shards) the shards leave it too: ``offloaded_param_bytes``."""
+    for name, value in (("offload", offload), ("offload_param", offload_param)):
+        if value not in ("none", "cpu", "nvme"):
+            raise ValueError(f"{name}={value!r}; accepted: none, cpu, nvme")
     p, n = float(num_params), world_size
     params = 2 * p / n if stage >= 3 else 2 * p
     grads = 2 * p / n if stage >= 2 else 2 * p
     states = 12 * p / n if stage >= 1 else 12 * p
-    on_device = params + grads + (states if offload == "none" else 0.0)
+    params_away = offload_param != "none" and stage >= 3
+    on_device = (0.0 if params_away else params) + grads + (states if offload == "none" else 0.0)
     return {
         "params_bytes": params,
         "grads_bytes": grads,
         "optimizer_states_bytes": states,
         "per_device_bytes": on_device,
         "offloaded_bytes": 0.0 if offload == "none" else states,
+        "offloaded_param_bytes": params if params_away else 0.0,
     }

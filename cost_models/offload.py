@@ -176,3 +176,66 @@ def estimate_offload_timeline(
         exposed = max(max(clock, disk_free) - forward_backward_s, 0.0)
         step_s = exposed
     return OffloadTimeline(ready, start, step_s, update_s, io_s, min(exposed, io_s))
+
+
+# --------------------------------------------------------------------------- parameter shards (stage 3)
+# NOTE [The parameter fetch timeline]
+# With ``offload_param`` each offloaded shard is read into the graph right before its bucket's
+# all-gather, once in forward and once in backward (stage 3 gathers again there), and written
+# once per step after the optimizer updates it. ``estimate_param_fetch_timeline`` replays one
+# pass (forward or backward): shards are fetched in order, fetch i is needed at ``need_s[i]``
+# seconds into the pass (plus the delay of earlier waits), and NVMe reads run ahead at most
+# ``buffer_count`` shards: read i is issued once fetch i - buffer_count has taken its shard.
+# Reads share the disk in order. Host-memory shards cost nothing when the device is the CPU, and
+# a host copy otherwise (through the same window). The time the pass waits is *exposed*; the
+# rest of the read time is hidden behind compute. Write-backs after the optimizer step are
+# counted as exposed: the next forward's first reads wait for them (an upper bound).
+
+
+@dataclass(frozen=True)
+class FetchItem:
+    """One fetch of a parameter shard: its tier, size and when the pass needs it (seconds in)."""
+
+    fqn: str
+    tier: Tier
+    shard_bytes: int
+    need_s: float
+
+
+def estimate_param_fetch_s(items: Sequence[FetchItem], tiers: Mapping[Tier, TierSpec], *, buffer_count: int) -> tuple[float, float]:
+    """(read seconds, exposed seconds) of one pass's fetches; see NOTE [The parameter fetch timeline]."""
+    if buffer_count < 1:
+        raise ValueError(f"buffer_count={buffer_count}; accepted: an integer >= 1")
+
+    def read_s(item: FetchItem) -> float:
+        spec = tiers.get(item.tier)
+        if item.tier is Tier.DEVICE or spec is None or math.isinf(spec.read_bytes_per_s):
+            return 0.0
+        return item.shard_bytes / spec.read_bytes_per_s
+
+    moved = [i for i in items if read_s(i) > 0]
+    taken: list[float] = []  # when fetch j (of ``moved``) took its shard
+    link_free, delay, io_s = 0.0, 0.0, 0.0
+    ready: dict[int, float] = {}
+    for j, item in enumerate(moved):
+        issue = taken[j - buffer_count] if j >= buffer_count else 0.0
+        link_free = max(link_free, issue) + read_s(item)
+        io_s += read_s(item)
+        ready[j] = link_free
+        need = item.need_s + delay
+        if ready[j] > need:
+            delay += ready[j] - need
+            need = ready[j]
+        taken.append(need)
+    return io_s, delay
+
+
+def estimate_param_write_s(items: Sequence[tuple[Tier, int]], tiers: Mapping[Tier, TierSpec]) -> float:
+    """Seconds to write updated shards back to their tiers (host tier on the CPU: none)."""
+    total = 0.0
+    for tier, nbytes in items:
+        spec = tiers.get(tier)
+        if tier is Tier.DEVICE or spec is None or math.isinf(spec.write_bytes_per_s):
+            continue
+        total += nbytes / spec.write_bytes_per_s
+    return total

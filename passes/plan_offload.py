@@ -1,5 +1,6 @@
-"""Planner: which tier holds each parameter's optimizer-state record, and in what order the
-optimizer step swaps records in.
+"""Planners: which tier holds each parameter's optimizer-state record, and in what order the
+optimizer step swaps records in (``plan_offload``); and, at stage 3 with ``offload_param``,
+which tier holds each parameter shard between uses (``plan_param_offload``).
 
 Reads no graph: its input is the per-parameter record sizes (``cost_models.offload``, NOTE [What
 an offloaded record holds]) in the order backward produces the gradients, a ``TierSpec`` per
@@ -28,7 +29,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from cost_models.offload import OffloadItem, Tier, TierSpec, estimate_offload_timeline
+from cost_models.offload import (
+    FetchItem,
+    OffloadItem,
+    Tier,
+    TierSpec,
+    estimate_offload_timeline,
+    estimate_param_fetch_s,
+    estimate_param_write_s,
+)
 
 _FASTEST_FIRST = (Tier.DEVICE, Tier.CPU, Tier.NVME)
 
@@ -151,5 +160,119 @@ def plan_offload(
         record_bytes=tuple((f, sizes[f]) for f in order),
         buffer_count=buffer_count,
         delayed_update=delayed_update,
+        estimates=estimates,
+    )
+
+
+# --------------------------------------------------------------------------- parameter shards
+@dataclass(frozen=True)
+class ParamOffloadPlan:
+    """Per-shard tiers at stage 3 (``offload_param``), in model order, and the estimated I/O.
+
+    Shards on ``Tier.CPU`` or ``Tier.NVME`` are *offloaded*: ``fetch_params_pass`` makes the
+    graphs fetch them right before their bucket's all-gather. ``Tier.DEVICE`` shards stay in the
+    engine's flat buffer as without offload."""
+
+    tiers: tuple[tuple[str, Tier], ...]  # (fqn, tier), model order
+    shard_bytes: tuple[tuple[str, int], ...]
+    buffer_count: int
+    # Seconds per step (forward + backward reads, write-backs; exposed = waited for).
+    estimates: Mapping[str, float]
+
+    @property
+    def offloaded(self) -> frozenset[str]:
+        return frozenset(f for f, t in self.tiers if t is not Tier.DEVICE)
+
+    def tier_of(self, fqn: str) -> Tier:
+        return dict(self.tiers)[fqn]
+
+    def fqns_on(self, tier: Tier) -> tuple[str, ...]:
+        return tuple(f for f, t in self.tiers if t is tier)
+
+    def bytes_on(self, tier: Tier) -> int:
+        sizes = dict(self.shard_bytes)
+        return sum(sizes[f] for f in self.fqns_on(tier))
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["tiers"] = [[f, t.value] for f, t in self.tiers]
+        d["estimates"] = dict(self.estimates)
+        return json.dumps(d, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ParamOffloadPlan:
+        d = json.loads(text)
+        return cls(
+            tiers=tuple((f, Tier(t)) for f, t in d["tiers"]),
+            shard_bytes=tuple((f, int(b)) for f, b in d["shard_bytes"]),
+            buffer_count=d["buffer_count"],
+            estimates=d["estimates"],
+        )
+
+    def __str__(self) -> str:
+        from tabulate import tabulate
+
+        from passes.plan import format_bytes
+
+        e = self.estimates
+        rows = [(t.value, len(self.fqns_on(t)), format_bytes(self.bytes_on(t))) for t in _FASTEST_FIRST]
+        return "\n".join([
+            f"offload_param: parameter shards per tier, {self.buffer_count} NVMe reads ahead",
+            tabulate(rows, headers=["tier", "shards", "bytes per rank"], tablefmt="simple"),
+            f"parameter I/O {e['io_s'] * 1e3:.3g} ms per step (reads {e['read_s'] * 1e3:.3g} ms in forward and backward, "
+            f"write-backs {e['write_s'] * 1e3:.3g} ms), of which hidden {e['hidden_io_s'] * 1e3:.3g} ms and exposed "
+            f"{e['exposed_io_s'] * 1e3:.3g} ms",
+        ])
+
+
+def plan_param_offload(
+    shards: Sequence[tuple[str, int, bool]],
+    buckets: Sequence[Sequence[str]],
+    tiers: Mapping[Tier, TierSpec],
+    *,
+    buffer_count: int,
+    forward_s: float = 0.0,
+    backward_s: float = 0.0,
+) -> ParamOffloadPlan:
+    """Place each sharded parameter ``(fqn, shard_bytes, trainable)`` (model order) on a tier,
+    first-fit decreasing onto the fastest tier with room, as ``plan_offload`` does (a shard is
+    read twice and, if trainable, written once per step: the fast tiers save the most when full).
+    ``buckets`` are the all-gather buckets in forward order; backward gathers them in reverse.
+    Each bucket is assumed needed at an even share of the pass's compute (``forward_s``,
+    ``backward_s``). ``ValueError`` when the shards do not fit the budgets."""
+    budgets = {t: (tiers[t].budget_bytes if t in tiers else 0.0) for t in _FASTEST_FIRST}
+    left = dict(budgets)
+    placed: dict[str, Tier] = {}
+    position = {f: i for i, (f, _, _) in enumerate(shards)}
+    for fqn, size, _ in sorted(shards, key=lambda r: (-r[1], position[r[0]])):
+        tier = next((t for t in _FASTEST_FIRST if size <= left[t]), None)
+        if tier is None:
+            raise ValueError(
+                f"parameter shards of {sum(b for _, b, _ in shards)} bytes do not fit the offload_param budgets "
+                f"({', '.join(f'{t.value} {b:g}' for t, b in budgets.items())} bytes): {fqn} ({size} bytes) has no room; "
+                "raise max_in_cpu or use device nvme"
+            )
+        left[tier] -= size
+        placed[fqn] = tier
+    sizes = {f: b for f, b, _ in shards}
+
+    def one_pass(order: Sequence[Sequence[str]], pass_s: float) -> tuple[float, float]:
+        items = [
+            FetchItem(f, placed[f], sizes[f], pass_s * k / max(len(order), 1))
+            for k, bucket in enumerate(order) for f in bucket if f in placed
+        ]
+        return estimate_param_fetch_s(items, tiers, buffer_count=buffer_count)
+
+    fw_read, fw_exposed = one_pass(buckets, forward_s)
+    bw_read, bw_exposed = one_pass(list(reversed(buckets)), backward_s)
+    write = estimate_param_write_s([(placed[f], b) for f, b, trainable in shards if trainable], tiers)
+    io = fw_read + bw_read + write
+    exposed = fw_exposed + bw_exposed + write
+    estimates = {"read_s": fw_read + bw_read, "write_s": write, "io_s": io, "exposed_io_s": exposed,
+                 "hidden_io_s": max(io - exposed, 0.0)}
+    return ParamOffloadPlan(
+        tiers=tuple((f, placed[f]) for f, _, _ in shards),
+        shard_bytes=tuple((f, b) for f, b, _ in shards),
+        buffer_count=buffer_count,
         estimates=estimates,
     )

@@ -46,6 +46,7 @@ def run(rank: int, world_size: int, cfg: dict, steps: int, save: tuple[str, int]
             engine.save_checkpoint(save[0])
     state = {k: v.float() for k, v in engine.full_state_dict().items()}  # also waits for the write-backs
     plan = getattr(engine, "offload_plan", None)
+    store = engine.param_store
     out = {
         "state": state,
         "losses": losses,
@@ -57,6 +58,19 @@ def run(rank: int, world_size: int, cfg: dict, steps: int, save: tuple[str, int]
         "num_params": sum(p.numel for p in engine.placements.values() if p.requires_grad),
         "checkpoint_dir": save[0] if save is not None else None,
     }
+    if store is not None:  # offload_param: what the parameter store holds and moved
+        out["param"] = {
+            "tiers": {f: t.value for f, t in engine.param_offload_plan.tiers},
+            "io": store.io_bytes(),
+            "peak_held_shards": store.peak_held_shards,
+            "peak_held_bytes": store.peak_held_bytes,
+            "shard_bytes": {f: store.nbytes(f) for f in store.numels},
+            "trainable": [f for f in store.numels if engine.placements[f].requires_grad],
+            "resident_shards": sorted(engine.shards),
+            "gather_buckets": engine.program.plan.gather_buckets,
+            "prefetch_distance": engine.program.plan.prefetch_distance,
+            "buffer_count": store.options.buffer_count,
+        }
     return out
 
 
@@ -113,3 +127,41 @@ def reference_late(world_size: int, steps: int, opt: dict) -> dict[str, torch.Te
         p.grad = g
     optim.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def param_config(stage: int, opt: dict, param: dict, offload: dict | None = None, *, bf16: bool = False, **zero: object) -> dict:
+    """``config`` with ``zero_optimization.offload_param`` (and extra ``zero_optimization`` keys)."""
+    cfg = config(stage, opt, offload, bf16=bf16)
+    cfg["zero_optimization"].update({"offload_param": param, **zero})
+    return cfg
+
+
+def param_faults(rank: int, world_size: int, stage2_cfg: dict, cfg: dict) -> dict[str, str]:
+    """offload_param below stage 3 (the error), then a stage-3 run whose NVMe folder is removed
+    before a forward: the error the fetch inside the graph raises."""
+    data = batches(world_size, 2, VOCAB["dna"])
+    out = {}
+    try:
+        zerofx.initialize(BUILDERS["dna"](), stage2_cfg, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
+        out["stage2"] = "no error"
+    except zerofx.ZeroFXError as exc:
+        out["stage2"] = f"{type(exc).__name__}: {exc}"
+    engine = zerofx.initialize(BUILDERS["dna"](), cfg, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
+    out["root"] = str(engine.param_store.files.root)
+    ids = data[0, rank]
+    engine.backward(engine(ids, labels=ids))
+    engine.step()
+    engine.flush()
+    shutil.rmtree(engine.param_store.files.root)
+    try:
+        engine(data[1, rank], labels=data[1, rank])
+        out["vanished"] = "no error"
+    except zerofx.ZeroFXError as exc:
+        out["vanished"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def fault_runs(rank: int, world_size: int, cfg: dict, steps_before: int, stage2_cfg: dict, param_cfg: dict) -> dict:
+    """``nvme_folder_vanishes`` and ``param_faults`` in one process."""
+    return {"records": nvme_folder_vanishes(rank, world_size, cfg, steps_before),
+            "params": param_faults(rank, world_size, stage2_cfg, param_cfg)}

@@ -250,7 +250,8 @@ def test_config_schema_is_generated_from_the_validator(capsys: pytest.CaptureFix
     assert keys["zero_optimization.stage"]["accepted"] == "0, 1, 2 or 3"
     assert keys["fp16.initial_scale_power"]["acted_on"] is True or keys["fp16.initial_scale_power"]["acted_on"] == "yes"
     assert keys["zero_optimization.offload_optimizer.device"]["acted_on"] == "yes"
-    assert keys["zero_optimization.offload_param.device"]["acted_on"] == "read, warns"
+    assert keys["zero_optimization.offload_param.device"]["acted_on"] == "yes"
+    assert keys["zero_optimization.offload_param.buffer_size"]["acted_on"] == "read, warns"
 
 
 def test_train_under_torchrun(tmp_path: Path) -> None:

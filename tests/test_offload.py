@@ -6,6 +6,7 @@ estimate against what the engine holds."""
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 import warnings
@@ -19,7 +20,7 @@ from cost_models.offload import OffloadItem, Tier, TierSpec, estimate_offload_ti
 from passes.plan_offload import OffloadPlan, plan_offload
 from tests.dist_utils import run_ranks
 from tests.models import reference
-from tests.offload_workers import config, nvme_folder_vanishes, reference_late, run_many
+from tests.offload_workers import config, fault_runs, param_config, reference_late, run_many
 from zerofx.cli import main
 from zerofx.offload import NvmeFiles, OffloadError
 
@@ -138,6 +139,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
     runs["sgd-3-delayed"] = (dpu, DPU_STEPS)
     # Saves a checkpoint after step 2 (test_checkpoint_holds_offloaded_state resumes from it).
     runs["adamw-2-bf16-nvme-saved"] = (config(2, ADAMW, nvme(root / "n1"), bf16=True), CKPT_STEPS, None, (str(root / "ckpt"), 2))
+    # offload_param (stage 3): shards split between host memory (max_in_cpu elements) and NVMe,
+    # with the optimizer state on NVMe too (one folder); bf16 AdamW with every shard on NVMe.
+    split = nvme(root / "p3", buffer_count=2, max_in_cpu=2000)
+    runs["sgd-3-param-split"] = (param_config(3, SGD, split, nvme(root / "p3", buffer_count=2)), STEPS)
+    runs["adamw-3-bf16-param-nvme"] = (param_config(3, ADAMW, nvme(root / "pb", buffer_count=1), bf16=True), STEPS)
     return run_ranks(2, run_many, runs)
 
 
@@ -186,17 +192,32 @@ def test_delayed_update_equals_late_update_reference(trained: list[dict[str, dic
         assert out["memory"]["offload_staging_bytes"] > 0
 
 
-def test_vanishing_nvme_folder_is_an_error_not_corruption(tmp_path: Path) -> None:
-    (msg,) = run_ranks(1, nvme_folder_vanishes, config(2, SGD, nvme(tmp_path / "gone")), 1)
-    assert msg.startswith("OffloadError: NVMe offload: reading") and "no longer exists" in msg and str(tmp_path / "gone") in msg
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The one-rank fault runs, in one process (spawning is the cost)."""
+    root = tmp_path_factory.mktemp("faults")
+    cfg = config(2, SGD, nvme(root / "gone"))
+    param = (param_config(2, SGD, {"device": "cpu"}), param_config(3, SGD, nvme(root / "gone-param", buffer_count=1)))
+    (out,) = run_ranks(1, fault_runs, cfg, 1, *param)
+    return {**out, "root": root}
+
+
+def test_vanishing_nvme_folder_is_an_error_not_corruption(faults: dict) -> None:
+    msg = faults["records"]
+    assert msg.startswith("OffloadError: NVMe offload: reading") and "no longer exists" in msg and str(faults["root"] / "gone") in msg
 
 
 def test_checkpoint_holds_offloaded_state(trained: list[dict[str, dict]], tmp_path: Path) -> None:
     whole = [res["adamw-2-bf16-nvme-saved"] for res in trained]
     ckpt = Path(whole[0]["checkpoint_dir"])
     # Resume from step 2 with offload to another folder, and without offload: the same run.
+    # And at stage 3 with the parameter shards on NVMe too, saving again at the end: the saved
+    # parameters are read back from the shards' files.
+    again = tmp_path / "ckpt-param"
     runs = {"nvme": (config(2, ADAMW, nvme(tmp_path / "n2"), bf16=True), CKPT_STEPS, str(ckpt)),
-            "plain": (config(2, ADAMW, bf16=True), CKPT_STEPS, str(ckpt))}
+            "plain": (config(2, ADAMW, bf16=True), CKPT_STEPS, str(ckpt)),
+            "param-nvme": (param_config(3, ADAMW, nvme(tmp_path / "pn"), nvme(tmp_path / "pn"), bf16=True), CKPT_STEPS, str(ckpt),
+                           (str(again), CKPT_STEPS))}
     resumed = run_ranks(2, run_many, runs)
     meta = json.loads((ckpt / "step-00000002" / "metadata.json").read_text())
     assert meta["masters"] and all(v == ["exp_avg", "exp_avg_sq"] for v in meta["optimizer"]["tensor_states"].values())
@@ -204,14 +225,260 @@ def test_checkpoint_holds_offloaded_state(trained: list[dict[str, dict]], tmp_pa
         for name in runs:
             assert max_diff(resumed[r][name]["state"], whole[r]["state"]) == 0.0, name
             assert resumed[r][name]["losses"] == whole[r]["losses"][2:], name
+    assert set(resumed[0]["param-nvme"]["param"]["tiers"].values()) == {"nvme"}
+    from safetensors.torch import load_file
+
+    from zerofx.consolidation import consolidate
+
+    saved = load_file(consolidate(again, tmp_path / "param.safetensors", dtype="bf16"))
+    assert max_diff({k: v.float() for k, v in saved.items()}, resumed[0]["param-nvme"]["state"]) == 0.0
 
 
 def test_plan_shows_the_placement(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps(config(3, ADAMW, nvme(tmp_path / "p", buffer_count=2), zerofx_offload={"cpu_budget_bytes": 1e4}, bf16=True)))
+    # With offload_param too: its shard placement and I/O follow the records'.
+    raw = param_config(3, ADAMW, nvme(tmp_path / "q", buffer_count=3, max_in_cpu=2000), nvme(tmp_path / "p", buffer_count=2), bf16=True)
+    raw["zerofx"] = {"offload": {"cpu_budget_bytes": 1e4}}
+    cfg.write_text(json.dumps(raw))
     assert main(["plan", "tiny", "--world-size", "4", "--config", str(cfg), "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
     assert "offload: optimizer-state records per tier, 2 NVMe buffers" in out
-    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["device"], ["cpu"], ["nvme"])}
-    assert lines["device"][1] == "0" and int(lines["cpu"][1]) > 0 and int(lines["nvme"][1]) > 0
-    assert "exposed" in out and "hidden" in out
+    records, shards = out.split("offload_param: parameter shards per tier, 3 NVMe reads ahead")
+    for text in (records, shards):
+        lines = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in (["device"], ["cpu"], ["nvme"])}
+        assert lines["device"][1] == "0" and int(lines["cpu"][1]) > 0 and int(lines["nvme"][1]) > 0
+    assert "exposed" in records and "hidden" in records
+    assert re.search(r"parameter I/O .* ms per step .* hidden .* ms and exposed .* ms", shards)
+
+
+# --------------------------------------------------------------------------- offload_param (stage 3)
+def test_param_fetch_timeline_closed_form() -> None:
+    from cost_models.offload import FetchItem, estimate_param_fetch_s
+
+    # Shards of 1000 bytes read at 1000 B/s (1 s each), needed at 0, 1, 2 s into the pass.
+    tiers = {Tier.NVME: TierSpec(INF, 1000.0, 500.0), Tier.CPU: TierSpec(INF, INF, INF)}
+    items = [FetchItem(f, Tier.NVME, 1000, t) for f, t in (("a", 0.0), ("b", 1.0), ("c", 2.0))]
+    # Two ahead: a ready at 1 (waits 1), b at 2 (needed at 1 + 1: no wait), c at 3 (needed 3): 1 s exposed of 3.
+    assert estimate_param_fetch_s(items, tiers, buffer_count=2) == pytest.approx((3.0, 1.0))
+    # One ahead: b's read starts when a is taken (1 s), ready at 2 (needed at 2), c likewise.
+    assert estimate_param_fetch_s(items, tiers, buffer_count=1) == pytest.approx((3.0, 1.0))
+    # Host memory on the CPU moves nothing.
+    assert estimate_param_fetch_s([FetchItem("a", Tier.CPU, 1000, 0.0)], tiers, buffer_count=1) == (0.0, 0.0)
+
+
+def test_param_placement_and_plan_round_trip() -> None:
+    from passes.plan_offload import ParamOffloadPlan, plan_param_offload
+
+    tiers = {Tier.DEVICE: TierSpec(0, INF, INF), Tier.CPU: TierSpec(250, INF, INF), Tier.NVME: TierSpec(INF, 1e3, 1e3)}
+    shards = [("a", 100, True), ("b", 200, True), ("c", 50, False)]
+    plan = plan_param_offload(shards, [("a",), ("b", "c")], tiers, buffer_count=2, forward_s=1.0, backward_s=2.0)
+    # Largest first: b -> cpu (50 left), a -> nvme, c -> cpu.
+    assert dict(plan.tiers) == {"a": Tier.NVME, "b": Tier.CPU, "c": Tier.CPU}
+    assert plan.offloaded == {"a", "b", "c"} and plan.bytes_on(Tier.NVME) == 100
+    # a is read in forward (needed at 0: 0.1 s exposed) and backward (needed at 1 s: hidden), written once.
+    e = plan.estimates
+    assert (e["read_s"], e["write_s"], e["exposed_io_s"], e["hidden_io_s"]) == pytest.approx((0.2, 0.1, 0.2, 0.1))
+    assert ParamOffloadPlan.from_json(plan.to_json()) == plan
+    # device cpu: every shard in host memory, moved for free when the device is the CPU.
+    from zerofx.param_offload import ParamOffloadOptions
+
+    opts = ParamOffloadOptions.from_config(param_config(3, SGD, {"device": "cpu"}))
+    plan = plan_param_offload(shards, [("a", "b", "c")], opts.tier_specs(4, device_is_cpu=True), buffer_count=1, forward_s=1.0)
+    assert set(dict(plan.tiers).values()) == {Tier.CPU} and plan.estimates["io_s"] == 0.0
+
+
+def _stage3_graphs() -> tuple[dict, object]:
+    from tests.models import batches, dna_lm
+
+    ids = batches(2, 1)[0, 0]
+    program = zerofx.compile(dna_lm(), world_size=2, stage=3, example_inputs=(ids,), example_kwargs={"labels": ids},
+                             config={"optimizer": SGD})
+    return program.graph_modules(0), program.plan
+
+
+def test_fetch_params_pass_fetches_each_shard_right_before_its_gather() -> None:
+    from passes import meta
+    from passes.fetch_params import FETCH_FQN, fetch_order, fetch_params_pass, is_fetch
+    from passes.plan_offload import ParamOffloadPlan
+
+    gms, plan = _stage3_graphs()
+    sharded = [p.fqn for p in plan.params if p.fqn not in plan.persistent]
+    offloaded = sharded[1:]  # the first (embed.weight) stays on the device
+    pplan = ParamOffloadPlan(tuple((f, Tier.DEVICE if f not in offloaded else Tier.NVME) for f in sharded),
+                             tuple((f, 4) for f in sharded), 2, {})
+    for name in ("forward", "backward"):
+        gm = gms[name]
+        before = len(list(gm.graph.nodes))
+        fetch_params_pass(gm, pplan)
+        nodes = list(gm.graph.nodes)
+        fetches = [n for n in nodes if is_fetch(n)]
+        assert len(nodes) == before + len(offloaded) and sorted(fetch_order(gm)) == sorted(offloaded), name
+        gathers = [n for n in nodes if meta.is_all_gather(n)]
+        pos = {n: i for i, n in enumerate(nodes)}
+        for k, gather in enumerate(gathers):
+            bucket = [f for f in gather.meta[meta.COMM_FQNS] if f in offloaded]
+            # The bucket's fetches come right before its pack (or the gather itself), nothing between.
+            start = min(pos[a] for a in [gather, *gather.all_input_nodes] if a.op != "placeholder" and not is_fetch(a))
+            mine = nodes[start - len(bucket) : start]
+            assert [n.meta.get(FETCH_FQN) for n in mine] == [f for f in gather.meta[meta.COMM_FQNS] if f in offloaded], (name, k)
+            # ...and after the wait of bucket k - d: the prefetch distance holds for the reads too.
+            if k >= plan.prefetch_distance and bucket:
+                anchor = next(u for u in gathers[k - plan.prefetch_distance].users if meta.is_wait(u))
+                assert pos[mine[0]] > pos[anchor], (name, k)
+        # Offloaded placeholders are tokens: only fetches (and forward's output) use them.
+        for ph in meta.placeholders(gm.graph, meta.Role.PARAM):
+            users = {u.op if u.op == "output" else is_fetch(u) for u in ph.users}
+            assert users <= ({True, "output"} if ph.meta[meta.FQN] in offloaded else {False, "output"}), (name, ph)
+            if ph.meta[meta.FQN] in offloaded:
+                assert tuple(ph.meta["val"].shape) == (1,) and ph.meta["val"].dtype == torch.int64
+        assert all(tuple(n.meta["val"].shape) == (n.args[2],) for n in fetches)
+        # Each fetch carries its neighbour's autograd_backward mark (Inductor's remat pass reads it).
+        assert all(n.meta.get("autograd_backward") == n.next.meta.get("autograd_backward") for n in fetches)
+        code = gm.code
+        assert fetch_params_pass(gm, pplan).code == code  # twice: nothing changes
+        gm.graph.lint()
+    # Nothing more to offload: the graph is returned unchanged.
+    none = ParamOffloadPlan(tuple((f, Tier.DEVICE) for f in sharded), tuple((f, 4) for f in sharded), 2, {})
+    code = gms["forward"].code
+    assert fetch_params_pass(gms["forward"], none) is gms["forward"] and gms["forward"].code == code
+
+
+def _param_store(tmp_path: Path, numels: dict[str, int], buffer_count: int = 2):
+    from passes.plan_offload import ParamOffloadPlan
+    from zerofx.param_offload import ParamOffloadOptions, ParamStore
+
+    plan = ParamOffloadPlan(tuple((f, Tier.NVME) for f in numels), tuple((f, 4 * n) for f, n in numels.items()), buffer_count, {})
+    options = ParamOffloadOptions(Tier.NVME, tmp_path, False, buffer_count, 0.0, 1e9, 1e9, 1e9)
+    store = ParamStore(plan, options, numels, torch.float32, device=torch.device("cpu"), rank=0)
+    for i, f in enumerate(numels):
+        store.init_shard(f, torch.full((numels[f],), float(i)))
+    return store
+
+
+def test_param_store_window_is_bounded(tmp_path: Path) -> None:
+    numels = {f"layer{i}.w": 1000 for i in range(12)}
+    store = _param_store(tmp_path, numels, buffer_count=2)
+    store.set_schedule(list(numels))
+    store.reset_peak()
+    for step in range(2):
+        for i, f in enumerate(numels):
+            shard = torch.ops.zerofx.fetch_shard(store.token, f, 1000, torch.float32, torch.device("cpu"))
+            assert torch.equal(shard, torch.full((1000,), float(i)))
+            del shard  # the graph drops it after the gather's pack
+    # Two reads ahead and the one being used: never the whole set.
+    assert store.peak_held_shards == 3 and store.peak_held_bytes == 3 * 4000
+    kept = [store.fetch(f) for f in numels]  # a caller that keeps them all does hold them all
+    assert store.held_shards >= len(numels)
+    del kept
+    # An update writes the shard back; the next fetch sees it, even though a read was issued ahead.
+    host = store.acquire("layer0.w")
+    host.fill_(7.0)
+    store.release("layer0.w", host)
+    assert torch.equal(store.fetch("layer0.w"), torch.full((1000,), 7.0))
+    store.close()
+
+
+def test_param_store_faults_name_the_path(tmp_path: Path) -> None:
+    from passes.plan_offload import ParamOffloadPlan
+    from zerofx.param_offload import ParamOffloadOptions, ParamStore
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    plan = ParamOffloadPlan((("w", Tier.NVME),), (("w", 400),), 1, {})
+    options = ParamOffloadOptions(Tier.NVME, blocker, False, 1, 0.0, 1e9, 1e9, 1e9)
+    with pytest.raises(OffloadError, match=f"cannot create folder '{blocker}/rank-00000'"):
+        ParamStore(plan, options, {"w": 100}, torch.float32, device=torch.device("cpu"), rank=0)
+    store = _param_store(tmp_path / "nvme", {"w": 100, "v": 100}, buffer_count=1)
+    fetch = torch.ops.zerofx.fetch_shard
+    # Short read: the file lost its tail (the error comes through the graph's op as it is).
+    os.truncate(store.files.path("w"), 100)
+    with pytest.raises(OffloadError, match=r"short read of '.*/rank-00000/w\.param': got 100 of 400 bytes of w's parameter shard"):
+        fetch(store.token, "w", 100, torch.float32, torch.device("cpu"))
+    # Full disk on write-back.
+    store.files.path("v").unlink()
+    os.symlink("/dev/full", store.files.path("v"))
+    store.release("v", torch.zeros(100))
+    with pytest.raises(OffloadError, match=r"writing 400 bytes of v's parameter shard to '.*v\.param' failed: the disk is full"):
+        store.drain()
+    # The folder vanishes.
+    for p in store.files.root.iterdir():
+        p.unlink()
+    store.files.root.rmdir()
+    with pytest.raises(OffloadError, match=f"reading .* '{store.files.root}/w.param' failed: folder '{store.files.root}' no longer exists"):
+        fetch(store.token, "w", 100, torch.float32, torch.device("cpu"))
+    store.close()
+
+
+def test_offload_param_config() -> None:
+    from zerofx.param_offload import ParamOffloadOptions
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # acted on: no warning for the section's keys
+        raw = param_config(3, SGD, nvme(Path("/tmp/x"), pin_memory=True, buffer_count=3, max_in_cpu=1000))
+        zerofx.parse_config(raw)
+    opts = ParamOffloadOptions.from_config(raw)
+    assert (opts.device, opts.buffer_count, opts.max_in_cpu, opts.pin_memory) == (Tier.NVME, 3, 1000.0, True)
+    with pytest.raises(zerofx.ConfigError, match="offload_param.device is nvme but nvme_path is missing"):
+        zerofx.parse_config(param_config(3, SGD, {"device": "nvme"}))
+    assert ParamOffloadOptions.from_config(config(3, SGD)) is None
+
+
+def _window_bound(param: dict) -> int:
+    """NOTE [The parameter store]'s bound on NVMe shards in host memory at once."""
+    buckets = [len([f for f in b if param["tiers"].get(f) == "nvme"]) for b in param["gather_buckets"]]
+    return 2 * param["buffer_count"] + 1 + max(max(buckets), param["prefetch_distance"] + 1)
+
+
+def test_offload_param_trains_like_plain_pytorch(trained: list[dict[str, dict]]) -> None:
+    expected = reference("dna", 2, STEPS, SGD)
+    for res in trained:
+        out = res["sgd-3-param-split"]
+        assert max_diff(out["state"], expected) < 1e-5
+        param, mem = out["param"], out["memory"]
+        assert param["resident_shards"] == []  # the engine keeps none of the shards
+        on = {t: sum(b for f, b in param["shard_bytes"].items() if param["tiers"][f] == t) for t in ("cpu", "nvme")}
+        # Host memory holds the largest shards that fit max_in_cpu (2000 fp32 elements), NVMe the rest.
+        assert 0 < on["cpu"] <= 4 * 2000 and on["nvme"] > 0
+        assert (mem["params"], mem["offload_param_cpu_bytes"], mem["offload_param_nvme_bytes"]) == (0, on["cpu"], on["nvme"])
+        sizes = {f: b for f, b in param["shard_bytes"].items() if param["tiers"][f] == "nvme"}
+        total, trainable = sum(sizes.values()), sum(sizes[f] for f in param["trainable"] if f in sizes)
+        read, written = param["io"]
+        # Initialization writes every shard; each step writes back the trainable ones. Each step
+        # reads every shard in forward and backward and the trainable ones for the update (plus
+        # full_state_dict's reads, and reads ahead dropped because an update rewrote the shard).
+        assert written == total + STEPS * trainable
+        assert STEPS * (2 * total + trainable) + total <= read <= STEPS * (3 * total + trainable) + total
+        # Never more NVMe shards in host memory than NOTE [The parameter store] allows.
+        assert 0 < param["peak_held_shards"] <= _window_bound(param)
+        # The window: with every shard on NVMe and one read ahead, never all the shards at once
+        # (the bound is 2 x 1 + 1 + the largest bucket, 7 of the 16 shards).
+        whole = res["adamw-3-bf16-param-nvme"]["param"]
+        assert 0 < whole["peak_held_shards"] <= _window_bound(whole) < len(whole["shard_bytes"])
+        assert whole["peak_held_bytes"] < sum(whole["shard_bytes"].values())
+        # Optimizer state and shards share one NVMe folder: SGD momentum is one fp32 per owned element.
+        assert mem["offload_nvme_bytes"] == 4 * out["owned"]
+        # bf16 AdamW with every shard on NVMe: the non-offloaded run exactly.
+        assert max_diff(res["adamw-3-bf16-param-nvme"]["state"], res["adamw-3-bf16"]["state"]) == 0.0
+        assert res["adamw-3-bf16-param-nvme"]["losses"] == res["adamw-3-bf16"]["losses"]
+
+
+def test_estimate_agrees_with_offloaded_params(trained: list[dict[str, dict]], capsys: pytest.CaptureFixture) -> None:
+    out = trained[0]["adamw-3-bf16-param-nvme"]
+    assert main(["estimate", "--params", str(out["num_params"]), "--world-size", "2", "--stage", "3",
+                 "--offload-param", "nvme", "--format", "json"]) == 0
+    est = json.loads(capsys.readouterr().out)["stages"]["3"]
+    mem = out["memory"]
+    # bf16 shards: 2 bytes per element of this rank's shards (padding included; the frozen norm too).
+    assert mem["params"] == 0 and mem["offload_param_nvme_bytes"] == sum(out["param"]["shard_bytes"].values())
+    assert mem["offload_param_nvme_bytes"] == pytest.approx(est["offloaded_param_bytes"], rel=1e-2)
+    # What stays on the device: gradient shards and (offload_optimizer off) the AdamW records.
+    assert mem["params"] + mem["grads"] + mem["optimizer_states"] == pytest.approx(est["per_device_bytes"], rel=2e-3)
+
+
+
+def test_offload_param_faults_in_the_engine(faults: dict) -> None:
+    out = faults["params"]
+    assert out["stage2"].startswith("ZeroFXError: zero_optimization.offload_param applies at ZeRO stage 3")
+    # The shard's read fails inside the forward graph; the error names the file and the shard.
+    assert out["vanished"].startswith("OffloadError: NVMe offload: reading") and "parameter shard" in out["vanished"]
+    assert f"folder '{out['root']}' no longer exists" in out["vanished"]

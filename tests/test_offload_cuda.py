@@ -1,5 +1,6 @@
 """The offload path on CUDA: pinned host records, gradients copied to the host, parameters copied
-back; NVMe records through pinned buffers; the delayed update. One rank, NCCL. Runs only where a
+back; NVMe records through pinned buffers; the delayed update; parameter shards (offload_param)
+fetched from pinned host memory or NVMe into the graph. One rank, NCCL. Runs only where a
 CUDA device exists (``python -m pytest -q tests/test_offload_cuda.py`` on a GPU machine); the
 CPU-only tests in ``test_offload.py`` cover the same logic with the device set to the CPU."""
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import zerofx
 from tests.dist_utils import free_port
 from tests.models import BUILDERS, VOCAB, batches
-from tests.offload_workers import config
+from tests.offload_workers import config, param_config
 
 SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}}
@@ -71,3 +72,22 @@ def test_cuda_delayed_update_runs_in_the_background(nccl: None, tmp_path: Path) 
     on_time, _ = _train(config(2, SGD, offload), 4)
     assert max((delayed[k] - on_time[k]).abs().max().item() for k in on_time) > 1e-3
     assert all(torch.isfinite(v).all() for v in delayed.values())
+
+
+@needs_cuda
+@pytest.mark.parametrize("opt, bf16", [(SGD, False), (ADAMW, True)], ids=["sgd", "adamw-bf16"])
+def test_cuda_param_offload_matches_device_params(nccl: None, tmp_path: Path, opt: dict, bf16: bool) -> None:
+    steps = 3
+    expected, _ = _train(config(3, opt, bf16=bf16), steps)
+    for name, param, records in [
+        ("cpu-pinned", {"device": "cpu", "pin_memory": True}, None),
+        ("nvme-pinned", {"device": "nvme", "nvme_path": str(tmp_path / "p"), "pin_memory": True, "buffer_count": 2}, None),
+        ("nvme-both", {"device": "nvme", "nvme_path": str(tmp_path / "b"), "pin_memory": True, "buffer_count": 2},
+         {"device": "nvme", "nvme_path": str(tmp_path / "b"), "pin_memory": True}),
+    ]:
+        state, mem = _train(param_config(3, opt, param, records, bf16=bf16), steps)
+        diff = max((state[k] - expected[k]).abs().max().item() for k in expected)
+        # Records on the device: the update runs on the GPU as without offload. With the records
+        # on NVMe it runs on the host (see test_cuda_offload_matches_device_state's tolerance).
+        assert diff < (1e-3 if bf16 else 1e-5), (name, diff)
+        assert mem["params"] == 0 and mem["offload_param_cpu_bytes"] + mem["offload_param_nvme_bytes"] > 0, name

@@ -157,7 +157,9 @@ def _my_slice(engine: Engine, fqn: str, t: torch.Tensor) -> torch.Tensor:
 def _rank_tensors(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """This rank's slice of every parameter, fp32 master and optimizer-state tensor, and the
     scalar optimizer states (Adam's ``step``)."""
-    tensors = {f"param/{f}": _my_slice(engine, f, engine.shards[f]) for f in engine.placements}
+    # Offloaded parameter shards (stage 3 offload_param) are read back from their tier.
+    shard = getattr(engine, "param_shard", None) or engine.shards.__getitem__
+    tensors = {f"param/{f}": _my_slice(engine, f, shard(f)) for f in engine.placements}
     tensors.update({f"master/{f}": _my_slice(engine, f, t) for f, t in _masters(engine).items()})
     scalars: dict[str, dict[str, Any]] = {}
     for fqn, param in _optimizer_tensors(engine).items():
@@ -317,7 +319,11 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
             master = fqn in meta["masters"]
             saved_dtype = torch.float32 if master else torch_dtype(meta["placements"][fqn]["dtype"])
             value = _read_shard(engine, files, meta, f"{'master' if master else 'param'}/{fqn}", fqn, saved_dtype)
-            _fill(engine, fqn, engine.shards[fqn], value.to(p.torch_dtype))
+            param_store = getattr(engine, "param_store", None)
+            if param_store is not None and fqn in param_store:
+                param_store.init_shard(fqn, value.to(p.torch_dtype))  # this rank's new shard, to its tier
+            else:
+                _fill(engine, fqn, engine.shards[fqn], value.to(p.torch_dtype))
             if fqn in engine.full and engine.full[fqn] is not engine.shards[fqn]:
                 _fill(engine, fqn, engine.full[fqn], value.to(p.torch_dtype))
             if fqn in masters:

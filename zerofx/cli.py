@@ -292,11 +292,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         label = f"{spec.label}: {int(num_params):,} parameters"
     rows, per_stage = [], {}
     for s in stages:
-        b = paper_breakdown(num_params, stage=s, world_size=args.world_size, offload=args.offload)
+        b = paper_breakdown(num_params, stage=s, world_size=args.world_size, offload=args.offload, offload_param=args.offload_param)
         per_stage[s] = {**b, **({"activation_peak_bytes": activations[s]} if s in activations else {})}
         row = [s, b["params_bytes"] / 1e9, b["grads_bytes"] / 1e9, b["optimizer_states_bytes"] / 1e9, b["per_device_bytes"] / 1e9]
         if args.offload != "none":
             row.append(b["offloaded_bytes"] / 1e9)
+        if args.offload_param != "none":
+            row.append(b["offloaded_param_bytes"] / 1e9)
         if activations:
             row.append(activations[s] / 1e9)
         rows.append(row)
@@ -308,6 +310,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     headers = ["stage", "params GB", "grads GB", "optimizer states GB", "per device GB"]
     if args.offload != "none":
         headers.append(f"on {args.offload} GB")
+    if args.offload_param != "none":
+        headers.append(f"params on {args.offload_param} GB (stage 3)")
     if activations:
         headers.append("activation peak GB (fp32, memory model)")
     print(f"{label}, world size {args.world_size}, mixed-precision Adam (ZeRO paper: 2 + 2 + 12 bytes per parameter)"
@@ -680,6 +684,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, required=True, help="number of ranks")
     p.add_argument("--stage", type=int, help="only this ZeRO stage (default: all of 0, 1, 2, 3)")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none", help="where optimizer states live (default: none)")
+    p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="none",
+                   help="where stage-3 parameter shards live (default: none)")
     p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config, for the --model activation estimate")
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
     p.set_defaults(func=cmd_estimate)

@@ -100,7 +100,14 @@ _OFFLOAD_OPTIMIZER = {
     "buffer_count": Key((int,), "host buffers NVMe records pass through: the window", _pos_int, "an integer >= 1"),
     "ratio": Key(_NUM, "fraction of the optimizer state to offload (the rest stays on the device)", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
 }
-_OFFLOAD_PARAM = {name: replace(key, acted_on=False) for name, key in _OFFLOAD_OPTIMIZER.items()}
+_OFFLOAD_PARAM = {
+    "device": Key((str,), "where stage-3 parameter shards live between uses", lambda v: v in ("none", "cpu", "nvme"), "none, cpu or nvme"),
+    "nvme_path": Key((str,), "folder for NVMe parameter files (one subfolder per rank)"),
+    "pin_memory": Key((bool,), "pin host memory for offloaded parameters (CUDA)"),
+    "buffer_count": Key((int,), "NVMe parameter reads in flight ahead of use: the window", _pos_int, "an integer >= 1"),
+    "max_in_cpu": Key(_NUM, "with device nvme, parameter elements per rank kept in host memory (zerofx default 0)", lambda v: v >= 0, "a number >= 0"),
+    "buffer_size": Key(_NUM, "elements per NVMe buffer (zerofx sizes each read to its shard)", lambda v: v > 0, "a number > 0", False),
+}
 _BYTES = lambda v: v >= 0  # noqa: E731
 _ZEROFX_OFFLOAD = {
     "delayed_update": Key((bool,), "one-step delayed parameter update (DPU): the optimizer step runs during the next forward/backward; changes the numerics"),
@@ -126,7 +133,7 @@ SCHEMA: dict[str, Key] = {
         "stage3_param_persistence_threshold": Key(_NUM, "parameters smaller than this stay unsharded", lambda v: v >= 0, "a number >= 0"),
         "stage3_gather_16bit_weights_on_model_save": Key((bool,), "gather 16-bit weights when saving", acted_on=False),
         "offload_optimizer": Key((dict,), "optimizer-state offload: fp32 masters and optimizer states", children=_OFFLOAD_OPTIMIZER),
-        "offload_param": Key((dict,), "parameter offload (stage 3)", children=_OFFLOAD_PARAM, acted_on=False),
+        "offload_param": Key((dict,), "parameter offload (stage 3): shards fetched into the graph before their all-gather", children=_OFFLOAD_PARAM),
         "sub_group_size": Key(_NUM, "optimizer sub-group size", lambda v: v > 0, "a number > 0", False),
     }),
     "optimizer": Key((dict,), "the optimizer", children={
@@ -352,8 +359,10 @@ def parse_config(
     if bad:
         raise ConfigError(f"optimizer.params {bad} do not apply to optimizer type {kind!r}")
     from zerofx.offload import OffloadOptions  # offload imports the cost models; only its checks are needed here
+    from zerofx.param_offload import ParamOffloadOptions
 
     OffloadOptions.from_config(raw)  # offload settings that contradict each other
+    ParamOffloadOptions.from_config(raw)
     return ZeroConfig(
         stage=stage if stage is not None else cfg_stage,
         world_size=world_size if world_size is not None else cfg_world,

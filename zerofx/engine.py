@@ -27,6 +27,17 @@ engine's storage lives on the CPU (gloo) or the current CUDA device (NCCL).
 With ``offload_optimizer`` the fp32 masters and optimizer states are not laid out here: each
 parameter's record goes to the tier ``plan_offload`` chose (device, host memory or NVMe), and the
 optimizer is an ``OffloadedOptimizer`` over the shards themselves (see ``zerofx.offload``).
+
+NOTE [offload_param]
+At stage 3 with ``offload_param`` the sharded parameters ``plan_param_offload`` puts in host
+memory or on NVMe are not in the engine's flat buffer either: a ``ParamStore`` holds them (NOTE
+[The parameter store] in ``zerofx.offload``). The graphs take the store's 8-byte token in place
+of each such shard and fetch the shard right before its bucket's all-gather
+(``passes.fetch_params``), so the rank never holds them all. ``self.shards`` has no entry for
+them; ``optimizer_params`` holds a shape-only handle (no storage) per offloaded shard, and the
+optimizer, always an ``OffloadedOptimizer`` then (its records on the device when
+``offload_optimizer`` is off), takes each shard from the store to update it and writes it
+back. ``param_shard``, ``full_state_dict`` and checkpoints read offloaded shards one at a time.
 """
 
 from __future__ import annotations
@@ -47,12 +58,15 @@ from cost_models.offload import Tier
 from passes import OffloadPlan, ParamPlacement, ZeroStage
 from passes.meta import is_wait
 from passes.check_collectives import collective_sequence, first_divergence
+from passes.fetch_params import fetch_order
+from passes.plan_offload import ParamOffloadPlan
 from passes.plan_sharding import persistent_params, place_param
 from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, cast_info, flatten_call, split_loss_kwargs
 from zerofx.config import OptimizerSpec, ZeroConfig
 from zerofx.errors import CaptureError, RankDivergenceError, ZeroFXError
 from zerofx.materialize import InitFn, check_all_meta_or_none, iter_initial_state
 from zerofx.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, plan_engine_offload
+from zerofx.param_offload import ParamOffloadOptions, ParamStore, plan_engine_param_offload
 from zerofx.program import Program, check_example_inputs, plan_program, resolve
 from zerofx.schedulers import lr_at
 
@@ -199,20 +213,33 @@ class Engine:
             (key, param_aliases.get(key)) for key in model.state_dict().keys()
         ]
         self.offload_options = OffloadOptions.from_config(cfg.raw)
+        self.param_offload_options = ParamOffloadOptions.from_config(cfg.raw)
+        if self.param_offload_options is not None:
+            if self.stage is not ZeroStage.THREE:
+                raise ZeroFXError(
+                    f"zero_optimization.offload_param applies at ZeRO stage 3 (parameters are sharded only there), got stage "
+                    f"{int(self.stage)}; set stage 3 or offload_param.device none"
+                )
+            if self.offload_options is None:  # NOTE [offload_param]: one optimizer streams the shards
+                self.offload_options = OffloadOptions.on_device(cfg.raw)
         self.offload_store: OffloadStore | None = None
         self.offload_plan: OffloadPlan | None = None
+        self.param_store: ParamStore | None = None
+        self.param_offload_plan: ParamOffloadPlan | None = None
+        self._scheduled: Program | None = None  # the program whose fetch order the store reads ahead along
         self._init_storage(model, init_fn=init_fn, init_seed=init_seed)
         trainable = [f for f, p in self.placements.items() if p.requires_grad]
         # The tensors the optimizer steps: fp32 master copies of this rank's shards in mixed
         # precision, else the shards themselves (their gradients are the persistent buffers).
         # Offloaded, the masters live in the store and the optimizer steps the shards.
-        self.optimizer_params = {f: self.master[f] if self.master else self.shards[f] for f in trainable}
+        self.optimizer_params = {f: self.master[f] if self.master else self._shard_or_handle(f) for f in trainable}
         if self.compute_dtype is None:
             for f, t in self.optimizer_params.items():
                 t.grad = self._grad_shard(f)
         self.optimizer: torch.optim.Optimizer
         if self.offload_store is not None:
-            self.optimizer = OffloadedOptimizer(self.optimizer_params, self.offload_store, cfg.optimizer.type, cfg.optimizer.params)
+            self.optimizer = OffloadedOptimizer(self.optimizer_params, self.offload_store, cfg.optimizer.type, cfg.optimizer.params,
+                                                param_store=self.param_store)
         else:
             self.optimizer = build_optimizer(cfg.optimizer, list(self.optimizer_params.values()), fused=cfg.fused_optimizer)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
@@ -243,6 +270,9 @@ class Engine:
         self._offsets: dict[str, int] = {}
         self.master: dict[str, torch.Tensor] = {}
         self._master_offsets: dict[str, int] = {}
+        if self.param_offload_options is not None and sharded:
+            self.param_store = self._build_param_store(sharded)
+            sharded = [f for f in sharded if f not in self.param_store]
         if self.offload_options is not None:
             self.offload_store = self._build_offload_store()
         elif self.compute_dtype is not None:
@@ -308,7 +338,9 @@ class Engine:
             self.offload_store.init_record(fqn, owned if self.compute_dtype is not None else None)
         flat = flat.to(p.torch_dtype)
         own = flat[r * p.shard_numel : (r + 1) * p.shard_numel]
-        if fqn in self._offsets:
+        if self.param_store is not None and fqn in self.param_store:
+            self.param_store.init_shard(fqn, own)
+        elif fqn in self._offsets:
             self.shards[fqn] = self._shard_flat[self._offsets[fqn] : self._offsets[fqn] + p.shard_numel]
             self.shards[fqn].copy_(own)
         else:
@@ -331,6 +363,32 @@ class Engine:
         return OffloadStore(self.offload_plan, self.offload_options, owned, optimizer=kind, mixed_precision=mixed,
                             device=self.device, rank=self.rank)
 
+    def _build_param_store(self, sharded: list[str]) -> ParamStore:
+        """Plan the tiers of the sharded parameters (``offload_param``) and create their store;
+        ``_store_param`` fills it. Like the optimizer plan, a function of the config and shapes."""
+        assert self.param_offload_options is not None
+        # The gather buckets are planned after capture; placement does not depend on them, only
+        # the I/O estimate does, and the engine has no compute times to weigh it with anyway.
+        buckets = [(f,) for f in sharded]
+        shards = [(f, self.placements[f].shard_numel, self.placements[f].itemsize, self.placements[f].requires_grad) for f in sharded]
+        self.param_offload_plan = plan_engine_param_offload(shards, buckets, self.param_offload_options,
+                                                            device_is_cpu=self.device.type == "cpu")
+        return ParamStore(self.param_offload_plan, self.param_offload_options, {f: n for f, n, _, _ in shards},
+                          self._flat_dtype(), device=self.device, rank=self.rank)
+
+    def _shard_or_handle(self, fqn: str) -> torch.Tensor:
+        """The shard, or for an offloaded one a handle of its shape with no storage (NOTE [offload_param])."""
+        if self.param_store is not None and fqn in self.param_store:
+            p = self.placements[fqn]
+            return torch.empty((), dtype=p.torch_dtype, device=self.device).expand(p.shard_numel)
+        return self.shards[fqn]
+
+    def param_shard(self, fqn: str) -> torch.Tensor:
+        """This rank's shard of ``fqn`` (a copy read from the store when offloaded)."""
+        if self.param_store is not None and fqn in self.param_store:
+            return self.param_store.read_shard(fqn).to(self.device)
+        return self.shards[fqn]
+
     def _flat_dtype(self) -> torch.dtype:
         dtypes = {p.torch_dtype for p in self.placements.values()}
         if len(dtypes) != 1:
@@ -346,6 +404,8 @@ class Engine:
     def _param_input(self, fqn: str) -> torch.Tensor:
         """What the forward graph takes for a parameter: its shard if sharded, else its full value."""
         p = self.placements[fqn]
+        if self.param_store is not None and fqn in self.param_store:
+            return self.param_store.token  # the graph fetches the shard itself (passes.fetch_params)
         if fqn not in self.full:
             return self.shards[fqn]
         return self.full[fqn][: p.numel].view(p.shape)
@@ -365,9 +425,16 @@ class Engine:
                 self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos, device=self.device,
                 compute_dtype=self.compute_dtype, tiling=self.cfg.tiling_options(),
             )
-            program = plan_program(captured, self.cfg, self.world_size, group_name=self.group_name)
+            program = plan_program(captured, self.cfg, self.world_size, group_name=self.group_name,
+                                   param_offload=self.param_offload_plan)
             self._check_same_plan(program)
             self._programs[sig] = program
+        if self.param_store is not None and program is not self._scheduled:
+            # Every use of an offloaded shard in one step, in order: the store reads ahead along it.
+            gms = program.graph_modules(self.rank)
+            updates = [f for f in self.offload_plan.update_order if f in self.param_store] if self.offload_plan else []
+            self.param_store.set_schedule(fetch_order(gms["forward"]) + fetch_order(gms["backward"]) + updates)
+            self._scheduled = program
         return program
 
     def _check_same_plan(self, program: Program) -> None:
@@ -547,6 +614,8 @@ class Engine:
             if self.optimizer.finish():
                 self._sync_params()
             self.optimizer.store.drain()  # the write-backs still going on; raises their errors
+            if self.param_store is not None:
+                self.param_store.drain()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict (same keys and shapes as ``model.state_dict()``) on every rank.
@@ -562,7 +631,7 @@ class Engine:
                 p = self.placements[owner]
                 if owner not in self.full:
                     flat = torch.empty(p.padded_numel, dtype=p.torch_dtype, device=self.device)
-                    dist.all_gather_into_tensor(flat, self.shards[owner], group=self.group)
+                    dist.all_gather_into_tensor(flat, self.param_shard(owner), group=self.group)
                 else:
                     flat = self.full[owner].clone()
                 gathered[owner] = flat[: p.numel].view(p.shape)
@@ -574,7 +643,9 @@ class Engine:
         offload, ``optimizer_states`` is what stays on the device, and ``offload_cpu_bytes`` /
         ``offload_nvme_bytes`` what host memory and the NVMe files hold (``offload_window_bytes``:
         the host buffers NVMe records pass through; ``offload_staging_bytes``: the delayed
-        update's copy of the shards)."""
+        update's copy of the shards). With ``offload_param``, ``params`` counts only what stays
+        on the device; ``offload_param_cpu_bytes`` / ``offload_param_nvme_bytes`` the shards on
+        the other tiers and ``offload_param_window_bytes`` the NVMe read-ahead bound."""
         params = list(self.full.values()) + ([self._shard_flat] if self._shard_flat is not None else [])
         out = {"params": _storage_bytes(params), "grads": _storage_bytes(list(self.grads.values()))}
         if isinstance(self.optimizer, OffloadedOptimizer):
@@ -586,6 +657,11 @@ class Engine:
             out["offload_nvme_bytes"] = store.nvme_bytes()
             out["offload_window_bytes"] = store.window_bytes()
             out["offload_staging_bytes"] = self.optimizer.staging_bytes()
+            if self.param_store is not None:
+                ps = self.param_store
+                out["offload_param_cpu_bytes"] = ps.cpu_bytes()
+                out["offload_param_nvme_bytes"] = ps.nvme_bytes()
+                out["offload_param_window_bytes"] = ps.window_bytes()
             return out
         states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         states += list(self.master.values())  # the fp32 master copy counts with the optimizer states, as in ZeRO

@@ -1,5 +1,7 @@
 """ZeRO-Offload / ZeRO-Infinity at run time: optimizer-state records on the device, in host
-memory or in files on NVMe, stepped through a bounded window with the I/O overlapped.
+memory or in files on NVMe, stepped through a bounded window with the I/O overlapped. The
+parameter shards of ``offload_param`` (stage 3) live in ``zerofx.param_offload``, which shares
+this module's NVMe files.
 
 The engine builds an ``OffloadStore`` (records and their tiers, per the ``OffloadPlan``) before
 it lays out the parameters, writes each parameter's initial fp32 master into it one at a time,
@@ -52,7 +54,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import torch
@@ -62,8 +64,11 @@ from torch.optim.sgd import sgd as sgd_update
 
 from cost_models.compute import CPU_CORE
 from cost_models.offload import FP32_BYTES, Tier, TierSpec, record_numels
-from passes.plan_offload import OffloadPlan, plan_offload
+from passes.plan_offload import OffloadPlan, ParamOffloadPlan, plan_offload
 from zerofx.errors import ConfigError, ZeroFXError
+
+if TYPE_CHECKING:
+    from zerofx.param_offload import ParamStore
 
 IO_BLOCK_BYTES = 8 << 20
 IO_THREADS = 2
@@ -103,7 +108,7 @@ class OffloadOptions:
         section = zero.get("offload_optimizer", {})
         device = section.get("device", "none")
         if device == "none":
-            if own:
+            if own and zero.get("offload_param", {}).get("device", "none") == "none":
                 raise ConfigError("zerofx.offload is set but zero_optimization.offload_optimizer.device is not; set it to cpu or nvme")
             return None
         if device == "nvme" and not section.get("nvme_path"):
@@ -123,6 +128,21 @@ class OffloadOptions:
             host_copy_bytes_per_s=float(own.get("host_copy_bytes_per_s", DEFAULT_HOST_COPY_BYTES_PER_S)),
             nvme_read_bytes_per_s=float(own.get("nvme_read_bytes_per_s", DEFAULT_NVME_READ_BYTES_PER_S)),
             nvme_write_bytes_per_s=float(own.get("nvme_write_bytes_per_s", DEFAULT_NVME_WRITE_BYTES_PER_S)),
+        )
+
+    @classmethod
+    def on_device(cls, raw: Mapping[str, Any]) -> OffloadOptions:
+        """Every record on the device: what the engine uses when only ``offload_param`` is set, so
+        that one optimizer streams the offloaded shards through the update (NOTE [Stepping
+        offloaded shards])."""
+        own = raw.get("zerofx", {}).get("offload", {})
+        if own.get("delayed_update"):
+            raise ConfigError("zerofx.offload.delayed_update needs zero_optimization.offload_optimizer; "
+                              "it is not supported with offload_param alone")
+        return cls(
+            device=Tier.CPU, nvme_path=None, pin_memory=False, buffer_count=1, ratio=0.0, delayed_update=False,
+            device_budget_bytes=None, cpu_budget_bytes=0.0, host_copy_bytes_per_s=DEFAULT_HOST_COPY_BYTES_PER_S,
+            nvme_read_bytes_per_s=DEFAULT_NVME_READ_BYTES_PER_S, nvme_write_bytes_per_s=DEFAULT_NVME_WRITE_BYTES_PER_S,
         )
 
     def tier_specs(self, total_bytes: int, *, device_is_cpu: bool) -> dict[Tier, TierSpec]:
@@ -165,17 +185,55 @@ def plan_engine_offload(
         raise ConfigError(str(exc)) from None
 
 
+@dataclass(frozen=True)
+class ProgramOffload:
+    """What ``zerofx plan`` prints for offload: the optimizer-state placement and, at stage 3
+    with ``offload_param``, the parameter-shard placement. Its JSON is the optimizer plan's
+    (unchanged) with a ``params`` key added for the shards."""
+
+    optimizer: OffloadPlan | None
+    params: ParamOffloadPlan | None
+
+    def to_json(self) -> str:
+        import json
+
+        out: dict[str, Any] = json.loads(self.optimizer.to_json()) if self.optimizer is not None else {}
+        if self.params is not None:
+            out["params"] = json.loads(self.params.to_json())
+        return json.dumps(out, indent=1, sort_keys=True)
+
+    def __str__(self) -> str:
+        return "\n".join(str(p) for p in (self.optimizer, self.params) if p is not None)
+
+
 def plan_for_program(plan: Any, raw: Mapping[str, Any], *, mixed_precision: bool, device_is_cpu: bool,
-                     compute_s: Mapping[str, float]) -> OffloadPlan | None:
-    """What ``zerofx plan`` shows: the engine's ``OffloadPlan`` for a ``Plan`` (None without
-    offload), with the schedule's estimated forward and backward times as the I/O's cover."""
+                     compute_s: Mapping[str, float]) -> ProgramOffload | None:
+    """What ``zerofx plan`` shows: the engine's ``OffloadPlan`` and ``ParamOffloadPlan`` for a
+    ``Plan`` (None without offload), with the schedule's estimated forward and backward times as
+    the I/O's cover."""
+    from zerofx.param_offload import (  # it imports this module
+        ParamOffloadOptions,
+        plan_engine_param_offload,
+    )
+
     options = OffloadOptions.from_config(raw)
-    if options is None:
-        return None
-    owned = {p.fqn: p.padded_numel if int(plan.stage) == 0 else p.shard_numel for p in plan.params if p.requires_grad}
+    param_options = ParamOffloadOptions.from_config(raw)
     forward, backward = compute_s.get("forward", 0.0), compute_s.get("backward", 0.0)
-    return plan_engine_offload(owned, options, optimizer=plan.optimizer, mixed_precision=mixed_precision,
-                               device_is_cpu=device_is_cpu, forward_backward_s=forward + backward, backward_s=backward)
+    opt_plan = None
+    if options is not None:
+        owned = {p.fqn: p.padded_numel if int(plan.stage) == 0 else p.shard_numel for p in plan.params if p.requires_grad}
+        opt_plan = plan_engine_offload(owned, options, optimizer=plan.optimizer, mixed_precision=mixed_precision,
+                                       device_is_cpu=device_is_cpu, forward_backward_s=forward + backward, backward_s=backward)
+    param_plan = None
+    if param_options is not None and int(plan.stage) == 3:
+        sharded = [p for p in plan.params if p.fqn not in plan.persistent]
+        param_plan = plan_engine_param_offload(
+            [(p.fqn, p.shard_numel, p.itemsize, p.requires_grad) for p in sharded], plan.gather_buckets, param_options,
+            device_is_cpu=device_is_cpu, forward_s=forward, backward_s=backward,
+        )
+    if opt_plan is None and param_plan is None:
+        return None
+    return ProgramOffload(opt_plan, param_plan)
 
 
 # --------------------------------------------------------------------------- NVMe files
@@ -183,7 +241,8 @@ class NvmeFiles:
     """The NVMe tier of one rank: one file per record under ``<root>/rank-<r>``, whole-file
     transfers in aligned blocks (NOTE [NVMe I/O]); counts the bytes moved."""
 
-    def __init__(self, root: Path, rank: int) -> None:
+    def __init__(self, root: Path, rank: int, *, suffix: str = ".state", what: str = "optimizer state") -> None:
+        self.suffix, self.what = suffix, what
         self.root = Path(root) / f"rank-{rank:05d}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -203,7 +262,7 @@ class NvmeFiles:
         self.bytes_written = 0
 
     def path(self, fqn: str) -> Path:
-        return self.root / f"{quote(fqn, safe='')}.state"
+        return self.root / f"{quote(fqn, safe='')}{self.suffix}"
 
     def _fail(self, op: str, path: Path, exc: OSError) -> OffloadError:
         if exc.errno == errno.ENOENT and not path.parent.exists():
@@ -229,7 +288,7 @@ class NvmeFiles:
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise self._fail(f"writing {nbytes} bytes of {fqn}'s optimizer state to", path, exc) from None
+            raise self._fail(f"writing {nbytes} bytes of {fqn}'s {self.what} to", path, exc) from None
         with self._lock:
             self.bytes_written += nbytes
 
@@ -248,13 +307,13 @@ class NvmeFiles:
                         if got == 0:
                             raise OffloadError(
                                 f"NVMe offload: short read of {str(path)!r}: got {offset + done} of {nbytes} bytes of {fqn}'s "
-                                "optimizer state (file truncated or replaced?)"
+                                f"{self.what} (file truncated or replaced?)"
                             )
                         done += got
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise self._fail(f"reading {nbytes} bytes of {fqn}'s optimizer state from", path, exc) from None
+            raise self._fail(f"reading {nbytes} bytes of {fqn}'s {self.what} from", path, exc) from None
         with self._lock:
             self.bytes_read += nbytes
 
@@ -545,6 +604,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], store: OffloadStore, optimizer_type: str, hyper: Mapping[str, Any],
+        param_store: ParamStore | None = None,
     ) -> None:
         kw = dict(hyper)
         if "betas" in kw:
@@ -558,6 +618,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.params_by_fqn = dict(params)
         self.fqn_of = {id(t): f for f, t in params.items()}
         self.delayed = store.options.delayed_update
+        # NOTE [Stepping offloaded shards]
+        # With offload_param, ``params`` holds shape-only handles for the offloaded shards (no
+        # storage); each update takes the shard from the parameter store in host memory, right
+        # next to its record, and hands it back to be written. One shard and one record are in
+        # memory per update (plus the reads ahead). In fp32 the record holds no master: the shard
+        # itself is what the optimizer steps, so the weights are stored once, in the shard's file.
+        self.param_store = param_store
+        if param_store is not None and self.delayed:
+            raise ConfigError("zerofx.offload.delayed_update is not supported with offload_param (the staging copy would hold every shard)")
         self._staged: dict[str, torch.Tensor] = {}
         self._pending: Future | None = None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerofx-offload-step") if self.delayed else None
@@ -605,15 +674,20 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _run(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> None:
         store = self.store
         try:
+            shards = self.param_store
             for fqn in store.plan.update_order:
                 flat, buf = store.acquire(fqn)
+                offloaded = shards is not None and fqn in shards
+                target = shards.acquire(fqn) if offloaded else targets[fqn]
                 try:
-                    self._update(store.records[fqn], flat, targets[fqn], grads[fqn], hyper)
+                    self._update(store.records[fqn], flat, target, grads[fqn], hyper)
                 except BaseException:
                     if buf is not None:
                         store._free.append(buf)
                     raise
                 store.release(fqn, buf)
+                if offloaded:
+                    shards.release(fqn, target)
             store.end_step()
         except BaseException:
             store.drain_quietly()
@@ -633,8 +707,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             param = seg["master"]
         else:
             param = target.to(where, non_blocking=True) if crossing else target
-        if crossing and target.device.type == "cuda":
-            torch.cuda.current_stream(target.device).synchronize()  # the non_blocking copies have landed
+        cuda = next((d for d in (target.device, where) if d.type == "cuda"), None)
+        if crossing and cuda is not None:
+            torch.cuda.current_stream(cuda).synchronize()  # the non_blocking copies have landed
         if self.optimizer_type in ("AdamW", "Adam"):
             fn = adamw_update if self.optimizer_type == "AdamW" else adam_update
             beta1, beta2 = group["betas"]
@@ -656,8 +731,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 rec.initialized = True
         if store_master or param is not target:
             target.copy_(param, non_blocking=crossing)
-            if crossing and target.device.type == "cuda":
-                torch.cuda.current_stream(target.device).synchronize()  # the host buffer is reused next
+            if crossing and cuda is not None:
+                torch.cuda.current_stream(cuda).synchronize()  # the host buffer is reused (or written to NVMe) next
 
     # ------------------------------------------------------------- state access (checkpoints)
     def record_state(self, fqn: str) -> dict[str, Any]:
@@ -709,3 +784,5 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self._worker is not None:
             self._worker.shutdown(wait=True)
         self.store.close()
+        if self.param_store is not None:
+            self.param_store.close()

@@ -2,6 +2,7 @@
 
     captured joint --shard_params_pass--> --reduce_grads_pass--> partition_joint --> forward, backward
     forward, backward --prefetch_gathers_pass--> --sink_reduce_waits_pass--> (overlap)
+        --fetch_params_pass--> (stage 3 with offload_param)
     plan --build_param_sync--> param_sync (stages 1 and 2)
 """
 
@@ -15,6 +16,8 @@ from collections.abc import Callable, Sequence
 import torch.fx as fx
 
 from passes import Plan, build_param_sync, meta, partition_joint, reduce_grads_pass, shard_params_pass
+from passes.fetch_params import fetch_params_pass
+from passes.plan_offload import ParamOffloadPlan
 from passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 
 log = logging.getLogger("zerofx.pipeline")
@@ -30,12 +33,16 @@ def joint_passes(plan: Plan, *, group_name: str) -> list[tuple[str, Pass]]:
     ]
 
 
-def graph_passes(plan: Plan) -> list[tuple[str, Pass]]:
-    """The rewrites applied to each partitioned forward and backward graph, in order."""
-    return [
+def graph_passes(plan: Plan, param_offload: ParamOffloadPlan | None = None) -> list[tuple[str, Pass]]:
+    """The rewrites applied to each partitioned forward and backward graph, in order. The
+    fetches of offloaded shards go in last: they follow the gathers wherever prefetch put them."""
+    passes: list[tuple[str, Pass]] = [
         ("prefetch_gathers_pass", functools.partial(prefetch_gathers_pass, plan=plan)),
         ("sink_reduce_waits_pass", functools.partial(sink_reduce_waits_pass, plan=plan)),
     ]
+    if param_offload is not None:
+        passes.append(("fetch_params_pass", functools.partial(fetch_params_pass, plan=param_offload)))
+    return passes
 
 
 def run_passes(gm: fx.GraphModule, passes: Sequence[tuple[str, Pass]], *, disabled: Sequence[str] = ()) -> fx.GraphModule:
@@ -59,14 +66,15 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[tuple[str, Pass]], *, disabl
     return gm
 
 
-def lower(joint: fx.GraphModule, plan: Plan, *, group_name: str, disabled: Sequence[str] = ()) -> dict[str, fx.GraphModule]:
-    """Rewrite a copy of the captured joint graph for ``plan`` and split it into the graph
-    modules one rank runs. ``joint`` itself is left alone."""
+def lower(joint: fx.GraphModule, plan: Plan, *, group_name: str, disabled: Sequence[str] = (),
+          param_offload: ParamOffloadPlan | None = None) -> dict[str, fx.GraphModule]:
+    """Rewrite a copy of the captured joint graph for ``plan`` (and ``param_offload``'s shard
+    placement) and split it into the graph modules one rank runs. ``joint`` itself is left alone."""
     rewritten = run_passes(meta.clone_graph_module(joint), joint_passes(plan, group_name=group_name), disabled=disabled)
     forward, backward = partition_joint(rewritten)
     modules = {
-        "forward": run_passes(forward, graph_passes(plan), disabled=disabled),
-        "backward": run_passes(backward, graph_passes(plan), disabled=disabled),
+        "forward": run_passes(forward, graph_passes(plan, param_offload), disabled=disabled),
+        "backward": run_passes(backward, graph_passes(plan, param_offload), disabled=disabled),
     }
     sync = build_param_sync(plan, group_name=group_name)
     if sync is not None:

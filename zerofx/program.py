@@ -22,6 +22,7 @@ from cost_models.memory import optimizer_kind
 from passes import Plan, ZeroStage, _compat, plan_sharding
 from passes.analyze_schedule import ScheduleReport, analyze_schedule
 from passes.plan import ScheduleOptions, format_bytes
+from passes.plan_offload import ParamOffloadPlan
 from zerofx.capture import CapturedStep, LossFn, capture_step
 from zerofx.config import GraphCompiler, ZeroConfig, parse_config
 from zerofx.errors import ZeroFXError
@@ -35,10 +36,12 @@ PLANNING_GROUP = "zerofx_planning_group"
 class Program:
     """A captured, planned and lowered training step for one world size and stage."""
 
-    def __init__(self, captured: CapturedStep, plan: Plan, *, group_name: str = PLANNING_GROUP) -> None:
+    def __init__(self, captured: CapturedStep, plan: Plan, *, group_name: str = PLANNING_GROUP,
+                 param_offload: ParamOffloadPlan | None = None) -> None:
         self.captured = captured
         self.plan = plan
         self.group_name = group_name
+        self.param_offload = param_offload  # stage 3 offload_param: which shards the graphs fetch
         self._modules: dict[str, fx.GraphModule] | None = None
         self._compiled: dict[str, Callable[..., Any]] = {}
         self.compile_s = 0.0  # seconds spent compiling this program's graphs (GraphCompiler.INDUCTOR)
@@ -64,7 +67,7 @@ class Program:
         """
         self._check_rank(rank)
         if self._modules is None:
-            self._modules = lower(self.captured.joint, self.plan, group_name=self.group_name)
+            self._modules = lower(self.captured.joint, self.plan, group_name=self.group_name, param_offload=self.param_offload)
         return dict(self._modules)
 
     def runnable(self, rank: int, name: str, args: Sequence[torch.Tensor], compiler: GraphCompiler) -> Callable[..., Any]:
@@ -132,7 +135,8 @@ def resolve(config: str | Path | Mapping[str, Any] | None, *, stage: int | None,
     return cfg
 
 
-def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, group_name: str = PLANNING_GROUP) -> Program:
+def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, group_name: str = PLANNING_GROUP,
+                 param_offload: ParamOffloadPlan | None = None) -> Program:
     opt = optimizer_kind(cfg.optimizer.type, dict(cfg.optimizer.params))
     options = cfg.schedule_options()
 
@@ -140,7 +144,7 @@ def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, gr
         plan = plan_sharding(captured.joint, world_size=world_size, stage=ZeroStage(cfg.stage), optimizer=opt, options=opts)
         if captured.tiling is not None:
             plan = replace(plan, tiling=captured.tiling)
-        return Program(captured, plan, group_name=group_name)
+        return Program(captured, plan, group_name=group_name, param_offload=param_offload)
 
     program = plan_with(options)
     budget = options.memory_budget_bytes
@@ -164,7 +168,8 @@ def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, gr
         why = f"prefetch distance lowered from {chosen} to {program.plan.prefetch_distance} for the memory budget " \
               f"{format_bytes(budget)} (estimated peak {steps}; {verdict})"
         lowered = program._modules
-        program = Program(captured, replace(program.plan, decisions=(*program.plan.decisions, why)), group_name=group_name)
+        program = Program(captured, replace(program.plan, decisions=(*program.plan.decisions, why)), group_name=group_name,
+                          param_offload=param_offload)
         program._modules = lowered  # a decision note changes no graph
     return program
 
