@@ -42,21 +42,12 @@ from cost_models.offload import (
 _FASTEST_FIRST = (Tier.DEVICE, Tier.CPU, Tier.NVME)
 
 
-@dataclass(frozen=True)
-class OffloadPlan:
-    """Per-parameter tiers, the update (swap-in) order, and the estimates that justified them."""
+class _TierPlacement:
+    """What both placements answer: the tier of a tensor, the tensors on a tier and their bytes.
+    Subclasses are frozen dataclasses with ``tiers`` and ``_SIZES`` naming their (fqn, bytes) field."""
 
-    tiers: tuple[tuple[str, Tier], ...]  # (fqn, tier), in update order
-    record_bytes: tuple[tuple[str, int], ...]  # (fqn, bytes of its record), in update order
-    buffer_count: int
-    delayed_update: bool
-    # Seconds per step: the whole optimizer step, its updates, all record I/O, and the I/O the
-    # step waits for (the rest is hidden).
-    estimates: Mapping[str, float]
-
-    @property
-    def update_order(self) -> tuple[str, ...]:
-        return tuple(f for f, _ in self.tiers)
+    tiers: tuple[tuple[str, Tier], ...]
+    _SIZES: str
 
     def tier_of(self, fqn: str) -> Tier:
         for f, t in self.tiers:
@@ -68,14 +59,32 @@ class OffloadPlan:
         return tuple(f for f, t in self.tiers if t is tier)
 
     def bytes_on(self, tier: Tier) -> int:
-        sizes = dict(self.record_bytes)
+        sizes = dict(getattr(self, self._SIZES))
         return sum(sizes[f] for f in self.fqns_on(tier))
 
     def to_json(self) -> str:
         d = asdict(self)
         d["tiers"] = [[f, t.value] for f, t in self.tiers]
-        d["estimates"] = dict(self.estimates)
+        d["estimates"] = dict(d["estimates"])
         return json.dumps(d, indent=1, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class OffloadPlan(_TierPlacement):
+    """Per-parameter tiers, the update (swap-in) order, and the estimates that justified them."""
+
+    tiers: tuple[tuple[str, Tier], ...]  # (fqn, tier), in update order
+    record_bytes: tuple[tuple[str, int], ...]  # (fqn, bytes of its record), in update order
+    buffer_count: int
+    delayed_update: bool
+    # Seconds per step: the whole optimizer step, its updates, all record I/O, and the I/O the
+    # step waits for (the rest is hidden).
+    estimates: Mapping[str, float]
+    _SIZES = "record_bytes"
+
+    @property
+    def update_order(self) -> tuple[str, ...]:
+        return tuple(f for f, _ in self.tiers)
 
     @classmethod
     def from_json(cls, text: str) -> OffloadPlan:
@@ -166,7 +175,7 @@ def plan_offload(
 
 # --------------------------------------------------------------------------- parameter shards
 @dataclass(frozen=True)
-class ParamOffloadPlan:
+class ParamOffloadPlan(_TierPlacement):
     """Per-shard tiers at stage 3 (``offload_param``), in model order, and the estimated I/O.
 
     Shards on ``Tier.CPU`` or ``Tier.NVME`` are *offloaded*: ``fetch_params_pass`` makes the
@@ -178,26 +187,11 @@ class ParamOffloadPlan:
     buffer_count: int
     # Seconds per step (forward + backward reads, write-backs; exposed = waited for).
     estimates: Mapping[str, float]
+    _SIZES = "shard_bytes"
 
     @property
     def offloaded(self) -> frozenset[str]:
         return frozenset(f for f, t in self.tiers if t is not Tier.DEVICE)
-
-    def tier_of(self, fqn: str) -> Tier:
-        return dict(self.tiers)[fqn]
-
-    def fqns_on(self, tier: Tier) -> tuple[str, ...]:
-        return tuple(f for f, t in self.tiers if t is tier)
-
-    def bytes_on(self, tier: Tier) -> int:
-        sizes = dict(self.shard_bytes)
-        return sum(sizes[f] for f in self.fqns_on(tier))
-
-    def to_json(self) -> str:
-        d = asdict(self)
-        d["tiers"] = [[f, t.value] for f, t in self.tiers]
-        d["estimates"] = dict(self.estimates)
-        return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> ParamOffloadPlan:
