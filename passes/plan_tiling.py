@@ -152,10 +152,11 @@ def estimate_attention_bytes(match: seq_regions.AttentionMatch, block: int) -> t
     return b * h * tq * tk * item, b * h * min(block, tq) * min(block, tk) * item, tuple(q.shape)
 
 
-def estimate_region_bytes(analysis: SeqAnalysis, region: list[fx.Node], block: int) -> tuple[int, int]:
-    outs = analysis.region_outputs(region)
+def estimate_region_bytes(analysis: SeqAnalysis, index: int, block: int) -> tuple[int, int]:
+    region = analysis.regions[index]
     total = sum(_nbytes(n) for n in region)
-    out_bytes = sum(_nbytes(n) for n in outs)
+    # An attention-input region's outputs are recomputed too (NOTE [Attention inputs are recomputed, not saved]).
+    out_bytes = 0 if analysis.feeds_attention[index] else sum(_nbytes(n) for n in analysis.region_outputs(region))
     frac = min(1.0, block / analysis.seq_len)
     return total, out_bytes + math.ceil((total - out_bytes) * frac)
 
@@ -190,11 +191,11 @@ def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | No
         candidates.append(TiledOp("attention", i, what, shape, ablock, untiled, tiled))
     for i, region in enumerate(analysis.regions):
         num_linear = sum(1 for n in region if seq_regions.op_packet(n) in (torch.ops.aten.linear, torch.ops.aten.matmul))
-        what = f"token-wise region: {len(region)} ops, {num_linear} linear"
+        what = f"token-wise region: {len(region)} ops, {num_linear} linear{', attention inputs' if analysis.feeds_attention[i] else ''}"
         if block >= seq_len:
             skipped.append(SkippedOp("region", i, what, f"block_size {block} >= sequence length {seq_len}: one chunk"))
             continue
-        untiled, tiled = estimate_region_bytes(analysis, region, block)
+        untiled, tiled = estimate_region_bytes(analysis, i, block)
         shape = tuple(region[0].meta["val"].shape) if isinstance(region[0].meta.get("val"), torch.Tensor) else ()
         candidates.append(TiledOp("region", i, what, shape, block, untiled, tiled))
     for i, m in enumerate(analysis.losses):

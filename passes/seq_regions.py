@@ -24,6 +24,14 @@ chunks of it before any of its users, each chunk from slices of the region's inp
 transformer the regions are the embedding with the first norm and QKV projection, then per
 layer "output projection, residual, norm, MLP, residual, next norm, next QKV", then the final
 norm.
+
+NOTE [Attention inputs are recomputed, not saved]
+In each region, the nodes that feed only attention (the pre-attention norm, the QKV projection,
+rotary embedding: every user is another such node or the attention op) are split off into a
+region of their own, after the rest (``SeqAnalysis.feeds_attention``). Tiled, its outputs (q, k,
+v: 3·d per token per layer) are tagged for recompute too, so the partitioner saves the residual
+stream it starts from (d per token) and recomputes q, k and v just before the attention's
+backward. In a transformer that halves what each layer keeps for backward.
 """
 
 from __future__ import annotations
@@ -92,6 +100,7 @@ class AttentionMatch:
     scale: float
     pattern: str  # "sdpa" or "softmax"
     reason: str | None = None  # why it cannot be tiled, or None
+    scores: fx.Node | None = None  # the softmax pattern's ``matmul(q, kᵀ)``
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,7 @@ class SeqAnalysis:
     tokenwise: set[fx.Node] = field(default_factory=set)
     level: dict[fx.Node, int] = field(default_factory=dict)
     regions: list[list[fx.Node]] = field(default_factory=list)  # by level, graph order
+    feeds_attention: list[bool] = field(default_factory=list)  # per region: it only computes attention inputs
     attention: list[AttentionMatch] = field(default_factory=list)
     losses: list[LossMatch] = field(default_factory=list)
 
@@ -283,9 +293,27 @@ def analyze(gm: fx.GraphModule, seq_len: int) -> SeqAnalysis:
     for node in gm.graph.nodes:
         if node in tok:
             by_level.setdefault(level[node], []).append(node)
-    res.regions = [by_level[k] for k in sorted(by_level)]
+    consumers = {m.output for m in res.attention} | {m.scores for m in res.attention if m.scores is not None}
+    consumers |= {n for n in gm.graph.nodes if is_sdpa(n) or is_blocked_attention(n)}
+    for k in sorted(by_level):
+        rest, attn_in = _split_attention_inputs(by_level[k], consumers)
+        res.regions += [r for r in (rest, attn_in) if r]
+        res.feeds_attention += [f for r, f in ((rest, False), (attn_in, True)) if r]
     res.losses = _find_losses(gm)
     return res
+
+
+def _split_attention_inputs(region: list[fx.Node], consumers: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """``region`` as (the rest, the nodes whose every user is an attention op or another such
+    node); see NOTE [Attention inputs are recomputed, not saved]. The rest never reads the second
+    part, so both stay convex and the rest runs first."""
+    inside, only = set(region), set()
+    for n in reversed(region):
+        if n.users and all(u in consumers or u in only for u in n.users):
+            only.add(n)
+    if not only or len(only) == len(region):
+        return region, []
+    return [n for n in region if n not in only], [n for n in region if n in only and n in inside]
 
 
 # --------------------------------------------------------------------------- attention
@@ -356,7 +384,7 @@ def _match_softmax_attention(scores: fx.Node) -> AttentionMatch | None:
     v = out.args[1]
     if mask is not None and _val(mask).dtype == torch.bool:
         return None
-    return AttentionMatch(out, q, k, v, mask, False, float(scale), "softmax", _attention_reason(q, k, v, mask))
+    return AttentionMatch(out, q, k, v, mask, False, float(scale), "softmax", _attention_reason(q, k, v, mask), scores)
 
 
 # --------------------------------------------------------------------------- loss

@@ -10,7 +10,9 @@ rewritten forward afterwards. Postconditions:
 - each planned region runs in chunks of ``block_size`` tokens: its sequence-carrying inputs are
   split along their sequence dim, the region's nodes are replayed per chunk, and each output is
   the ``cat`` of its chunks. Every node of the chunked copy carries
-  ``meta['recompute'] = CheckpointPolicy.MUST_RECOMPUTE`` and ``zerofx_tile_region``.
+  ``meta['recompute'] = CheckpointPolicy.MUST_RECOMPUTE`` and ``zerofx_tile_region``; so do the
+  ``cat`` outputs of a region that only computes attention inputs (NOTE [Attention inputs are
+  recomputed, not saved] in ``seq_regions``).
 
 NOTE [Per-chunk recompute through the partitioner]
 AOTAutograd copies a forward node's ``recompute`` tag onto the joint graph's node when it traces
@@ -175,7 +177,7 @@ def _chunk_regions(gm: fx.GraphModule, a: seq_regions.SeqAnalysis, blocks: dict[
     env: dict[fx.Node, fx.Node] = {}
     for u in order:
         if isinstance(u, tuple):
-            _emit_region(new, env, a, members[u], u[1], blocks[u[1]])
+            _emit_region(new, env, a, members[u], u[1], blocks[u[1]], recompute_outputs=a.feeds_attention[u[1]])
         else:
             env[u] = new.node_copy(u, lambda x: env[x])
     new.output(fx.map_arg(meta.output_node(old).args[0], lambda x: env[x]))
@@ -183,7 +185,8 @@ def _chunk_regions(gm: fx.GraphModule, a: seq_regions.SeqAnalysis, blocks: dict[
     return out
 
 
-def _emit_region(g: fx.Graph, env: dict[fx.Node, fx.Node], a: seq_regions.SeqAnalysis, region: list[fx.Node], index: int, block: int) -> None:
+def _emit_region(g: fx.Graph, env: dict[fx.Node, fx.Node], a: seq_regions.SeqAnalysis, region: list[fx.Node], index: int, block: int,
+                 *, recompute_outputs: bool) -> None:
     sizes = _chunk_sizes(a.seq_len, block)
     inside = set(region)
 
@@ -219,7 +222,10 @@ def _emit_region(g: fx.Graph, env: dict[fx.Node, fx.Node], a: seq_regions.SeqAna
     for o in a.region_outputs(region):
         assert isinstance(o.meta.get("val"), torch.Tensor), "a region output must be one tensor"
         env[o] = g.call_function(aten.cat.default, ([ch[o] for ch in chunks], a.sdim[o]))
-        env[o].meta[TILED] = "region"
+        if recompute_outputs:  # NOTE [Attention inputs are recomputed, not saved]
+            tag(env[o])
+        else:
+            env[o].meta[TILED] = "region"
 
 
 def _propagate_vals(gm: fx.GraphModule) -> None:

@@ -114,8 +114,10 @@ def test_dna_lm_sdpa_causal_regions_and_loss() -> None:
     model, ids = dna_lm(), tokens()
     cap, (fw, bw) = assert_parity(model, (ids,), {"labels": ids})
     kinds = [(op.kind, op.block_size) for op in cap.tiling.ops]
-    # Two SDPA layers, three token-wise regions (embedding..QKV, out-proj..MLP..QKV, out-proj..norm), the loss.
-    assert kinds == [("attention", 16)] * 2 + [("region", 16)] * 3 + [("loss", 16)]
+    # Two SDPA layers; five token-wise regions: the embedding, per layer the attention inputs (norm,
+    # QKV, rotary) and then out-proj..MLP, the final norm; the loss.
+    assert kinds == [("attention", 16)] * 2 + [("region", 16)] * 5 + [("loss", 16)]
+    assert [op.what.endswith("attention inputs") for op in cap.tiling.ops if op.kind == "region"] == [False, True, False, True, False]
     assert count(fw, zf.blocked_attention.default) == 2 and count(bw, zf.blocked_attention_backward.default) == 2
     assert count(fw, zf.chunked_linear_cross_entropy.default) == 1
     assert count(fw, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default) == 0
@@ -126,6 +128,9 @@ def test_dna_lm_sdpa_causal_regions_and_loss() -> None:
     ffn = model.cfg.ffn_dim
     saved = [n.meta["val"].shape for n in fw.graph.output_node().args[0][1:]]
     assert not any(ffn in s and (SEQ in s or BATCH * SEQ in s) for s in saved)
+    # Nor q, k and v: per layer only the attention's output (B, nh, T, hs) is kept; q, k and v are recomputed.
+    heads = (BATCH, model.cfg.num_heads, SEQ, model.cfg.head_dim)
+    assert sum(tuple(s) == heads for s in saved) == model.cfg.num_layers
     _, _, _, (fw0, _) = run_partitioned(model, (ids,), {"labels": ids}, OFF)
     saved0 = [n.meta["val"].shape for n in fw0.graph.output_node().args[0][1:]]
     assert any(ffn in s and BATCH * SEQ in s for s in saved0)
