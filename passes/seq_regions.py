@@ -325,8 +325,8 @@ def _attention_reason(q: fx.Node, k: fx.Node, v: fx.Node, mask: fx.Node | None) 
     qv, kv, vv = _val(q), _val(k), _val(v)
     if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (qv, kv, vv)):
         return "q, k and v must be 4-d (batch, heads, sequence, head_dim)"
-    if qv.shape[1] != kv.shape[1] or kv.shape[1] != vv.shape[1]:
-        return f"query heads {qv.shape[1]} differ from key/value heads {kv.shape[1]} (grouped-query attention)"
+    if kv.shape[1] != vv.shape[1] or qv.shape[1] % kv.shape[1] != 0:
+        return f"query heads {qv.shape[1]} are not a multiple of key/value heads {kv.shape[1]}, {vv.shape[1]}"
     if mask is not None and getattr(_val(mask), "requires_grad", False):
         return "the attention mask requires grad"
     return None
@@ -343,8 +343,8 @@ def _find_attention(gm: fx.GraphModule) -> list[AttentionMatch]:
             reason = _attention_reason(q, k, v, mask)
             if dropout:
                 reason = f"dropout_p={dropout}; only dropout-free attention is tiled (accepted: 0.0)"
-            if node.kwargs.get("enable_gqa") and reason is None and _val(q).shape[1] != _val(k).shape[1]:
-                reason = "grouped-query attention (enable_gqa=True)"
+            if not node.kwargs.get("enable_gqa") and reason is None and _val(q).shape[1] != _val(k).shape[1]:
+                reason = f"query heads {_val(q).shape[1]} differ from key/value heads {_val(k).shape[1]} without enable_gqa"
             found.append(AttentionMatch(node, q, k, v, mask, bool(causal), float(scale), "sdpa", reason))
         elif op_packet(node) is aten.matmul:
             m = _match_softmax_attention(node)

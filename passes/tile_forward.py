@@ -221,11 +221,24 @@ def _emit_region(g: fx.Graph, env: dict[fx.Node, fx.Node], a: seq_regions.SeqAna
         chunks.append(cenv)
     for o in a.region_outputs(region):
         assert isinstance(o.meta.get("val"), torch.Tensor), "a region output must be one tensor"
-        env[o] = g.call_function(aten.cat.default, ([ch[o] for ch in chunks], a.sdim[o]))
+        pieces_o = [ch[o] for ch in chunks]
+        if recompute_outputs and _is_view(o):
+            # v is a view of the chunk's whole QKV projection: copy it per chunk so each chunk's
+            # projection is freed as soon as its q, k and v exist, not after the last chunk.
+            pieces_o = [tag(g.call_function(aten.clone.default, (p,))) for p in pieces_o]
+        env[o] = g.call_function(aten.cat.default, (pieces_o, a.sdim[o]))
         if recompute_outputs:  # NOTE [Attention inputs are recomputed, not saved]
             tag(env[o])
         else:
             env[o].meta[TILED] = "region"
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.target is operator.getitem or seq_regions.op_packet(node) in _VIEW_OPS
+
+
+_VIEW_OPS = {aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.select, aten.unbind, aten.slice,
+             aten.split, aten.split_with_sizes, aten.chunk, aten.unsqueeze, aten.squeeze, aten.expand, aten.alias, aten.t, aten.narrow}
 
 
 def _propagate_vals(gm: fx.GraphModule) -> None:

@@ -10,7 +10,10 @@ NOTE [Blocked attention]
 ``blocked_attention(q, k, v, mask, is_causal, scale, q_block, kv_block) -> (out, lse)`` is
 FlashAttention-2 on plain tensor ops. q: (B, H, Tq, D), k and v: (B, H, Tk, D); ``mask`` is
 ``None``, a boolean mask (True = attend) or an additive float mask, broadcastable to
-(B, H, Tq, Tk). ``is_causal`` uses the top-left alignment of ``scaled_dot_product_attention``
+(B, H, Tq, Tk). k and v may have fewer heads than q, dividing them (grouped-query attention, Hkv | H): each
+key/value head serves H / Hkv consecutive query heads, as SDPA's ``enable_gqa`` and transformers'
+``repeat_kv``; the repeated k and v exist only inside the op (forward and backward), and the
+gradients are summed back per group. ``is_causal`` uses the top-left alignment of ``scaled_dot_product_attention``
 (query i attends to keys j <= i). Forward visits (query block, key block) pairs with an online
 softmax and keeps only ``out`` and the log-sum-exp ``lse`` (B, H, Tq). Backward recomputes the
 scores of one pair at a time from q, k and lse. Peak extra memory is O(q_block * kv_block) per
@@ -70,6 +73,20 @@ def _expand_mask(mask: Tensor | None) -> Tensor | None:
     return mask
 
 
+def _repeat_kv(x: Tensor, num_heads: int) -> Tensor:
+    """(B, Hkv, T, D) -> (B, num_heads, T, D): each key/value head serves num_heads / Hkv query
+    heads in a row, as ``repeat_kv`` in transformers and SDPA's ``enable_gqa``."""
+    return x if x.size(1) == num_heads else x.repeat_interleave(num_heads // x.size(1), dim=1)
+
+
+def _sum_groups(grad: Tensor, num_kv_heads: int) -> Tensor:
+    """The gradient of ``_repeat_kv``: (B, H, T, D) summed over each group -> (B, Hkv, T, D), contiguous."""
+    b, h, t, d = grad.shape
+    if h == num_kv_heads:
+        return grad.contiguous()
+    return grad.reshape(b, num_kv_heads, h // num_kv_heads, t, d).sum(2)
+
+
 def _kv_stop(is_causal: bool, qe: int, tk: int) -> int:
     return min(qe, tk) if is_causal else tk
 
@@ -88,6 +105,7 @@ def _use_fused(q: Tensor, mask: Tensor | None) -> bool:
 def blocked_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float, q_block: int, kv_block: int
 ) -> tuple[Tensor, Tensor]:
+    k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     if _use_fused(q, mask):
         out, lse = _compat.CPU_FLASH_ATTENTION(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
         return out.contiguous(), lse.contiguous()
@@ -129,9 +147,14 @@ def blocked_attention_backward(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
     is_causal: bool, scale: float, q_block: int, kv_block: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    num_kv_heads = k.size(1)
+    k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     if _use_fused(q, mask):
-        dq, dk, dv = _compat.CPU_FLASH_ATTENTION_BACKWARD(grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        grads = list(_compat.CPU_FLASH_ATTENTION_BACKWARD(grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale))
+        del k, v
+        for i in range(3):  # (B, T, H, D) strides -> contiguous, one at a time: each original is freed after its copy
+            grads[i] = grads[i].contiguous() if i == 0 else _sum_groups(grads[i], num_kv_heads)
+        return tuple(grads)
     mask = _expand_mask(mask)
     tq, tk = q.size(-2), k.size(-2)
     dq = torch.zeros_like(q, dtype=torch.float32)
@@ -152,7 +175,7 @@ def blocked_attention_backward(
             ds = p * (dp - delta[:, :, qs:qe].unsqueeze(-1)) * scale
             dq[:, :, qs:qe] += torch.matmul(ds, kb.float())
             dk[:, :, ks:ke] += torch.matmul(ds.transpose(-2, -1), qb.float())
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), _sum_groups(dk, num_kv_heads).to(k.dtype), _sum_groups(dv, num_kv_heads).to(v.dtype)
 
 
 @blocked_attention_backward.register_fake
