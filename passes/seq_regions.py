@@ -180,8 +180,12 @@ def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int
         return sd.get(args[1])
     if pk is aten.cat and isinstance(out, torch.Tensor):
         d = _norm(args[1] if len(args) > 1 else node.kwargs.get("dim", 0), out.dim())
-        # Empty pieces (an empty key/value cache) do not take part.
-        sds = {sd.get(a) for a in args[0] if not (isinstance(_val(a), torch.Tensor) and _val(a).dim() > d and _val(a).shape[d] == 0)}
+        # Empty pieces (an empty key/value cache) do not take part; with one piece left, the cat
+        # is a copy of it, even along the sequence (a key/value cache's update in training).
+        pieces = [a for a in args[0] if not (isinstance(_val(a), torch.Tensor) and _val(a).numel() == 0)]
+        if len(pieces) == 1:
+            return sd.get(pieces[0])
+        sds = {sd.get(a) for a in pieces}
         s = sds.pop() if len(sds) == 1 else None
         return s if s is not None and d != s else None
     if s is None or rank is None:

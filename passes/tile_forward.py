@@ -226,7 +226,14 @@ def _emit_region(g: fx.Graph, env: dict[fx.Node, fx.Node], a: seq_regions.SeqAna
             # v is a view of the chunk's whole QKV projection: copy it per chunk so each chunk's
             # projection is freed as soon as its q, k and v exist, not after the last chunk.
             pieces_o = [tag(g.call_function(aten.clone.default, (p,))) for p in pieces_o]
-        env[o] = g.call_function(aten.cat.default, (pieces_o, a.sdim[o]))
+        if recompute_outputs and o.meta["val"].dim() == 4 and a.sdim[o] == 2:
+            # (B, H, T, D) attention inputs, concatenated in the (B, T, H, D) layout the attention
+            # kernel reads fastest (NOTE [Layout at the op boundary] in ``tiled_kernels``).
+            pieces_o = [tag(g.call_function(aten.transpose.int, (p, 1, 2))) for p in pieces_o]
+            cat = tag(g.call_function(aten.cat.default, (pieces_o, 1)))
+            env[o] = g.call_function(aten.transpose.int, (cat, 1, 2))
+        else:
+            env[o] = g.call_function(aten.cat.default, (pieces_o, a.sdim[o]))
         if recompute_outputs:  # NOTE [Attention inputs are recomputed, not saved]
             tag(env[o])
         else:

