@@ -17,6 +17,13 @@ tiled; they are functions of ``meta['val']`` only.
 - loss: untiled, the (N, V) fp32 logits and their gradient; tiled, one chunk of each.
 ``auto`` tiles the candidates that save the most until the estimate fits the budget (default
 ``DEFAULT_BUDGET_BYTES``); ``true`` tiles every candidate, ``false`` none.
+
+NOTE [Block size from the budget]
+Each chunk of a region costs time (a few more, smaller ops, and a copy of the chunk's nodes in
+every graph: about 10 KB of host memory per node), and a region's tiled estimate falls only with
+the chunk's share of it. So without a configured ``block_size`` the planner tries the sequence in
+2, 4, 8, ... even chunks (at least ``MIN_AUTO_BLOCK`` tokens) and keeps the fewest whose estimate
+fits the budget; when none fits it keeps the smallest and logs that it does not fit.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ from passes.seq_regions import SeqAnalysis
 
 log = logging.getLogger("zerofx.tiling")
 
-DEFAULT_BLOCK_SIZE = 1024  # tokens per chunk: large enough that per-chunk matmuls stay efficient on CPU
+DEFAULT_BLOCK_SIZE = 1024  # tokens per chunk when the sequence is too short to split into MIN_AUTO_BLOCK pieces
+MIN_AUTO_BLOCK = 256  # the smallest block the planner picks itself: smaller chunks make (B·block, d) matmuls inefficient on CPU
 DEFAULT_ATTENTION_BLOCK = 512  # query and key block; the (B, H, 512, 512) score block is 1 MiB per head in fp32
 DEFAULT_BUDGET_BYTES = 1 << 30
 KINDS = ("attention", "region", "loss")
@@ -152,10 +160,11 @@ def estimate_attention_bytes(match: seq_regions.AttentionMatch, block: int) -> t
     return b * h * tq * tk * item, b * h * min(block, tq) * min(block, tk) * item, tuple(q.shape)
 
 
-def estimate_region_bytes(analysis: SeqAnalysis, region: list[fx.Node], block: int) -> tuple[int, int]:
-    outs = analysis.region_outputs(region)
+def estimate_region_bytes(analysis: SeqAnalysis, index: int, block: int) -> tuple[int, int]:
+    region = analysis.regions[index]
     total = sum(_nbytes(n) for n in region)
-    out_bytes = sum(_nbytes(n) for n in outs)
+    # An attention-input region's outputs are recomputed too (NOTE [Attention inputs are recomputed, not saved]).
+    out_bytes = 0 if analysis.feeds_attention[index] else sum(_nbytes(n) for n in analysis.region_outputs(region))
     frac = min(1.0, block / analysis.seq_len)
     return total, out_bytes + math.ceil((total - out_bytes) * frac)
 
@@ -166,19 +175,23 @@ def estimate_loss_bytes(match: seq_regions.LossMatch, block: int) -> tuple[int, 
     return 2 * n * v * 4, 2 * min(block, n) * v * 4, (n, v)
 
 
-def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | None = None) -> TilingPlan | None:
-    """The tiling decisions for ``gm``; None when ``options.enabled`` is False or the graph has no
-    sequence axis (no integer input)."""
-    if options.enabled is False:
-        return None
-    seq_len = seq_len or seq_regions.sequence_length(gm)
-    if seq_len is None:
-        log.info("tiling: no integer (token id) input, so no sequence axis; nothing tiled")
-        return None
-    analysis = seq_regions.analyze(gm, seq_len)
-    block = options.block_size or DEFAULT_BLOCK_SIZE
-    ablock = options.attention_block_size or DEFAULT_ATTENTION_BLOCK
-    budget = options.budget_bytes if options.budget_bytes is not None else DEFAULT_BUDGET_BYTES
+def _block_choices(seq_len: int, options: TilingOptions) -> list[int]:
+    """Region and loss block sizes to try, largest first: the configured one, else the sequence in
+    2, 4, 8, ... even chunks (rounded up to 64 tokens) down to ``MIN_AUTO_BLOCK``."""
+    if options.block_size is not None:
+        return [options.block_size]
+    blocks, parts = [], 2
+    while True:
+        block = -(-seq_len // parts)  # ceil
+        block = -(-block // 64) * 64
+        if block < MIN_AUTO_BLOCK:
+            return blocks or [DEFAULT_BLOCK_SIZE]
+        blocks.append(block)
+        parts *= 2
+
+
+def _candidates(analysis: SeqAnalysis, block: int, ablock: int) -> tuple[list[TiledOp], list[SkippedOp]]:
+    seq_len = analysis.seq_len
     candidates: list[TiledOp] = []
     skipped: list[SkippedOp] = []
     for i, m in enumerate(analysis.attention):
@@ -190,11 +203,11 @@ def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | No
         candidates.append(TiledOp("attention", i, what, shape, ablock, untiled, tiled))
     for i, region in enumerate(analysis.regions):
         num_linear = sum(1 for n in region if seq_regions.op_packet(n) in (torch.ops.aten.linear, torch.ops.aten.matmul))
-        what = f"token-wise region: {len(region)} ops, {num_linear} linear"
+        what = f"token-wise region: {len(region)} ops, {num_linear} linear{', attention inputs' if analysis.feeds_attention[i] else ''}"
         if block >= seq_len:
             skipped.append(SkippedOp("region", i, what, f"block_size {block} >= sequence length {seq_len}: one chunk"))
             continue
-        untiled, tiled = estimate_region_bytes(analysis, region, block)
+        untiled, tiled = estimate_region_bytes(analysis, i, block)
         shape = tuple(region[0].meta["val"].shape) if isinstance(region[0].meta.get("val"), torch.Tensor) else ()
         candidates.append(TiledOp("region", i, what, shape, block, untiled, tiled))
     for i, m in enumerate(analysis.losses):
@@ -204,22 +217,47 @@ def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | No
             continue
         untiled, tiled, shape = estimate_loss_bytes(m, block)
         candidates.append(TiledOp("loss", i, what, shape, block, untiled, tiled))
+    return candidates, skipped
 
-    untiled_total = sum(c.bytes_untiled for c in candidates)
+
+def _choose(candidates: list[TiledOp], options: TilingOptions, budget: int) -> tuple[list[TiledOp], int]:
+    """The tiled ops and the activation estimate with them: all allowed (``enabled: true``), or
+    the biggest savings first until the estimate fits ``budget`` (``auto``)."""
     allowed = [c for c in candidates if c.kind in options.kinds]
-    skipped += [SkippedOp(c.kind, c.index, c.what, "this kind is turned off in zerofx.tiling") for c in candidates if c not in allowed]
     if options.enabled is True:
         chosen = allowed
-    else:  # auto: biggest savings first until the estimate fits
-        chosen, estimate = [], untiled_total
+    else:
+        chosen, estimate = [], sum(c.bytes_untiled for c in candidates)
         for c in sorted(allowed, key=lambda c: c.bytes_untiled - c.bytes_tiled, reverse=True):
             if estimate <= budget:
                 break
             chosen.append(c)
             estimate -= c.bytes_untiled - c.bytes_tiled
+    return chosen, sum(c.bytes_untiled for c in candidates) - sum(c.bytes_untiled - c.bytes_tiled for c in chosen)
+
+
+def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | None = None) -> TilingPlan | None:
+    """The tiling decisions for ``gm``; None when ``options.enabled`` is False or the graph has no
+    sequence axis (no integer input). See NOTE [Block size from the budget]."""
+    if options.enabled is False:
+        return None
+    seq_len = seq_len or seq_regions.sequence_length(gm)
+    if seq_len is None:
+        log.info("tiling: no integer (token id) input, so no sequence axis; nothing tiled")
+        return None
+    analysis = seq_regions.analyze(gm, seq_len)
+    ablock = options.attention_block_size or DEFAULT_ATTENTION_BLOCK
+    budget = options.budget_bytes if options.budget_bytes is not None else DEFAULT_BUDGET_BYTES
+    for block in _block_choices(seq_len, options):  # largest first: the first that fits the budget
+        candidates, skipped = _candidates(analysis, block, ablock)
+        chosen, tiled_total = _choose(candidates, options, budget)
+        if tiled_total <= budget:
+            break
+    else:
+        log.info("tiling: the activation estimate %d bytes exceeds the budget %d bytes even with %d-token blocks", tiled_total, budget, block)
+    skipped += [SkippedOp(c.kind, c.index, c.what, "this kind is turned off in zerofx.tiling") for c in candidates if c.kind not in options.kinds]
     order = {k: i for i, k in enumerate(KINDS)}
     chosen = sorted(chosen, key=lambda c: (order[c.kind], c.index))
-    tiled_total = untiled_total - sum(c.bytes_untiled - c.bytes_tiled for c in chosen)
     for s in skipped:
         log.info("tiling: %s #%d (%s) not tiled: %s", s.kind, s.index, s.what, s.reason)
     return TilingPlan(
@@ -228,7 +266,7 @@ def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | No
         ops=tuple(chosen),
         skipped=tuple(skipped),
         budget_bytes=budget,
-        estimate_untiled_bytes=untiled_total,
+        estimate_untiled_bytes=sum(c.bytes_untiled for c in candidates),
         estimate_tiled_bytes=tiled_total,
     )
 
@@ -239,7 +277,10 @@ def tiling_options(section: Mapping[str, Any] | None) -> TilingOptions:
     kinds = tuple(k for k in KINDS if section.get(k, True))
     budget = section.get("budget")
     if isinstance(budget, str):
-        budget = parse_bytes(budget)
+        # zerofx.config imports this module at its top, so a top-level import back would be a cycle.
+        from zerofx.config import parse_bytes
+
+        budget = int(parse_bytes(budget))
     return TilingOptions(
         enabled=section.get("enabled", "auto"),
         block_size=section.get("block_size"),
@@ -247,23 +288,3 @@ def tiling_options(section: Mapping[str, Any] | None) -> TilingOptions:
         budget_bytes=budget,
         kinds=kinds,
     )
-
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"2GiB"`` -> 2147483648. Accepted units: B, KB/KiB, MB/MiB, GB/GiB, TB/TiB (or none)."""
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or value < 0:
-        raise ValueError(f"tiling budget {text!r} is not a size; accepted: a number with an optional unit, e.g. \"2GiB\" or \"512MB\"")
-    return int(value * _UNITS[unit])
-
-

@@ -24,6 +24,14 @@ chunks of it before any of its users, each chunk from slices of the region's inp
 transformer the regions are the embedding with the first norm and QKV projection, then per
 layer "output projection, residual, norm, MLP, residual, next norm, next QKV", then the final
 norm.
+
+NOTE [Attention inputs are recomputed, not saved]
+In each region, the nodes that feed only attention (the pre-attention norm, the QKV projection,
+rotary embedding: every user is another such node or the attention op) are split off into a
+region of their own, after the rest (``SeqAnalysis.feeds_attention``). Tiled, its outputs (q, k,
+v: 3·d per token per layer) are tagged for recompute too, so the partitioner saves the residual
+stream it starts from (d per token) and recomputes q, k and v just before the attention's
+backward. In a transformer that halves what each layer keeps for backward.
 """
 
 from __future__ import annotations
@@ -92,6 +100,7 @@ class AttentionMatch:
     scale: float
     pattern: str  # "sdpa" or "softmax"
     reason: str | None = None  # why it cannot be tiled, or None
+    scores: fx.Node | None = None  # the softmax pattern's ``matmul(q, kᵀ)``
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,7 @@ class SeqAnalysis:
     tokenwise: set[fx.Node] = field(default_factory=set)
     level: dict[fx.Node, int] = field(default_factory=dict)
     regions: list[list[fx.Node]] = field(default_factory=list)  # by level, graph order
+    feeds_attention: list[bool] = field(default_factory=list)  # per region: it only computes attention inputs
     attention: list[AttentionMatch] = field(default_factory=list)
     losses: list[LossMatch] = field(default_factory=list)
 
@@ -170,8 +180,12 @@ def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int
         return sd.get(args[1])
     if pk is aten.cat and isinstance(out, torch.Tensor):
         d = _norm(args[1] if len(args) > 1 else node.kwargs.get("dim", 0), out.dim())
-        # Empty pieces (an empty key/value cache) do not take part.
-        sds = {sd.get(a) for a in args[0] if not (isinstance(_val(a), torch.Tensor) and _val(a).dim() > d and _val(a).shape[d] == 0)}
+        # Empty pieces (an empty key/value cache) do not take part; with one piece left, the cat
+        # is a copy of it, even along the sequence (a key/value cache's update in training).
+        pieces = [a for a in args[0] if not (isinstance(_val(a), torch.Tensor) and _val(a).numel() == 0)]
+        if len(pieces) == 1:
+            return sd.get(pieces[0])
+        sds = {sd.get(a) for a in pieces}
         s = sds.pop() if len(sds) == 1 else None
         return s if s is not None and d != s else None
     if s is None or rank is None:
@@ -283,9 +297,27 @@ def analyze(gm: fx.GraphModule, seq_len: int) -> SeqAnalysis:
     for node in gm.graph.nodes:
         if node in tok:
             by_level.setdefault(level[node], []).append(node)
-    res.regions = [by_level[k] for k in sorted(by_level)]
+    consumers = {m.output for m in res.attention} | {m.scores for m in res.attention if m.scores is not None}
+    consumers |= {n for n in gm.graph.nodes if is_sdpa(n) or is_blocked_attention(n)}
+    for k in sorted(by_level):
+        rest, attn_in = _split_attention_inputs(by_level[k], consumers)
+        res.regions += [r for r in (rest, attn_in) if r]
+        res.feeds_attention += [f for r, f in ((rest, False), (attn_in, True)) if r]
     res.losses = _find_losses(gm)
     return res
+
+
+def _split_attention_inputs(region: list[fx.Node], consumers: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """``region`` as (the rest, the nodes whose every user is an attention op or another such
+    node); see NOTE [Attention inputs are recomputed, not saved]. The rest never reads the second
+    part, so both stay convex and the rest runs first."""
+    inside, only = set(region), set()
+    for n in reversed(region):
+        if n.users and all(u in consumers or u in only for u in n.users):
+            only.add(n)
+    if not only or len(only) == len(region):
+        return region, []
+    return [n for n in region if n not in only], [n for n in region if n in only and n in inside]
 
 
 # --------------------------------------------------------------------------- attention
@@ -297,8 +329,8 @@ def _attention_reason(q: fx.Node, k: fx.Node, v: fx.Node, mask: fx.Node | None) 
     qv, kv, vv = _val(q), _val(k), _val(v)
     if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (qv, kv, vv)):
         return "q, k and v must be 4-d (batch, heads, sequence, head_dim)"
-    if qv.shape[1] != kv.shape[1] or kv.shape[1] != vv.shape[1]:
-        return f"query heads {qv.shape[1]} differ from key/value heads {kv.shape[1]} (grouped-query attention)"
+    if kv.shape[1] != vv.shape[1] or qv.shape[1] % kv.shape[1] != 0:
+        return f"query heads {qv.shape[1]} are not a multiple of key/value heads {kv.shape[1]}, {vv.shape[1]}"
     if mask is not None and getattr(_val(mask), "requires_grad", False):
         return "the attention mask requires grad"
     return None
@@ -315,8 +347,8 @@ def _find_attention(gm: fx.GraphModule) -> list[AttentionMatch]:
             reason = _attention_reason(q, k, v, mask)
             if dropout:
                 reason = f"dropout_p={dropout}; only dropout-free attention is tiled (accepted: 0.0)"
-            if node.kwargs.get("enable_gqa") and reason is None and _val(q).shape[1] != _val(k).shape[1]:
-                reason = "grouped-query attention (enable_gqa=True)"
+            if not node.kwargs.get("enable_gqa") and reason is None and _val(q).shape[1] != _val(k).shape[1]:
+                reason = f"query heads {_val(q).shape[1]} differ from key/value heads {_val(k).shape[1]} without enable_gqa"
             found.append(AttentionMatch(node, q, k, v, mask, bool(causal), float(scale), "sdpa", reason))
         elif op_packet(node) is aten.matmul:
             m = _match_softmax_attention(node)
@@ -356,7 +388,7 @@ def _match_softmax_attention(scores: fx.Node) -> AttentionMatch | None:
     v = out.args[1]
     if mask is not None and _val(mask).dtype == torch.bool:
         return None
-    return AttentionMatch(out, q, k, v, mask, False, float(scale), "softmax", _attention_reason(q, k, v, mask))
+    return AttentionMatch(out, q, k, v, mask, False, float(scale), "softmax", _attention_reason(q, k, v, mask), scores)
 
 
 # --------------------------------------------------------------------------- loss

@@ -10,7 +10,9 @@ rewritten forward afterwards. Postconditions:
 - each planned region runs in chunks of ``block_size`` tokens: its sequence-carrying inputs are
   split along their sequence dim, the region's nodes are replayed per chunk, and each output is
   the ``cat`` of its chunks. Every node of the chunked copy carries
-  ``meta['recompute'] = CheckpointPolicy.MUST_RECOMPUTE`` and ``zerofx_tile_region``.
+  ``meta['recompute'] = CheckpointPolicy.MUST_RECOMPUTE`` and ``zerofx_tile_region``; so do the
+  ``cat`` outputs of a region that only computes attention inputs (NOTE [Attention inputs are
+  recomputed, not saved] in ``seq_regions``).
 
 NOTE [Per-chunk recompute through the partitioner]
 AOTAutograd copies a forward node's ``recompute`` tag onto the joint graph's node when it traces
@@ -175,7 +177,7 @@ def _chunk_regions(gm: fx.GraphModule, a: seq_regions.SeqAnalysis, blocks: dict[
     env: dict[fx.Node, fx.Node] = {}
     for u in order:
         if isinstance(u, tuple):
-            _emit_region(new, env, a, members[u], u[1], blocks[u[1]])
+            _emit_region(new, env, a, members[u], u[1], blocks[u[1]], recompute_outputs=a.feeds_attention[u[1]])
         else:
             env[u] = new.node_copy(u, lambda x: env[x])
     new.output(fx.map_arg(meta.output_node(old).args[0], lambda x: env[x]))
@@ -183,7 +185,8 @@ def _chunk_regions(gm: fx.GraphModule, a: seq_regions.SeqAnalysis, blocks: dict[
     return out
 
 
-def _emit_region(g: fx.Graph, env: dict[fx.Node, fx.Node], a: seq_regions.SeqAnalysis, region: list[fx.Node], index: int, block: int) -> None:
+def _emit_region(g: fx.Graph, env: dict[fx.Node, fx.Node], a: seq_regions.SeqAnalysis, region: list[fx.Node], index: int, block: int,
+                 *, recompute_outputs: bool) -> None:
     sizes = _chunk_sizes(a.seq_len, block)
     inside = set(region)
 
@@ -218,8 +221,31 @@ def _emit_region(g: fx.Graph, env: dict[fx.Node, fx.Node], a: seq_regions.SeqAna
         chunks.append(cenv)
     for o in a.region_outputs(region):
         assert isinstance(o.meta.get("val"), torch.Tensor), "a region output must be one tensor"
-        env[o] = g.call_function(aten.cat.default, ([ch[o] for ch in chunks], a.sdim[o]))
-        env[o].meta[TILED] = "region"
+        pieces_o = [ch[o] for ch in chunks]
+        if recompute_outputs and _is_view(o):
+            # v is a view of the chunk's whole QKV projection: copy it per chunk so each chunk's
+            # projection is freed as soon as its q, k and v exist, not after the last chunk.
+            pieces_o = [tag(g.call_function(aten.clone.default, (p,))) for p in pieces_o]
+        if recompute_outputs and o.meta["val"].dim() == 4 and a.sdim[o] == 2:
+            # (B, H, T, D) attention inputs, concatenated in the (B, T, H, D) layout the attention
+            # kernel reads fastest (NOTE [Layout at the op boundary] in ``tiled_kernels``).
+            pieces_o = [tag(g.call_function(aten.transpose.int, (p, 1, 2))) for p in pieces_o]
+            cat = tag(g.call_function(aten.cat.default, (pieces_o, 1)))
+            env[o] = g.call_function(aten.transpose.int, (cat, 1, 2))
+        else:
+            env[o] = g.call_function(aten.cat.default, (pieces_o, a.sdim[o]))
+        if recompute_outputs:  # NOTE [Attention inputs are recomputed, not saved]
+            tag(env[o])
+        else:
+            env[o].meta[TILED] = "region"
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.target is operator.getitem or seq_regions.op_packet(node) in _VIEW_OPS
+
+
+_VIEW_OPS = {aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.select, aten.unbind, aten.slice,
+             aten.split, aten.split_with_sizes, aten.chunk, aten.unsqueeze, aten.squeeze, aten.expand, aten.alias, aten.t, aten.narrow}
 
 
 def _propagate_vals(gm: fx.GraphModule) -> None:

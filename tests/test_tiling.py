@@ -14,11 +14,12 @@ import torch.nn.functional as F
 import zerofx
 from passes import partition_joint, tiled_kernels  # noqa: F401  (registers zerofx:: ops)
 from passes.plan import Plan
-from passes.plan_tiling import TilingOptions, parse_bytes
+from passes.plan_tiling import TilingOptions
 from tests.dist_utils import run_ranks
 from tests.tiling_models import BATCH, SEQ, dna_lm, llama, padding_mask, softmax_lm, tokens
 from tests.tiling_workers import tiled_vs_untiled
 from zerofx.capture import capture_step, flatten_call
+from zerofx.config import parse_bytes
 from zerofx.errors import ConfigError
 
 ON = TilingOptions(enabled=True, block_size=16, attention_block_size=16)
@@ -97,6 +98,19 @@ def test_blocked_attention_matches_sdpa(mask_kind: str, causal: bool, dtype: tor
     assert (out - ref).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_blocked_attention_grouped_query_heads(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 21, 8, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, 2, 21, 8, dtype=dtype, requires_grad=True) for _ in range(2))  # 3 query heads per key/value head
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out, _ = zf.blocked_attention(q, k, v, None, True, 8**-0.5, 8, 5)
+    assert (out - ref).abs().max().item() < TOL
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(ref, (q, k, v), g), torch.autograd.grad(out, (q, k, v), g)):
+        assert a.shape == b.shape and (a - b).abs().max().item() < TOL
+
+
 def test_chunked_loss_matches_cross_entropy() -> None:
     torch.manual_seed(0)
     h, w, b = torch.randn(50, 16, requires_grad=True), torch.randn(7, 16, requires_grad=True), torch.randn(7, requires_grad=True)
@@ -114,8 +128,10 @@ def test_dna_lm_sdpa_causal_regions_and_loss() -> None:
     model, ids = dna_lm(), tokens()
     cap, (fw, bw) = assert_parity(model, (ids,), {"labels": ids})
     kinds = [(op.kind, op.block_size) for op in cap.tiling.ops]
-    # Two SDPA layers, three token-wise regions (embedding..QKV, out-proj..MLP..QKV, out-proj..norm), the loss.
-    assert kinds == [("attention", 16)] * 2 + [("region", 16)] * 3 + [("loss", 16)]
+    # Two SDPA layers; five token-wise regions: the embedding, per layer the attention inputs (norm,
+    # QKV, rotary) and then out-proj..MLP, the final norm; the loss.
+    assert kinds == [("attention", 16)] * 2 + [("region", 16)] * 5 + [("loss", 16)]
+    assert [op.what.endswith("attention inputs") for op in cap.tiling.ops if op.kind == "region"] == [False, True, False, True, False]
     assert count(fw, zf.blocked_attention.default) == 2 and count(bw, zf.blocked_attention_backward.default) == 2
     assert count(fw, zf.chunked_linear_cross_entropy.default) == 1
     assert count(fw, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default) == 0
@@ -126,6 +142,9 @@ def test_dna_lm_sdpa_causal_regions_and_loss() -> None:
     ffn = model.cfg.ffn_dim
     saved = [n.meta["val"].shape for n in fw.graph.output_node().args[0][1:]]
     assert not any(ffn in s and (SEQ in s or BATCH * SEQ in s) for s in saved)
+    # Nor q, k and v: per layer only the attention's output (B, nh, T, hs) is kept; q, k and v are recomputed.
+    heads = (BATCH, model.cfg.num_heads, SEQ, model.cfg.head_dim)
+    assert sum(tuple(s) == heads for s in saved) == model.cfg.num_layers
     _, _, _, (fw0, _) = run_partitioned(model, (ids,), {"labels": ids}, OFF)
     saved0 = [n.meta["val"].shape for n in fw0.graph.output_node().args[0][1:]]
     assert any(ffn in s and BATCH * SEQ in s for s in saved0)
@@ -148,12 +167,28 @@ def test_llama_sdpa() -> None:
     assert square_tensors(graphs) == []
 
 
-def test_grouped_query_attention_is_left_alone_with_a_reason(caplog: pytest.LogCaptureFixture) -> None:
+def test_grouped_query_attention_llama() -> None:
+    # transformers passes enable_gqa=True to SDPA here (4 query heads, 2 key/value heads).
     model, ids = llama(kv_heads=2), tokens(vocab=16)
+    cap, graphs = assert_parity(model, (ids,), {"labels": ids})
+    assert [op.shape for op in cap.tiling.ops if op.kind == "attention"] == [(BATCH, 4, SEQ, 16)] * 2
+    assert square_tensors(graphs) == []
+
+
+def test_dropout_attention_is_left_alone_with_a_reason(caplog: pytest.LogCaptureFixture) -> None:
+    class DropoutAttention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.qkv = torch.nn.Embedding(5, 8), torch.nn.Linear(8, 24)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(self.embed(ids)).view(BATCH, SEQ, 3, 2, 4).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).float().pow(2).mean()
+
     with caplog.at_level(logging.INFO, logger="zerofx.tiling"):
-        cap, _ = assert_parity(model, (ids,), {"labels": ids})
+        cap = capture_step(DropoutAttention(), (tokens(),), {}, tiling=ON)
     assert not [op for op in cap.tiling.ops if op.kind == "attention"]
-    assert any("grouped-query" in s.reason or "heads" in s.reason for s in cap.tiling.skipped)
+    assert [s.reason for s in cap.tiling.skipped if s.kind == "attention"] == ["dropout_p=0.1; only dropout-free attention is tiled (accepted: 0.0)"]
     assert "not tiled" in caplog.text
 
 
@@ -254,3 +289,19 @@ def test_region_pass_structure_and_idempotence() -> None:
     assert len(tiled.graph.find_nodes(op="call_function", target=torch.ops.aten.split_with_sizes.default)) == 1
     with pytest.raises(ValueError, match="already tiled"):  # a second run is refused
         tile_forward_pass(tiled, plan)
+
+
+def test_planner_picks_the_fewest_chunks_that_fit_the_budget(caplog: pytest.LogCaptureFixture) -> None:
+    from passes.plan_tiling import MIN_AUTO_BLOCK, _block_choices, plan_tiling
+
+    assert _block_choices(1000, TilingOptions()) == [512, 256]  # 2 and 4 even chunks, rounded up to 64 tokens
+    assert _block_choices(1000, TilingOptions(block_size=100)) == [100]
+    assert _block_choices(300, TilingOptions()) == [1024] and MIN_AUTO_BLOCK == 256  # halves under 256 tokens: not split
+    gm = _mlp_forward(seq=1024)  # (2, 1024, 32) hidden, fake tensors only
+    roomy = plan_tiling(gm, TilingOptions(enabled=True, budget_bytes=1 << 30))
+    assert [(op.kind, op.block_size) for op in roomy.ops] == [("region", 512)]
+    with caplog.at_level(logging.INFO, logger="zerofx.tiling"):
+        tight = plan_tiling(gm, TilingOptions(enabled=True, budget_bytes=1))
+    assert [(op.kind, op.block_size) for op in tight.ops] == [("region", 256)]
+    assert tight.estimate_tiled_bytes < roomy.estimate_tiled_bytes
+    assert "exceeds the budget" in caplog.text

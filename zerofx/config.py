@@ -59,12 +59,10 @@ def _pos_int(v: Any) -> bool:
 
 
 def _bytes_ok(v: Any) -> bool:
-    from passes.plan_tiling import parse_bytes
-
     if isinstance(v, str):
         try:
             parse_bytes(v)
-        except ValueError:
+        except ConfigError:
             return False
         return True
     return _nonneg_int(v)
