@@ -742,8 +742,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # full collections that capture's allocations trigger, and the interpreter's exit, stop
     # rescanning them: 1.5-2.5 s of `zerofx plan`'s 10 s budget on the 20B model. It also keeps
     # the forked 1-block capture (NOTE [Planning the two captures in parallel]) from touching,
-    # and so copying, their pages.
-    gc.freeze()
+    # and so copying, their pages. Only as the program (argv from sys.argv): a caller that runs
+    # main() in its own process, as the tests do, keeps its collector as it was.
+    if argv is None:
+        gc.freeze()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
