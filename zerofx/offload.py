@@ -371,7 +371,25 @@ def state_names(optimizer: str) -> tuple[str, ...]:
     return {"AdamW": ("exp_avg", "exp_avg_sq"), "Adam": ("exp_avg", "exp_avg_sq"), "SGD": (), "SGD+momentum": ("momentum_buffer",)}[optimizer]
 
 
-class OffloadStore:
+class BackgroundIO:
+    """A store whose transfers run on a thread pool (``self._io``, None once closed);
+    ``drain()`` waits for them and raises the first failure."""
+
+    _io: Any
+
+    def drain(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._io is not None:
+            try:
+                self.drain()
+            finally:
+                self._io.shutdown(wait=True)
+                self._io = None
+
+
+class OffloadStore(BackgroundIO):
     """The records of one rank, on the tiers the plan chose, and the window of host buffers
     that NVMe records pass through (NOTE [NVMe I/O])."""
 
@@ -552,14 +570,6 @@ class OffloadStore:
             self.drain()
         except BaseException:  # noqa: BLE001  (see docstring)
             pass
-
-    def close(self) -> None:
-        if self._io is not None:
-            try:
-                self.drain()
-            finally:
-                self._io.shutdown(wait=True)
-                self._io = None
 
     # ------------------------------------------------------------- accounting
     def resident_bytes(self, tier: Tier) -> int:

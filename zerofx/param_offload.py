@@ -27,6 +27,7 @@ from zerofx.offload import (
     DEFAULT_NVME_READ_BYTES_PER_S,
     DEFAULT_NVME_WRITE_BYTES_PER_S,
     IO_THREADS,
+    BackgroundIO,
     NvmeFiles,
     OffloadError,
 )
@@ -128,7 +129,7 @@ _STORES: weakref.WeakValueDictionary[int, ParamStore] = weakref.WeakValueDiction
 _STORE_IDS = itertools.count(1)
 
 
-class ParamStore:
+class ParamStore(BackgroundIO):
     """This rank's offloaded parameter shards, on the tiers a ``ParamOffloadPlan`` chose; see
     NOTE [The parameter store]. ``token`` is what the graphs take in place of each shard."""
 
@@ -300,14 +301,6 @@ class ParamStore:
         self._writes.clear()
         if first is not None:
             raise first
-
-    def close(self) -> None:
-        if self._io is not None:
-            try:
-                self.drain()
-            finally:
-                self._io.shutdown(wait=True)
-                self._io = None
 
     # ------------------------------------------------------------- accounting
     def cpu_bytes(self) -> int:
