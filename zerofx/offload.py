@@ -45,6 +45,7 @@ new parameters go to a staging copy of this rank's shards, which costs one shard
 
 from __future__ import annotations
 
+import abc
 import errno
 import math
 import os
@@ -371,14 +372,14 @@ def state_names(optimizer: str) -> tuple[str, ...]:
     return {"AdamW": ("exp_avg", "exp_avg_sq"), "Adam": ("exp_avg", "exp_avg_sq"), "SGD": (), "SGD+momentum": ("momentum_buffer",)}[optimizer]
 
 
-class BackgroundIO:
-    """A store whose transfers run on a thread pool (``self._io``, None once closed);
-    ``drain()`` waits for them and raises the first failure."""
+class BackgroundIO(abc.ABC):
+    """A store whose transfers run on a thread pool (``self._io``, None once closed)."""
 
     _io: Any
 
+    @abc.abstractmethod
     def drain(self) -> None:
-        raise NotImplementedError
+        """Wait for every transfer in flight; raise the first failure."""
 
     def close(self) -> None:
         if self._io is not None:
