@@ -185,7 +185,10 @@ def plan_folded(
     if blocks.count < 2:
         raise ValueError(f"folding needs at least 2 repeated blocks, {blocks.path!r} has {blocks.count}")
     one_block = with_num_blocks(model, blocks, 1)
-    pending_one = _in_forked_child(report_for, one_block) if parallel else None
+    # Fork only a meta model: one with real weights may have run OpenMP kernels, whose thread
+    # pool does not survive a fork.
+    on_meta = all(p.is_meta for p in model.parameters())
+    pending_one = _in_forked_child(report_for, one_block) if parallel and on_meta else None
     two = report_for(with_num_blocks(model, blocks, 2))
     one = pending_one() if pending_one is not None else report_for(one_block)
     return fold_reports(one, two, blocks)
@@ -196,8 +199,8 @@ def plan_folded(
 # so on a machine with two cores or more ``zerofx plan`` runs the 1-block one in a child
 # process made by fork: it inherits the imported torch and the meta model for free, where a
 # spawned process would pay the 6 s import again. The child pickles its ScheduleReport (plain
-# dataclasses) through a pipe. Nothing has run a parallel ATen kernel before the fork (the
-# model lives on the meta device), so no OpenMP pool is copied half-alive. If the child fails
+# dataclasses) through a pipe. Only a model on the meta device is forked: nothing has run a
+# parallel ATen kernel then, so no OpenMP pool is copied half-alive. If the child fails
 # or dies, the parent plans the 1-block model itself: the answer never depends on the fork.
 def _in_forked_child(fn: Callable[[nn.Module], ScheduleReport], arg: nn.Module) -> Callable[[], ScheduleReport]:
     if not hasattr(os, "fork") or (os.cpu_count() or 1) < 2:
@@ -205,15 +208,15 @@ def _in_forked_child(fn: Callable[[nn.Module], ScheduleReport], arg: nn.Module) 
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, send, and leave without running the parent's atexit hooks
-        os.close(read_fd)
-        status = 0
-        try:
+        status = 1
+        try:  # whatever happens, the child must never return into the parent's code
+            os.close(read_fd)
             payload = pickle.dumps(fn(arg))
-        except BaseException:
-            payload, status = b"", 1
-        with os.fdopen(write_fd, "wb") as out:
-            out.write(payload)
-        os._exit(status)
+            with os.fdopen(write_fd, "wb") as out:
+                out.write(payload)
+            status = 0
+        finally:
+            os._exit(status)
     os.close(write_fd)
 
     def result() -> ScheduleReport:
