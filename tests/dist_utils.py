@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import queue as queue_mod
+import signal
 import socket
 import sys
 import traceback
@@ -26,6 +28,7 @@ def free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
     sys.path.insert(0, ROOT)
+    faulthandler.enable()  # a segfault in a rank prints every thread's Python stack to the test's stderr
     import torch
 
     torch.set_num_threads(1)
@@ -65,10 +68,14 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
             errors.append(f"rank {rank}:\n{value}")
             timeout = 20.0  # the other ranks may now hang in a collective; don't wait long
         results[rank] = torch.load(io.BytesIO(value), weights_only=False) if status == "ok" else value
-    for p in procs:
+    for rank, p in enumerate(procs):
         p.join(timeout=5)
         if p.is_alive():
             p.terminate()
+        elif p.exitcode is not None and p.exitcode < 0 and rank not in results:
+            # A rank killed by a signal reports nothing itself; its Python stacks (faulthandler)
+            # are in the captured stderr.
+            errors.append(f"rank {rank} died from signal {signal.Signals(-p.exitcode).name}")
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
