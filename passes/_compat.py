@@ -15,6 +15,9 @@ these, this is the only file to touch.
 - ``torch.fx.experimental.proxy_tensor.make_fx`` (``pre_dispatch=True``): the forward before
   autograd, for tiling; ``torch.fx.traceback.preserve_node_meta``: carries a forward node's
   ``recompute`` tag onto the nodes AOTAutograd traces from it.
+- ``torch.fx.graph.CodeGen`` with ``Graph.set_codegen``: FX's hook for the Python a graph
+  compiles to (documented on ``Graph.set_codegen``; marked not backward-compatible). We use it
+  for a boxed calling convention (``boxed_graph_module``); FX's own ``_BoxedCodeGen`` is private.
 - ``torch._inductor.compile``: Inductor's documented entry point for an FX graph captured
   without Dynamo ("Compile a given FX graph with TorchInductor"), imported on first use.
 """
@@ -45,6 +48,33 @@ def min_cut_partition_without_cse(joint: torch.fx.GraphModule, inputs: Any, *, n
 
     with functorch_config.patch(cse=False):
         return min_cut_rematerialization_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs)
+
+class _BoxedInputsCodeGen(torch.fx.graph.CodeGen):
+    """Python for a graph called as ``gm(args_list)``: it unpacks the list into its
+    placeholders and empties it, so each input's last reference is the graph's own local,
+    which the generated code drops right after the input's last use."""
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, **_: Any) -> str:
+        names = [v.split(":")[0].split("=")[0].strip() for v in free_vars if v != "self"]
+        fn_name = getattr(self, "_func_name", "forward")
+        lines = [f"def {fn_name}(self, args_list){maybe_return_annotation}:"]
+        if names:
+            lines.append(f"    {', '.join(names)}, = args_list")  # a wrong count raises here
+            lines.append("    args_list.clear()")
+        return "\n".join(lines)
+
+
+def boxed_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
+    """A copy of ``gm`` called as ``copy(args_list)`` that empties ``args_list`` and frees each
+    input after its last use (NOTE [Boxed graphs] in zerofx/program.py). None where ``gm`` has
+    a custom codegen (pytree inputs) this cannot carry over."""
+    if type(gm.graph._codegen) is not torch.fx.graph.CodeGen:
+        return None
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(_BoxedInputsCodeGen())
+    return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
 
 c10d_functional = torch.ops._c10d_functional
 ALL_GATHER = c10d_functional.all_gather_into_tensor.default

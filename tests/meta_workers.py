@@ -104,5 +104,5 @@ def eager_vs_inductor(rank: int, world_size: int, size: str, stage: int, steps: 
             engine.step()
             losses.append(loss.item())
         out[compiler] = {"losses": losses, "state": engine.full_state_dict(), "compile_s": engine.compile_s,
-                         "compiled": sorted(engine.program._compiled)}
+                         "compiled": sorted(engine.program.compiled_graphs)}
     return out

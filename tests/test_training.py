@@ -12,7 +12,7 @@ import torch
 
 import zerofx
 from tests.dist_utils import run_ranks
-from tests.train_workers import reference_clipped, train
+from tests.train_workers import reference_clipped, saved_tensors_freed_in_backward, train
 from zerofx.schedulers import lr_at
 
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3}}
@@ -69,6 +69,15 @@ def test_gradient_accumulation_and_clipping_match_single_process() -> None:
     assert max_diff(unclipped, expected) > 1e-3  # clipping really bites at this norm
     for r in run_ranks(2, train, config, 3, 2):
         assert max_diff(r["state"], expected) < 1e-5
+
+
+def test_backward_frees_saved_tensors_as_it_goes() -> None:
+    """The backward graph is called boxed: each tensor the forward saved is freed by the graph
+    itself after its last use, not when the whole backward returns. The ones never freed are
+    held by the engine anyway (the batch, and at stage 3 the parameter shards)."""
+    (res,) = run_ranks(1, saved_tensors_freed_in_backward, [0, 3])
+    for stage, r in res.items():
+        assert r["freed_in_graph"] == r["freed"] >= r["saved"] * 2 // 3, (stage, r)
 
 
 def test_scheduler_drives_the_learning_rate() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import weakref
+
 import torch
 
 import zerofx
@@ -51,3 +54,33 @@ def reference_clipped(world_size: int, steps: int, lr: float, max_norm: float, m
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def saved_tensors_freed_in_backward(rank: int, world_size: int, stages: list[int]) -> dict[int, dict]:
+    """Per stage, one forward and backward; counts the forward's saved tensors, and of those the
+    ones freed at all by the end of the step and the ones freed while the backward graph was
+    still running (NOTE [Boxed graphs] in zerofx/program.py)."""
+    data = batches(world_size, 1, VOCAB["dna"])
+    ids = data[0, rank]
+    out = {}
+    for stage in stages:
+        config = {"zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+        engine = zerofx.initialize(BUILDERS["dna"](frozen=False), config, example_inputs=(ids,), example_kwargs={"labels": ids})
+        loss = engine(ids, labels=ids)
+        saved = engine._pending[1]  # white-box: the forward's outputs the backward graph takes
+        freed_in_graph: list[bool] = []
+
+        def on_free(into: list[bool] = freed_in_graph) -> None:
+            frame = sys._getframe()
+            while frame is not None and not frame.f_code.co_filename.startswith("<eval_with_key>"):
+                frame = frame.f_back
+            into.append(frame is not None)
+
+        count = len(saved)
+        for t in saved:
+            weakref.finalize(t, on_free)
+        del saved, t
+        engine.backward(loss)
+        engine.step()
+        out[stage] = {"saved": count, "freed": len(freed_in_graph), "freed_in_graph": sum(freed_in_graph)}
+    return out

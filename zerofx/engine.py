@@ -81,7 +81,7 @@ class WaitTimer:
     def __init__(self) -> None:
         self.blocked_s: dict[str, float] = {}
 
-    def run(self, name: str, gm: fx.GraphModule, *args: torch.Tensor) -> Any:
+    def run(self, name: str, gm: fx.GraphModule, args_list: list[torch.Tensor]) -> Any:
         timer = self
 
         class _Timed(fx.Interpreter):
@@ -93,7 +93,7 @@ class WaitTimer:
                 timer.blocked_s[name] = timer.blocked_s.get(name, 0.0) + time.perf_counter() - start
                 return out
 
-        return _Timed(gm).run(*args)
+        return _Timed(gm).boxed_run(args_list)  # empties args_list, as the engine's graphs do
 
     def reset(self) -> dict[str, float]:
         out, self.blocked_s = self.blocked_s, {}
@@ -477,12 +477,14 @@ class Engine:
 
     forward = __call__
 
-    def _run(self, program: Program, name: str, args: list[torch.Tensor]) -> Any:
-        """Run graph ``name`` of ``program``: compiled per ``zerofx.compile``, or op by op under
-        the WaitTimer when one is set (it times the FX graph's own wait nodes)."""
+    def _run(self, program: Program, name: str, args_list: list[torch.Tensor]) -> Any:
+        """Run graph ``name`` of ``program`` on ``args_list``, which it empties, freeing each input
+        after its last use (NOTE [Boxed graphs] in zerofx/program.py): compiled per
+        ``zerofx.compile``, or op by op under the WaitTimer when one is set (it times the FX
+        graph's own wait nodes)."""
         if self.wait_timer is not None:
-            return self.wait_timer.run(name, program.graph_modules(self.rank)[name], *args)
-        return program.runnable(self.rank, name, args, self.cfg.graph_compiler)(*args)
+            return self.wait_timer.run(name, program.graph_modules(self.rank)[name], args_list)
+        return program.run(self.rank, name, args_list, self.cfg.graph_compiler)
 
     @property
     def compile_s(self) -> float:
@@ -493,15 +495,17 @@ class Engine:
         """Run the backward graph for the last forward; accumulate this rank's gradients."""
         if self._pending is None or loss is not self._pending[2]:
             raise ZeroFXError("engine.backward(loss) needs the loss returned by the engine's most recent forward call")
-        program, saved, _ = self._pending
+        # The saved tensors' only references go into the list the backward graph empties, so
+        # each is freed once the backward has used it (NOTE [Boxed graphs]).
+        program, args_list, _ = self._pending
         self._pending = None
         if self.offload_store is not None and self.is_gradient_accumulation_boundary():
             self.optimizer.prefetch()  # the first NVMe records load while backward runs
         # d(loss)/d(loss): 1 over the accumulation steps (DeepSpeed averages micro-batches), times
         # the fp16 loss scale.
         seed = (self.loss_scaler.scale if self.loss_scaler else 1.0) / self.gradient_accumulation_steps
-        grads = self._run(program, "backward", [*saved, torch.full_like(loss, seed)])
-        del saved
+        args_list.append(torch.full_like(loss, seed))
+        grads = self._run(program, "backward", args_list)
         for info, g in zip(program.captured.params, grads):
             if g is not None:
                 self.grads[info.fqn].add_(g)

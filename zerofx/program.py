@@ -43,7 +43,8 @@ class Program:
         self.group_name = group_name
         self.param_offload = param_offload  # stage 3 offload_param: which shards the graphs fetch
         self._modules: dict[str, fx.GraphModule] | None = None
-        self._compiled: dict[str, Callable[..., Any]] = {}
+        self._runners: dict[tuple[int, str], Callable[[list[torch.Tensor]], Any]] = {}
+        self.compiled_graphs: set[str] = set()  # names of the graphs Inductor compiled
         self.compile_s = 0.0  # seconds spent compiling this program's graphs (GraphCompiler.INDUCTOR)
 
     @property
@@ -70,18 +71,27 @@ class Program:
             self._modules = lower(self.captured.joint, self.plan, group_name=self.group_name, param_offload=self.param_offload)
         return dict(self._modules)
 
-    def runnable(self, rank: int, name: str, args: Sequence[torch.Tensor], compiler: GraphCompiler) -> Callable[..., Any]:
-        """What runs graph ``name`` of rank ``rank``: the GraphModule itself, or (with
-        ``GraphCompiler.INDUCTOR``) its Inductor compilation for inputs like ``args``, compiled
-        on the first call and cached here. ``param_sync`` (all-gathers only) is never compiled."""
+    def run(self, rank: int, name: str, args_list: list[torch.Tensor], compiler: GraphCompiler) -> Any:
+        """Run graph ``name`` of rank ``rank`` on ``args_list``, which it empties (NOTE [Boxed
+        graphs]). With ``GraphCompiler.INDUCTOR`` the graph is compiled by Inductor for inputs
+        like these on the first call and cached; ``param_sync`` (all-gathers only) never is."""
+        key = (rank, name)
+        if key not in self._runners:
+            self._runners[key] = self._runner(rank, name, args_list, compiler)
+        return self._runners[key](args_list)
+
+    def _runner(self, rank: int, name: str, example: list[torch.Tensor], compiler: GraphCompiler) -> Callable[[list[torch.Tensor]], Any]:
         gm = self.graph_modules(rank)[name]
         if compiler is GraphCompiler.NONE or name == "param_sync":
-            return gm
-        if name not in self._compiled:
-            start = time.perf_counter()
-            self._compiled[name] = _compat.inductor_compile(gm, list(args))
-            self.compile_s += time.perf_counter() - start
-        return self._compiled[name]
+            boxed = _compat.boxed_graph_module(gm)
+            if boxed is not None:
+                return boxed
+            return lambda args_list: gm(*_take(args_list))
+        start = time.perf_counter()
+        compiled = _compat.inductor_compile(gm, list(example))
+        self.compile_s += time.perf_counter() - start
+        self.compiled_graphs.add(name)
+        return lambda args_list: compiled(*_take(args_list))
 
     def report(self, rank: int, *, comm: CommSpec = CPU_GLOO, device: DeviceSpec = CPU_CORE) -> ScheduleReport:
         """The estimated schedule of rank ``rank``: one row per collective (where it is issued and
@@ -97,6 +107,22 @@ class Program:
 
     def __repr__(self) -> str:
         return f"Program({self.captured.model_class}, stage={int(self.stage)}, world_size={self.world_size})"
+
+
+# NOTE [Boxed graphs]
+# The engine hands each graph its inputs in a list the graph empties, and the graph's Python
+# drops each input right after its last use. For the backward graph the inputs are the tensors
+# the forward saved: called the usual way, the caller's argument tuple kept every one of them
+# alive until the whole backward returned; boxed, each is freed as soon as the backward is done
+# with it, as eager autograd frees saved tensors node by node. AOTAutograd calls its compiled
+# graphs the same way (make_boxed_func); FX's own boxed codegen is private, hence ours in
+# passes/_compat.py. Inductor-compiled graphs are called unboxed: its entry point takes
+# positional inputs, so there the caller's copy lives to the end.
+def _take(args_list: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The list's items, leaving it empty (the boxed convention, for callables that are not)."""
+    items = list(args_list)
+    args_list.clear()
+    return items
 
 
 def check_stage(stage: Any) -> ZeroStage:
