@@ -97,6 +97,16 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor
     return torch._inductor.compile(gm, example_inputs)
 
 
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any = None) -> None:
+    """Every rank's ``shard`` concatenated into ``output`` (a blocking collective). torch 2.13
+    names it ``dist.all_gather_single`` and deprecates ``all_gather_into_tensor``, the only
+    name before; the CUDA machines run torch 2.11."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, shard, group=group)
+
+
 def fake_process_group(world_size: int, rank: int = 0) -> None:
     """Initialise torch.distributed with the fake backend, for planning and shape checks only.
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import zerofx
 import zerofx.checkpoint
+from passes import _compat
 from tests.models import BATCH, BUILDERS, SEQ, VOCAB, loss_of, make_optimizer
 
 SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
@@ -73,7 +74,7 @@ def _gather(engine: zerofx.Engine, fqn: str, t: torch.Tensor) -> torch.Tensor:
     flat = t
     if t.numel() != p.padded_numel:
         flat = torch.empty(p.padded_numel, dtype=t.dtype)
-        dist.all_gather_into_tensor(flat, t, group=engine.group)
+        _compat.all_gather_flat(flat, t, group=engine.group)
     return flat[: p.numel].clone()
 
 

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from cost_models.comm import CommSpec
 from cost_models.compute import DeviceSpec
 from cost_models.profiles import save_profile
+from passes import _compat
 
 SIZES = (2**14, 2**16, 2**18, 2**20, 2**22)  # bytes per rank
 
@@ -44,7 +45,7 @@ def measure(rank: int, world_size: int, repeats: int = 5) -> list[float]:
         shard = torch.ones(nbytes // 4)
         out = torch.empty(shard.numel() * world_size)
         dist.barrier()
-        t = _time(lambda: dist.all_gather_into_tensor(out, shard), repeats)
+        t = _time(lambda: _compat.all_gather_flat(out, shard), repeats)
         # Ring: t = (N - 1) * alpha + (N - 1) * nbytes / bw  ->  linear in nbytes.
         xs.append((world_size - 1) * nbytes)
         ys.append(t)

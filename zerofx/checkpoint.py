@@ -42,6 +42,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import zerofx
+from passes import _compat
 from zerofx.checkpoint_format import (
     COMPLETE,
     FORMAT_VERSION,
@@ -275,7 +276,7 @@ def _fill(engine: Engine, fqn: str, target: torch.Tensor, mine: torch.Tensor) ->
         target.copy_(mine)
         return
     flat = torch.empty(p.padded_numel, dtype=mine.dtype, device=mine.device)
-    dist.all_gather_into_tensor(flat, mine, group=engine.group)
+    _compat.all_gather_flat(flat, mine, group=engine.group)
     target.copy_(flat)
 
 

@@ -55,7 +55,7 @@ import torch.utils._pytree as pytree
 
 from cost_models.memory import optimizer_kind
 from cost_models.offload import Tier
-from passes import OffloadPlan, ParamPlacement, ZeroStage
+from passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
 from passes.meta import is_wait
 from passes.check_collectives import collective_sequence, first_divergence
 from passes.fetch_params import fetch_order
@@ -635,7 +635,7 @@ class Engine:
                 p = self.placements[owner]
                 if owner not in self.full:
                     flat = torch.empty(p.padded_numel, dtype=p.torch_dtype, device=self.device)
-                    dist.all_gather_into_tensor(flat, self.param_shard(owner), group=self.group)
+                    _compat.all_gather_flat(flat, self.param_shard(owner), group=self.group)
                 else:
                     flat = self.full[owner].clone()
                 gathered[owner] = flat[: p.numel].view(p.shape)
