@@ -66,6 +66,10 @@ class TilingOptions:
     attention_block_size: int | None = None  # query and key block
     budget_bytes: int | None = None
     kinds: tuple[str, ...] = KINDS  # which kinds of op may be tiled
+    # What ``auto`` holds the per-op estimates (upper bounds) to when it chooses; None: the
+    # budget. Not a config key: zerofx.compile raises it while the lowered graphs' memory
+    # timeline still fits the budget (NOTE [Tiling checked against the memory timeline]).
+    estimate_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.enabled not in (True, False, "auto"):
@@ -74,6 +78,9 @@ class TilingOptions:
         _check_block("attention_block_size", self.attention_block_size)
         if self.budget_bytes is not None and (isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes < 0):
             raise ValueError(f"tiling budget={self.budget_bytes!r}; accepted: a number of bytes >= 0")
+        if self.estimate_budget_bytes is not None and (isinstance(self.estimate_budget_bytes, bool) or not isinstance(self.estimate_budget_bytes, int)
+                                                       or self.estimate_budget_bytes < 0):
+            raise ValueError(f"tiling estimate_budget_bytes={self.estimate_budget_bytes!r}; accepted: a number of bytes >= 0")
         bad = [k for k in self.kinds if k not in KINDS]
         if bad:
             raise ValueError(f"tiling kinds {bad} are unknown; accepted: {', '.join(KINDS)}")
@@ -248,13 +255,14 @@ def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | No
     analysis = seq_regions.analyze(gm, seq_len)
     ablock = options.attention_block_size or DEFAULT_ATTENTION_BLOCK
     budget = options.budget_bytes if options.budget_bytes is not None else DEFAULT_BUDGET_BYTES
+    bound = options.estimate_budget_bytes if options.estimate_budget_bytes is not None else budget
     for block in _block_choices(seq_len, options):  # largest first: the first that fits the budget
         candidates, skipped = _candidates(analysis, block, ablock)
-        chosen, tiled_total = _choose(candidates, options, budget)
-        if tiled_total <= budget:
+        chosen, tiled_total = _choose(candidates, options, bound)
+        if tiled_total <= bound:
             break
     else:
-        log.info("tiling: the activation estimate %d bytes exceeds the budget %d bytes even with %d-token blocks", tiled_total, budget, block)
+        log.info("tiling: the activation estimate %d bytes exceeds the budget %d bytes even with %d-token blocks", tiled_total, bound, block)
     skipped += [SkippedOp(c.kind, c.index, c.what, "this kind is turned off in zerofx.tiling") for c in candidates if c.kind not in options.kinds]
     order = {k: i for i, k in enumerate(KINDS)}
     chosen = sorted(chosen, key=lambda c: (order[c.kind], c.index))

@@ -204,6 +204,37 @@ def test_auto_tiles_only_over_budget() -> None:
     assert chosen.ops[0].kind in ("attention", "region") and "loss" not in [o.kind for o in chosen.ops]
 
 
+def test_auto_tiling_is_checked_against_the_memory_timeline() -> None:
+    """The per-op estimates alone over-tile; ``auto`` keeps the fewest tiles whose lowered
+    graphs' memory timeline fits the budget (NOTE [Tiling checked against the memory timeline])."""
+    model, ids = dna_lm(), tokens()
+    blocks = {"block_size": 16, "attention_block_size": 16}
+
+    def compiled(tiling: dict) -> zerofx.Program:
+        return zerofx.compile(model, world_size=1, stage=0, example_inputs=(ids,), example_kwargs={"labels": ids},
+                              config={"zerofx": {"tiling": {**blocks, **tiling}}})
+
+    def activations(program: zerofx.Program) -> int:
+        report = program.report(0)
+        return report.peak.live_bytes - report.persistent_bytes
+
+    def estimates_alone(budget: int) -> tuple:
+        return capture_step(model, (ids,), {"labels": ids}, tiling=TilingOptions(budget_bytes=budget, **blocks)).tiling.ops
+
+    untiled = activations(compiled({"enabled": False}))
+    assert estimates_alone(untiled)  # the estimates would tile at a budget the untiled program fits
+    roomy = compiled({"enabled": "auto", "budget": untiled})
+    assert roomy.plan.tiling is None and activations(roomy) == untiled
+    assert roomy.plan.decisions[-1].endswith("kept 0 tiled ops, which fit")
+    tight = untiled * 3 // 4
+    auto = compiled({"enabled": "auto", "budget": tight})
+    assert auto.plan.tiling.ops and activations(auto) <= tight < untiled
+    assert len(auto.plan.tiling.ops) < len(estimates_alone(tight))
+    assert auto.plan.decisions[-1].endswith("which fit")
+    hopeless = compiled({"enabled": "auto", "budget": 1})  # nothing fits: the least memory tried
+    assert hopeless.plan.decisions[-1].endswith("which do not fit") and activations(hopeless) < untiled
+
+
 def test_plan_carries_tiling_and_round_trips() -> None:
     model, ids = dna_lm(), tokens()
     program = zerofx.compile(model, world_size=2, stage=3, example_inputs=(ids,), example_kwargs={"labels": ids},

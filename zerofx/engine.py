@@ -67,7 +67,7 @@ from zerofx.errors import CaptureError, RankDivergenceError, ZeroFXError
 from zerofx.materialize import InitFn, check_all_meta_or_none, iter_initial_state
 from zerofx.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, plan_engine_offload
 from zerofx.param_offload import ParamOffloadOptions, ParamStore, plan_engine_param_offload
-from zerofx.program import Program, check_example_inputs, plan_program, resolve
+from zerofx.program import Program, capture_and_plan, check_example_inputs, resolve
 from zerofx.schedulers import lr_at
 
 
@@ -421,12 +421,11 @@ class Engine:
         sig = self._signature(args, kwargs)
         program = self._programs.get(sig)
         if program is None:
-            captured = capture_step(
-                self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos, device=self.device,
-                compute_dtype=self.compute_dtype, tiling=self.cfg.tiling_options(),
+            program = capture_and_plan(
+                lambda tiling: capture_step(self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos,
+                                            device=self.device, compute_dtype=self.compute_dtype, tiling=tiling),
+                self.cfg, self.world_size, group_name=self.group_name, param_offload=self.param_offload_plan,
             )
-            program = plan_program(captured, self.cfg, self.world_size, group_name=self.group_name,
-                                   param_offload=self.param_offload_plan)
             self._check_same_plan(program)
             self._programs[sig] = program
         if self.param_store is not None and program is not self._scheduled:

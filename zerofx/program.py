@@ -6,6 +6,7 @@ model built on the meta device plans for world size 8 or 1024 on a laptop.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -23,6 +24,7 @@ from passes import Plan, ZeroStage, _compat, plan_sharding
 from passes.analyze_schedule import ScheduleReport, analyze_schedule
 from passes.plan import ScheduleOptions, format_bytes
 from passes.plan_offload import ParamOffloadPlan
+from passes.plan_tiling import TilingOptions
 from zerofx.capture import CapturedStep, LossFn, capture_step
 from zerofx.config import GraphCompiler, ZeroConfig, parse_config
 from zerofx.errors import ZeroFXError
@@ -31,6 +33,8 @@ from zerofx.pipeline import lower
 # The group name planned graphs carry when no process group exists; the engine lowers again
 # with the real group's name.
 PLANNING_GROUP = "zerofx_planning_group"
+
+log = logging.getLogger("zerofx.tiling")
 
 
 class Program:
@@ -200,6 +204,99 @@ def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, gr
     return program
 
 
+# NOTE [Tiling checked against the memory timeline]
+# ``auto`` tiling chooses from per-op estimates that are upper bounds (NOTE [What the estimates
+# mean] in passes/plan_tiling.py): a region counts every token-wise output as saved, where the
+# min-cut partitioner saves far fewer, and SDPA counts a score matrix its fused kernel never
+# makes. Measured on the 2-layer d256 DNA LM at 8k tokens, they put activations at 2.9 GiB
+# untiled, where the lowered graphs' memory timeline gives 354 MiB and the real process
+# 360 MiB. Alone, they tile far more than the budget needs, and every tiled region costs a
+# recompute. So the choice is checked against the timeline of the lowered graphs (activations:
+# its peak less the persistent model state): nothing is tiled when the untiled program fits;
+# otherwise the estimates are held to a bound raised from the budget, doubling, while the
+# timeline still fits, so the fewest and largest tiles that fit are kept. Each try is one more
+# capture and lowering; the plan's decisions list them. The estimates can also fall short of
+# the timeline (on small models the timeline's gradients and temporaries outweigh the saved
+# activations they count): then the bound is halved, at most MAX_TIGHTENINGS times, until the
+# timeline fits; if none does, the program with the least memory is kept.
+MAX_TIGHTENINGS = 8
+
+
+def _fit_tiling_to_timeline(first: Program, build: Callable[[TilingOptions], Program], options: TilingOptions) -> Program:
+    budget = first.plan.tiling.budget_bytes
+    tried: list[tuple[str, Program, int]] = []
+
+    def attempt(what: str, program: Program) -> int:
+        report = program.report(0)
+        tried.append((what, program, report.peak.live_bytes - report.persistent_bytes))
+        return tried[-1][2]
+
+    def ops(program: Program) -> tuple:
+        return program.plan.tiling.ops if program.plan.tiling is not None else ()
+
+    if not ops(first):
+        if attempt("untiled", first) <= budget:
+            return first  # nothing tiled, and the timeline agrees: no note
+        chosen, fits = first, False
+    else:
+        untiled = build(replace(options, enabled=False))
+        if attempt("untiled", untiled) <= budget:
+            chosen, fits = untiled, True
+        else:
+            chosen = first
+            fits = attempt(f"estimates held to {format_bytes(budget)}", first) <= budget
+            if fits:  # loosen: fewer or larger tiles, while the timeline still fits
+                bound = budget
+                while (bound := bound * 2) < first.plan.tiling.estimate_untiled_bytes:
+                    candidate = build(replace(options, estimate_budget_bytes=bound))
+                    if ops(candidate) == ops(chosen):
+                        continue
+                    if attempt(f"estimates held to {format_bytes(bound)}", candidate) > budget:
+                        break
+                    chosen = candidate
+    if not fits:  # tighten: more or smaller tiles, until the timeline fits
+        bound = budget
+        for _ in range(MAX_TIGHTENINGS):
+            bound //= 2
+            candidate = build(replace(options, estimate_budget_bytes=bound))
+            if ops(candidate) == ops(chosen):
+                if len(ops(candidate)) == sum(candidate.plan.tiling.num_candidates) - len(candidate.plan.tiling.skipped):
+                    break  # every candidate tiled, and a tighter bound changed nothing: it is as tiled as it gets
+                continue
+            chosen = candidate
+            if attempt(f"estimates held to {format_bytes(bound)}", candidate) <= budget:
+                fits = True
+                break
+        if not fits:  # none fits: the least memory tried
+            chosen = min(tried, key=lambda t: t[2])[1]
+    steps = "; ".join(f"{what}: {len(ops(p))} tiled ops, activations {format_bytes(peak)}" for what, p, peak in tried)
+    why = (f"tiling (auto) checked against the memory timeline for the budget {format_bytes(budget)} "
+           f"(NOTE [Tiling checked against the memory timeline]): {steps}; kept {len(ops(chosen))} tiled ops, "
+           f"which {'fit' if fits else 'do not fit'}")
+    log.info(why)
+    lowered = chosen._modules
+    program = Program(chosen.captured, replace(chosen.plan, decisions=(*chosen.plan.decisions, why)), group_name=chosen.group_name,
+                      param_offload=chosen.param_offload)
+    program._modules = lowered  # a decision note changes no graph
+    return program
+
+
+def capture_and_plan(capture: Callable[[TilingOptions | None], CapturedStep], cfg: ZeroConfig, world_size: int, *,
+                     group_name: str = PLANNING_GROUP, param_offload: ParamOffloadPlan | None = None) -> Program:
+    """``capture(tiling_options)``, then plan and lower it; with ``zerofx.tiling.enabled: auto``
+    the tiling is checked against the memory timeline (NOTE [Tiling checked against the memory
+    timeline]), which may capture again."""
+    options = cfg.tiling_options()
+
+    def build(opts: TilingOptions | None) -> Program:
+        return plan_program(capture(opts), cfg, world_size, group_name=group_name, param_offload=param_offload)
+
+    program = build(options)
+    if options is None or options.enabled != "auto" or program.plan.tiling is None:
+        return program
+    return _fit_tiling_to_timeline(program, build, options)
+
+
 def compile(  # noqa: A001  (the public name users expect)
     model: nn.Module,
     world_size: int | None = None,
@@ -219,7 +316,7 @@ def compile(  # noqa: A001  (the public name users expect)
     cfg = resolve(config, stage=stage, world_size=world_size)
     if cfg.world_size is None:
         raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
-    captured = capture_step(
-        model, args, example_kwargs, loss_fn=loss_fn, compute_dtype=cfg.compute_dtype, tiling=cfg.tiling_options()
+    return capture_and_plan(
+        lambda tiling: capture_step(model, args, example_kwargs, loss_fn=loss_fn, compute_dtype=cfg.compute_dtype, tiling=tiling),
+        cfg, cfg.world_size,
     )
-    return plan_program(captured, cfg, cfg.world_size)
