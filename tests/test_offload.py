@@ -22,7 +22,7 @@ from tests.dist_utils import run_ranks
 from tests.models import reference
 from tests.offload_workers import config, fault_runs, param_config, reference_late, run_many
 from zerofx.cli import main
-from zerofx.offload import NvmeFiles, OffloadError
+from zerofx.offload import DIRECT_ALIGN, NvmeFiles, OffloadError, aligned_empty
 
 SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}}
@@ -101,6 +101,47 @@ def test_nvme_faults_name_the_path(tmp_path: Path) -> None:
     files.root.rmdir()
     with pytest.raises(OffloadError, match=f"reading .* '{files.root}/layer.w.state' failed: folder '{files.root}' no longer exists"):
         files.read("layer.w", back, 256)
+
+
+def _file_system_of(path: Path) -> str:
+    """The type of the mount that holds ``path`` (the longest matching mount point)."""
+    best, kind = "", ""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, point, fstype, *_ = line.split()
+        if str(path.resolve()).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+            best, kind = point, fstype
+    return kind
+
+
+def test_nvme_whole_blocks_bypass_the_page_cache(tmp_path: Path) -> None:
+    """NOTE [NVMe I/O]: an aligned buffer's whole 4 KiB blocks move with O_DIRECT where the file
+    system takes it; the tail and unaligned buffers go through the page cache; files keep their
+    exact size and either path reads what the other wrote."""
+    files = NvmeFiles(tmp_path / "nvme", 0)
+    if _file_system_of(tmp_path) in ("ext4", "xfs", "btrfs"):
+        assert files.direct  # these take O_DIRECT; tmpfs does not
+    nbytes = 3 * DIRECT_ALIGN + 123
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    aligned = aligned_empty(nbytes)
+    assert aligned.data_ptr() % DIRECT_ALIGN == 0 and aligned.numel() == nbytes
+    aligned.copy_(data)
+    files.write("direct", aligned, nbytes)
+    unaligned = aligned_empty(nbytes + 1)[1:]
+    files.read("direct", unaligned, nbytes)  # written with O_DIRECT, read through the page cache
+    assert torch.equal(unaligned, data) and files.path("direct").stat().st_size == nbytes
+    moved_direct = 3 * DIRECT_ALIGN if files.direct else 0
+    assert files.bytes_direct == moved_direct
+    files.write("cached", unaligned, nbytes)
+    back = aligned_empty(nbytes)
+    files.read("cached", back, nbytes)  # written through the page cache, read with O_DIRECT
+    assert torch.equal(back, data) and files.bytes_direct == 2 * moved_direct
+    files.direct = False  # the same transfers, all through the page cache
+    files.read("direct", back.zero_(), nbytes)
+    assert torch.equal(back, data) and files.bytes_direct == 2 * moved_direct
+    os.truncate(files.path("direct"), 2 * DIRECT_ALIGN)  # a short read inside the O_DIRECT blocks
+    files.direct = moved_direct > 0
+    with pytest.raises(OffloadError, match=rf"short read of '.*direct\.state': got {2 * DIRECT_ALIGN} of {nbytes} bytes"):
+        files.read("direct", back, nbytes)
 
 
 def test_offload_config_is_acted_on_and_checked() -> None:

@@ -23,9 +23,13 @@ back to back (cost_models.offload NOTE [What an offloaded record holds]). Files 
 written whole with ``os.preadv``/``os.pwrite`` in blocks of ``IO_BLOCK_BYTES`` at offsets that are
 multiples of it, by a pool of ``IO_THREADS`` threads, each file opened for that one transfer: a
 folder that vanishes is an error on the next transfer, not a silent write into an unlinked
-file. Transfers go through the page cache rather than ``O_DIRECT``, which would need 4 KiB-
-aligned host buffers that torch's allocator does not promise; the page cache is not resident
-memory of the process, so what the process holds is the window and nothing more. Every short
+file. Where the file system takes ``O_DIRECT`` (probed once per folder) and the host buffer
+starts on a ``DIRECT_ALIGN`` boundary (the stores allocate theirs with ``aligned_empty``, as
+torch's allocator promises only 64 bytes), a record's whole ``DIRECT_ALIGN`` blocks bypass the
+page cache, as DeepSpeed's async I/O does: the drive's own bandwidth, and no second copy of
+every record in the kernel's cache. The tail under ``DIRECT_ALIGN`` bytes goes through the page
+cache, so files keep their exact size. Otherwise (tmpfs, an unaligned buffer) the whole record
+goes through the page cache, which is not resident memory of the process either. Every short
 read or failed transfer is an ``OffloadError`` naming the file and the operation.
 
 The window: records are read in update order into free buffers, at most ``buffer_count``
@@ -48,6 +52,7 @@ from __future__ import annotations
 import abc
 import errno
 import math
+import mmap
 import os
 import threading
 from collections import deque
@@ -73,6 +78,9 @@ if TYPE_CHECKING:
 
 IO_BLOCK_BYTES = 8 << 20
 IO_THREADS = 2
+# O_DIRECT needs buffer addresses, file offsets and lengths in multiples of the device's logical
+# block: 4 KiB covers 512-byte and 4 KiB drives.
+DIRECT_ALIGN = 4096
 # Defaults when the config gives no measured bandwidth: a PCIe 4 x16 link (host <-> device) and
 # a datacenter NVMe drive; `zerofx.offload.*_bytes_per_s` overrides them.
 DEFAULT_HOST_COPY_BYTES_PER_S = 12e9
@@ -238,6 +246,36 @@ def plan_for_program(plan: Any, raw: Mapping[str, Any], *, mixed_precision: bool
 
 
 # --------------------------------------------------------------------------- NVMe files
+def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialized uint8 host tensor of ``nbytes`` starting on a ``DIRECT_ALIGN`` boundary,
+    so ``NvmeFiles`` can move it with ``O_DIRECT`` (NOTE [NVMe I/O])."""
+    if pin_memory:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # page-locked pages: page-aligned
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[skip : skip + nbytes]
+
+
+def _takes_direct_io(folder: Path) -> bool:
+    """Whether files in ``folder`` can be written with ``O_DIRECT`` (tmpfs and some network file
+    systems refuse it at open or at the first transfer)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = folder / ".zerofx-direct-test"
+    block = mmap.mmap(-1, DIRECT_ALIGN)  # anonymous memory: page-aligned
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+        try:
+            return os.pwrite(fd, block, 0) == DIRECT_ALIGN
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        block.close()
+        probe.unlink(missing_ok=True)
+
+
 class NvmeFiles:
     """The NVMe tier of one rank: one file per record under ``<root>/rank-<r>``, whole-file
     transfers in aligned blocks (NOTE [NVMe I/O]); counts the bytes moved."""
@@ -258,9 +296,11 @@ class NvmeFiles:
             probe.unlink()
         except OSError as exc:
             raise OffloadError(f"NVMe offload: folder {str(self.root)!r} is not writable: {exc.strerror or exc}") from None
+        self.direct = _takes_direct_io(self.root)  # NOTE [NVMe I/O]; tests turn it off to compare
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.bytes_written = 0
+        self.bytes_direct = 0  # of bytes_read + bytes_written, those moved with O_DIRECT
 
     def path(self, fqn: str) -> Path:
         return self.root / f"{quote(fqn, safe='')}{self.suffix}"
@@ -274,49 +314,60 @@ class NvmeFiles:
             what = exc.strerror or str(exc)
         return OffloadError(f"NVMe offload: {op} {str(path)!r} failed: {what}")
 
-    def write(self, fqn: str, buf: torch.Tensor, nbytes: int) -> None:
-        """Write ``buf[:nbytes]`` (uint8, host) as the record of ``fqn``."""
+    def _direct_bytes(self, buf: torch.Tensor, nbytes: int) -> int:
+        """How many leading bytes of a transfer of ``buf[:nbytes]`` can bypass the page cache."""
+        if not self.direct or buf.data_ptr() % DIRECT_ALIGN:
+            return 0
+        return nbytes - nbytes % DIRECT_ALIGN
+
+    def _transfer(self, path: Path, view: memoryview, start: int, *, write: bool, direct: bool) -> None:
+        """Move ``view`` to (``write``) or from file offset ``start``, in ``IO_BLOCK_BYTES`` blocks."""
+        flags = (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | (os.O_DIRECT if direct else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            for offset in range(0, len(view), IO_BLOCK_BYTES):
+                chunk = view[offset : offset + IO_BLOCK_BYTES]
+                done = 0
+                while done < len(chunk):
+                    at = start + offset + done
+                    got = os.pwrite(fd, chunk[done:], at) if write else os.preadv(fd, [chunk[done:]], at)
+                    if got == 0:
+                        raise EOFError(at)
+                    done += got
+        finally:
+            os.close(fd)
+
+    def _move(self, fqn: str, buf: torch.Tensor, nbytes: int, *, write: bool) -> None:
         path = self.path(fqn)
         view = memoryview(buf.numpy())[:nbytes]
+        direct = self._direct_bytes(buf, nbytes)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                for offset in range(0, nbytes, IO_BLOCK_BYTES):
-                    chunk = view[offset : offset + IO_BLOCK_BYTES]
-                    done = 0
-                    while done < len(chunk):
-                        done += os.pwrite(fd, chunk[done:], offset + done)
-            finally:
-                os.close(fd)
+            if direct:
+                self._transfer(path, view[:direct], 0, write=write, direct=True)
+            if direct == 0 or direct < nbytes:  # the tail; an empty record still opens (creates, or must find) its file
+                self._transfer(path, view[direct:], direct, write=write, direct=False)
+        except EOFError as short:
+            raise OffloadError(
+                f"NVMe offload: short read of {str(path)!r}: got {short.args[0]} of {nbytes} bytes of {fqn}'s "
+                f"{self.what} (file truncated or replaced?)"
+            ) from None
         except OSError as exc:
-            raise self._fail(f"writing {nbytes} bytes of {fqn}'s {self.what} to", path, exc) from None
+            op = f"writing {nbytes} bytes of {fqn}'s {self.what} to" if write else f"reading {nbytes} bytes of {fqn}'s {self.what} from"
+            raise self._fail(op, path, exc) from None
         with self._lock:
-            self.bytes_written += nbytes
+            if write:
+                self.bytes_written += nbytes
+            else:
+                self.bytes_read += nbytes
+            self.bytes_direct += direct
+
+    def write(self, fqn: str, buf: torch.Tensor, nbytes: int) -> None:
+        """Write ``buf[:nbytes]`` (uint8, host) as the record of ``fqn``."""
+        self._move(fqn, buf, nbytes, write=True)
 
     def read(self, fqn: str, buf: torch.Tensor, nbytes: int) -> None:
         """Read the record of ``fqn`` into ``buf[:nbytes]``; a short read is an error."""
-        path = self.path(fqn)
-        view = memoryview(buf.numpy())[:nbytes]
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                for offset in range(0, nbytes, IO_BLOCK_BYTES):
-                    chunk = view[offset : offset + IO_BLOCK_BYTES]
-                    done = 0
-                    while done < len(chunk):
-                        got = os.preadv(fd, [chunk[done:]], offset + done)
-                        if got == 0:
-                            raise OffloadError(
-                                f"NVMe offload: short read of {str(path)!r}: got {offset + done} of {nbytes} bytes of {fqn}'s "
-                                f"{self.what} (file truncated or replaced?)"
-                            )
-                        done += got
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise self._fail(f"reading {nbytes} bytes of {fqn}'s {self.what} from", path, exc) from None
-        with self._lock:
-            self.bytes_read += nbytes
+        self._move(fqn, buf, nbytes, write=False)
 
     def stored_bytes(self, fqns: list[str]) -> int:
         """Bytes of the record files on disk now."""
@@ -414,7 +465,7 @@ class OffloadStore(BackgroundIO):
         self.files = NvmeFiles(options.nvme_path, rank) if nvme and options.nvme_path is not None else None
         self._buffer_bytes = max((r.nbytes for r in nvme), default=0)
         self._free: list[torch.Tensor] = [
-            torch.empty(self._buffer_bytes, dtype=torch.uint8, pin_memory=self._pin) for _ in range(options.buffer_count if nvme else 0)
+            aligned_empty(self._buffer_bytes, pin_memory=self._pin) for _ in range(options.buffer_count if nvme else 0)
         ]
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-offload-io") if nvme else None
         self._reads: dict[str, tuple[Future, torch.Tensor]] = {}

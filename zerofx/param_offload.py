@@ -30,6 +30,7 @@ from zerofx.offload import (
     BackgroundIO,
     NvmeFiles,
     OffloadError,
+    aligned_empty,
 )
 
 # --------------------------------------------------------------------------- options
@@ -193,7 +194,7 @@ class ParamStore(BackgroundIO):
         previous = self._last_write.get(fqn)
         if previous is not None:
             previous.result()
-        buf = torch.empty(self.numels[fqn], dtype=self.dtype, pin_memory=self._pin)
+        buf = aligned_empty(self.nbytes(fqn), pin_memory=self._pin).view(self.dtype)  # O_DIRECT-ready (NOTE [NVMe I/O])
         self._track(buf)
         self.files.read(fqn, buf.view(torch.uint8), self.nbytes(fqn))
         return buf
@@ -273,7 +274,7 @@ class ParamStore(BackgroundIO):
         if self.tier[fqn] is Tier.CPU:
             return self.host[fqn].clone()
         self._wait_for(fqn)
-        buf = torch.empty(self.numels[fqn], dtype=self.dtype)
+        buf = aligned_empty(self.nbytes(fqn)).view(self.dtype)
         self.files.read(fqn, buf.view(torch.uint8), self.nbytes(fqn))
         return buf
 
