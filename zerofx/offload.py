@@ -378,11 +378,12 @@ def measure_nvme_bytes_per_s(nvme_path: Path, *, nbytes: int = 64 << 20, rank: i
     """(read, write) bytes per second of whole-record transfers under ``nvme_path``, the way the
     runtime moves records: a calibration to put into ``zerofx.offload.nvme_*_bytes_per_s``.
     Measure once and give every rank the same numbers (plans must not differ across ranks).
-    Reads right after writes may come from the page cache, as the runtime's do."""
+    The buffer is aligned, so where the file system takes ``O_DIRECT`` the transfers bypass the
+    page cache as the runtime's do (NOTE [NVMe I/O]); elsewhere the read may come from it."""
     import time
 
     files = NvmeFiles(Path(nvme_path), rank)
-    buf = torch.ones(nbytes, dtype=torch.uint8)
+    buf = aligned_empty(nbytes).fill_(1)
     start = time.perf_counter()
     files.write(".calibration", buf, nbytes)
     fd = os.open(files.path(".calibration"), os.O_RDONLY)
