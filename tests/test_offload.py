@@ -142,6 +142,9 @@ def test_nvme_whole_blocks_bypass_the_page_cache(tmp_path: Path) -> None:
     files.direct = moved_direct > 0
     with pytest.raises(OffloadError, match=rf"short read of '.*direct\.state': got {2 * DIRECT_ALIGN} of {nbytes} bytes"):
         files.read("direct", back, nbytes)
+    os.truncate(files.path("cached"), 2 * DIRECT_ALIGN + 100)  # cut inside a block: still a short read, not EINVAL
+    with pytest.raises(OffloadError, match=rf"short read of '.*cached\.state': got {2 * DIRECT_ALIGN + 100} of {nbytes} bytes"):
+        files.read("cached", back, nbytes)
 
 
 def test_offload_config_is_acted_on_and_checked() -> None:

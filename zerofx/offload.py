@@ -331,8 +331,10 @@ class NvmeFiles:
                 while done < len(chunk):
                     at = start + offset + done
                     got = os.pwrite(fd, chunk[done:], at) if write else os.preadv(fd, [chunk[done:]], at)
-                    if got == 0:
-                        raise EOFError(at)
+                    if got == 0 or (direct and got % DIRECT_ALIGN):
+                        # A file cut inside the O_DIRECT blocks ends in a partial block; reading on
+                        # from its unaligned end would fail with EINVAL, not say what happened.
+                        raise EOFError(at + got)
                     done += got
         finally:
             os.close(fd)
@@ -347,6 +349,9 @@ class NvmeFiles:
             if direct == 0 or direct < nbytes:  # the tail; an empty record still opens (creates, or must find) its file
                 self._transfer(path, view[direct:], direct, write=write, direct=False)
         except EOFError as short:
+            if write:
+                raise OffloadError(f"NVMe offload: writing {nbytes} bytes of {fqn}'s {self.what} to {str(path)!r} stopped at "
+                                   f"byte {short.args[0]}: the disk took no more") from None
             raise OffloadError(
                 f"NVMe offload: short read of {str(path)!r}: got {short.args[0]} of {nbytes} bytes of {fqn}'s "
                 f"{self.what} (file truncated or replaced?)"
