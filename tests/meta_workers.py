@@ -71,8 +71,9 @@ def init_peak_rss(rank: int, world_size: int, size: str, on_meta: bool) -> dict:
     engine = zerofx.initialize(model, _config(3), example_inputs=(ids,))
     after = _peak_rss_bytes()
     num_params = sum(p.numel for p in engine.placements.values())
-    return {"added_bytes": after - before, "held_bytes": sum(engine.memory().values()), "full_fp32_bytes": 4 * num_params,
-            "num_params": num_params}
+    held = engine.memory()
+    return {"added_bytes": after - before, "held_bytes": sum(held.values()), "grad_bytes": held["grads"],
+            "param_bytes": held["params"], "full_fp32_bytes": 4 * num_params, "num_params": num_params}
 
 
 def initialize_error(rank: int, world_size: int, size: str, kwargs: dict) -> str:

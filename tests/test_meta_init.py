@@ -130,14 +130,16 @@ def test_initialize_rejects_init_arguments_for_a_materialized_model() -> None:
 
 def test_meta_built_100m_model_never_holds_the_full_model_at_stage_3() -> None:
     """Peak RSS added by building the 99M-parameter DNA LM and initializing stage 3 at W=2.
-    The engine keeps its parameter and gradient shards (together the size of the fp32 model at
-    W=2 under SGD); beyond that, meta init adds one module at a time. The materialized build
+    The engine keeps its parameter shards (half the fp32 model at W=2 under SGD; the gradient
+    shards come with the first backward); beyond that, meta init adds one module at a time. The materialized build
     adds the full model on every rank (freed once sharded, but the peak keeps it): the same
     bound fails for it, which shows the measurement can tell the two apart."""
     meta = run_ranks(2, init_peak_rss, "100m", True)
     materialized = run_ranks(2, init_peak_rss, "100m", False)
     for m, full in zip(meta, materialized):
         assert m["num_params"] > 99e6 and m["held_bytes"] == full["held_bytes"]
+        # NOTE [Gradient buffers come with the first backward]: nothing but the shards yet.
+        assert m["grad_bytes"] == 0 and m["held_bytes"] == m["param_bytes"] > 0.45 * m["full_fp32_bytes"]
         extra_meta = m["added_bytes"] - m["held_bytes"]
         extra_full = full["added_bytes"] - full["held_bytes"]
         assert extra_meta < 0.25 * m["full_fp32_bytes"], (extra_meta, m)

@@ -233,9 +233,6 @@ class Engine:
         # precision, else the shards themselves (their gradients are the persistent buffers).
         # Offloaded, the masters live in the store and the optimizer steps the shards.
         self.optimizer_params = {f: self.master[f] if self.master else self._shard_or_handle(f) for f in trainable}
-        if self.compute_dtype is None:
-            for f, t in self.optimizer_params.items():
-                t.grad = self._grad_shard(f)
         self.optimizer: torch.optim.Optimizer
         if self.offload_store is not None:
             self.optimizer = OffloadedOptimizer(self.optimizer_params, self.offload_store, cfg.optimizer.type, cfg.optimizer.params,
@@ -312,11 +309,13 @@ class Engine:
             for prm in model.parameters():
                 prm.data = torch.empty(0, dtype=prm.dtype, device=prm.device)
 
+        # NOTE [Gradient buffers come with the first backward]
+        # The persistent gradient buffers (a full flat per parameter at stages 0-1, this rank's
+        # shard at 2-3) are allocated by the first backward, as FSDP2 allocates its sharded
+        # gradients, not here: between initialize and the first step a rank holds only its
+        # parameters (and the optimizer's masters), which is when a peer that builds the full
+        # model on every rank has its peak. ``grads`` stays empty until then.
         self.grads: dict[str, torch.Tensor] = {}
-        for fqn, p in self.placements.items():
-            if p.requires_grad:
-                size = p.padded_numel if self.stage <= ZeroStage.ONE else p.shard_numel
-                self.grads[fqn] = torch.zeros(size, dtype=p.torch_dtype, device=self.device)
 
     def _store_param(self, fqn: str, source: torch.Tensor, *, broadcast: bool) -> None:
         """Keep what this rank holds of parameter ``fqn`` given its full value ``source``: the
@@ -394,6 +393,19 @@ class Engine:
         if len(dtypes) != 1:
             raise ZeroFXError(f"stage 3 needs parameters of one dtype, got {sorted(map(str, dtypes))}; cast the model first, e.g. model.float()")
         return dtypes.pop()
+
+    def _allocate_grads(self) -> None:
+        """The gradient buffers, zeroed (NOTE [Gradient buffers come with the first backward]).
+        In fp32 they are the ``.grad`` of what the optimizer steps."""
+        if self.grads:
+            return
+        for fqn, p in self.placements.items():
+            if p.requires_grad:
+                size = p.padded_numel if self.stage <= ZeroStage.ONE else p.shard_numel
+                self.grads[fqn] = torch.zeros(size, dtype=p.torch_dtype, device=self.device)
+        if self.compute_dtype is None:
+            for f, t in self.optimizer_params.items():
+                t.grad = self._grad_shard(f)
 
     def _grad_shard(self, fqn: str) -> torch.Tensor:
         g, p = self.grads[fqn], self.placements[fqn]
@@ -505,6 +517,7 @@ class Engine:
         seed = (self.loss_scaler.scale if self.loss_scaler else 1.0) / self.gradient_accumulation_steps
         args_list.append(torch.full_like(loss, seed))
         grads = self._run(program, "backward", args_list)
+        self._allocate_grads()
         for info, g in zip(program.captured.params, grads):
             if g is not None:
                 self.grads[info.fqn].add_(g)
@@ -519,6 +532,7 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        self._allocate_grads()  # a step with no backward before it steps with zero gradients
         grads = self._optimizer_grads()
         if self.loss_scaler is not None and not self._finite(grads):
             self.loss_scaler.update(overflow=True)
