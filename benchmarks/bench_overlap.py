@@ -66,7 +66,7 @@ def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, queue
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="25m", help="DNA LM size (tiny, small, 25m, 100m)")
+    parser.add_argument("--model", default="25m", help="DNA LM size (tiny, small, 25m, 100m, 150m)")
     parser.add_argument("--stage", type=int, default=3, help="ZeRO stage (default 3)")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per mode (after 1 warm-up)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")

@@ -37,6 +37,7 @@ DNA_LM_SIZES = {
     "small": DNALMConfig(dim=128, num_layers=4, num_heads=4, ffn_dim=344, max_seq_len=1024),
     "25m": DNALMConfig(dim=512, num_layers=8, num_heads=8, ffn_dim=1376, max_seq_len=4096),
     "100m": DNALMConfig(dim=768, num_layers=14, num_heads=12, ffn_dim=2048, max_seq_len=8192),
+    "150m": DNALMConfig(dim=1024, num_layers=12, num_heads=16, ffn_dim=2816, max_seq_len=8192),
     "1b": DNALMConfig(dim=2048, num_layers=20, num_heads=16, ffn_dim=5504, max_seq_len=32768),
     "7b": DNALMConfig(dim=4096, num_layers=32, num_heads=32, ffn_dim=11008, max_seq_len=131072),
 }
