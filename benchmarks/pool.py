@@ -134,8 +134,10 @@ def _worker(systems: tuple[str, ...], rank: int, num_ranks: int, spec: BenchSpec
                 conn.send(("ok", (time.perf_counter() - wall0, time.thread_time() - cpu0, loss)))
             elif cmd == "finish":
                 runner = runners.pop(system)
-                state = runner.full_state()
+                # The peak of training, taken before the parity check gathers the full model on
+                # every rank (4P bytes, which would otherwise set every sharded system's peak).
                 result: dict[str, Any] = {"memory": runner.memory(), **_peak_memory_bytes(device)}
+                state = runner.full_state()
                 if hasattr(runner, "compile_s"):  # graph compilation inside the first step (zerofx.compile)
                     result["compile_s"] = runner.compile_s()
                 if rank == 0 and arg:
