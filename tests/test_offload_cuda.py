@@ -63,6 +63,10 @@ def test_cuda_offload_matches_device_state(nccl: None, tmp_path: Path, opt: dict
         # 2**-8 relative, 2.4e-4 at the weights' magnitude (seen on an H200).
         assert diff < (1e-3 if bf16 else 1e-5), (name, diff)
         assert mem["offload_cpu_bytes"] + mem["offload_nvme_bytes"] > 0, name
+        # The host-stepped gradients went through the side stream's pinned staging (NOTE [Host
+        # copies on a side stream]): 4 bytes per element, 8 in fp32 (the parameter too).
+        host_numel = (mem["offload_cpu_bytes"] + mem["offload_nvme_bytes"]) // (4 * (3 if bf16 else 2 if opt is ADAMW else 1))
+        assert mem["offload_staging_bytes"] >= 4 * host_numel, (name, mem)
 
 
 @needs_cuda

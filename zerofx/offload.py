@@ -11,8 +11,8 @@ parameter shards, so learning-rate schedules, logging and checkpoints see the us
 NOTE [Tiers on this machine and on an accelerator]
 ``Tier.DEVICE`` records are tensors on the engine's device; the update runs there. ``Tier.CPU``
 records are host tensors (pinned when the device is CUDA and ``pin_memory`` is set): the update
-runs on the CPU, with the gradient copied to the host and the new parameter copied back
-(``non_blocking`` from pinned memory, then one synchronize per record). ``Tier.NVME`` records
+runs on the CPU, with the gradient copied to the host and the new parameter copied back, on a
+side stream (NOTE [Host copies on a side stream]). ``Tier.NVME`` records
 are files; the update runs on the CPU in one of ``buffer_count`` host buffers. When the device
 is the CPU, the copies are skipped: the CPU tier is then host memory that the engine reports
 apart from the device's, and only the NVMe tier changes what the process holds.
@@ -588,12 +588,18 @@ class OffloadStore(BackgroundIO):
         self.prefetch()  # the next read goes out while this record is updated
         return self._as_fp32(buf, rec), buf
 
-    def release(self, fqn: str, buf: torch.Tensor | None) -> None:
-        """Write an NVMe record back, behind the next updates."""
+    def release(self, fqn: str, buf: torch.Tensor | None, *, after: torch.cuda.Event | None = None) -> None:
+        """Write an NVMe record back, behind the next updates; with ``after``, once that event
+        (a copy to the device that reads the buffer) has passed, so the buffer outlives it."""
         if buf is not None:
-            future = self._io.submit(self.files.write, fqn, buf, self.records[fqn].nbytes)
+            future = self._io.submit(self._write_after, fqn, buf, after)
             self._last_write[fqn] = future
             self._writes.append((future, buf))
+
+    def _write_after(self, fqn: str, buf: torch.Tensor, after: torch.cuda.Event | None) -> None:
+        if after is not None:
+            after.synchronize()
+        self.files.write(fqn, buf, self.records[fqn].nbytes)
 
     def end_step(self) -> None:
         """The step's records are all updated: the next step reads from the first again."""
@@ -644,6 +650,71 @@ class OffloadStore(BackgroundIO):
     def io_bytes(self) -> tuple[int, int]:
         """(read, written) bytes to NVMe so far."""
         return (self.files.bytes_read, self.files.bytes_written) if self.files is not None else (0, 0)
+
+
+# --------------------------------------------------------------------------- host copies
+class HostCopies:
+    """NOTE [Host copies on a side stream]
+    On CUDA, the records stepped on the host need each gradient (and, in fp32 training where the
+    record holds no master, the parameter) on the host, and send the new parameter back. These
+    copies run on a side stream (``torch.cuda.Stream``, public API), not on the compute stream:
+    - every device-to-host copy of the step is issued at once, in update order, into one pinned
+      staging flat kept between steps (4 bytes per host-stepped element, 8 in fp32 without
+      master), behind an event recorded on the compute stream when the step began; each copy
+      records its own event, and the host waits for that one event only, right before it steps
+      the record. So record k+1's gradient arrives while the CPU steps record k;
+    - each new parameter goes back as soon as its record is stepped, on the same stream, so the
+      copy runs while the CPU steps the next record. Its source stays valid: a record's own
+      master until the next step (ordered behind this copy on the stream), an NVMe window buffer
+      until its write-back, which waits for the copy's event first (``OffloadStore.release``),
+      the staging flat until the next step's copies into it (same stream);
+    - the gradients read on the side stream are ``record_stream``-ed to it, so the caching
+      allocator does not hand their memory to the compute stream before the copies read them;
+    - the compute stream waits for the last copy's event (``stream.wait_event``), without
+      blocking the host: right after the step, or with the delayed update when ``finish()``
+      applies it, so the next forward reads the new parameters. The delayed update's thread
+      never synchronizes the compute stream, so the forward running meanwhile is not stalled.
+    Off CUDA (or when nothing crosses devices) there is nothing to copy and this is unused."""
+
+    def __init__(self, device: torch.device) -> None:
+        assert device.type == "cuda", device
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._staging: torch.Tensor | None = None
+
+    def staging_bytes(self) -> int:
+        return self._staging.untyped_storage().nbytes() if self._staging is not None else 0
+
+    def to_host(self, begin: torch.cuda.Event, tensors: list[tuple[str, torch.Tensor, torch.Tensor | None]],
+                pin: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event]]:
+        """Issue the device-to-host copies of ``(fqn, grad, device parameter or None)``: fqn -> (host grad,
+        host parameter or None, event after both)."""
+        need = sum(g.numel() * (2 if param is not None else 1) for _, g, param in tensors)
+        if self._staging is None or self._staging.numel() < need:
+            self._staging = torch.empty(need, dtype=torch.float32, pin_memory=pin)
+        out: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event]] = {}
+        at = 0
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(begin)
+            for fqn, grad, param in tensors:
+                grad.record_stream(self.stream)
+                host_grad = self._staging[at : at + grad.numel()].view(grad.shape)
+                at += grad.numel()
+                host_grad.copy_(grad, non_blocking=True)
+                host_param = None
+                if param is not None:
+                    param.record_stream(self.stream)
+                    host_param = self._staging[at : at + param.numel()].view(param.shape)
+                    at += param.numel()
+                    host_param.copy_(param, non_blocking=True)
+                out[fqn] = (host_grad, host_param, self.stream.record_event())
+        return out
+
+    def to_device(self, target: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event:
+        """Copy ``source`` (host) into ``target`` (device) on the side stream; its event."""
+        with torch.cuda.stream(self.stream):
+            target.copy_(source, non_blocking=True)
+            return self.stream.record_event()
 
 
 # --------------------------------------------------------------------------- the optimizer
@@ -698,6 +769,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._staged: dict[str, torch.Tensor] = {}
         self._pending: Future | None = None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerofx-offload-step") if self.delayed else None
+        on_host = any(r.tier is not Tier.DEVICE for r in store.records.values())
+        self._copies = HostCopies(store.device) if store.device.type == "cuda" and on_host else None
+        self._compute_stream: Any = None  # the stream the step was called on (CUDA only)
 
     # ------------------------------------------------------------- stepping
     @torch.no_grad()
@@ -709,7 +783,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # The hyperparameters as they are now: a schedule may change them before a delayed update ends.
         hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         if not self.delayed:
-            self._run(grads, self.params_by_fqn, hyper)
+            self._after_copies(self._run(grads, self.params_by_fqn, hyper, self._begin()))
             return
         assert self._pending is None, "finish() the previous delayed update first"
         snapshot = {f: g.detach().clone() for f, g in grads.items()}  # the next backward reuses the buffers
@@ -717,7 +791,20 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._staged = {f: torch.empty_like(t) for f, t in self.params_by_fqn.items()}
         for f, t in self.params_by_fqn.items():
             self._staged[f].copy_(t)
-        self._pending = self._worker.submit(self._run, snapshot, self._staged, hyper)
+        self._pending = self._worker.submit(self._run, snapshot, self._staged, hyper, self._begin())
+
+    def _begin(self) -> torch.cuda.Event | None:
+        """CUDA: an event on the compute stream after the work that produced the gradients (the
+        side stream's copies start behind it; NOTE [Host copies on a side stream])."""
+        if self._copies is None:
+            return None
+        self._compute_stream = torch.cuda.current_stream(self.store.device)
+        return self._compute_stream.record_event()
+
+    def _after_copies(self, end: torch.cuda.Event | None) -> None:
+        """The compute stream waits for the step's last copy to the device (the host does not)."""
+        if end is not None:
+            self._compute_stream.wait_event(end)
 
     def finish(self) -> bool:
         """Delayed update: wait for the update in flight and copy its parameters into the shards.
@@ -725,59 +812,89 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self._pending is None:
             return False
         future, self._pending = self._pending, None
-        future.result()
+        self._after_copies(future.result())
         for f, t in self.params_by_fqn.items():
             t.copy_(self._staged[f])
         return True
 
     def staging_bytes(self) -> int:
-        """Bytes of the delayed update's staging copy of the shards (0 until the first step)."""
-        return sum(t.untyped_storage().nbytes() for t in self._staged.values())
+        """Bytes of the delayed update's staging copy of the shards (0 until the first step),
+        plus on CUDA the pinned host copy of the gradients stepped on the host."""
+        copies = self._copies.staging_bytes() if self._copies is not None else 0
+        return copies + sum(t.untyped_storage().nbytes() for t in self._staged.values())
 
     def prefetch(self) -> None:
         """Start reading the first NVMe records (the engine calls it as the last backward starts)."""
         if self._pending is None:
             self.store.prefetch()
 
-    def _run(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]) -> None:
+    def _run(self, grads: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], hyper: Mapping[str, Any],
+             begin: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """Step every record; on CUDA, the event after the last copy to the device (else None)."""
         store = self.store
+        shards = self.param_store
+        end = None
         try:
-            shards = self.param_store
+            host_side: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event]] = {}
+            if self._copies is not None:
+                wanted = []
+                for fqn in store.plan.update_order:
+                    rec = store.records[fqn]
+                    if rec.tier is Tier.DEVICE:
+                        continue
+                    offloaded = shards is not None and fqn in shards  # then the shard is on the host already
+                    wanted.append((fqn, grads[fqn], None if "master" in rec.names or offloaded else targets[fqn]))
+                host_side = self._copies.to_host(begin, wanted, pin=store._pin)
+                if wanted:
+                    end = host_side[wanted[-1][0]][2]
             for fqn in store.plan.update_order:
                 flat, buf = store.acquire(fqn)
                 offloaded = shards is not None and fqn in shards
                 target = shards.acquire(fqn) if offloaded else targets[fqn]
                 try:
-                    self._update(store.records[fqn], flat, target, grads[fqn], hyper)
+                    sent = self._update(store.records[fqn], flat, target, grads[fqn], hyper, host_side.get(fqn))
                 except BaseException:
                     if buf is not None:
                         store._free.append(buf)
                     raise
-                store.release(fqn, buf)
+                end = sent or end
+                store.release(fqn, buf, after=sent)
                 if offloaded:
                     shards.release(fqn, target)
             store.end_step()
         except BaseException:
             store.drain_quietly()
             raise
+        return end
 
-    def _update(self, rec: Record, flat: torch.Tensor, target: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any]) -> None:
+    def _update(self, rec: Record, flat: torch.Tensor, target: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any],
+                host: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event] | None) -> torch.cuda.Event | None:
         """One record's update, where the record lives (NOTE [Tiers on this machine and on an
-        accelerator]); the new parameter ends in ``target`` (the shard, or its staging copy)."""
+        accelerator]); the new parameter ends in ``target`` (the shard, or its staging copy).
+        ``host``: the gradient (and parameter) already copied on the side stream, and the event
+        to wait for; then the new parameter goes back on it too, and its event is returned."""
         seg = rec.views(flat)
         where = flat.device
+        store_master = "master" in seg
         # State off the accelerator: the gradient comes to the host, and in fp32 training (no
-        # master in the record) so does the parameter.
-        crossing = where != target.device
-        if crossing:
-            grad = grad.to(where, non_blocking=True)
-        if store_master := "master" in seg:
-            param = seg["master"]
+        # master in the record) so does the parameter, unless it is an offloaded shard, already
+        # on the host.
+        param_crosses = where != target.device
+        cuda = next((d for d in (target.device, grad.device, where) if d.type == "cuda"), None)
+        if host is not None:
+            grad, host_param, ready = host
+            ready.synchronize()  # this record's copies only; the later ones are still in flight
+            param = seg["master"] if store_master else (host_param if host_param is not None else target)
         else:
-            param = target.to(where, non_blocking=True) if crossing else target
-        cuda = next((d for d in (target.device, where) if d.type == "cuda"), None)
-        if crossing and cuda is not None:
-            torch.cuda.current_stream(cuda).synchronize()  # the non_blocking copies have landed
+            grad_crosses = where != grad.device
+            if grad_crosses:
+                grad = grad.to(where, non_blocking=True)
+            if store_master:
+                param = seg["master"]
+            else:
+                param = target.to(where, non_blocking=True) if param_crosses else target
+            if (grad_crosses or param_crosses) and cuda is not None:
+                torch.cuda.current_stream(cuda).synchronize()  # the non_blocking copies have landed
         if self.optimizer_type in ("AdamW", "Adam"):
             fn = adamw_update if self.optimizer_type == "AdamW" else adam_update
             beta1, beta2 = group["betas"]
@@ -798,9 +915,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 seg["momentum_buffer"].copy_(buffers[0])  # torch made it from the first gradient
                 rec.initialized = True
         if store_master or param is not target:
-            target.copy_(param, non_blocking=crossing)
-            if crossing and cuda is not None:
+            if host is not None and target.device.type == "cuda":
+                assert self._copies is not None
+                return self._copies.to_device(target, param)
+            target.copy_(param, non_blocking=param_crosses)
+            if param_crosses and cuda is not None:
                 torch.cuda.current_stream(cuda).synchronize()  # the host buffer is reused (or written to NVMe) next
+        return None
 
     # ------------------------------------------------------------- state access (checkpoints)
     def record_state(self, fqn: str) -> dict[str, Any]:

@@ -142,6 +142,7 @@ class ParamStore(BackgroundIO):
         self.numels = {f: numels[f] for f, _ in plan.tiers if f in plan.offloaded}
         self.tier = {f: plan.tier_of(f) for f in self.numels}
         self._pin = options.pin_memory and device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # for fetch()
         self.host = {f: torch.zeros(n, dtype=dtype, pin_memory=self._pin) for f, n in self.numels.items() if self.tier[f] is Tier.CPU}
         self._nvme = [f for f in self.numels if self.tier[f] is Tier.NVME]
         self.files = NvmeFiles(options.nvme_path, rank, suffix=".param", what="parameter shard") if self._nvme else None
@@ -238,9 +239,24 @@ class ParamStore(BackgroundIO):
             # The op's output must be a fresh tensor (torch.library's contract; Inductor may reuse
             # it): an NVMe read is; a host-tier shard is copied.
             return host if self.tier[fqn] is Tier.NVME else host.clone()
-        # From pinned memory the copy is asynchronous on the current stream, ordered before the
-        # all-gather that reads it; the caching host allocator keeps the source alive until then.
-        return host.to(self.device, non_blocking=self._pin)
+        if self._copy_stream is None:
+            return host.to(self.device, non_blocking=self._pin)
+        # From pinned memory the copy is asynchronous. It runs on a side stream, so it overlaps
+        # the compute already queued before it, and the compute stream waits for it (without
+        # blocking the host) before the all-gather that reads it (torch.cuda.Stream, public API;
+        # the pattern FSDP2 uses for its all-gather outputs). The result is allocated on the
+        # side stream, so record_stream keeps its memory from that stream's reuse until the
+        # compute stream's uses are done; the caching host allocator keeps the source alive.
+        # The copy waits for nothing on the device: its source is final on the host (an NVMe
+        # read has completed, a host-tier shard is updated by the CPU). The optimizer's host
+        # update of a shard happens after an event the compute stream records behind this
+        # copy's, so the copy has read the shard by then.
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            out = host.to(self.device, non_blocking=self._pin)
+        compute.wait_event(self._copy_stream.record_event())
+        out.record_stream(compute)
+        return out
 
     def acquire(self, fqn: str) -> torch.Tensor:
         """``fqn``'s shard in host memory for the optimizer to update in place; ``release`` it."""
