@@ -8,7 +8,9 @@ that makes it until the last use of it or of any view of it. Forward values save
 stay alive to the end of forward and then until their last use in backward. Graph inputs that
 belong to the persistent model state (parameters, buffers, user inputs) are not counted here:
 ``Plan.estimates`` holds them. Gathered stage-3 parameters, activations, gradients before they
-are reduced, and collective buffers are all transient and counted. The backward graph's outputs
+are reduced, and collective buffers are all transient and counted; a collective's inputs count
+until its ``wait_tensor``, because its work object holds them until then (NOTE [A reduction
+holds its input until its wait] in passes/schedule_overlap.py). The backward graph's outputs
 (this rank's reduced gradients) are counted until the end of backward, when the engine adds them
 into its persistent gradient buffers.
 """
@@ -25,6 +27,9 @@ import torch.fx as fx
 from cost_models.compute import value_bytes
 
 aten = torch.ops.aten
+_functional = torch.ops._c10d_functional
+_COLLECTIVES = {_functional.all_gather_into_tensor.default, _functional.reduce_scatter_tensor.default, _functional.all_reduce.default}
+_WAIT = _functional.wait_tensor.default
 
 # Ops whose output shares its input's storage.
 VIEW_OPS = {
@@ -66,9 +71,12 @@ def graph_timeline(gm: fx.GraphModule, name: str, *, counted_inputs: Iterable[st
     end = len(nodes)
     last_use: dict[fx.Node, int] = {}
     for n in nodes:
+        use = end if (n.op == "output") else position[n]
+        if n.op == "call_function" and n.target in _COLLECTIVES:
+            # Held by the collective until its wait (the graph's end if it has none).
+            use = max([position[u] for u in n.users if u.target is _WAIT] or [end])
         for a in n.all_input_nodes:
             o = owner[a]
-            use = end if (n.op == "output") else position[n]
             last_use[o] = max(last_use.get(o, position[o]), use)
     size = {}
     for n in nodes:

@@ -4,9 +4,20 @@
   right after bucket k - d's wait, d = ``plan.prefetch_distance``, so it runs while bucket
   k - d... k - 1 compute. Its wait stays right before the bucket's first use.
 - ``sink_reduce_waits_pass``: each gradient reduction's wait (and the division and slicing
-  after it) moves to just before the graph's output, so the reduction runs while backward goes
-  on. The collective's input is held by the collective itself until it completes, so a late
-  wait keeps only the (sharded) output alive longer.
+  after it) moves later, so the reduction runs while backward goes on: to just before the
+  reduction ``REDUCTIONS_IN_FLIGHT`` places later is issued, or before the graph's output for
+  the last ones (NOTE [A reduction holds its input until its wait]).
+
+NOTE [A reduction holds its input until its wait]
+A functional collective's work object keeps its input (gloo even a clone of it) alive until
+``wait_tensor`` releases the work, not until the transfer completes: measured on gloo, four
+200 MB reduce-scatters issued without waits held 772 MiB more, and their waits gave back the
+inputs. The input of a gradient reduction is the full, unsharded gradient of its bucket, so
+sinking every wait to the end of backward kept the whole model's gradients alive at once, 4P
+bytes per rank at any world size. So at most ``REDUCTIONS_IN_FLIGHT`` reductions are in flight:
+each is waited for right before the next one is issued, which still overlaps it with the
+backward of one bucket (what FSDP2 does), and the memory model
+(``cost_models.memory_timeline``) counts a collective's input until its wait.
 
 Both expect a forward or backward graph from ``partition_joint`` (or ``param_sync``), with
 collectives as functional ops followed by ``wait_tensor``. They only move nodes: the graph
@@ -21,6 +32,11 @@ import torch.fx as fx
 
 from passes import meta
 from passes.plan import Plan
+
+
+# Gradient reductions issued and not yet waited for, at most (NOTE [A reduction holds its input
+# until its wait]).
+REDUCTIONS_IN_FLIGHT = 1
 
 
 def _wait_of(node: fx.Node) -> fx.Node:
@@ -68,18 +84,24 @@ def sink_reduce_waits_pass(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     graph = gm.graph
     out = meta.output_node(graph)
-    # Each reduction's wait and what is computed from it alone (div, slices) form its tail.
-    tails = meta.derived_only_from(graph, [_wait_of(c) for c in reductions], set())
+    # Each reduction's wait and what is computed from it alone (div, slices) form its tail. It
+    # goes right before the reduction REDUCTIONS_IN_FLIGHT later (or the output), after the
+    # tails already there.
+    waits = [_wait_of(c) for c in reductions]
+    tails = meta.derived_only_from(graph, waits, set())
     sunk = {n for tail in tails.values() for n in tail}
     changed = False
-    for tail in tails.values():
+    for i, wait in enumerate(waits):
+        tail = tails[wait]
+        later = i + REDUCTIONS_IN_FLIGHT
+        before = reductions[later] if later < len(reductions) else out
         node = tail[0]
-        while node is not out and node in sunk:
+        while node is not before and node in sunk:
             node = node.next
-        if node is out:
-            continue  # only sunk tails between it and the output already
+        if node is before:
+            continue  # only sunk tails between it and its place already
         for node in tail:
-            out.prepend(node)
+            before.prepend(node)
         changed = True
     if not changed:
         return gm

@@ -135,13 +135,55 @@ def test_prefetch_and_wait_placement(overlap: bool) -> None:
     reductions = [n for n in bw.graph.nodes if meta.is_reduce_scatter(n)]
     compute_after = [n for n in bw.graph.nodes if n.op == "call_function" and not meta.is_wait(n)
                      and n.target not in (torch.ops.aten.div.Tensor, torch.ops.aten.slice.Tensor)]
-    for r in reductions:
+    assert len(reductions) >= 3
+    for i, r in enumerate(reductions):
         if overlap:
-            # Waited as late as possible: after all other backward work.
-            assert pos[_wait(r)] > max(pos[n] for n in compute_after)
+            # Waited for as late as the in-flight bound allows (NOTE [A reduction holds its
+            # input until its wait]): after the next bucket's gradients are computed, right
+            # before the next reduction is issued; the last one after all other backward work.
+            if i + 1 < len(reductions):
+                nxt = reductions[i + 1]
+                assert pos[_wait(r)] < pos[nxt]
+                between = list(bw.graph.nodes)[pos[_wait(r)] : pos[nxt]]
+                assert all(n.target in (torch.ops.aten.div.Tensor, torch.ops.aten.slice.Tensor) or meta.is_wait(n)
+                           for n in between), between
+                assert pos[_wait(r)] > max(pos[n] for n in compute_after if pos[n] < pos[nxt] and n is not r)
+            else:
+                assert pos[_wait(r)] > max(pos[n] for n in compute_after)
         else:
             assert _wait(r) is r.next
 
+
+def test_reductions_in_flight_are_bounded() -> None:
+    """NOTE [A reduction holds its input until its wait]: with the overlap, no point of the
+    backward has more than REDUCTIONS_IN_FLIGHT reductions issued and not yet waited for."""
+    from passes.schedule_overlap import REDUCTIONS_IN_FLIGHT
+    bw = meta_program(3, 4, overlap_comm=True, **SMALL_BUCKETS).graph_modules(0)["backward"]
+    in_flight, most = set(), 0
+    for n in bw.graph.nodes:
+        if meta.is_reduce_scatter(n):
+            in_flight.add(n)
+            most = max(most, len(in_flight))
+        elif meta.is_wait(n):
+            in_flight.discard(n.args[0])
+    assert most == REDUCTIONS_IN_FLIGHT
+
+
+def test_memory_model_holds_a_collective_input_until_its_wait() -> None:
+    """A reduce-scatter's input stays counted until its wait_tensor, not its issue."""
+    from cost_models.memory_timeline import graph_timeline
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    big = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    rs = graph.call_function(torch.ops._c10d_functional.reduce_scatter_tensor.default, (big, "sum", 2, "0"))
+    other = graph.call_function(torch.ops.aten.mul.Tensor, (x, 3.0))
+    done = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (rs,))
+    graph.output((done, other))
+    x.meta["val"], big.meta["val"] = torch.empty(1000), torch.empty(1000)
+    rs.meta["val"], done.meta["val"], other.meta["val"] = torch.empty(500), torch.empty(500), torch.empty(1000)
+    live = {p.node: p.live_bytes for p in graph_timeline(fx.GraphModule(torch.nn.Module(), graph), "g")}
+    # After "other": big (4000, held by the reduction), rs's output (2000), other (4000).
+    assert live[other.name] == 4000 + 2000 + 4000
 
 def test_bucket_planner_closed_form() -> None:
     sizes = {"a": 10, "b": 10, "c": 30, "d": 5, "e": 5, "f": 100}

@@ -141,7 +141,7 @@ def test_folded_plan_matches_the_full_capture() -> None:
         return zerofx.compile(m, world_size=8, stage=3, example_inputs=args, example_kwargs=kwargs).report(0)
 
     full = report_for(model)
-    folded = plan_folded(model, blocks, report_for, parallel=True)  # the 1-block capture in a forked child
+    folded = plan_folded(model, blocks, report_for, parallel=True)  # the 2-block capture in a forked child
     assert folded.persistent_bytes == full.persistent_bytes
     assert folded.bytes_moved_per_rank == full.bytes_moved_per_rank
     assert folded.num_collectives == len(full.rows)

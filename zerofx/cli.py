@@ -225,7 +225,7 @@ def _with_memory_budget(config: Path | Mapping[str, Any] | None, budget_bytes: f
 
 def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBlocks, comm: Any, device: Any,
                  budget: float | None) -> int:
-    """``zerofx plan`` from captures of the model cut to 1 and 2 blocks (``zerofx.folding``)."""
+    """``zerofx plan`` from captures of the model cut to 2 and 3 blocks (``zerofx.folding``)."""
     if args.solve is not None or args.plot is not None:
         raise UsageError("--solve and --plot need the whole model's timeline: add --fold off")
     programs: list[Program] = []
@@ -672,7 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="cpu", help="hardware profile: cpu, h100, or a file from zerofx calibrate (default: cpu)")
     p.add_argument("--rank", type=int, default=0, help="the rank to report (every rank runs the same graphs; default 0)")
     p.add_argument("--fold", choices=("auto", "on", "off"), default="auto",
-                   help="plan a model of N identical blocks from captures of 1 and 2 of them and extrapolate (fast; "
+                   help="plan a model of N identical blocks from captures of 2 and 3 of them and extrapolate (fast; "
                         f"auto: when N >= {AUTO_FOLD_MIN_BLOCKS}); off plans every block (exact rows)")
     p.set_defaults(func=cmd_plan)
 
@@ -741,7 +741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (Python's documented API for this) moves them out of the cyclic collector's reach, so the
     # full collections that capture's allocations trigger, and the interpreter's exit, stop
     # rescanning them: 1.5-2.5 s of `zerofx plan`'s 10 s budget on the 20B model. It also keeps
-    # the forked 1-block capture (NOTE [Planning the two captures in parallel]) from touching,
+    # the forked 2-block capture (NOTE [Planning the two captures in parallel]) from touching,
     # and so copying, their pages. Only as the program (argv from sys.argv): a caller that runs
     # main() in its own process, as the tests do, keeps its collector as it was.
     if argv is None:

@@ -2,7 +2,7 @@
 
 A decoder is a prologue (embeddings), N identical blocks and an epilogue (norm, head, loss).
 Capturing and lowering cost time proportional to N: a 20B decoder with 44 blocks takes minutes.
-Folding captures the model with its block list cut to 1 and to 2 blocks (on the meta device:
+Folding captures the model with its block list cut to 2 and to 3 blocks (on the meta device:
 the cut copies share the original's modules and allocate nothing), plans each exactly, and
 extrapolates the whole-model figures.
 
@@ -11,10 +11,16 @@ Every figure the planner reports is a sum over the step's nodes or collectives (
 compute, communication and exposed time, model-state bytes), or a peak of live bytes. Buckets
 end at block boundaries (NOTE [Buckets end at block boundaries] in ``passes/plan_buckets.py``),
 so each extra block adds the same nodes and the same collectives, and a sum over the model with
-N blocks is ``f(1) + (N - 1) * (f(2) - f(1))``. Peaks are taken per graph: a decoder's forward
-peaks in its last block or its head and its backward in its last block, with every earlier
-block's saved activations alive, so each extra block adds what one block keeps alive, which
-the two captures show where their nodes align (the end of forward, the start of backward).
+N blocks is ``f(2) + (N - 2) * (f(3) - f(2))``. Peaks are taken per graph. The first and the
+last block are special (the embedding's gradient meets the first; the head's small reduction
+is in flight during the last); every block between them behaves alike: its backward runs with
+the previous block's gradient reduction in flight (NOTE [A reduction holds its input until its
+wait] in ``passes/schedule_overlap.py``) and with every earlier block's saved activations
+alive. So the backward of a 3-block model is the first one with a middle block, and from 3
+blocks on each extra block adds what one block keeps alive to every point, which the two
+captures show where their nodes align (the end of forward, the start of backward). Captures
+of 1 and 2 blocks, which this used before the reductions' inputs were counted until their
+waits, have no middle block and under-estimated the 25m model's peak by 6%.
 ``tests/test_planning.py`` checks every figure against a full capture (equal, not close).
 What the rows cannot show is per-collective issue and wait node names for blocks 2..N-1;
 ``--fold off`` plans the whole model when those matter more than time.
@@ -99,14 +105,21 @@ def with_num_blocks(model: nn.Module, blocks: RepeatedBlocks, keep: int) -> nn.M
     return root
 
 
-def extrapolate(one: float, two: float, count: int) -> float:
-    """The value at ``count`` blocks of a quantity that is ``one`` at 1 block and ``two`` at 2."""
-    return one + (count - 1) * (two - one)
+# The block counts of the two captures folding extrapolates from (see NOTE [Why linear
+# extrapolation is exact here]).
+FOLD_BLOCKS = (2, 3)
+
+
+def extrapolate(first: float, second: float, count: int) -> float:
+    """The value at ``count`` blocks of a quantity that is ``first`` and ``second`` at the
+    ``FOLD_BLOCKS`` counts."""
+    low, high = FOLD_BLOCKS
+    return first + (count - low) * (second - first) / (high - low)
 
 
 @dataclass(frozen=True)
 class FoldedReport:
-    """Whole-model figures extrapolated from the 1- and 2-block captures, and the 2-block
+    """Whole-model figures extrapolated from the 2- and 3-block captures, and the 2-block
     capture's own report, whose rows ``zerofx plan`` prints."""
 
     blocks: RepeatedBlocks
@@ -137,41 +150,41 @@ def _graph_points(report: ScheduleReport, graph: str) -> list[int]:
     return [p.live_bytes for p in report.timeline if p.graph == graph]
 
 
-def _graph_peak(one: ScheduleReport, two: ScheduleReport, graph: str, count: int) -> float:
-    """A graph's peak live bytes at ``count`` blocks. With one block, that block is also the
-    last, so its peak need not sit where a middle block's does: the 2-block peak is the base,
-    and it grows by what each further block keeps alive, read at the graph's ends, where the
-    nodes of the two captures align."""
-    p1, p2 = _graph_points(one, graph), _graph_points(two, graph)
+def _graph_peak(small: ScheduleReport, large: ScheduleReport, graph: str, count: int) -> float:
+    """A graph's peak live bytes at ``count`` blocks: the larger capture's peak (the first with a
+    middle block), grown by what each further block keeps alive, read at the graph's ends,
+    where the nodes of the two captures align."""
+    p1, p2 = _graph_points(small, graph), _graph_points(large, graph)
     if not p2:
         return 0.0
     if not p1:
         return float(max(p2))
     per_block = max(p2[0] - p1[0], p2[-1] - p1[-1], 0)
-    return max(p2) + (count - 2) * per_block
+    return max(p2) + (count - FOLD_BLOCKS[1]) * per_block
 
 
-def fold_reports(one: ScheduleReport, two: ScheduleReport, blocks: RepeatedBlocks) -> FoldedReport:
+def fold_reports(small: ScheduleReport, large: ScheduleReport, blocks: RepeatedBlocks) -> FoldedReport:
+    """Fold the reports of the captures with ``FOLD_BLOCKS`` blocks into the whole model's."""
     n = blocks.count
 
     def ex(a: float, b: float) -> float:
         return extrapolate(a, b, n)
 
-    graphs = sorted(set(one.compute_s) | set(two.compute_s))
+    graphs = sorted(set(small.compute_s) | set(large.compute_s))
     return FoldedReport(
         blocks=blocks,
-        sample=two,
-        persistent_bytes=ex(one.persistent_bytes, two.persistent_bytes),
+        sample=small,
+        persistent_bytes=ex(small.persistent_bytes, large.persistent_bytes),
         # Per graph: a decoder's forward and backward peaks grow at different rates per block.
-        peak_bytes=max(_graph_peak(one, two, g, n) for g in {p.graph for p in two.timeline}),
-        bytes_moved_per_rank=ex(one.bytes_moved_per_rank, two.bytes_moved_per_rank),
-        compute_s={g: ex(one.compute_s.get(g, 0.0), two.compute_s.get(g, 0.0)) for g in graphs},
-        comm_s=ex(one.comm_s, two.comm_s),
-        exposed_s=ex(one.exposed_s, two.exposed_s),
-        step_s=ex(one.step_s, two.step_s),
-        num_collectives=round(ex(len(one.rows), len(two.rows))),
-        peak_graph=max({p.graph for p in two.timeline}, key=lambda g: _graph_peak(one, two, g, n)),
-        repeats={r.order: n - 1 for r in two.rows if _is_block_one(r, blocks)},
+        peak_bytes=max(_graph_peak(small, large, g, n) for g in {p.graph for p in large.timeline}),
+        bytes_moved_per_rank=ex(small.bytes_moved_per_rank, large.bytes_moved_per_rank),
+        compute_s={g: ex(small.compute_s.get(g, 0.0), large.compute_s.get(g, 0.0)) for g in graphs},
+        comm_s=ex(small.comm_s, large.comm_s),
+        exposed_s=ex(small.exposed_s, large.exposed_s),
+        step_s=ex(small.step_s, large.step_s),
+        num_collectives=round(ex(len(small.rows), len(large.rows))),
+        peak_graph=max({p.graph for p in large.timeline}, key=lambda g: _graph_peak(small, large, g, n)),
+        repeats={r.order: n - 1 for r in small.rows if _is_block_one(r, blocks)},
     )
 
 
@@ -180,28 +193,29 @@ def plan_folded(
 ) -> FoldedReport:
     """Plan ``model`` by folding: ``report_for`` captures, plans and reports a (cut) model.
 
-    With ``parallel``, the 1-block capture runs in a forked child while this process plans the
-    2-block one (NOTE [Planning the two captures in parallel])."""
-    if blocks.count < 2:
-        raise ValueError(f"folding needs at least 2 repeated blocks, {blocks.path!r} has {blocks.count}")
-    one_block = with_num_blocks(model, blocks, 1)
+    With ``parallel``, the 2-block capture runs in a forked child while this process plans the
+    3-block one (NOTE [Planning the two captures in parallel])."""
+    low, high = FOLD_BLOCKS
+    if blocks.count < high:
+        raise ValueError(f"folding needs at least {high} repeated blocks, {blocks.path!r} has {blocks.count}")
+    small_cut = with_num_blocks(model, blocks, low)
     # Fork only a meta model: one with real weights may have run OpenMP kernels, whose thread
     # pool does not survive a fork.
     on_meta = all(p.is_meta for p in model.parameters())
-    pending_one = _in_forked_child(report_for, one_block) if parallel and on_meta else None
-    two = report_for(with_num_blocks(model, blocks, 2))
-    one = pending_one() if pending_one is not None else report_for(one_block)
-    return fold_reports(one, two, blocks)
+    pending_small = _in_forked_child(report_for, small_cut) if parallel and on_meta else None
+    large = report_for(with_num_blocks(model, blocks, high))
+    small = pending_small() if pending_small is not None else report_for(small_cut)
+    return fold_reports(small, large, blocks)
 
 
 # NOTE [Planning the two captures in parallel]
 # The two captures are independent and each is single-threaded Python (tracing, partitioning),
-# so on a machine with two cores or more ``zerofx plan`` runs the 1-block one in a child
+# so on a machine with two cores or more ``zerofx plan`` runs the 2-block one in a child
 # process made by fork: it inherits the imported torch and the meta model for free, where a
 # spawned process would pay the 6 s import again. The child pickles its ScheduleReport (plain
 # dataclasses) through a pipe. Only a model on the meta device is forked: nothing has run a
 # parallel ATen kernel then, so no OpenMP pool is copied half-alive. If the child fails
-# or dies, the parent plans the 1-block model itself: the answer never depends on the fork.
+# or dies, the parent plans the 2-block model itself: the answer never depends on the fork.
 def _in_forked_child(fn: Callable[[nn.Module], ScheduleReport], arg: nn.Module) -> Callable[[], ScheduleReport]:
     if not hasattr(os, "fork") or (os.cpu_count() or 1) < 2:
         return lambda: fn(arg)
@@ -224,7 +238,7 @@ def _in_forked_child(fn: Callable[[nn.Module], ScheduleReport], arg: nn.Module) 
             payload = pipe.read()
         _, status = os.waitpid(pid, 0)
         if status != 0 or not payload:
-            log.info("the forked 1-block capture failed (wait status %d); planning it in this process", status)
+            log.info("the forked 2-block capture failed (wait status %d); planning it in this process", status)
             return fn(arg)
         return pickle.loads(payload)
 
@@ -243,7 +257,7 @@ def format_folded(report: FoldedReport, *, budget_bytes: float | None = None) ->
         for r in report.sample.rows
     ]
     lines = [
-        f"folded: {b.path!r} holds {b.count} identical blocks; planned from captures with 1 and 2 of them "
+        f"folded: {b.path!r} holds {b.count} identical blocks; planned from captures with 2 and 3 of them "
         f"(--fold off plans all {b.count}).",
         f"communication schedule of the 2-block capture (one row per collective; times in ms, estimated). "
         f"Rows marked x{b.count - 1} are block 1's: blocks 1..{b.count - 1} each issue them; "
