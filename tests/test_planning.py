@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -273,8 +274,15 @@ def test_cli_folded_json_agrees_with_the_full_plan(capsys: pytest.CaptureFixture
     folded = json.loads(capsys.readouterr().out)
     assert main([*argv, "--fold", "off"]) == 0
     full = json.loads(capsys.readouterr().out)
-    assert folded["folded"] == {"path": "blocks", "num_blocks": 4, "captured_blocks": [1, 2], "num_collectives": len(full["schedule"])}
+    assert folded["folded"] == {"path": "blocks", "num_blocks": 4, "captured_blocks": [2, 3], "num_collectives": len(full["schedule"])}
     assert folded["memory"]["peak_bytes"] == full["memory"]["peak_bytes"]
     assert folded["summary"]["bytes_moved_per_rank"] == full["summary"]["bytes_moved_per_rank"]
     assert folded["summary"]["step_s"] == pytest.approx(full["summary"]["step_s"], rel=1e-9)
     assert {r["repeats"] for r in folded["schedule"]} == {1, 3}
+
+
+def test_cli_fold_on_needs_three_blocks(capsys: pytest.CaptureFixture[str]) -> None:
+    from zerofx.cli import main
+
+    assert main(["plan", "tiny", "--world-size", "2", "--stage", "3", "--seq-len", "32", "--fold", "on"]) == 2
+    assert re.search(r"'blocks' holds 2 blocks; folding needs at least 3 .*use --fold off", capsys.readouterr().err)

@@ -50,6 +50,7 @@ from zerofx.data.genome import bundled_genome, genome_windows
 from zerofx.errors import ZeroFXError, did_you_mean
 from zerofx.folding import (
     AUTO_FOLD_MIN_BLOCKS,
+    FOLD_BLOCKS,
     RepeatedBlocks,
     find_repeated_blocks,
     folded_json,
@@ -173,6 +174,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     fold = args.fold == "on" or (args.fold == "auto" and blocks is not None and blocks.count >= AUTO_FOLD_MIN_BLOCKS)
     if args.fold == "on" and blocks is None:
         raise UsageError(f"--fold on: {spec.label} has no nn.ModuleList/nn.Sequential of identical blocks to fold; use --fold off")
+    if args.fold == "on" and blocks.count < FOLD_BLOCKS[1]:
+        raise UsageError(f"--fold on: {spec.label}'s {blocks.path!r} holds {blocks.count} blocks; folding needs at least "
+                         f"{FOLD_BLOCKS[1]} (it captures {FOLD_BLOCKS[0]} and {FOLD_BLOCKS[1]}); use --fold off")
     if fold:
         return _plan_folded(args, spec, blocks, comm, device, budget)
     program = zerofx.compile(spec.model, world_size=args.world_size, stage=args.stage, config=args.config,

@@ -279,7 +279,7 @@ def folded_json(report: FoldedReport, plan_json: Mapping, budget_bytes: float | 
     """The same keys as an unfolded ``zerofx plan --format json``, plus ``folded``."""
     b = report.blocks
     return {
-        "folded": {"path": b.path, "num_blocks": b.count, "captured_blocks": [1, 2], "num_collectives": report.num_collectives},
+        "folded": {"path": b.path, "num_blocks": b.count, "captured_blocks": list(FOLD_BLOCKS), "num_collectives": report.num_collectives},
         "plan": plan_json,  # of the 2-block capture
         "schedule": [{**r.__dict__, "repeats": report.repeats.get(r.order, 1)} for r in report.sample.rows],
         "memory": {
