@@ -37,6 +37,8 @@ VIEW_OPS = {
     aten.expand.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
     aten.squeeze.default, aten.alias.default, aten.detach.default, aten.as_strided.default, aten.reshape.default,
     aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default,
+    aten.copy_.default,  # in place: returns its first argument
+    torch.ops._c10d_functional.wait_tensor.default,  # returns the collective's output itself
 }
 
 

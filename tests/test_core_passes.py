@@ -154,6 +154,22 @@ def test_prefetch_and_wait_placement(overlap: bool) -> None:
             assert _wait(r) is r.next
 
 
+def test_param_sync_writes_each_bucket_in_place() -> None:
+    """Stages 1-2: the parameter all-gather after the step copies each bucket into the engine's
+    full flats (inputs) right after its wait, so one gathered bucket is alive at a time, not a
+    second copy of the whole model."""
+    from cost_models.memory_timeline import graph_timeline
+    sync = meta_program(2, 4, **SMALL_BUCKETS).graph_modules(0)["param_sync"]
+    gathers = [n for n in sync.graph.nodes if meta.is_all_gather(n)]
+    assert len(gathers) >= 3
+    bucket_bytes = [g.meta["val"].numel() * g.meta["val"].element_size() for g in gathers]
+    fulls = [n for n in sync.graph.nodes if n.op == "placeholder" and n.name.startswith("full_")]
+    outputs = meta.output_node(sync.graph).args[0]
+    assert len(outputs) == len(fulls) and all(o.target is torch.ops.aten.copy_.default for o in outputs)
+    peak = max(p.live_bytes for p in graph_timeline(sync, "param_sync"))
+    assert max(bucket_bytes) <= peak < 2 * max(bucket_bytes) < sum(bucket_bytes)
+
+
 def test_reductions_in_flight_are_bounded() -> None:
     """NOTE [A reduction holds its input until its wait]: with the overlap, no point of the
     backward has more than REDUCTIONS_IN_FLIGHT reductions issued and not yet waited for."""

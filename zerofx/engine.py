@@ -619,8 +619,8 @@ class Engine:
         program = self.program
         if program is not None and "param_sync" in program.graph_modules(self.rank):
             order = [f for bucket in program.plan.sync_buckets for f in bucket]
-            for fqn, full in zip(order, self._run(program, "param_sync", [self.shards[f] for f in order])):
-                self.full[fqn].copy_(full)
+            # The graph writes each gathered bucket into the full flats in place (passes/param_sync.py).
+            self._run(program, "param_sync", [self.shards[f] for f in order] + [self.full[f] for f in order])
 
     # ----------------------------------------------------------------- state
     def flush(self) -> None:
