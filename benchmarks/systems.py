@@ -42,7 +42,7 @@ from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
 SYSTEMS = (
     "single", "local", "ddp", "fsdp2", "fsdp2_noreshard", "fsdp2_compile", "zerofx1", "zerofx2", "zerofx3",
-    "zerofx3_meta", "zerofx3_inductor", "deepspeed1", "deepspeed2", "deepspeed3",
+    "zerofx3_meta", "zerofx3_inductor", "zerofx3_wtiles", "deepspeed1", "deepspeed2", "deepspeed3",
 )
 DEFAULT_SYSTEMS = ("single", "ddp", "fsdp2", "fsdp2_noreshard", "zerofx1", "zerofx2", "zerofx3", "zerofx3_meta")
 # zerofx variants: (stage, build on the meta device, extra "zerofx" config section).
@@ -54,6 +54,10 @@ ZEROFX_VARIANTS: dict[str, tuple[int, bool, dict[str, Any]]] = {
     "zerofx3_meta": (3, True, {}),
     # Also: forward and backward graphs compiled by Inductor, fused AdamW over the shards.
     "zerofx3_inductor": (3, True, {"compile": "inductor", "fused_optimizer": True}),
+    # Also: every linear weight over 8 MiB gathered, used and reduced in tiles of at most 8 MiB
+    # (NOTE [One weight tile at a time] in passes/tile_weights.py); no sequence tiling.
+    "zerofx3_wtiles": (3, True, {"tiling": {"enabled": True, "attention": False, "region": False, "loss": False,
+                                            "weight_tile_bytes": "8MiB"}}),
 }
 # Systems that hold the full model and need no process group.
 NO_GROUP = frozenset({"single"})

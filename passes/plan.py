@@ -133,6 +133,9 @@ class Plan:
     decisions: tuple[str, ...] = ()
     # Sequence tiling of the forward before autograd (attention, token-wise regions, the loss).
     tiling: TilingPlan | None = None
+    # Stage 3: weights gathered, used and reduced one tile at a time inside their linear
+    # (``tile_weights_pass``), as (fqn, tiles); they are in no gather or reduce bucket.
+    tile_gathered: tuple[tuple[str, int], ...] = ()
 
     def param(self, fqn: str) -> ParamPlacement:
         for p in self.params:
@@ -152,6 +155,8 @@ class Plan:
             c["kind"] = c["kind"].value
         if self.tiling is None:  # untiled plans keep the JSON (and fingerprint) they had before tiling existed
             del d["tiling"]
+        if not self.tile_gathered:
+            del d["tile_gathered"]
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
@@ -174,6 +179,7 @@ class Plan:
             estimates=d["estimates"],
             decisions=tuple(d.get("decisions", ())),
             tiling=TilingPlan.from_dict(d["tiling"]) if d.get("tiling") is not None else None,
+            tile_gathered=tuple((f, t) for f, t in d.get("tile_gathered", ())),
         )
 
     def fingerprint(self) -> str:
@@ -197,6 +203,8 @@ class Plan:
         if self.stage is ZeroStage.THREE:
             lines.append(f"prefetch distance {self.prefetch_distance} bucket(s) ahead")
         lines += [f"decision: {d}" for d in self.decisions]
+        lines += [f"weight tiles: {f} in {t} tiles of at most {format_bytes(-(-self.param(f).padded_numel // t) * self.param(f).itemsize)}, "
+                  "each gathered, used and reduced in turn" for f, t in self.tile_gathered]
         if self.tiling is not None:
             lines.append(self.tiling.table())
         return "\n".join(lines)

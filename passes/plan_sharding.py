@@ -10,6 +10,7 @@ partitioner produce; a test checks the two agree collective for collective.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -18,6 +19,10 @@ import torch.fx as fx
 from cost_models.comm import CPU_GLOO, CommSpec, efficient_bucket_bytes
 from cost_models.memory import estimate_model_state_bytes
 from passes import meta
+from passes.tile_weights import BACKWARD as TILED_BACKWARD
+from passes.tile_weights import FORWARD as TILED_FORWARD
+from passes.tile_weights import tile_gatherable
+from passes.tiled_kernels import tile_bounds
 from passes.plan import (
     Collective,
     CommKind,
@@ -78,6 +83,7 @@ def plan_sharding(
         return min((position[u] for u in ph.users), default=len(position))
 
     persistent = persistent_params(placements, stage, options.persistence_threshold)
+    tiled, decisions = _tile_gathered(params, by_fqn, world_size, persistent) if stage is ZeroStage.THREE else ({}, [])
     gather_order = tuple(ph.meta[meta.FQN] for ph in sorted(params, key=first_use) if ph.users and ph.meta[meta.FQN] not in persistent)
     trainable = [ph for ph in params if grad_of[ph] is not None]
     reduce_order = tuple(ph.meta[meta.FQN] for ph in sorted(trainable, key=lambda ph: position[grad_of[ph]]))
@@ -97,11 +103,11 @@ def plan_sharding(
     gather_buckets = reduce_buckets = sync_buckets = ()
     prefetch = 0
     if stage is ZeroStage.THREE:
-        gather_buckets = buckets(gather_order, padded_bytes, cap(options.gather_bucket_numel))
+        gather_buckets = buckets([f for f in gather_order if f not in tiled], padded_bytes, cap(options.gather_bucket_numel))
         preferred = 1 if options.prefetch_distance is None else options.prefetch_distance
         numels = [sum(by_fqn[f].padded_numel for f in b) for b in gather_buckets]
         prefetch = choose_prefetch_distance(numels, options.max_live_numel, preferred=preferred) if options.overlap else 0
-    reduce_buckets = buckets(reduce_order, padded_bytes, cap(options.reduce_bucket_numel))
+    reduce_buckets = buckets([f for f in reduce_order if f not in tiled], padded_bytes, cap(options.reduce_bucket_numel))
     if stage in (ZeroStage.ONE, ZeroStage.TWO):
         sync_buckets = buckets(reduce_order, padded_bytes, cap(options.sync_bucket_numel))
     elif stage is ZeroStage.THREE and persistent:
@@ -121,6 +127,13 @@ def plan_sharding(
     grad_kind = CommKind.REDUCE_SCATTER if stage >= ZeroStage.TWO else CommKind.ALL_REDUCE
     schedule += [Collective(grad_kind, b, "backward", sum(padded_bytes[f] for f in b)) for b in reduce_buckets]
     schedule += [Collective(CommKind.ALL_GATHER, b, "param_sync", shard_bytes(b)) for b in sync_buckets]
+    for fqn, (tiles, gathers_in_backward, reduces) in tiled.items():  # NOTE [One weight tile at a time]
+        p = by_fqn[fqn]
+        bounds = tile_bounds(p.shape[0] // world_size, tiles)
+        tile_bytes = [(e - a) * p.shape[1] * p.itemsize for a, e in itertools.pairwise(bounds)]
+        schedule += [Collective(CommKind.ALL_GATHER, (fqn,), "forward", b) for b in tile_bytes]
+        schedule += [Collective(CommKind.ALL_GATHER, (fqn,), "backward", b) for b in tile_bytes if gathers_in_backward]
+        schedule += [Collective(CommKind.REDUCE_SCATTER, (fqn,), "backward", world_size * b) for b in tile_bytes if reduces]
 
     return Plan(
         world_size=world_size,
@@ -137,4 +150,33 @@ def plan_sharding(
         persistent=tuple(sorted(persistent)),
         schedule=tuple(schedule),
         estimates=estimate_model_state_bytes(placements, stage=int(stage), optimizer=optimizer, persistent=persistent),
+        decisions=tuple(decisions),
+        tile_gathered=tuple((f, t) for f, (t, _, _) in tiled.items()),
     )
+
+
+def _tile_gathered(params: list[fx.Node], by_fqn: dict[str, ParamPlacement], world_size: int,
+                   persistent: set[str] | frozenset[str]) -> tuple[dict[str, tuple[int, bool, bool]], list[str]]:
+    """Stage 3: the weights of feature-tiled linears that are gathered one tile at a time, as
+    fqn -> (tiles, whether backward gathers the tiles again, whether their gradient is reduced),
+    and a decision for each such weight gathered whole instead (NOTE [One weight tile at a time])."""
+    tiled: dict[str, tuple[int, bool, bool]] = {}
+    decisions: list[str] = []
+    for ph in params:
+        forward = next((u for u in ph.users if u.target is TILED_FORWARD and u.args[1] is ph), None)
+        if forward is None:
+            continue
+        fqn, tiles = ph.meta[meta.FQN], forward.args[3]
+        reason = "it is below the persistence threshold (kept whole on every rank)" if fqn in persistent else tile_gatherable(ph, world_size)
+        if reason is not None:
+            decisions.append(f"weight {fqn} is gathered whole, not in {tiles} tiles: {reason}")
+            continue
+        rows = by_fqn[fqn].shape[0] // world_size
+        if tiles > rows:
+            decisions.append(f"weight {fqn}: {rows} tiles instead of {tiles}, one row of the weight per rank and tile "
+                             f"({by_fqn[fqn].shape[0]} output features over {world_size} ranks)")
+            tiles = rows
+        backward = next((u for u in ph.users if u.target is TILED_BACKWARD), None)
+        used = {u.args[1] for u in backward.users} if backward is not None else set()
+        tiled[fqn] = (tiles, 0 in used, 1 in used)
+    return tiled, decisions

@@ -24,6 +24,16 @@ every graph: about 10 KB of host memory per node), and a region's tiled estimate
 the chunk's share of it. So without a configured ``block_size`` the planner tries the sequence in
 2, 4, 8, ... even chunks (at least ``MIN_AUTO_BLOCK`` tokens) and keeps the fewest whose estimate
 fits the budget; when none fits it keeps the smallest and logs that it does not fit.
+
+NOTE [Weight tiles]
+The fourth kind tiles a linear's weight along its output features (rows), for stage 3, where
+the weight is gathered before use: a weight of more than ``weight_tile_bytes`` is gathered and
+used one tile at a time (NOTE [One weight tile at a time] in ``tile_weights``), in
+ceil(bytes / weight_tile_bytes) tiles. Its bytes are the gathered weight, whole vs one tile,
+not activations: weights are chosen apart from the activation budget, every candidate whose
+kind is on. A candidate is a ``linear`` whose weight is a parameter read directly (not through a
+cast or view) and bigger than ``weight_tile_bytes``. It is left alone, with the reason, where a
+chosen region contains it (each chunk would gather every tile again) or a chosen loss owns it.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from passes import seq_regions
+from passes import meta, seq_regions
 from passes.seq_regions import SeqAnalysis
 
 log = logging.getLogger("zerofx.tiling")
@@ -46,7 +56,8 @@ DEFAULT_BLOCK_SIZE = 1024  # tokens per chunk when the sequence is too short to 
 MIN_AUTO_BLOCK = 256  # the smallest block the planner picks itself: smaller chunks make (B·block, d) matmuls inefficient on CPU
 DEFAULT_ATTENTION_BLOCK = 512  # query and key block; the (B, H, 512, 512) score block is 1 MiB per head in fp32
 DEFAULT_BUDGET_BYTES = 1 << 30
-KINDS = ("attention", "region", "loss")
+DEFAULT_WEIGHT_TILE_BYTES = 256 << 20  # a gathered weight bigger than this is used in tiles (NOTE [Weight tiles])
+KINDS = ("attention", "region", "loss", "weight")
 
 
 def _check_block(name: str, value: Any) -> int | None:
@@ -66,6 +77,7 @@ class TilingOptions:
     attention_block_size: int | None = None  # query and key block
     budget_bytes: int | None = None
     kinds: tuple[str, ...] = KINDS  # which kinds of op may be tiled
+    weight_tile_bytes: int | None = None  # the largest gathered weight tile (NOTE [Weight tiles])
     # What ``auto`` holds the per-op estimates (upper bounds) to when it chooses; None: the
     # budget. Not a config key: zerofx.compile raises it while the lowered graphs' memory
     # timeline still fits the budget (NOTE [Tiling checked against the memory timeline]).
@@ -81,6 +93,9 @@ class TilingOptions:
         if self.estimate_budget_bytes is not None and (isinstance(self.estimate_budget_bytes, bool) or not isinstance(self.estimate_budget_bytes, int)
                                                        or self.estimate_budget_bytes < 0):
             raise ValueError(f"tiling estimate_budget_bytes={self.estimate_budget_bytes!r}; accepted: a number of bytes >= 0")
+        if self.weight_tile_bytes is not None and (isinstance(self.weight_tile_bytes, bool) or not isinstance(self.weight_tile_bytes, int)
+                                                   or self.weight_tile_bytes < 1):
+            raise ValueError(f"tiling weight_tile_bytes={self.weight_tile_bytes!r}; accepted: a number of bytes >= 1")
         bad = [k for k in self.kinds if k not in KINDS]
         if bad:
             raise ValueError(f"tiling kinds {bad} are unknown; accepted: {', '.join(KINDS)}")
@@ -88,7 +103,9 @@ class TilingOptions:
 
 @dataclass(frozen=True)
 class TiledOp:
-    """One tiled op: its kind, its index among candidates of that kind (graph order), what it is."""
+    """One tiled op: its kind, its index among candidates of that kind (graph order), what it is.
+    For a weight, ``block_size`` is the number of tiles, the bytes are the gathered weight's and
+    ``param`` is the parameter's FQN."""
 
     kind: str
     index: int
@@ -97,6 +114,7 @@ class TiledOp:
     block_size: int
     bytes_untiled: int
     bytes_tiled: int
+    param: str = ""
 
 
 @dataclass(frozen=True)
@@ -110,12 +128,13 @@ class SkippedOp:
 @dataclass(frozen=True)
 class TilingPlan:
     seq_len: int
-    num_candidates: tuple[int, int, int]  # attention, regions, losses found in the graph
+    num_candidates: tuple[int, int, int, int]  # attention, regions, losses, weights found in the graph
     ops: tuple[TiledOp, ...] = ()
     skipped: tuple[SkippedOp, ...] = ()
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     estimate_untiled_bytes: int = 0
     estimate_tiled_bytes: int = 0
+    weight_tile_bytes: int = DEFAULT_WEIGHT_TILE_BYTES
 
     def chosen(self, kind: str) -> dict[int, TiledOp]:
         return {op.index: op for op in self.ops if op.kind == kind}
@@ -127,12 +146,13 @@ class TilingPlan:
     def from_dict(cls, d: Mapping[str, Any]) -> TilingPlan:
         return cls(
             seq_len=d["seq_len"],
-            num_candidates=tuple(d["num_candidates"]),
+            num_candidates=tuple(d["num_candidates"]) + (0,) * (len(KINDS) - len(d["num_candidates"])),
             ops=tuple(TiledOp(**{**o, "shape": tuple(o["shape"])}) for o in d["ops"]),
             skipped=tuple(SkippedOp(**s) for s in d["skipped"]),
             budget_bytes=d["budget_bytes"],
             estimate_untiled_bytes=d["estimate_untiled_bytes"],
             estimate_tiled_bytes=d["estimate_tiled_bytes"],
+            weight_tile_bytes=d.get("weight_tile_bytes", DEFAULT_WEIGHT_TILE_BYTES),
         )
 
     def table(self) -> str:
@@ -140,10 +160,14 @@ class TilingPlan:
 
         from passes.plan import format_bytes
 
-        rows = [(o.kind, o.what, "x".join(map(str, o.shape)), o.block_size, format_bytes(o.bytes_untiled - o.bytes_tiled)) for o in self.ops]
+        rows = [(o.kind, o.what, "x".join(map(str, o.shape)), f"{o.block_size} tiles" if o.kind == "weight" else o.block_size,
+                 format_bytes(o.bytes_untiled - o.bytes_tiled)) for o in self.ops]
         head = (f"tiling: sequence length {self.seq_len}, activations {format_bytes(self.estimate_untiled_bytes)} untiled -> "
                 f"{format_bytes(self.estimate_tiled_bytes)} tiled (budget {format_bytes(self.budget_bytes)}), {len(self.ops)} tiled ops")
         lines = [head]
+        if any(o.kind == "weight" for o in self.ops):
+            lines.append(f"weights over {format_bytes(self.weight_tile_bytes)} are used in tiles of output features; at stage 3 "
+                         "each is gathered one tile at a time (bytes saved: of the gathered weight)")
         if rows:
             lines.append(tabulate(rows, headers=["tiled op", "what", "shape", "block", "bytes saved"], tablefmt="simple"))
         lines += [f"not tiled: {s.kind} #{s.index} ({s.what}): {s.reason}" for s in self.skipped]
@@ -227,6 +251,44 @@ def _candidates(analysis: SeqAnalysis, block: int, ablock: int) -> tuple[list[Ti
     return candidates, skipped
 
 
+def weight_linears(gm: fx.GraphModule, tile_bytes: int) -> list[tuple[fx.Node, str]]:
+    """The ``linear`` nodes whose weight is a parameter placeholder (read directly) of more than
+    ``tile_bytes``, with its FQN, in graph order: the weight candidates (NOTE [Weight tiles])."""
+    found = []
+    for n in gm.graph.nodes:
+        if seq_regions.op_packet(n) is not torch.ops.aten.linear or len(n.args) < 2:
+            continue
+        w = n.args[1]
+        if not (isinstance(w, fx.Node) and w.op == "placeholder" and w.meta.get(meta.ROLE) is meta.Role.PARAM):
+            continue
+        if _nbytes(w) > tile_bytes and w.meta["val"].dim() == 2:
+            found.append((n, w.meta[meta.FQN]))
+    return found
+
+
+def _weight_candidates(gm: fx.GraphModule, analysis: SeqAnalysis, chosen: list[TiledOp], options: TilingOptions,
+                       tile_bytes: int) -> tuple[list[TiledOp], list[SkippedOp]]:
+    region_of = {n: op.index for op in chosen if op.kind == "region" for n in analysis.regions[op.index]}
+    loss_linears = {analysis.losses[op.index].linear for op in chosen if op.kind == "loss"}
+    ops: list[TiledOp] = []
+    skipped: list[SkippedOp] = []
+    for i, (node, fqn) in enumerate(weight_linears(gm, tile_bytes)):
+        out_features, in_features = node.args[1].meta["val"].shape
+        size = _nbytes(node.args[1])
+        what = f"linear {fqn}"
+        if "weight" not in options.kinds:
+            skipped.append(SkippedOp("weight", i, what, "this kind is turned off in zerofx.tiling"))
+        elif node in region_of:
+            skipped.append(SkippedOp("weight", i, what, f"inside token-wise region #{region_of[node]}, which runs in chunks: "
+                                                         "each chunk would gather every tile again"))
+        elif node in loss_linears:
+            skipped.append(SkippedOp("weight", i, what, "the vocabulary projection of the chunked loss"))
+        else:
+            tiles = min(-(-size // tile_bytes), out_features)
+            ops.append(TiledOp("weight", i, what, (out_features, in_features), tiles, size, -(-size // tiles), param=fqn))
+    return ops, skipped
+
+
 def _choose(candidates: list[TiledOp], options: TilingOptions, budget: int) -> tuple[list[TiledOp], int]:
     """The tiled ops and the activation estimate with them: all allowed (``enabled: true``), or
     the biggest savings first until the estimate fits ``budget`` (``auto``)."""
@@ -264,18 +326,23 @@ def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | No
     else:
         log.info("tiling: the activation estimate %d bytes exceeds the budget %d bytes even with %d-token blocks", tiled_total, bound, block)
     skipped += [SkippedOp(c.kind, c.index, c.what, "this kind is turned off in zerofx.tiling") for c in candidates if c.kind not in options.kinds]
+    tile_bytes = options.weight_tile_bytes or DEFAULT_WEIGHT_TILE_BYTES
+    weights, weights_skipped = _weight_candidates(gm, analysis, chosen, options, tile_bytes)
+    chosen = chosen + weights
+    skipped += weights_skipped
     order = {k: i for i, k in enumerate(KINDS)}
     chosen = sorted(chosen, key=lambda c: (order[c.kind], c.index))
     for s in skipped:
         log.info("tiling: %s #%d (%s) not tiled: %s", s.kind, s.index, s.what, s.reason)
     return TilingPlan(
         seq_len=seq_len,
-        num_candidates=(len(analysis.attention), len(analysis.regions), len(analysis.losses)),
+        num_candidates=(len(analysis.attention), len(analysis.regions), len(analysis.losses), len(weights) + len(weights_skipped)),
         ops=tuple(chosen),
         skipped=tuple(skipped),
         budget_bytes=budget,
         estimate_untiled_bytes=sum(c.bytes_untiled for c in candidates),
         estimate_tiled_bytes=tiled_total,
+        weight_tile_bytes=tile_bytes,
     )
 
 
@@ -283,16 +350,17 @@ def tiling_options(section: Mapping[str, Any] | None) -> TilingOptions:
     """``TilingOptions`` from the config's ``zerofx.tiling`` section (already schema-checked)."""
     section = dict(section or {})
     kinds = tuple(k for k in KINDS if section.get(k, True))
-    budget = section.get("budget")
-    if isinstance(budget, str):
-        # zerofx.config imports this module at its top, so a top-level import back would be a cycle.
-        from zerofx.config import parse_bytes
+    # zerofx.config imports this module at its top, so a top-level import back would be a cycle.
+    from zerofx.config import parse_bytes
 
-        budget = int(parse_bytes(budget))
+    budget, tile_bytes = section.get("budget"), section.get("weight_tile_bytes")
+    budget = int(parse_bytes(budget)) if isinstance(budget, str) else budget
+    tile_bytes = int(parse_bytes(tile_bytes)) if isinstance(tile_bytes, str) else tile_bytes
     return TilingOptions(
         enabled=section.get("enabled", "auto"),
         block_size=section.get("block_size"),
         attention_block_size=section.get("attention_block_size"),
         budget_bytes=budget,
         kinds=kinds,
+        weight_tile_bytes=tile_bytes,
     )

@@ -7,6 +7,8 @@
   after it) moves later, so the reduction runs while backward goes on: to just before the
   reduction ``REDUCTIONS_IN_FLIGHT`` places later is issued, or before the graph's output for
   the last ones (NOTE [A reduction holds its input until its wait]).
+Neither moves the collectives of a weight's tiles (``zerofx_weight_tile``): each stays where
+``tile_weights_pass`` put it, next to its use (NOTE [One weight tile at a time]).
 
 NOTE [A reduction holds its input until its wait]
 A functional collective's work object keeps its input (gloo even a clone of it) alive until
@@ -32,6 +34,7 @@ import torch.fx as fx
 
 from passes import meta
 from passes.plan import Plan
+from passes.tile_weights import WEIGHT_TILE
 
 
 # Gradient reductions issued and not yet waited for, at most (NOTE [A reduction holds its input
@@ -47,7 +50,7 @@ def _wait_of(node: fx.Node) -> fx.Node:
 
 def prefetch_gathers_pass(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     distance = plan.prefetch_distance
-    gathers = [n for n in gm.graph.nodes if meta.is_all_gather(n)]
+    gathers = [n for n in gm.graph.nodes if meta.is_all_gather(n) and WEIGHT_TILE not in n.meta]
     if not plan.overlap or distance == 0 or len(gathers) < 2:
         return gm
     graph = gm.graph
@@ -79,7 +82,7 @@ def prefetch_gathers_pass(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 
 def sink_reduce_waits_pass(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    reductions = [n for n in gm.graph.nodes if meta.is_reduce_scatter(n) or meta.is_all_reduce(n)]
+    reductions = [n for n in gm.graph.nodes if (meta.is_reduce_scatter(n) or meta.is_all_reduce(n)) and WEIGHT_TILE not in n.meta]
     if not plan.overlap or not reductions:
         return gm
     graph = gm.graph

@@ -7,6 +7,8 @@ rewritten forward afterwards. Postconditions:
   ``zerofx::blocked_attention`` node (see NOTE [Blocked attention] in ``tiled_kernels``);
 - each planned loss is one ``zerofx::chunked_linear_cross_entropy`` node, divided by the count of
   non-ignored targets for a mean;
+- each planned weight's ``linear`` is one ``zerofx::feature_tiled_linear`` node (NOTE [Feature-tiled
+  linear] in ``tiled_kernels``), which stage 3 gathers one tile at a time (``tile_weights``);
 - each planned region runs in chunks of ``block_size`` tokens: its sequence-carrying inputs are
   split along their sequence dim, the region's nodes are replayed per chunk, and each output is
   the ``cat`` of its chunks. Every node of the chunked copy carries
@@ -39,12 +41,14 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes import _compat, meta, seq_regions
-from passes.plan_tiling import TilingPlan
+from passes.plan_tiling import TilingPlan, weight_linears
 
 aten = torch.ops.aten
 TILE_REGION = "zerofx_tile_region"
 TILED = "zerofx_tiled"
 _MUST_RECOMPUTE = _compat.CheckpointPolicy.MUST_RECOMPUTE
+# int, for this pass only: the tiles a planned weight's linear gets once the regions are chunked.
+_WEIGHT_TILES = "zerofx_weight_tiles"
 
 
 def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphModule:
@@ -53,11 +57,15 @@ def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphMo
     if any(TILED in n.meta for n in gm.graph.nodes):
         raise ValueError("this graph is already tiled; plan again for the original graph instead of tiling twice")
     analysis = seq_regions.analyze(gm, plan.seq_len)
-    found = (len(analysis.attention), len(analysis.regions), len(analysis.losses))
+    linears = weight_linears(gm, plan.weight_tile_bytes)
+    found = (len(analysis.attention), len(analysis.regions), len(analysis.losses), len(linears))
     if found != tuple(plan.num_candidates):
-        raise ValueError(f"the tiling plan was made for {tuple(plan.num_candidates)} (attention, region, loss) candidates, "
+        raise ValueError(f"the tiling plan was made for {tuple(plan.num_candidates)} (attention, region, loss, weight) candidates, "
                          f"this graph has {found}; plan again for this graph")
     graph = gm.graph
+    # Chunking regions copies the graph; the tag travels with the node (no chosen region holds one).
+    for i, op in plan.chosen("weight").items():
+        linears[i][0].meta[_WEIGHT_TILES] = op.block_size
     for i, op in plan.chosen("attention").items():
         _replace_attention(graph, analysis.attention[i], op.block_size)
     for i, op in plan.chosen("loss").items():
@@ -68,6 +76,7 @@ def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphMo
         after = seq_regions.analyze(gm, plan.seq_len)
         assert len(after.regions) == plan.num_candidates[1], "replacing attention and losses must keep the regions"
         gm = _chunk_regions(gm, after, {i: op.block_size for i, op in regions.items()})
+    _replace_weight_linears(gm.graph)
     _propagate_vals(gm)
     gm.graph.lint()
     gm.recompile()
@@ -117,6 +126,20 @@ def _replace_loss(graph: fx.Graph, m: seq_regions.LossMatch, block: int) -> None
         n.meta[TILED] = "loss"
     m.output.replace_all_uses_with(loss)
     graph.erase_node(m.output)
+
+
+def _replace_weight_linears(graph: fx.Graph) -> None:
+    for node in list(graph.nodes):
+        tiles = node.meta.pop(_WEIGHT_TILES, None)
+        if tiles is None:
+            continue
+        x, w = node.args[0], node.args[1]
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        with graph.inserting_before(node):
+            tiled = meta.add_call(graph, torch.ops.zerofx.feature_tiled_linear.default, (x, w, b, tiles))
+        tiled.meta[TILED] = "weight"
+        node.replace_all_uses_with(tiled)
+        graph.erase_node(node)
 
 
 def _chunk_sizes(t: int, block: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""Custom ops the tiling rewrite inserts: blocked attention and the chunked vocabulary loss.
+"""Custom ops the tiling rewrite inserts: blocked attention, the chunked vocabulary loss and the
+feature-tiled linear.
 
 Each op is registered with ``torch.library.custom_op`` (public API) and has a fake kernel
 (``register_fake``), so zerofx captures it on fake tensors, and an autograd formula
@@ -25,10 +26,20 @@ NOTE [Chunked linear cross-entropy]
 ``sum_i CE(float(h_i @ w.T + b), target_i)`` over rows whose target is not ``ignore_index``,
 ``chunk`` rows at a time. h: (N, D), w: (V, D), target: (N,). Only h (and the weights) are saved;
 backward recomputes each chunk's logits. The (N, V) logits are never materialized.
+
+NOTE [Feature-tiled linear]
+``feature_tiled_linear(x, w, b, tiles) -> y`` is ``F.linear(x, w, b)`` computed in ``tiles``
+blocks of output features (rows of w, split by ``tile_bounds``); its backward op computes dx,
+dw and db tile by tile too. On a whole weight this changes nothing but the order of the
+work: the op exists so that stage 3 can find the linear in the joint graph and gather its
+weight one tile at a time (NOTE [One weight tile at a time] in ``passes/tile_weights.py``),
+where the min-cut partitioner and the rewrite see one node in forward and one in backward.
+Below stage 3, or where the weight cannot be tile-gathered, these kernels run as they are.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -270,6 +281,68 @@ def _ce_backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
 
 
 chunked_linear_cross_entropy.register_autograd(_ce_backward, setup_context=_ce_setup)
+
+
+# --------------------------------------------------------------------------- weight tiles
+def tile_bounds(rows: int, tiles: int) -> list[int]:
+    """Row offsets ``[0, ..., rows]`` splitting ``rows`` into ``tiles`` near-even tiles, the
+    larger first (NOTE [Feature-tiled linear])."""
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or not 1 <= tiles <= rows:
+        raise ValueError(f"tiles={tiles!r} cannot split {rows} rows; accepted: an integer from 1 to {rows}")
+    base, extra = divmod(rows, tiles)
+    bounds = [0]
+    for t in range(tiles):
+        bounds.append(bounds[-1] + base + (t < extra))
+    return bounds
+
+
+@torch.library.custom_op("zerofx::feature_tiled_linear", mutates_args=())
+def feature_tiled_linear(x: Tensor, w: Tensor, b: Tensor | None, tiles: int) -> Tensor:
+    bounds = tile_bounds(w.size(0), tiles)
+    y = x.new_empty((*x.shape[:-1], w.size(0)))
+    for a, e in itertools.pairwise(bounds):
+        y[..., a:e] = F.linear(x, w[a:e], None if b is None else b[a:e])
+    return y
+
+
+@feature_tiled_linear.register_fake
+def _(x: Tensor, w: Tensor, b: Tensor | None, tiles: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], w.size(0)))
+
+
+@torch.library.custom_op("zerofx::feature_tiled_linear_backward", mutates_args=())
+def feature_tiled_linear_backward(grad: Tensor, x: Tensor, w: Tensor, tiles: int, with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    bounds = tile_bounds(w.size(0), tiles)
+    x2 = x.reshape(-1, x.size(-1))
+    g2 = grad.reshape(-1, w.size(0))
+    dx = torch.zeros_like(x2)
+    dw = torch.empty_like(w)
+    for a, e in itertools.pairwise(bounds):
+        dx += g2[:, a:e] @ w[a:e]
+        dw[a:e] = g2[:, a:e].t() @ x2
+    db = g2.sum(0) if with_bias else g2.new_empty((0,))
+    return dx.view(x.shape), dw, db
+
+
+@feature_tiled_linear_backward.register_fake
+def _(grad: Tensor, x: Tensor, w: Tensor, tiles: int, with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(w), grad.new_empty((w.size(0) if with_bias else 0,))
+
+
+def _linear_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    x, w, b, tiles = inputs
+    ctx.save_for_backward(x, w)
+    ctx.tiles = tiles
+    ctx.has_bias = b is not None
+
+
+def _linear_backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
+    x, w = ctx.saved_tensors
+    dx, dw, db = torch.ops.zerofx.feature_tiled_linear_backward(grad, x, w, ctx.tiles, ctx.has_bias)
+    return dx, dw, (db if ctx.has_bias else None), None
+
+
+feature_tiled_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def default_scale(head_dim: int) -> float:

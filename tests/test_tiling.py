@@ -5,6 +5,7 @@ one process and through the engine at stages 0 and 3 on 2 gloo ranks, and clear 
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import pytest
@@ -50,9 +51,9 @@ def eager(model, args, kwargs):  # noqa: ANN001, ANN201
     return loss.detach(), dict(zip(names, grads))
 
 
-def assert_parity(model, args, kwargs) -> tuple:  # noqa: ANN001
+def assert_parity(model, args, kwargs, tiling: TilingOptions = ON) -> tuple:  # noqa: ANN001
     ref_loss, ref_grads = eager(model, args, kwargs)
-    cap, loss, grads, graphs = run_partitioned(model, args, kwargs, ON)
+    cap, loss, grads, graphs = run_partitioned(model, args, kwargs, tiling)
     assert abs(loss.item() - ref_loss.item()) < TOL
     assert ref_grads.keys() <= grads.keys()
     for name, g in ref_grads.items():
@@ -248,7 +249,7 @@ def test_plan_carries_tiling_and_round_trips() -> None:
 
 
 # --------------------------------------------------------------------------- engine, 2 gloo ranks
-def test_engine_parity_tiled_vs_untiled_stages_0_and_3() -> None:
+def test_engine_parity_tiled_and_weight_tiled_vs_untiled_stages_0_and_3() -> None:
     results = run_ranks(2, tiled_vs_untiled, [0, 3])
     initial = dna_lm().state_dict()
     for stage in (0, 3):
@@ -259,7 +260,122 @@ def test_engine_parity_tiled_vs_untiled_stages_0_and_3() -> None:
             for k, v in untiled["state"].items():  # SGD with lr 1: the state difference is the gradient difference
                 assert (tiled["state"][k] - v).abs().max().item() < TOL, (stage, k)
             assert max((untiled["state"][k] - v).abs().max().item() for k, v in initial.items()) > 1e-3
+            # Weight tiles (NOTE [One weight tile at a time]): the same step within 1e-5.
+            weights = res["weights"]
+            assert [k for k, _ in weights["tiled_ops"]].count("weight") == 8 and ("attention", 16) in weights["tiled_ops"]
+            assert len(weights["tile_gathered"]) == (8 if stage == 3 else 0)
+            assert abs(weights["loss"].item() - untiled["loss"].item()) < TOL, stage
+            for k, v in untiled["state"].items():
+                assert (weights["state"][k] - v).abs().max().item() < TOL, (stage, k)
         assert results[0][stage]["tiled"]["fingerprint"] == results[1][stage]["tiled"]["fingerprint"]
+        assert results[0][stage]["weights"]["fingerprint"] == results[1][stage]["weights"]["fingerprint"]
+
+
+# --------------------------------------------------------------------------- weight tiles
+# Every linear weight over 4 KiB in tiles of at most 4 KiB; sequence tiling off.
+WEIGHTS = {"enabled": True, "attention": False, "region": False, "loss": False, "weight_tile_bytes": 4096}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_feature_tiled_linear_matches_linear(bias: bool) -> None:
+    from passes.tiled_kernels import tile_bounds
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(7, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(7, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
+    for tiles in (1, 3, 7):
+        assert torch.allclose(zf.feature_tiled_linear(x, w, b, tiles), F.linear(x, w, b))
+        inputs = (x, w, b) if bias else (x, w)
+        assert torch.autograd.gradcheck(lambda x, w, b=None: zf.feature_tiled_linear(x, w, b, tiles), inputs)
+    assert tile_bounds(7, 3) == [0, 3, 5, 7] and tile_bounds(88, 3) == [0, 30, 59, 88]
+    for bad in (0, 8, True):
+        with pytest.raises(ValueError, match=f"tiles={bad!r} cannot split 7 rows"):
+            tile_bounds(7, bad)
+
+
+def test_weight_tiles_llama_parity() -> None:
+    """transformers' Llama with its projections and MLP weights tiled (and attention blocked):
+    loss and gradients within 1e-5 of eager."""
+    model, ids = llama(), tokens(vocab=16)
+    tiling = TilingOptions(enabled=True, kinds=("attention", "weight"), attention_block_size=16, weight_tile_bytes=8192)
+    cap, (fw, bw) = assert_parity(model, (ids,), {"labels": ids}, tiling)
+    weights = {op.param: op.block_size for op in cap.tiling.ops if op.kind == "weight"}
+    assert weights == {f"model.layers.{i}.{m}.weight": t for i in range(2) for m, t in
+                       [("self_attn.q_proj", 2), ("self_attn.k_proj", 2), ("self_attn.v_proj", 2), ("self_attn.o_proj", 2),
+                        ("mlp.gate_proj", 4), ("mlp.up_proj", 4), ("mlp.down_proj", 4)]}
+    assert count(fw, zf.feature_tiled_linear.default) == 14 and count(bw, zf.feature_tiled_linear_backward.default) == 14
+
+
+def weight_tiled_program(world_size: int, model_fn=dna_lm, vocab: int = 5, **tiling: object) -> zerofx.Program:  # noqa: ANN001
+    with torch.device("meta"):
+        model = model_fn()
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    return zerofx.compile(model, world_size=world_size, stage=3, example_inputs=(ids,), example_kwargs={"labels": ids},
+                          config={"zerofx": {"tiling": {**WEIGHTS, **tiling}}})
+
+
+def assert_schedule_is_issued(program: zerofx.Program) -> dict:
+    from tests.test_core_passes import collectives
+
+    mods = program.graph_modules(rank=0)
+    issued = collections.Counter((k, f, g, b) for g, gm in mods.items() for k, f, b in collectives(gm))
+    assert issued == collections.Counter((c.kind.value, c.fqns, c.graph, c.bytes_per_rank) for c in program.plan.schedule)
+    return mods
+
+
+def test_stage3_gathers_and_reduces_one_weight_tile_at_a_time() -> None:
+    """NOTE [One weight tile at a time]: per tiled weight, forward gathers its tiles in turn,
+    backward gathers each again and reduce-scatters its gradient right away; the whole weight
+    never exists on a rank, and the plan's schedule is exactly what the graphs issue."""
+    from passes import meta
+    from passes.tile_weights import WEIGHT_TILE
+
+    program = weight_tiled_program(4)
+    plan = program.plan
+    tiled = dict(plan.tile_gathered)
+    assert tiled == {f"blocks.{i}.{m}.weight": 3 for i in range(2) for m in ("attn.qkv", "mlp.gate", "mlp.up", "mlp.down")}
+    assert not set(tiled) & {f for b in plan.gather_buckets + plan.reduce_buckets for f in b}
+    assert Plan.from_json(plan.to_json()) == plan and "blocks.0.mlp.up.weight in 3 tiles of at most" in str(plan)
+    mods = assert_schedule_is_issued(program)
+    full_shapes = {tuple(plan.param(f).shape) for f in tiled}
+    for name in ("forward", "backward"):
+        gm = mods[name]
+        nodes = list(gm.graph.nodes)
+        position = {n: i for i, n in enumerate(nodes)}
+        assert not [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor) and tuple(n.meta["val"].shape) in full_shapes]
+        gathers = [n for n in nodes if meta.is_all_gather(n) and WEIGHT_TILE in n.meta]
+        assert len(gathers) == 8 * 3
+        for fqn in tiled:
+            mine = [g for g in gathers if g.meta[WEIGHT_TILE][0] == fqn]
+            assert [g.meta[WEIGHT_TILE][1] for g in mine] == [0, 1, 2]
+            for this, following in zip(mine, mine[1:]):  # tile t is dead before tile t + 1 is gathered
+                tile = next(iter(this.users))  # its wait
+                last_use = max(position[u] for v in tile.users for u in [v, *v.users])
+                assert last_use < position[following]
+        for r in (n for n in nodes if meta.is_reduce_scatter(n) and WEIGHT_TILE in n.meta):
+            assert meta.is_wait(r.next) and r.next.args[0] is r  # waited for at once: one tile gradient in flight
+    assert [n.meta[WEIGHT_TILE][1] for n in mods["backward"].graph.nodes if meta.is_reduce_scatter(n) and WEIGHT_TILE in n.meta] == [0, 1, 2] * 8
+
+
+def test_weight_tiles_that_cannot_split_fall_back_with_a_decision() -> None:
+    # 3 ranks: qkv's 96 rows split, the MLP's 88 and 32 do not; those are gathered whole.
+    program = weight_tiled_program(3)
+    assert [f for f, _ in program.plan.tile_gathered] == ["blocks.0.attn.qkv.weight", "blocks.1.attn.qkv.weight"]
+    whole = [d for d in program.plan.decisions if "gathered whole" in d]
+    assert len(whole) == 6 and "weight blocks.0.mlp.gate.weight is gathered whole, not in 3 tiles: its 88 output features do not split evenly over 3 ranks" in whole
+    assert_schedule_is_issued(program)
+    # Tiles of 256 bytes would be 48 for qkv; at 4 ranks a tile cannot be less than one row per rank (24).
+    lowered = weight_tiled_program(4, weight_tile_bytes=256)
+    assert dict(lowered.plan.tile_gathered)["blocks.0.attn.qkv.weight"] == 24
+    assert any("blocks.0.attn.qkv.weight: 24 tiles instead of 48" in d for d in lowered.plan.decisions)
+    assert_schedule_is_issued(lowered)
+
+
+def test_weight_tiles_llama_stage3_planning_at_8_ranks() -> None:
+    program = weight_tiled_program(8, model_fn=llama, weight_tile_bytes=8192)
+    assert len(program.plan.tile_gathered) == 14
+    assert_schedule_is_issued(program)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -275,6 +391,13 @@ def test_bad_block_sizes_raise_naming_the_value(bad: object) -> None:
 def test_bad_tiling_values() -> None:
     with pytest.raises(ValueError, match="'sometimes'"):
         TilingOptions(enabled="sometimes")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=f"weight_tile_bytes={bad!r}"):
+            TilingOptions(weight_tile_bytes=bad)
+    for bad in (0, "0B", "much"):
+        with pytest.raises(ConfigError, match="weight_tile_bytes"):
+            zerofx.compile(dna_lm(), world_size=1, stage=0, example_inputs=(tokens(),), example_kwargs={"labels": tokens()},
+                           config={"zerofx": {"tiling": {"weight_tile_bytes": bad}}})
     with pytest.raises(ValueError, match="'lots'"):
         parse_bytes("lots")
     assert parse_bytes("2GiB") == 2 << 30

@@ -8,6 +8,9 @@ import zerofx
 from tests.tiling_models import dna_lm, tokens
 
 TILING = {"enabled": True, "block_size": 16, "attention_block_size": 16}
+# Attention tiled, regions not, and every linear weight over 4 KiB (qkv, the MLP) in tiles of at
+# most 4 KiB: at stage 3 gathered and reduced one tile at a time.
+WEIGHT_TILING = {"enabled": True, "attention_block_size": 16, "region": False, "weight_tile_bytes": 4096}
 
 
 def tiled_vs_untiled(rank: int, world_size: int, stages: list[int]) -> dict:
@@ -19,7 +22,7 @@ def tiled_vs_untiled(rank: int, world_size: int, stages: list[int]) -> dict:
 def _one_stage(rank: int, stage: int) -> dict:
     out = {}
     ids = tokens(seed=10 + rank)
-    for name, tiling in (("tiled", TILING), ("untiled", {"enabled": False})):
+    for name, tiling in (("tiled", TILING), ("weights", WEIGHT_TILING), ("untiled", {"enabled": False})):
         model = dna_lm()
         cfg = {"zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
                "zerofx": {"tiling": tiling}}
@@ -33,5 +36,6 @@ def _one_stage(rank: int, stage: int) -> dict:
             "state": engine.full_state_dict(),
             "tiled_ops": [(op.kind, op.block_size) for op in plan.tiling.ops] if plan.tiling else [],
             "fingerprint": plan.fingerprint(),
+            "tile_gathered": list(plan.tile_gathered),
         }
     return out

@@ -68,6 +68,15 @@ def _bytes_ok(v: Any) -> bool:
     return _nonneg_int(v)
 
 
+def _bytes_pos(v: Any) -> bool:
+    if isinstance(v, str):
+        try:
+            return parse_bytes(v) >= 1
+        except ConfigError:
+            return False
+    return _pos_int(v)
+
+
 _NUM = (int, float)
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -183,7 +192,7 @@ SCHEMA: dict[str, Key] = {
         "prefetch_distance": Key((int,), "stage-3 all-gather buckets issued ahead of use", _nonneg_int, "an integer >= 0"),
         "memory_budget": Key((int, float, str), "memory per rank the step's peak must fit (the planner lowers the prefetch "
                              "distance to fit it)", _size, "bytes > 0, as a number or a size like '80GiB'"),
-        "tiling": Key((dict,), "sequence tiling of attention, token-wise regions and the loss", children={
+        "tiling": Key((dict,), "sequence tiling of attention, token-wise regions and the loss; feature tiling of large weights", children={
             "enabled": Key((bool, str), "tile: true, false, or \"auto\" (from the activation estimate and the budget)",
                            lambda v: v in (True, False, "auto"), "true, false or \"auto\""),
             "block_size": Key((int,), "tokens per chunk of token-wise regions and of the loss", _pos_int, "an integer >= 1"),
@@ -193,6 +202,9 @@ SCHEMA: dict[str, Key] = {
             "attention": Key((bool,), "may tile attention"),
             "region": Key((bool,), "may tile token-wise regions (MLP, norms, projections) with per-chunk recompute"),
             "loss": Key((bool,), "may tile the vocabulary projection and cross-entropy"),
+            "weight": Key((bool,), "may tile large linear weights along their output features (at stage 3 gathered one tile at a time)"),
+            "weight_tile_bytes": Key((int, str), "the largest weight tile: bigger weights are used in tiles of at most this size", _bytes_pos,
+                                     "bytes >= 1 or a size such as \"64MiB\""),
         }),
         "compile": Key((str,), "compile each rank's forward and backward graphs: none (run them as FX code) or inductor",
                        lambda v: v in {c.value for c in GraphCompiler}, ", ".join(c.value for c in GraphCompiler)),

@@ -1,6 +1,6 @@
 """The one place that owns the order of passes, and the small runner that applies them.
 
-    captured joint --shard_params_pass--> --reduce_grads_pass--> partition_joint --> forward, backward
+    captured joint --tile_weights_pass--> --shard_params_pass--> --reduce_grads_pass--> partition_joint --> forward, backward
     forward, backward --prefetch_gathers_pass--> --sink_reduce_waits_pass--> (overlap)
         --fetch_params_pass--> (stage 3 with offload_param)
     plan --build_param_sync--> param_sync (stages 1 and 2)
@@ -19,6 +19,7 @@ from passes import Plan, build_param_sync, meta, partition_joint, reduce_grads_p
 from passes.fetch_params import fetch_params_pass
 from passes.plan_offload import ParamOffloadPlan
 from passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
+from passes.tile_weights import tile_weights_pass
 
 log = logging.getLogger("zerofx.pipeline")
 
@@ -28,6 +29,7 @@ Pass = Callable[[fx.GraphModule], fx.GraphModule]
 def joint_passes(plan: Plan, *, group_name: str) -> list[tuple[str, Pass]]:
     """The rewrites applied to the captured joint graph, in order."""
     return [
+        ("tile_weights_pass", functools.partial(tile_weights_pass, plan=plan, group_name=group_name)),
         ("shard_params_pass", functools.partial(shard_params_pass, plan=plan, group_name=group_name)),
         ("reduce_grads_pass", functools.partial(reduce_grads_pass, plan=plan, group_name=group_name)),
     ]

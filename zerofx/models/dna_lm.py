@@ -40,6 +40,8 @@ DNA_LM_SIZES = {
     "150m": DNALMConfig(dim=1024, num_layers=12, num_heads=16, ffn_dim=2816, max_seq_len=8192),
     "1b": DNALMConfig(dim=2048, num_layers=20, num_heads=16, ffn_dim=5504, max_seq_len=32768),
     "7b": DNALMConfig(dim=4096, num_layers=32, num_heads=32, ffn_dim=11008, max_seq_len=131072),
+    # Few layers with a 16x-wide MLP: each MLP weight is 64 MiB in fp32, what weight tiling is for.
+    "wide": DNALMConfig(dim=1024, num_layers=2, num_heads=16, ffn_dim=16384, max_seq_len=4096),
 }
 
 
