@@ -22,9 +22,12 @@ def tiled_vs_untiled(rank: int, world_size: int, stages: list[int]) -> dict:
 def _one_stage(rank: int, stage: int) -> dict:
     out = {}
     ids = tokens(seed=10 + rank)
-    for name, tiling in (("tiled", TILING), ("weights", WEIGHT_TILING), ("untiled", {"enabled": False})):
+    variants = [("tiled", TILING, {}), ("weights", WEIGHT_TILING, {}), ("untiled", {"enabled": False}, {})]
+    if stage == 3:  # the tiled weights' shards in host memory, fetched by the graphs (fetch_params_pass)
+        variants.append(("weights_offloaded", WEIGHT_TILING, {"offload_param": {"device": "cpu"}}))
+    for name, tiling, zero in variants:
         model = dna_lm()
-        cfg = {"zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+        cfg = {"zero_optimization": {"stage": stage, **zero}, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
                "zerofx": {"tiling": tiling}}
         engine = zerofx.initialize(model, cfg, example_inputs=(ids,), example_kwargs={"labels": ids})
         loss = engine(ids, labels=ids)

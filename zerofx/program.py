@@ -234,12 +234,19 @@ def _fit_tiling_to_timeline(first: Program, build: Callable[[TilingOptions], Pro
     def ops(program: Program) -> tuple:
         return program.plan.tiling.ops if program.plan.tiling is not None else ()
 
-    if not ops(first):
+    def sequence_ops(program: Program) -> tuple:
+        return tuple(op for op in ops(program) if op.kind != "weight")
+
+    # Weight tiles follow weight_tile_bytes, not the activation budget (NOTE [Weight tiles] in
+    # passes/plan_tiling.py): "untiled" here means no sequence tiling, with the weights as planned.
+    weights_tiled = any(op.kind == "weight" for op in ops(first))
+    untiled_options = replace(options, kinds=("weight",)) if weights_tiled else replace(options, enabled=False)
+    if not sequence_ops(first):
         if attempt("untiled", first) <= budget:
             return first  # nothing tiled, and the timeline agrees: no note
         chosen, fits = first, False
     else:
-        untiled = build(replace(options, enabled=False))
+        untiled = build(untiled_options)
         if attempt("untiled", untiled) <= budget:
             chosen, fits = untiled, True
         else:
@@ -269,9 +276,9 @@ def _fit_tiling_to_timeline(first: Program, build: Callable[[TilingOptions], Pro
                 break
         if not fits:  # none fits: the least memory tried
             chosen = min(tried, key=lambda t: t[2])[1]
-    steps = "; ".join(f"{what}: {len(ops(p))} tiled ops, activations {format_bytes(peak)}" for what, p, peak in tried)
+    steps = "; ".join(f"{what}: {len(sequence_ops(p))} tiled ops, activations {format_bytes(peak)}" for what, p, peak in tried)
     why = (f"tiling (auto) checked against the memory timeline for the budget {format_bytes(budget)} "
-           f"(NOTE [Tiling checked against the memory timeline]): {steps}; kept {len(ops(chosen))} tiled ops, "
+           f"(NOTE [Tiling checked against the memory timeline]): {steps}; kept {len(sequence_ops(chosen))} tiled ops, "
            f"which {'fit' if fits else 'do not fit'}")
     log.info(why)
     lowered = chosen._modules
