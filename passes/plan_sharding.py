@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 
 import torch
@@ -36,6 +37,8 @@ from passes.plan_buckets import (
     plan_buckets,
     repeated_blocks_of,
 )
+
+_tiling_log = logging.getLogger("zerofx.tiling")  # weights gathered whole, with the reason
 
 
 def place_param(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool, world_size: int) -> ParamPlacement:
@@ -179,4 +182,6 @@ def _tile_gathered(params: list[fx.Node], by_fqn: dict[str, ParamPlacement], wor
         backward = next((u for u in ph.users if u.target is TILED_BACKWARD), None)
         used = {u.args[1] for u in backward.users} if backward is not None else set()
         tiled[fqn] = (tiles, 0 in used, 1 in used)
+    for d in decisions:
+        _tiling_log.info("%s", d)
     return tiled, decisions

@@ -128,10 +128,13 @@ def _rewrite(graph: fx.Graph, ph: fx.Node, plan: Plan, tiles: int, group_name: s
         xb = meta.add_call(graph, aten.reshape.default, (x_saved, [-1, in_features]))  # (M, in)
         dx = None
         pieces = []
+        accumulate = torch.float32 if len(bounds) > 2 and p.torch_dtype.itemsize < 4 else None
         for t, (a, e) in enumerate(itertools.pairwise(bounds)):
             cols = meta.add_call(graph, aten.slice.Tensor, (dy, 2, a, e))
             dy_t = meta.add_call(graph, aten.reshape.default, (cols, [-1, n * (e - a)]))  # (M, N * r_t), a copy
             dx_t = meta.add_call(graph, aten.mm.default, (dy_t, weights[t]))  # (M, in)
+            if accumulate is not None:  # sum the tiles' shares of dx in fp32, as one matmul would
+                dx_t = meta.add_call(graph, aten._to_copy.default, (dx_t,), {"dtype": accumulate})
             dx = dx_t if dx is None else meta.add_call(graph, aten.add.Tensor, (dx, dx_t))
             dyt_t = meta.add_call(graph, aten.t.default, (dy_t,))
             dw_t = meta.add_call(graph, aten.mm.default, (dyt_t, xb))  # (N * r_t, in)
@@ -144,6 +147,8 @@ def _rewrite(graph: fx.Graph, ph: fx.Node, plan: Plan, tiles: int, group_name: s
         shard = meta.add_call(graph, aten.cat.default, (pieces,)) if len(pieces) > 1 else pieces[0]  # (R * in,)
         dshard = meta.add_call(graph, aten.div.Tensor, (shard, n))
         dshard.meta[meta.COMM_FQNS] = (p.fqn,)
+        if accumulate is not None:
+            dx = meta.add_call(graph, aten._to_copy.default, (dx,), {"dtype": x_saved.meta["val"].dtype})
         dx = meta.add_call(graph, aten.view.default, (dx, list(x_saved.meta["val"].shape)))
         db = None
         if with_bias:

@@ -315,13 +315,14 @@ def feature_tiled_linear_backward(grad: Tensor, x: Tensor, w: Tensor, tiles: int
     bounds = tile_bounds(w.size(0), tiles)
     x2 = x.reshape(-1, x.size(-1))
     g2 = grad.reshape(-1, w.size(0))
-    dx = torch.zeros_like(x2)
+    # The tiles' shares of dx are summed in fp32 at least, as one matmul would accumulate them.
+    dx = torch.zeros_like(x2, dtype=torch.promote_types(x2.dtype, torch.float32))
     dw = torch.empty_like(w)
     for a, e in itertools.pairwise(bounds):
         dx += g2[:, a:e] @ w[a:e]
         dw[a:e] = g2[:, a:e].t() @ x2
     db = g2.sum(0) if with_bias else g2.new_empty((0,))
-    return dx.view(x.shape), dw, db
+    return dx.to(x.dtype).view(x.shape), dw, db
 
 
 @feature_tiled_linear_backward.register_fake
