@@ -3,8 +3,10 @@
 Expects the captured joint graph (``zerofx.capture``), placeholders tagged with ``zerofx_role``
 and ``zerofx_fqn``; outputs ``[loss, grad per primal]``. Reads only; changes nothing.
 
-The schedule it predicts is the one ``shard_params_pass`` + ``reduce_grads_pass`` + the
-partitioner produce; a test checks the two agree collective for collective.
+The schedule it predicts is the one ``tile_weights_pass`` + ``shard_params_pass`` +
+``reduce_grads_pass`` + the partitioner produce; a test checks the two agree collective for
+collective. At stage 3 it also chooses which feature-tiled weights are gathered one tile at a
+time (``Plan.tile_gathered``) and which are gathered whole, with the reason in ``decisions``.
 """
 
 from __future__ import annotations
@@ -20,10 +22,6 @@ import torch.fx as fx
 from cost_models.comm import CPU_GLOO, CommSpec, efficient_bucket_bytes
 from cost_models.memory import estimate_model_state_bytes
 from passes import meta
-from passes.tile_weights import BACKWARD as TILED_BACKWARD
-from passes.tile_weights import FORWARD as TILED_FORWARD
-from passes.tile_weights import tile_gatherable
-from passes.tiled_kernels import tile_bounds
 from passes.plan import (
     Collective,
     CommKind,
@@ -37,6 +35,10 @@ from passes.plan_buckets import (
     plan_buckets,
     repeated_blocks_of,
 )
+from passes.tile_weights import BACKWARD as TILED_BACKWARD
+from passes.tile_weights import FORWARD as TILED_FORWARD
+from passes.tile_weights import tile_gatherable
+from passes.tiled_kernels import tile_bounds
 
 _tiling_log = logging.getLogger("zerofx.tiling")  # weights gathered whole, with the reason
 
