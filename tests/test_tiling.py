@@ -339,6 +339,11 @@ def test_stage3_gathers_and_reduces_one_weight_tile_at_a_time() -> None:
     assert tiled == {f"blocks.{i}.{m}.weight": 3 for i in range(2) for m in ("attn.qkv", "mlp.gate", "mlp.up", "mlp.down")}
     assert not set(tiled) & {f for b in plan.gather_buckets + plan.reduce_buckets for f in b}
     assert Plan.from_json(plan.to_json()) == plan and "blocks.0.mlp.up.weight in 3 tiles of at most" in str(plan)
+    # offload_param's I/O estimate times every shard's fetch, tiled weights too, in first-use order.
+    from zerofx.offload import _fetch_groups
+
+    groups = _fetch_groups(plan)
+    assert sorted(f for g in groups for f in g) == sorted(plan.gather_order) and {(f,) for f in tiled} <= set(groups)
     mods = assert_schedule_is_issued(program)
     full_shapes = {tuple(plan.param(f).shape) for f in tiled}
     for name in ("forward", "backward"):

@@ -237,12 +237,25 @@ def plan_for_program(plan: Any, raw: Mapping[str, Any], *, mixed_precision: bool
     if param_options is not None and int(plan.stage) == 3:
         sharded = [p for p in plan.params if p.fqn not in plan.persistent]
         param_plan = plan_engine_param_offload(
-            [(p.fqn, p.shard_numel, p.itemsize, p.requires_grad) for p in sharded], plan.gather_buckets, param_options,
+            [(p.fqn, p.shard_numel, p.itemsize, p.requires_grad) for p in sharded], _fetch_groups(plan), param_options,
             device_is_cpu=device_is_cpu, forward_s=forward, backward_s=backward,
         )
     if opt_plan is None and param_plan is None:
         return None
     return ProgramOffload(opt_plan, param_plan)
+
+
+def _fetch_groups(plan: Any) -> list[tuple[str, ...]]:
+    """The stage-3 shards in the order the graphs fetch them: each gather bucket, and each weight
+    gathered one tile at a time on its own, where it is first used (``plan.gather_order``)."""
+    bucket_of = {f: b for b in plan.gather_buckets for f in b}
+    tiled = {f for f, _ in plan.tile_gathered}
+    groups: list[tuple[str, ...]] = []
+    for f in plan.gather_order:
+        group = (f,) if f in tiled else bucket_of.get(f)
+        if group is not None and group not in groups:
+            groups.append(group)
+    return groups
 
 
 # --------------------------------------------------------------------------- NVMe files
