@@ -123,19 +123,25 @@ def _rewrite(graph: fx.Graph, ph: fx.Node, plan: Plan, tiles: int, group_name: s
         return
 
     grad, x_saved, _, _, with_bias = backward.args
+    # Build only the outputs backward reads: a frozen weight's tiles must not reduce a gradient
+    # (the plan counts no such collective, and DCE keeps collectives).
+    wanted = {user.args[1] for user in backward.users}
     with graph.inserting_before(backward):
         dy = meta.add_call(graph, aten.reshape.default, (grad, [-1, n, rows]))  # (M, N, R)
         xb = meta.add_call(graph, aten.reshape.default, (x_saved, [-1, in_features]))  # (M, in)
-        dx = None
+        dx = dshard = db = None
         pieces = []
         accumulate = torch.float32 if len(bounds) > 2 and p.torch_dtype.itemsize < 4 else None
         for t, (a, e) in enumerate(itertools.pairwise(bounds)):
             cols = meta.add_call(graph, aten.slice.Tensor, (dy, 2, a, e))
             dy_t = meta.add_call(graph, aten.reshape.default, (cols, [-1, n * (e - a)]))  # (M, N * r_t), a copy
-            dx_t = meta.add_call(graph, aten.mm.default, (dy_t, weights[t]))  # (M, in)
-            if accumulate is not None:  # sum the tiles' shares of dx in fp32, as one matmul would
-                dx_t = meta.add_call(graph, aten._to_copy.default, (dx_t,), {"dtype": accumulate})
-            dx = dx_t if dx is None else meta.add_call(graph, aten.add.Tensor, (dx, dx_t))
+            if 0 in wanted:
+                dx_t = meta.add_call(graph, aten.mm.default, (dy_t, weights[t]))  # (M, in)
+                if accumulate is not None:  # sum the tiles' shares of dx in fp32, as one matmul would
+                    dx_t = meta.add_call(graph, aten._to_copy.default, (dx_t,), {"dtype": accumulate})
+                dx = dx_t if dx is None else meta.add_call(graph, aten.add.Tensor, (dx, dx_t))
+            if 1 not in wanted:
+                continue
             dyt_t = meta.add_call(graph, aten.t.default, (dy_t,))
             dw_t = meta.add_call(graph, aten.mm.default, (dyt_t, xb))  # (N * r_t, in)
             flat = meta.add_call(graph, aten.view.default, (dw_t, [-1]))
@@ -144,14 +150,15 @@ def _rewrite(graph: fx.Graph, ph: fx.Node, plan: Plan, tiles: int, group_name: s
             reduced.meta[meta.COMM_BYTES] = n * (e - a) * in_features * p.itemsize
             reduced.meta[WEIGHT_TILE] = (p.fqn, t)
             pieces.append(meta.add_call(graph, _compat.WAIT, (reduced,)))
-        shard = meta.add_call(graph, aten.cat.default, (pieces,)) if len(pieces) > 1 else pieces[0]  # (R * in,)
-        dshard = meta.add_call(graph, aten.div.Tensor, (shard, n))
-        dshard.meta[meta.COMM_FQNS] = (p.fqn,)
-        if accumulate is not None:
-            dx = meta.add_call(graph, aten._to_copy.default, (dx,), {"dtype": x_saved.meta["val"].dtype})
-        dx = meta.add_call(graph, aten.view.default, (dx, list(x_saved.meta["val"].shape)))
-        db = None
-        if with_bias:
+        if pieces:
+            shard = meta.add_call(graph, aten.cat.default, (pieces,)) if len(pieces) > 1 else pieces[0]  # (R * in,)
+            dshard = meta.add_call(graph, aten.div.Tensor, (shard, n))
+            dshard.meta[meta.COMM_FQNS] = (p.fqn,)
+        if dx is not None:
+            if accumulate is not None:
+                dx = meta.add_call(graph, aten._to_copy.default, (dx,), {"dtype": x_saved.meta["val"].dtype})
+            dx = meta.add_call(graph, aten.view.default, (dx, list(x_saved.meta["val"].shape)))
+        if with_bias and 2 in wanted:
             db = meta.add_call(graph, aten.sum.dim_IntList, (meta.add_call(graph, aten.reshape.default, (grad, [-1, out_features])), [0]))
     replacement = {0: dx, 1: dshard, 2: db}
     for user in list(backward.users):

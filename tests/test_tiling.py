@@ -17,6 +17,7 @@ from passes import partition_joint, tiled_kernels  # noqa: F401  (registers zero
 from passes.plan import Plan
 from passes.plan_tiling import TilingOptions
 from tests.dist_utils import run_ranks
+from tests.test_core_passes import collectives
 from tests.tiling_models import BATCH, SEQ, dna_lm, llama, padding_mask, softmax_lm, tokens
 from tests.tiling_workers import tiled_vs_untiled
 from zerofx.capture import capture_step, flatten_call
@@ -318,8 +319,6 @@ def weight_tiled_program(world_size: int, model_fn=dna_lm, vocab: int = 5, **til
 
 
 def assert_schedule_is_issued(program: zerofx.Program) -> dict:
-    from tests.test_core_passes import collectives
-
     mods = program.graph_modules(rank=0)
     issued = collections.Counter((k, f, g, b) for g, gm in mods.items() for k, f, b in collectives(gm))
     assert issued == collections.Counter((c.kind.value, c.fqns, c.graph, c.bytes_per_rank) for c in program.plan.schedule)
@@ -395,6 +394,21 @@ def test_auto_keeps_weight_tiles_whatever_the_activation_budget() -> None:
             assert [op.kind for op in tiling.ops] == ["weight"] * 8
         else:  # regions run in chunks now; their weights are left whole, with the reason
             assert skipped and all("inside token-wise region" in s.reason for s in skipped)
+
+
+def _dna_lm_frozen_up() -> torch.nn.Module:
+    model = dna_lm()
+    model.blocks[0].mlp.up.weight.requires_grad_(False)
+    return model
+
+
+def test_frozen_tiled_weight_reduces_no_gradient() -> None:
+    """A frozen weight's tiles are gathered in forward and again in backward (for dx), and no
+    tile gradient is computed or reduced: the graphs issue exactly the planned collectives."""
+    program = weight_tiled_program(4, model_fn=_dna_lm_frozen_up)
+    mods = assert_schedule_is_issued(program)
+    kinds = [k for gm in mods.values() for k, f, _ in collectives(gm) if f == ("blocks.0.mlp.up.weight",)]
+    assert sorted(kinds) == ["all_gather"] * 6  # 3 tiles, forward and backward
 
 
 def test_weight_tiles_llama_stage3_planning_at_8_ranks() -> None:
