@@ -124,7 +124,7 @@ def _rewrite(graph: fx.Graph, ph: fx.Node, plan: Plan, tiles: int, group_name: s
 
     grad, x_saved, _, _, with_bias = backward.args
     # Build only the outputs backward reads: a frozen weight's tiles must not reduce a gradient
-    # (the plan counts no such collective, and DCE keeps collectives).
+    # (the plan counts no such collective, and DCE keeps it: ``wait_tensor`` is impure in FX).
     wanted = {user.args[1] for user in backward.users}
     with graph.inserting_before(backward):
         dy = meta.add_call(graph, aten.reshape.default, (grad, [-1, n, rows]))  # (M, N, R)
