@@ -107,6 +107,17 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any = None
     gather(output, shard, group=group)
 
 
+def set_group_timeout(group: Any, timeout: Any) -> None:
+    """Every later collective on ``group`` fails after ``timeout`` (a ``timedelta``) instead of the
+    backend's default (30 minutes for gloo). torch's ``distributed_c10d._set_pg_timeout`` is
+    private; without it (another torch) the group keeps the timeout it was created with."""
+    import torch.distributed.distributed_c10d as c10d
+
+    set_timeout = getattr(c10d, "_set_pg_timeout", None)
+    if set_timeout is not None:
+        set_timeout(timeout, group)
+
+
 def fake_process_group(world_size: int, rank: int = 0) -> None:
     """Initialise torch.distributed with the fake backend, for planning and shape checks only.
 

@@ -71,6 +71,14 @@ def run(rank: int, world_size: int, cfg: dict, steps: int, save: tuple[str, int]
             "prefetch_distance": engine.program.plan.prefetch_distance,
             "buffer_count": store.options.buffer_count,
         }
+    # The NVMe files exist while the engine lives and are gone after close (NOTE [Offload files
+    # live as long as the engine]).
+    zero = cfg["zero_optimization"]
+    sections = (zero.get("offload_optimizer", {}), zero.get("offload_param", {}))
+    roots = {Path(s["nvme_path"]) / f"rank-{rank:05d}" for s in sections if s.get("nvme_path")}  # this rank's own folder
+    files_before = [p for r in roots for p in r.rglob("*") if p.is_file()]
+    engine.close()
+    out["nvme_files"] = (len(files_before), sorted(str(p) for r in roots for p in r.rglob("*")))
     return out
 
 

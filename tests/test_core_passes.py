@@ -392,3 +392,30 @@ def test_cse_keeps_random_ops_and_collectives_apart() -> None:
     assert [n.target for n in kept].count(torch.ops.aten.rand_like.default) == 2
     assert [n.target for n in kept].count(_compat.ALL_GATHER) == 2
     assert len([n for n in kept if n.target is torch.ops.aten.mul.Tensor]) == 3  # the twins merged; -0.0 and 0.0 did not
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_graphs_write_into_no_buffer(stage: int) -> None:
+    """NOTE [Who owns a collective's buffers]: the forward and backward graphs hold no in-place or
+    out= op, so nothing in them can write into a collective's input or output while it is in
+    flight; only param_sync writes (copy_ into the full flats), each right after its bucket's wait."""
+    gms = meta_program(stage, 4, **SMALL_BUCKETS).graph_modules(0)
+    for name in ("forward", "backward"):
+        mutating = [n.format_node() for n in gms[name].graph.nodes
+                    if n.op == "call_function" and _mutates(n)]
+        assert mutating == [], (stage, name, mutating[:3])
+    if "param_sync" in gms:
+        nodes = list(gms["param_sync"].graph.nodes)
+        for i, n in enumerate(nodes):
+            if n.op == "call_function" and _mutates(n):
+                assert n.target is torch.ops.aten.copy_.default, n.format_node()
+                waits = [m for m in nodes[:i] if meta.is_wait(m)]
+                source = n.args[1]
+                while source.op == "call_function" and not meta.is_wait(source):
+                    source = source.args[0]
+                assert source in waits, n.format_node()
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)  # an aten or c10d OpOverload
+    return schema is not None and schema.is_mutable

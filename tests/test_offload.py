@@ -211,6 +211,13 @@ def test_every_tier_at_every_stage(trained: list[dict[str, dict]]) -> None:
         assert res["adamw-3-bf16-nvme"]["losses"] == res["adamw-3-bf16"]["losses"]
 
 
+def test_nvme_files_are_removed_at_close(trained: list[dict[str, dict]]) -> None:
+    for res in trained:
+        for name in ("sgd-3", "adamw-3-bf16-nvme", "sgd-3-delayed", "sgd-3-param-split", "adamw-3-bf16-param-nvme"):
+            before, after = res[name]["nvme_files"]
+            assert before > 0 and after == [], (name, before, after)
+
+
 def test_estimate_agrees_with_what_the_engine_holds(trained: list[dict[str, dict]], capsys: pytest.CaptureFixture) -> None:
     for name, stage, device in (("adamw-1-bf16-cpu", 1, "cpu"), ("adamw-3-bf16-nvme", 3, "nvme")):
         out = trained[1][name]

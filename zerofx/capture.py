@@ -32,7 +32,7 @@ from torch.func import functional_call
 from passes import _compat, meta
 from passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
 from passes.tile_forward import tile_forward_pass
-from zerofx.errors import CaptureError
+from zerofx.errors import CaptureError, MissingLossError
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -104,9 +104,13 @@ def extract_loss(output: Any, loss_fn: LossFn | None, loss_kwargs: Mapping[str, 
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
-    raise CaptureError(
+    has_logits = isinstance(getattr(output, "logits", None), torch.Tensor) or (
+        isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor))
+    hint = (" The output has logits but no loss: a Hugging Face model computes its loss only when called with "
+            "labels, so pass labels (for example example_kwargs={'labels': input_ids}).") if has_logits else ""
+    raise MissingLossError(
         f"cannot find the loss in the model's output of type {type(output).__name__}: accepted are a scalar "
-        "tensor, an object with a tensor .loss attribute, a mapping with a 'loss' key, or pass loss_fn="
+        "tensor, an object with a tensor .loss attribute, a mapping with a 'loss' key, or pass loss_fn=." + hint
     )
 
 

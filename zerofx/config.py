@@ -6,17 +6,24 @@ ignores.
 
 Every key is declared once in ``SCHEMA`` below, with its type, its accepted values and whether
 zerofx acts on it yet. An unknown key, a wrong type or a bad value raises ``ConfigError``
-naming the key, the value and what is accepted. A known key that zerofx does not act on yet is
-reported once, by name, as a warning.
+naming the key, the value and what is accepted; so does a number that is not finite (JSON as
+Python reads it allows ``Infinity`` and ``NaN``) or a ``true``/``false`` where a number belongs. A
+known key that zerofx does not act on yet is reported once, by name, as a warning.
+
+``parse_config`` returns a frozen ``ZeroConfig``: typed properties for what the runtime reads, and
+``fingerprint_fields()``, the settings every rank must share (NOTE [What ranks must agree on]).
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
+import math
 import re
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -26,9 +33,34 @@ import torch
 from passes.plan import ScheduleOptions
 from passes.plan_tiling import TilingOptions, tiling_options
 from zerofx.errors import ConfigError, did_you_mean
+from zerofx.schedulers import SCHEDULER_TYPES, SchedulerSpec, is_finite_number
 
 OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
-SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+# The optimizer.params keys each type takes (torch's argument names).
+OPTIMIZER_PARAMS = {
+    "AdamW": ("lr", "betas", "eps", "weight_decay"),
+    "Adam": ("lr", "betas", "eps", "weight_decay"),
+    "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+}
+
+# NOTE [The collective timeout]
+# torch's process-group timeout defaults to 30 minutes (torch.distributed.constants.default_pg_timeout),
+# and DeepSpeed keeps that 30 unless DEEPSPEED_TIMEOUT (in minutes) says otherwise. A stalled peer
+# (SIGSTOP, a slow disk, a deadlocked data loader) then holds every rank, and the whole
+# allocation, silently for half an hour. zerofx defaults to 300 s: a stall costs minutes, and the
+# longest waits zerofx itself causes between ranks fit well inside it (a rank capturing a new
+# program, about 2 s for the tiny DNA LM, or compiling it with Inductor, a minute or two on 2 CPU
+# cores; a rank writing its checkpoint shard while the others wait). Raise it for Inductor compiles
+# of large models or slow checkpoint storage. The ceiling, one week, is far beyond any wait worth
+# having, and keeps the value inside what ``datetime.timedelta`` and the backends hold.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600.0
+# One compiled program per input signature, least recently used dropped first: each costs about
+# 2 s to build and a few MiB to keep (the tiny DNA LM), and 8 covers a training length, an
+# evaluation length and a ragged last batch of each with room to spare.
+DEFAULT_PROGRAM_CACHE_SIZE = 8
+# fp16.initial_scale_power: the scale 2**p multiplies an fp32 loss, and 2**128 is inf in fp32.
+MAX_INITIAL_SCALE_POWER = 127
 
 
 class GraphCompiler(Enum):
@@ -48,6 +80,10 @@ class Key:
     accepted: str = ""
     acted_on: bool = True
     children: Mapping[str, Key] | None = None
+    # True when ranks may set it differently: it changes only where or how fast a rank keeps its
+    # own state, or what it prints, never the collectives or the numbers (NOTE [What ranks must
+    # agree on]).
+    per_rank: bool = False
 
 
 def _nonneg_int(v: Any) -> bool:
@@ -85,11 +121,16 @@ _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**
 def parse_bytes(text: str | float) -> float:
     """'80GiB', '1.5 TB', '123' or a number -> bytes."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if not is_finite_number(text):
+            raise ConfigError(f"cannot read {text!r} as a size: it is not finite; accepted: a finite number of bytes")
         return float(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).upper() not in _UNITS:
         raise ConfigError(f"cannot read {text!r} as a size; accepted: a number with an optional unit among B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    return float(m.group(1)) * _UNITS[m.group(2).upper()]
+    size = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if not math.isfinite(size):
+        raise ConfigError(f"cannot read {text!r} as a size: it is not finite; accepted: a finite number of bytes")
+    return size
 
 
 def _size(v: Any) -> bool:
@@ -102,27 +143,30 @@ def _size(v: Any) -> bool:
 _OFFLOAD_DEVICE = Key((str,), "where the state lives", lambda v: v in ("none", "cpu", "nvme"), "none, cpu or nvme")
 _OFFLOAD_OPTIMIZER = {
     "device": _OFFLOAD_DEVICE,
-    "nvme_path": Key((str,), "folder for NVMe offload files (one subfolder per rank)"),
-    "pin_memory": Key((bool,), "pin host memory for offloaded state (CUDA)"),
-    "buffer_count": Key((int,), "host buffers NVMe records pass through: the window", _pos_int, "an integer >= 1"),
+    "nvme_path": Key((str,), "folder for NVMe offload files (one subfolder per rank)", per_rank=True),
+    "pin_memory": Key((bool,), "pin host memory for offloaded state (CUDA)", per_rank=True),
+    "buffer_count": Key((int,), "host buffers NVMe records pass through: the window", _pos_int, "an integer >= 1", per_rank=True),
     "ratio": Key(_NUM, "fraction of the optimizer state to offload (the rest stays on the device)", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
 }
 _OFFLOAD_PARAM = {
     "device": Key((str,), "where stage-3 parameter shards live between uses", lambda v: v in ("none", "cpu", "nvme"), "none, cpu or nvme"),
-    "nvme_path": Key((str,), "folder for NVMe parameter files (one subfolder per rank)"),
-    "pin_memory": Key((bool,), "pin host memory for offloaded parameters (CUDA)"),
-    "buffer_count": Key((int,), "NVMe parameter reads in flight ahead of use: the window", _pos_int, "an integer >= 1"),
+    "nvme_path": Key((str,), "folder for NVMe parameter files (one subfolder per rank)", per_rank=True),
+    "pin_memory": Key((bool,), "pin host memory for offloaded parameters (CUDA)", per_rank=True),
+    "buffer_count": Key((int,), "NVMe parameter reads in flight ahead of use: the window", _pos_int, "an integer >= 1", per_rank=True),
     "max_in_cpu": Key(_NUM, "with device nvme, parameter elements per rank kept in host memory (zerofx default 0)", lambda v: v >= 0, "a number >= 0"),
     "buffer_size": Key(_NUM, "elements per NVMe buffer (zerofx sizes each read to its shard)", lambda v: v > 0, "a number > 0", False),
 }
 _BYTES = lambda v: v >= 0  # noqa: E731
 _ZEROFX_OFFLOAD = {
     "delayed_update": Key((bool,), "one-step delayed parameter update (DPU): the optimizer step runs during the next forward/backward; changes the numerics"),
-    "device_budget_bytes": Key(_NUM, "optimizer-state bytes per rank kept on the device (default: (1 - ratio) x all)", _BYTES, "a number >= 0"),
-    "cpu_budget_bytes": Key(_NUM, "optimizer-state bytes per rank in host memory (default: all with device cpu, 0 with nvme)", _BYTES, "a number >= 0"),
-    "host_copy_bytes_per_s": Key(_NUM, "measured host <-> device copy bandwidth, for the placement plan", lambda v: v > 0, "a number > 0"),
-    "nvme_read_bytes_per_s": Key(_NUM, "measured NVMe read bandwidth, for the placement plan", lambda v: v > 0, "a number > 0"),
-    "nvme_write_bytes_per_s": Key(_NUM, "measured NVMe write bandwidth, for the placement plan", lambda v: v > 0, "a number > 0"),
+    "device_budget_bytes": Key(_NUM, "optimizer-state bytes per rank kept on the device (default: (1 - ratio) x all)", _BYTES, "a number >= 0",
+                               per_rank=True),
+    "cpu_budget_bytes": Key(_NUM, "optimizer-state bytes per rank in host memory (default: all with device cpu, 0 with nvme)", _BYTES,
+                            "a number >= 0", per_rank=True),
+    "host_copy_bytes_per_s": Key(_NUM, "measured host <-> device copy bandwidth, for the placement plan", lambda v: v > 0, "a number > 0",
+                                 per_rank=True),
+    "nvme_read_bytes_per_s": Key(_NUM, "measured NVMe read bandwidth, for the placement plan", lambda v: v > 0, "a number > 0", per_rank=True),
+    "nvme_write_bytes_per_s": Key(_NUM, "measured NVMe write bandwidth, for the placement plan", lambda v: v > 0, "a number > 0", per_rank=True),
 }
 
 SCHEMA: dict[str, Key] = {
@@ -131,8 +175,8 @@ SCHEMA: dict[str, Key] = {
         "overlap_comm": Key((bool,), "overlap collectives with compute"),
         "contiguous_gradients": Key((bool,), "copy gradients into a contiguous buffer", acted_on=False),
         "reduce_scatter": Key((bool,), "use reduce-scatter for gradients", acted_on=False),
-        "reduce_bucket_size": Key(_NUM, "elements per gradient bucket", lambda v: v > 0, "a number > 0"),
-        "allgather_bucket_size": Key(_NUM, "elements per all-gather bucket", lambda v: v > 0, "a number > 0"),
+        "reduce_bucket_size": Key(_NUM, "elements per gradient bucket", lambda v: v >= 1, "a number >= 1"),
+        "allgather_bucket_size": Key(_NUM, "elements per all-gather bucket", lambda v: v >= 1, "a number >= 1"),
         "allgather_partitions": Key((bool,), "all-gather updated partitions", acted_on=False),
         "stage3_prefetch_bucket_size": Key(_NUM, "elements prefetched ahead", lambda v: v >= 0, "a number >= 0"),
         "stage3_max_live_parameters": Key(_NUM, "max gathered elements alive", lambda v: v >= 0, "a number >= 0"),
@@ -147,7 +191,8 @@ SCHEMA: dict[str, Key] = {
         "type": Key((str,), "optimizer class", lambda v: v in OPTIMIZER_TYPES, ", ".join(OPTIMIZER_TYPES)),
         "params": Key((dict,), "optimizer arguments", children={
             "lr": Key(_NUM, "learning rate", lambda v: v >= 0, "a number >= 0"),
-            "betas": Key((list, tuple), "Adam betas", lambda v: len(v) == 2 and all(isinstance(b, _NUM) and 0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+            "betas": Key((list, tuple), "Adam betas", lambda v: len(v) == 2 and all(is_finite_number(b) and 0 <= b < 1 for b in v),
+                         "a list of two numbers in [0, 1)"),
             "eps": Key(_NUM, "Adam epsilon", lambda v: v > 0, "a number > 0"),
             "weight_decay": Key(_NUM, "weight decay", lambda v: v >= 0, "a number >= 0"),
             "momentum": Key(_NUM, "SGD momentum", lambda v: v >= 0, "a number >= 0"),
@@ -159,18 +204,19 @@ SCHEMA: dict[str, Key] = {
     "train_micro_batch_size_per_gpu": Key((int,), "batch per rank per micro-step", _pos_int, "an integer >= 1"),
     "gradient_accumulation_steps": Key((int,), "micro-steps per optimizer step", _pos_int, "an integer >= 1"),
     "gradient_clipping": Key(_NUM, "max global gradient norm (0: off)", lambda v: v >= 0, "a number >= 0"),
-    "steps_per_print": Key((int,), "log every N optimizer steps", _pos_int, "an integer >= 1"),
-    "scheduler": Key((dict,), "learning-rate scheduler", children={
-        "type": Key((str,), "scheduler", lambda v: v in SCHEDULER_TYPES, ", ".join(SCHEDULER_TYPES)),
+    "steps_per_print": Key((int,), "log every N optimizer steps", _pos_int, "an integer >= 1", per_rank=True),
+    "scheduler": Key((dict,), "learning-rate scheduler (zerofx/schedulers.py says which keys each type takes and requires)", children={
+        "type": Key((str,), "scheduler (required when the section is given)", lambda v: v in SCHEDULER_TYPES, ", ".join(SCHEDULER_TYPES)),
         "params": Key((dict,), "scheduler arguments", children={
             "warmup_min_lr": Key(_NUM, "learning rate at step 0", lambda v: v >= 0, "a number >= 0"),
             "warmup_max_lr": Key(_NUM, "learning rate after warm-up", lambda v: v >= 0, "a number >= 0"),
             "warmup_num_steps": Key((int,), "warm-up steps", _nonneg_int, "an integer >= 0"),
             "warmup_type": Key((str,), "warm-up curve", lambda v: v in ("log", "linear"), "log or linear"),
-            "total_num_steps": Key((int,), "steps until the schedule ends", _pos_int, "an integer >= 1"),
+            "total_num_steps": Key((int,), "WarmupDecayLR, WarmupCosineLR (required): steps until the schedule ends", _pos_int,
+                                   "an integer >= 1, and > warmup_num_steps"),
             "warmup_min_ratio": Key(_NUM, "WarmupCosineLR: start ratio of the optimizer's lr", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
             "cos_min_ratio": Key(_NUM, "WarmupCosineLR: final ratio of the optimizer's lr", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-            "last_batch_iteration": Key((int,), "resume position", acted_on=False),
+            "last_batch_iteration": Key((int,), "resume position", lambda v: v >= -1, "an integer >= -1", acted_on=False),
         }),
     }),
     "bf16": Key((dict,), "bfloat16 mixed precision", children={
@@ -179,14 +225,15 @@ SCHEMA: dict[str, Key] = {
     "fp16": Key((dict,), "float16 mixed precision with loss scaling", children={
         "enabled": Key((bool,), "train in float16 with fp32 master weights"),
         "loss_scale": Key(_NUM, "static loss scale; 0 for dynamic", lambda v: v >= 0, "a number >= 0"),
-        "initial_scale_power": Key((int,), "dynamic scale starts at 2**this", _nonneg_int, "an integer >= 0"),
+        "initial_scale_power": Key((int,), "dynamic scale starts at 2**this", lambda v: _nonneg_int(v) and v <= MAX_INITIAL_SCALE_POWER,
+                                   f"an integer in [0, {MAX_INITIAL_SCALE_POWER}]"),
         "loss_scale_window": Key((int,), "overflow-free steps before the scale doubles", _pos_int, "an integer >= 1"),
         "hysteresis": Key((int,), "overflows tolerated before the scale halves", _pos_int, "an integer >= 1"),
         "min_loss_scale": Key(_NUM, "the dynamic scale's floor", lambda v: v > 0, "a number > 0"),
         "auto_cast": Key((bool,), "cast inputs to fp16", acted_on=False),
         "consecutive_hysteresis": Key((bool,), "refill hysteresis after a good step", acted_on=False),
     }),
-    "wall_clock_breakdown": Key((bool,), "timing breakdown", acted_on=False),
+    "wall_clock_breakdown": Key((bool,), "timing breakdown", acted_on=False, per_rank=True),
     "zerofx": Key((dict,), "zerofx's own settings (DeepSpeed ignores this section)", children={
         "world_size": Key((int,), "number of ranks to plan for", _pos_int, "an integer >= 1"),
         "prefetch_distance": Key((int,), "stage-3 all-gather buckets issued ahead of use", _nonneg_int, "an integer >= 0"),
@@ -210,6 +257,11 @@ SCHEMA: dict[str, Key] = {
                        lambda v: v in {c.value for c in GraphCompiler}, ", ".join(c.value for c in GraphCompiler)),
         "fused_optimizer": Key((bool,), "Adam/AdamW with fused=True (one kernel over all of a rank's shards)"),
         "offload": Key((dict,), "offload planning and the delayed update (with zero_optimization.offload_optimizer)", children=_ZEROFX_OFFLOAD),
+        "collective_timeout_s": Key(_NUM, f"seconds a collective may wait for its peers before the process group raises (default "
+                                    f"{DEFAULT_COLLECTIVE_TIMEOUT_S:g}; torch's own is 1800)", lambda v: 0 < v <= MAX_COLLECTIVE_TIMEOUT_S,
+                                    f"a number of seconds in (0, {MAX_COLLECTIVE_TIMEOUT_S:g}]"),
+        "program_cache_size": Key((int,), f"compiled programs (one per input shape) kept, least recently used dropped first (default "
+                                  f"{DEFAULT_PROGRAM_CACHE_SIZE})", _pos_int, "an integer >= 1"),
     }),
 }
 
@@ -235,6 +287,19 @@ class OptimizerSpec:
     type: str = "AdamW"
     params: Mapping[str, Any] = field(default_factory=lambda: {"lr": 1e-3})
 
+    def resolved_params(self) -> dict[str, Any]:
+        """Every argument the config may set for this type, with torch's default where it is
+        silent: what each rank's optimizer runs with. Numbers as floats, betas as a list."""
+        defaults = inspect.signature(_TORCH_OPTIMIZERS[self.type]).parameters
+        out: dict[str, Any] = {}
+        for key in OPTIMIZER_PARAMS[self.type]:
+            v = self.params.get(key, defaults[key].default)
+            out[key] = bool(v) if key == "nesterov" else [float(b) for b in v] if key == "betas" else float(v)
+        return out
+
+
+_TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
+
 
 @dataclass(frozen=True)
 class ZeroConfig:
@@ -244,6 +309,19 @@ class ZeroConfig:
     world_size: int | None
     optimizer: OptimizerSpec
     raw: Mapping[str, Any]
+    scheduler: SchedulerSpec | None = None  # the ``scheduler`` section; None without one
+
+    @property
+    def collective_timeout_s(self) -> float:
+        """Seconds a collective waits for its peers before the process group raises
+        (``zerofx.collective_timeout_s``; NOTE [The collective timeout])."""
+        return float(self.raw.get("zerofx", {}).get("collective_timeout_s", DEFAULT_COLLECTIVE_TIMEOUT_S))
+
+    @property
+    def program_cache_size(self) -> int:
+        """Compiled programs (one per input signature) kept at once, least recently used dropped
+        first (``zerofx.program_cache_size``)."""
+        return int(self.raw.get("zerofx", {}).get("program_cache_size", DEFAULT_PROGRAM_CACHE_SIZE))
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -294,10 +372,139 @@ class ZeroConfig:
             memory_budget_bytes=parse_bytes(own["memory_budget"]) if "memory_budget" in own else None,
         )
 
+    # NOTE [What ranks must agree on]
+    # A setting that changes the collectives a rank issues (stage, buckets, prefetch, overlap,
+    # clipping, accumulation, offload and tiling choices, the program cache) or the numbers it
+    # computes (the optimizer and every argument, the schedule, precision and loss scaling, the
+    # compiler) must be the same on every rank: otherwise ranks hang in a collective or train
+    # silently apart. ``fingerprint_fields`` is those settings, resolved (defaults filled in, so
+    # ``"gradient_clipping": 0`` and no key agree, and ``lr`` 1 and 1.0 agree), as JSON; the engine
+    # compares them across ranks before the first collective, and ``first_config_difference`` names
+    # the first setting that differs. Left out: keys zerofx reads but does not act on, and the keys
+    # marked ``per_rank`` in ``SCHEMA`` (paths, pinning, I/O windows, measured bandwidths and
+    # per-rank budgets of the offload placement, logging): they change only where or how fast one
+    # rank keeps its own state, so ranks may differ in them (different mounts or NVMe drives).
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """The settings every rank must share (NOTE [What ranks must agree on]): a JSON-ready dict,
+        the same for equal settings however they were written."""
+        zero = self.raw.get("zero_optimization", {})
+        own = self.raw.get("zerofx", {})
+        zero_keys, own_keys = SCHEMA["zero_optimization"].children, SCHEMA["zerofx"].children
+        assert zero_keys is not None and own_keys is not None
+        tiling = self.tiling_options()
+        fp16_keys = SCHEMA["fp16"].children
+        assert fp16_keys is not None
+        fields = {
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "train_batch_size": self.raw.get("train_batch_size"),
+            "train_micro_batch_size_per_gpu": self.raw.get("train_micro_batch_size_per_gpu"),
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_clipping": self.gradient_clipping,
+            "optimizer": {"type": self.optimizer.type, "params": self.optimizer.resolved_params(), "fused": self.fused_optimizer},
+            "scheduler": None if self.scheduler is None else self.scheduler.to_json(),
+            "precision": {
+                "compute_dtype": None if self.compute_dtype is None else str(self.compute_dtype).removeprefix("torch."),
+                # loss scaling as written (its defaults live with the engine's LossScaler)
+                "loss_scaling": _canonical(self.raw.get("fp16", {}), fp16_keys) if self.compute_dtype is torch.float16 else None,
+            },
+            "communication": asdict(self.schedule_options()),
+            "offload": {
+                "optimizer": _canonical(zero.get("offload_optimizer", {}), zero_keys["offload_optimizer"].children),
+                "param": _canonical(zero.get("offload_param", {}), zero_keys["offload_param"].children),
+                "zerofx": _canonical(own.get("offload", {}), own_keys["offload"].children),
+            },
+            "tiling": None if tiling is None else asdict(tiling),
+            "compile": self.graph_compiler.value,
+            "program_cache_size": self.program_cache_size,
+            "collective_timeout_s": self.collective_timeout_s,
+        }
+        return _jsonable(fields)
+
+    def fingerprint(self) -> str:
+        """A short hash of ``fingerprint_fields()``: equal on ranks whose settings agree."""
+        text = json.dumps(self.fingerprint_fields(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def first_config_difference(fields_by_rank: list[Mapping[str, Any]]) -> str | None:
+    """The first setting, in key order, on which ranks' ``fingerprint_fields()`` differ, as
+    ``"gradient_clipping: rank 0 has 0.0, rank 1 has 1.0"``; None when they all agree."""
+    flat = [_flatten(f) for f in fields_by_rank]
+    for path in sorted(set().union(*flat)):
+        values = [f.get(path, "(absent)") for f in flat]
+        if any(v != values[0] for v in values):
+            shown = ", ".join(f"rank {r} has {json.dumps(v)}" for r, v in enumerate(values[:8]))
+            return f"{path}: {shown}{', ...' if len(values) > 8 else ''}"
+    return None
+
+
+def _flatten(fields: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in fields.items():
+        if isinstance(v, Mapping) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _canonical(section: Mapping[str, Any], schema: Mapping[str, Key] | None) -> dict[str, Any]:
+    """A schema-checked section as the fingerprint sees it: keys that are acted on and not
+    ``per_rank``; numbers that may be fractional as floats, so 1 and 1.0 agree."""
+    assert schema is not None
+    out: dict[str, Any] = {}
+    for name, value in section.items():
+        key = schema[name]
+        if key.per_rank or not key.acted_on:
+            continue
+        if key.children is not None:
+            out[name] = _canonical(value, key.children)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and float in key.types:
+            out[name] = float(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON values: enums by value, tuples as lists, paths as strings, and the non-finite
+    floats an option may default to (an unbounded ``max_live_numel``) as strings."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Enum):
+        return _jsonable(value.value)
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    assert value is None or isinstance(value, (bool, int, float, str)), f"not JSON: {value!r}"
+    return value
+
 
 def _type_names(types: tuple[type, ...]) -> str:
     names = {int: "integer", float: "number", str: "string", bool: "true/false", dict: "object", list: "list", tuple: "list"}
     return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut short when a pasted value is very long (a 400-digit number)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
+
+
+def _not_finite(value: Any) -> bool:
+    """A number, or a list holding one, that is NaN, +-Infinity or too large for a float."""
+    if isinstance(value, (list, tuple)):
+        return any(_not_finite(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not is_finite_number(value)
 
 
 def _validate(section: Mapping[str, Any], schema: Mapping[str, Key], prefix: str) -> None:
@@ -310,9 +517,11 @@ def _validate(section: Mapping[str, Any], schema: Mapping[str, Key], prefix: str
         key = schema[name]
         is_bool = isinstance(value, bool)
         if not isinstance(value, key.types) or (is_bool and bool not in key.types):
-            raise ConfigError(f"config key {path!r} must be a {_type_names(key.types)}, got {value!r}")
+            raise ConfigError(f"config key {path!r} must be {_a(_type_names(key.types))}, got {_show(value)}")
+        if _not_finite(value):
+            raise ConfigError(f"config key {path!r} got {_show(value)}, which is not a finite number; accepted: {key.accepted or 'a finite number'}")
         if key.check is not None and not key.check(value):
-            raise ConfigError(f"config key {path!r} got {value!r}; accepted: {key.accepted}")
+            raise ConfigError(f"config key {path!r} got {_show(value)}; accepted: {key.accepted}")
         if key.children is not None:
             _validate(value, key.children, f"{path}.")
         elif not key.acted_on and path not in _WARNED:
@@ -325,16 +534,58 @@ def load_config(config: str | Path | Mapping[str, Any] | None) -> dict[str, Any]
     if config is None:
         return {}
     if isinstance(config, (str, Path)):
-        path = Path(config)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass a path to a JSON file or a dict")
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from exc
+        return _read_config_file(Path(config))
     if isinstance(config, Mapping):
         return dict(config)
     raise ConfigError(f"config must be a dict, a path to a JSON file, or None; got {type(config).__name__}")
+
+
+_FILE_ACCEPTED = "accepted: a JSON object ({...}) in UTF-8"
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """A config file's top-level JSON object. Every failure is one ``ConfigError`` line naming the
+    file and what is accepted: missing, unreadable, not UTF-8, not JSON, a key given twice in one
+    object (DeepSpeed refuses that too), or a top level that is not an object."""
+    name = str(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {name!r} does not exist; pass a path to a JSON file or a dict")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config file {name!r} cannot be read ({exc.strerror or exc}); {_FILE_ACCEPTED}") from None
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ConfigError(f"config file {name!r} is UTF-16 text (it starts with a UTF-16 byte-order mark); {_FILE_ACCEPTED}: save it as UTF-8")
+    try:
+        text = data.decode("utf-8-sig")  # a UTF-8 byte-order mark is harmless: skip it
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {name!r} is not UTF-8 text (byte {exc.start} is {data[exc.start:exc.start + 1]!r}); "
+                          f"{_FILE_ACCEPTED}") from None
+    try:
+        raw = json.loads(text, object_pairs_hook=_object_without_duplicates)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {name!r} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+                          f"{_FILE_ACCEPTED}") from None
+    except _DuplicateKey as exc:
+        raise ConfigError(f"config file {name!r} gives the key {exc.args[0]!r} twice in one object; {_FILE_ACCEPTED}, "
+                          "each key once") from None
+    if not isinstance(raw, dict):
+        kind = {list: "a list", str: "a string", bool: "true/false", type(None): "null"}.get(type(raw), "a number")
+        raise ConfigError(f"config file {name!r} holds {kind} at the top level, not an object; {_FILE_ACCEPTED}")
+    return raw
+
+
+class _DuplicateKey(Exception):
+    """Raised inside ``json.loads``; ``_read_config_file`` turns it into a ``ConfigError``."""
+
+
+def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def parse_config(
@@ -362,12 +613,14 @@ def parse_config(
     params = dict(opt.get("params", {"lr": 1e-3}))
     params.setdefault("lr", 1e-3)
     kind = opt.get("type", "AdamW")
-    if kind == "SGD":
-        bad = sorted(set(params) & {"betas", "eps"})
-    else:
-        bad = sorted(set(params) & {"momentum", "nesterov", "dampening"})
+    bad = sorted(set(params) - set(OPTIMIZER_PARAMS[kind]))
     if bad:
         raise ConfigError(f"optimizer.params {bad} do not apply to optimizer type {kind!r}")
+    if params.get("nesterov") and (params.get("momentum", 0) <= 0 or params.get("dampening", 0) != 0):
+        # torch.optim.SGD refuses this when the engine builds it; say so at parse time.
+        raise ConfigError(f"config key 'optimizer.params.nesterov' is true with momentum={params.get('momentum', 0)!r} and "
+                          f"dampening={params.get('dampening', 0)!r}; accepted: nesterov with momentum > 0 and dampening 0")
+    scheduler = SchedulerSpec.from_config(raw["scheduler"]) if raw.get("scheduler") else None
     from zerofx.offload import OffloadOptions  # offload imports the cost models; only its checks are needed here
     from zerofx.param_offload import ParamOffloadOptions
 
@@ -378,6 +631,7 @@ def parse_config(
         world_size=world_size if world_size is not None else cfg_world,
         optimizer=OptimizerSpec(type=kind, params=params),
         raw=raw,
+        scheduler=scheduler,
     )
 
 

@@ -38,12 +38,37 @@ them; ``optimizer_params`` holds a shape-only handle (no storage) per offloaded 
 optimizer, always an ``OffloadedOptimizer`` then (its records on the device when
 ``offload_optimizer`` is off), takes each shard from the store to update it and writes it
 back. ``param_shard``, ``full_state_dict`` and checkpoints read offloaded shards one at a time.
+
+NOTE [Who owns a collective's buffers]
+Every buffer handed to another thread, or to a collective that completes later, has one owner
+until a named point, and nothing writes into it or frees it before then:
+- A graph's collective (``_c10d_functional``) takes its input and returns a fresh output. The
+  backend's work object holds both (gloo's reduce-scatter even clones the input when it is
+  issued, on the calling thread) until ``wait_tensor``; the graph reads the output only after
+  that wait, and the graphs hold no in-place op at all (``tests/test_core_passes.py`` checks
+  the lowered graphs), so nothing the graph frees or reuses can be a buffer in flight.
+- The engine's own flats (shards, gradient buffers, masters) are written only between graphs:
+  ``backward`` adds the graph's outputs once the graph has returned (every wait done), the
+  optimizer steps after it, and ``param_sync`` copies each gathered bucket after its wait.
+- Offload: an NVMe transfer's host buffer belongs to the store's I/O thread from ``submit``
+  until its future is taken (``acquire``, ``drain``); the delayed update's snapshot belongs to
+  the update thread until ``finish`` (NOTE [One-step delayed update] in zerofx.offload); a
+  parameter shard read ahead belongs to the store until ``fetch`` hands the graph a copy.
+The heap corruption once seen in long stage-3 runs with overlap on (``malloc(): unaligned
+tcache chunk detected`` in a rank, while a reduce-scatter was in flight in backward) has not
+been reproduced against this code (``benchmarks/soak_stage3.py``); docs/failure-modes.md says
+what was run and what was ruled out.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
+import traceback
+import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +87,14 @@ from passes.fetch_params import fetch_order
 from passes.plan_offload import ParamOffloadPlan
 from passes.plan_sharding import persistent_params, place_param
 from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, cast_info, flatten_call, split_loss_kwargs
-from zerofx.config import OptimizerSpec, ZeroConfig
-from zerofx.errors import CaptureError, RankDivergenceError, ZeroFXError
+from zerofx.config import OptimizerSpec, ZeroConfig, first_config_difference
+from zerofx.errors import (
+    CollectiveTimeoutError,
+    EngineStateError,
+    MissingLossError,
+    RankDivergenceError,
+    ZeroFXError,
+)
 from zerofx.materialize import InitFn, check_all_meta_or_none, iter_initial_state
 from zerofx.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, plan_engine_offload
 from zerofx.param_offload import ParamOffloadOptions, ParamStore, plan_engine_param_offload
@@ -194,6 +225,12 @@ class Engine:
         self.stage = ZeroStage(cfg.stage)
         self.loss_fn = loss_fn
         self.group_name = self.group.group_name
+        # Every setting that changes the collective sequence or the numerics must agree across
+        # ranks before anything else runs (NOTE [Ranks agree before any collective]).
+        _check_same_config(cfg, model, self.group, self.world_size)
+        self.collective_timeout_s = cfg.collective_timeout_s
+        _compat.set_group_timeout(self.group, timedelta(seconds=self.collective_timeout_s))
+        _check_has_trainable_params(model)
         self.device = _meta_init_device(self.group) if self._from_meta else next(model.parameters()).device
         self.compute_dtype = cfg.compute_dtype
         infos = [TensorInfo(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()]
@@ -239,23 +276,33 @@ class Engine:
                                                 param_store=self.param_store)
         else:
             self.optimizer = build_optimizer(cfg.optimizer, list(self.optimizer_params.values()), fused=cfg.fused_optimizer)
+        # NOTE [Offload files live as long as the engine]
+        # The NVMe files of offloaded state are scratch space, not a checkpoint: ``close()``, or the
+        # engine's collection, or a clean interpreter exit, waits for the transfers in flight and
+        # deletes them (``NvmeFiles.remove``). A killed process leaves them; the next run with the
+        # same nvme_path overwrites them.
+        self._closer = weakref.finalize(self, self.optimizer.close) if isinstance(self.optimizer, OffloadedOptimizer) else None
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.micro_steps = 0
         self.skipped_steps = 0
         self.loss_scaler = LossScaler.from_config(cfg.raw.get("fp16", {})) if self.compute_dtype is torch.float16 else None
         self._last_loss: torch.Tensor | None = None
-        self._programs: dict[Any, Program] = {}
+        # Compiled programs by input signature, least recently used first; at most
+        # ``program_cache_size`` of them (each holds its graphs, about 5 MiB for a small model).
+        self._programs: OrderedDict[Any, Program] = OrderedDict()
         self._pending: tuple[Program, list[torch.Tensor], torch.Tensor] | None = None
+        # NOTE [The engine's call order]: step() needs a backward() since the last step, and a
+        # second backward() needs a step() in between (step runs every micro-step; it updates the
+        # parameters only at the gradient-accumulation boundary).
+        self._backward_since_step = False
         self.global_steps = 0
         # Set to a WaitTimer to measure exposed communication (time blocked in waits).
         self.wait_timer: WaitTimer | None = None
         try:
             self._program_for(example_args, dict(example_kwargs or {}))
-        except CaptureError as exc:
-            # The example may omit what the loss needs (e.g. labels); capture then waits for the first call.
-            if "cannot find the loss" not in str(exc):
-                raise
+        except MissingLossError:
+            pass  # the example may omit what the loss needs (e.g. labels); capture waits for the first call
 
     # ----------------------------------------------------------------- storage
     def _init_storage(self, model: nn.Module, *, init_fn: InitFn | None = None, init_seed: int = 0) -> None:
@@ -431,8 +478,11 @@ class Engine:
 
     def _program_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Program:
         sig = self._signature(args, kwargs)
+        self._agree_on_inputs(sig)
         program = self._programs.get(sig)
-        if program is None:
+        if program is not None:
+            self._programs.move_to_end(sig)
+        else:
             program = capture_and_plan(
                 lambda tiling: capture_step(self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos,
                                             device=self.device, compute_dtype=self.compute_dtype, tiling=tiling),
@@ -440,6 +490,8 @@ class Engine:
             )
             self._check_same_plan(program)
             self._programs[sig] = program
+            while len(self._programs) > self.cfg.program_cache_size:
+                self._programs.popitem(last=False)  # the least recently used; a pending backward keeps its own
         if self.param_store is not None and program is not self._scheduled:
             # Every use of an offloaded shard in one step, in order: the store reads ahead along it.
             gms = program.graph_modules(self.rank)
@@ -448,10 +500,48 @@ class Engine:
             self._scheduled = program
         return program
 
+    def _agree_on_inputs(self, sig: Any) -> None:
+        """Check, with one small all-reduce, that every rank calls with the same input signature
+        (shapes, dtypes, structure), before any other collective of this call.
+
+        NOTE [Ranks agree before any collective]
+        A rank that captures a new program runs collectives (the plan check below) that peers
+        reusing a cached program never join, and graphs captured for other shapes can issue
+        other collectives: gloo then aborts the process ("Received data size doesn't match
+        expected size") and NCCL hangs. So each call first all-reduces the max of (h, -h) of a
+        hash h of its signature: one 16-byte collective, with every rank taking part. Equal
+        signatures mean every rank finds the same program in its cache (the caches see the same
+        sequence of signatures) or captures together. Otherwise every rank raises
+        ``RankDivergenceError`` naming each rank's shapes, before the first collective of the
+        graphs. At initialize, ``_check_same_config`` does the same for the config.
+        """
+        digest = int.from_bytes(hashlib.blake2b(repr(sig).encode(), digest_size=7).digest(), "little")  # < 2**56
+        both = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as exc:
+            if not _is_comm_failure(exc):
+                raise
+            raise self._comm_failure("the all-reduce that checks every rank's input shapes, before the forward graph", exc) from exc
+        high, neg_low = both.tolist()
+        if high == digest and neg_low == -digest:
+            return
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, _describe_signature(sig), group=self.group)
+        by_rank = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
+        raise RankDivergenceError(
+            f"ranks called the engine with different inputs ({by_rank}); every rank must pass the same shapes "
+            "in the same step (pad the batch, or drop an uneven last batch on every rank)"
+        )
+
     def _check_same_plan(self, program: Program) -> None:
         """Before running, check every rank issues the same collectives in the same order with
-        the same sizes (and planned the same): a mismatch would otherwise hang in a collective."""
-        mine = (program.plan.fingerprint(), collective_sequence(program.graph_modules(self.rank)))
+        the same sizes, planned the same and lowered the same graphs (a model built with other
+        hyperparameters but the same parameter shapes, e.g. another number of heads, lowers other
+        graphs): a mismatch would otherwise hang in a collective or train on a mix."""
+        gms = program.graph_modules(self.rank)
+        graphs = hashlib.sha256("".join(gms[name].code for name in sorted(gms)).encode()).hexdigest()[:16]
+        mine = (f"{program.plan.fingerprint()}/{graphs}", collective_sequence(gms))
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         divergence = first_divergence([seq for _, seq in everyone])
@@ -459,7 +549,10 @@ class Engine:
             raise RankDivergenceError(f"ranks would issue different collectives; {divergence}")
         fingerprints = [fp for fp, _ in everyone]
         if len(set(fingerprints)) != 1:
-            raise RankDivergenceError(f"ranks planned different programs (plan fingerprints by rank: {fingerprints})")
+            raise RankDivergenceError(
+                f"ranks planned or lowered different programs (plan/graph fingerprints by rank: {fingerprints}); the "
+                "model must be built the same way on every rank"
+            )
 
     @property
     def program(self) -> Program | None:
@@ -493,9 +586,21 @@ class Engine:
         after its last use (NOTE [Boxed graphs] in zerofx/program.py): compiled per
         ``zerofx.compile``, or op by op under the WaitTimer when one is set (it times the FX
         graph's own wait nodes)."""
-        if self.wait_timer is not None:
-            return self.wait_timer.run(name, program.graph_modules(self.rank)[name], args_list)
-        return program.run(self.rank, name, args_list, self.cfg.graph_compiler)
+        try:
+            if self.wait_timer is not None:
+                return self.wait_timer.run(name, program.graph_modules(self.rank)[name], args_list)
+            return program.run(self.rank, name, args_list, self.cfg.graph_compiler)
+        except RuntimeError as exc:
+            if isinstance(exc, ZeroFXError) or not _is_comm_failure(exc):
+                raise
+            raise self._comm_failure(f"the {name} graph, at {_failing_collective(exc)}", exc) from exc
+
+    def _comm_failure(self, where: str, exc: BaseException) -> CollectiveTimeoutError:
+        return CollectiveTimeoutError(
+            f"rank {self.rank}: a collective failed in {where} (timeout {self.collective_timeout_s:g} s, config key "
+            f"zerofx.collective_timeout_s): a peer is dead, stalled or issuing a different collective. "
+            f"{str(exc).strip().splitlines()[0]}"
+        )
 
     @property
     def compile_s(self) -> float:
@@ -505,7 +610,12 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Run the backward graph for the last forward; accumulate this rank's gradients."""
         if self._pending is None or loss is not self._pending[2]:
-            raise ZeroFXError("engine.backward(loss) needs the loss returned by the engine's most recent forward call")
+            raise EngineStateError("engine.backward(loss) needs the loss returned by the engine's most recent forward call")
+        if self._backward_since_step:
+            raise EngineStateError(
+                "engine.backward() was called twice without engine.step() in between; call step() after every "
+                "backward (it updates the parameters only at the gradient-accumulation boundary)"
+            )
         # The saved tensors' only references go into the list the backward graph empties, so
         # each is freed once the backward has used it (NOTE [Boxed graphs]).
         program, args_list, _ = self._pending
@@ -517,6 +627,7 @@ class Engine:
         seed = (self.loss_scaler.scale if self.loss_scaler else 1.0) / self.gradient_accumulation_steps
         args_list.append(torch.full_like(loss, seed))
         grads = self._run(program, "backward", args_list)
+        self._backward_since_step = True
         self._allocate_grads()
         for info, g in zip(program.captured.params, grads):
             if g is not None:
@@ -528,11 +639,16 @@ class Engine:
     def step(self) -> None:
         """Call after every ``backward``. At each gradient-accumulation boundary: clip, update this
         rank's shard with the optimizer, and bring back full parameters where the stage keeps them."""
+        if not self._backward_since_step:
+            raise EngineStateError(
+                "engine.step() was called without engine.backward() since the last step; the order is "
+                "loss = engine(...); engine.backward(loss); engine.step()"
+            )
+        self._backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
-        self._allocate_grads()  # a step with no backward before it steps with zero gradients
         grads = self._optimizer_grads()
         if self.loss_scaler is not None and not self._finite(grads):
             self.loss_scaler.update(overflow=True)
@@ -543,8 +659,8 @@ class Engine:
             self.loss_scaler.update(overflow=False)
         if self.cfg.gradient_clipping > 0:
             self._clip(grads, self.cfg.gradient_clipping)
-        schedule = self.cfg.raw.get("scheduler")
-        if schedule:
+        schedule = self.cfg.scheduler
+        if schedule is not None:
             for group, base in zip(self.optimizer.param_groups, self._base_lrs):
                 group["lr"] = lr_at(schedule, self.global_steps, base)
         if isinstance(self.optimizer, OffloadedOptimizer):
@@ -634,6 +750,12 @@ class Engine:
             if self.param_store is not None:
                 self.param_store.drain()
 
+    def close(self) -> None:
+        """Finish offloaded transfers and delete the offload files (NOTE [Offload files live as
+        long as the engine]). The engine cannot train after this. Not a collective."""
+        if self._closer is not None:
+            self._closer()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict (same keys and shapes as ``model.state_dict()``) on every rank.
         At stage 3 this all-gathers every parameter: a collective, so call it on all ranks."""
@@ -701,6 +823,70 @@ class Engine:
 
         self.flush()  # an update in flight must not land on the loaded parameters
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states)
+
+
+def _check_has_trainable_params(model: nn.Module) -> None:
+    params = list(model.parameters())
+    if not params:
+        raise ZeroFXError(f"{type(model).__name__} has no parameters; zerofx shards a model's parameters, so it has nothing to train")
+    if not any(p.requires_grad for p in params):
+        raise ZeroFXError(
+            f"every parameter of {type(model).__name__} is frozen (requires_grad=False); unfreeze the ones to train "
+            "(zerofx trains with an optimizer over them)"
+        )
+
+
+def _model_layout(model: nn.Module) -> list[str]:
+    """Each parameter's and buffer's name, shape, dtype (and whether it trains), in order."""
+    params = [f"parameter {n} {list(p.shape)} {p.dtype} requires_grad={p.requires_grad}" for n, p in model.named_parameters()]
+    return params + [f"buffer {n} {list(b.shape)} {b.dtype}" for n, b in model.named_buffers()]
+
+
+def _check_same_config(cfg: ZeroConfig, model: nn.Module, group: dist.ProcessGroup, world_size: int) -> None:
+    """Raise ``RankDivergenceError`` on every rank when ranks were given settings that change the
+    collectives or the numerics, or models of other layouts (NOTE [Ranks agree before any
+    collective]); the message names the keys or the first tensor that differs. One
+    ``all_gather_object`` at initialize."""
+    layout = _model_layout(model)
+    mine = (cfg.fingerprint_fields(), hashlib.sha256("\n".join(layout).encode()).hexdigest())
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    if len({digest for _, digest in everyone}) > 1:
+        layouts: list[Any] = [None] * world_size
+        dist.all_gather_object(layouts, layout, group=group)
+        first = next(i for i in range(max(map(len, layouts))) if len({tuple(x[i:i + 1]) for x in layouts}) > 1)
+        shown = ", ".join(f"rank {r} {x[first] if first < len(x) else 'nothing'}" for r, x in enumerate(layouts))
+        raise RankDivergenceError(f"ranks built different models: entry #{first} is {shown}; build the model the same way on every rank")
+    difference = first_config_difference([fields for fields, _ in everyone])
+    if difference is not None:
+        raise RankDivergenceError(f"ranks were given different settings ({difference}); every rank must use the same config")
+
+
+def _describe_signature(sig: Any) -> str:
+    """A rank's input signature as a short text: each tensor's shape and dtype, in call order."""
+    _, leaves = sig
+    return ", ".join(f"{list(x[0])} {str(x[1]).removeprefix('torch.')}" if x[0] != "const" else f"{x[1]}" for x in leaves) or "no tensors"
+
+
+# Text in the errors a backend raises when a collective's peer is gone or too slow.
+_COMM_FAILURE_MARKERS = ("timed out", "timeout", "connection reset", "connection closed", "broken pipe",
+                         "received data size", "socket", "peer")
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return any(m in text for m in _COMM_FAILURE_MARKERS)
+
+
+def _failing_collective(exc: BaseException) -> str:
+    """The graph line that raised (its collective or wait), from the traceback: FX registers each
+    graph's generated source, so the frame's line is the node's Python."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.filename.startswith("<eval_with_key>") and frame.line:
+            return f"`{frame.line.strip()}`"
+    return "a collective"
 
 
 def _meta_init_device(group: dist.ProcessGroup) -> torch.device:

@@ -18,8 +18,21 @@ class CaptureError(ZeroFXError):
     """The model could not be captured whole into forward and backward graphs."""
 
 
+class MissingLossError(CaptureError):
+    """The model's output holds no loss (for example a Hugging Face model called without labels)."""
+
+
 class RankDivergenceError(ZeroFXError):
     """Ranks planned different programs; running them would hang in a collective."""
+
+
+class CollectiveTimeoutError(ZeroFXError, RuntimeError):
+    """A collective did not complete within the process group's timeout: a peer is dead, stalled
+    or issuing a different collective. The message names the rank, graph and collective."""
+
+
+class EngineStateError(ZeroFXError, RuntimeError):
+    """An engine method was called out of order (``forward`` -> ``backward`` -> ``step``)."""
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -318,6 +318,17 @@ class NvmeFiles:
     def path(self, fqn: str) -> Path:
         return self.root / f"{quote(fqn, safe='')}{self.suffix}"
 
+    def remove(self) -> None:
+        """Delete this tier's files (``*<suffix>`` in the rank folder), then the rank folder if
+        nothing else is left in it: a clean exit leaves no offload files behind. Files of
+        another kind (a user's, or the other store's suffix) stay."""
+        for path in self.root.glob(f"*{self.suffix}"):
+            path.unlink(missing_ok=True)
+        try:
+            self.root.rmdir()
+        except OSError:
+            pass  # not empty: the other store's files, removed by its own close
+
     def _fail(self, op: str, path: Path, exc: OSError) -> OffloadError:
         if exc.errno == errno.ENOENT and not path.parent.exists():
             what = f"folder {str(path.parent)!r} no longer exists (removed while training?)"
@@ -451,13 +462,19 @@ class BackgroundIO(abc.ABC):
     def drain(self) -> None:
         """Wait for every transfer in flight; raise the first failure."""
 
+    files: NvmeFiles | None
+
     def close(self) -> None:
+        """Finish every transfer, stop the I/O threads and delete the NVMe files: the state they
+        held is gone after this (save a checkpoint first to keep it)."""
         if self._io is not None:
             try:
                 self.drain()
             finally:
                 self._io.shutdown(wait=True)
                 self._io = None
+                if self.files is not None:
+                    self.files.remove()
 
 
 class OffloadStore(BackgroundIO):

@@ -1,0 +1,121 @@
+"""Rank functions for the engine's fault tests: divergent inputs and configs, a stalled peer, and
+calls out of order. Each catches the error it expects and returns what it saw, so one process
+group checks several cases."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+import zerofx
+from tests.models import TINY, batches, dna_lm
+from zerofx.models import DNADecoderLM
+
+SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+
+def _config(**zero: Any) -> dict:
+    return {"zero_optimization": {"stage": 3}, **SGD, **zero}
+
+
+def _outcome(fn: Any) -> dict:
+    start = time.perf_counter()
+    try:
+        fn()
+    except zerofx.ZeroFXError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "elapsed_s": time.perf_counter() - start}
+    return {"error": None, "elapsed_s": time.perf_counter() - start}
+
+
+def _train_step(engine: zerofx.Engine, ids: torch.Tensor) -> float:
+    loss = engine(ids, labels=ids)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def divergence_cases(rank: int, world_size: int) -> dict:
+    """Per case, what this rank raised: inputs of other shapes on one rank, then configs (and a
+    model) that differ between ranks."""
+    data = batches(world_size, 3)
+    ids = data[0, rank]
+    out: dict[str, Any] = {}
+
+    engine = zerofx.initialize(dna_lm(frozen=False), _config(), example_inputs=(ids,), example_kwargs={"labels": ids})
+    _train_step(engine, ids)
+    # An uneven last batch on rank 1 only: a shorter sequence while rank 0 reuses its program.
+    mine = data[1, rank] if rank == 0 else data[1, rank][:, :9]
+    out["uneven"] = _outcome(lambda: _train_step(engine, mine))
+    # Every rank moving to the new shape together is fine; and the cache stays bounded.
+    out["together"] = _outcome(lambda: _train_step(engine, data[2, rank][:, :9]))
+
+    cached = zerofx.initialize(dna_lm(frozen=False), {**_config(), "zerofx": {"program_cache_size": 2}},
+                               example_inputs=(ids,), example_kwargs={"labels": ids})
+    for length in (16, 12, 8, 12):
+        _train_step(cached, data[0, rank][:, :length])
+    out["cache_size"] = len(cached._programs)
+
+    clip = {"gradient_clipping": 1.0} if rank == 0 else {}
+    out["clipping"] = _outcome(lambda: zerofx.initialize(dna_lm(frozen=False), {**_config(), **clip}, example_inputs=(ids,),
+                                                         example_kwargs={"labels": ids}))
+    lr = {"optimizer": {"type": "SGD", "params": {"lr": 1e-3 if rank == 0 else 1.0}}}
+    out["lr"] = _outcome(lambda: zerofx.initialize(dna_lm(frozen=False), {**_config(), **lr}, example_inputs=(ids,),
+                                                   example_kwargs={"labels": ids}))
+    accumulate = {"gradient_accumulation_steps": 1 + rank}
+    out["accumulation"] = _outcome(lambda: zerofx.initialize(dna_lm(frozen=False), {**_config(), **accumulate},
+                                                             example_inputs=(ids,), example_kwargs={"labels": ids}))
+    # Same parameter shapes, another number of heads (its rotary buffers differ).
+    torch.manual_seed(0)
+    heads = DNADecoderLM(TINY if rank == 0 else TINY.__class__(**{**TINY.__dict__, "num_heads": 5}))
+    out["heads"] = _outcome(lambda: zerofx.initialize(heads, _config(), example_inputs=(ids,), example_kwargs={"labels": ids}))
+    # Same model and config, another computation (a loss scaled on one rank): only the graphs differ.
+    scale = 1.0 + rank
+    out["graphs"] = _outcome(lambda: zerofx.initialize(dna_lm(frozen=False), _config(), example_inputs=(ids,), example_kwargs={"labels": ids},
+                                                       loss_fn=lambda output, labels=None: output.loss * scale))
+    # Still in step after all the refused starts: a plain step works.
+    out["after"] = _outcome(lambda: _train_step(engine, data[2, rank][:, :9]))
+    return out
+
+
+def stalled_peer(rank: int, world_size: int, timeout_s: float, stall_s: float) -> dict:
+    """Rank 1 stops answering (a sleep after its forward, as a SIGSTOP, a slow disk or a stuck
+    data loader would); rank 0 must fail within about the collective timeout, naming the
+    backward graph's collective it waited in."""
+    ids = batches(world_size, 1)[0, rank]
+    engine = zerofx.initialize(dna_lm(frozen=False), {**_config(), "zerofx": {"collective_timeout_s": timeout_s}},
+                               example_inputs=(ids,), example_kwargs={"labels": ids})
+    _train_step(engine, ids)
+    loss = engine(ids, labels=ids)
+    if rank == 1:  # stalls between its forward and backward
+        time.sleep(stall_s)
+        return {"stalled": True}
+    return _outcome(lambda: engine.backward(loss))
+
+
+def call_order(rank: int, world_size: int) -> dict:
+    """What each out-of-order call raises, and that the engine still trains after each."""
+    ids = batches(world_size, 1)[0, rank]
+    engine = zerofx.initialize(dna_lm(frozen=False), _config(), example_inputs=(ids,), example_kwargs={"labels": ids})
+    before = engine.full_state_dict()
+    out: dict[str, Any] = {"step_first": _outcome(engine.step)}
+    out["unchanged"] = all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
+    out["global_steps"] = engine.global_steps
+
+    def forward_step_backward() -> None:
+        loss = engine(ids, labels=ids)
+        engine.step()  # no backward yet
+        engine.backward(loss)
+
+    out["forward_step"] = _outcome(forward_step_backward)
+
+    def backward_twice() -> None:
+        loss = engine(ids, labels=ids)
+        engine.backward(loss)
+        loss2 = engine(ids, labels=ids)
+        engine.backward(loss2)
+
+    out["backward_twice"] = _outcome(backward_twice)
+    out["recovers"] = _outcome(lambda: (engine.step(), _train_step(engine, ids)))
+    return out

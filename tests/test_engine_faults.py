@@ -1,0 +1,64 @@
+"""The engine under divergent ranks, a stalled peer and calls out of order: each is a clear error
+on every rank within a bounded time, never a crash or a hang (NOTE [Ranks agree before any
+collective], NOTE [The engine's call order] in zerofx/engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import fault_workers
+from tests.dist_utils import run_ranks
+
+
+@pytest.fixture(scope="module")
+def divergence() -> list[dict]:
+    return run_ranks(2, fault_workers.divergence_cases)
+
+
+def test_uneven_input_shapes_are_an_error_on_every_rank_not_a_crash(divergence: list[dict]) -> None:
+    for rank, out in enumerate(divergence):
+        case = out["uneven"]
+        assert case["error"] == "RankDivergenceError", (rank, case)
+        assert "rank 0: [2, 16] int64" in case["message"] and "rank 1: [2, 9] int64" in case["message"], case["message"]
+        assert out["together"]["error"] is None, out["together"]
+        assert out["after"]["error"] is None, out["after"]
+
+
+def test_program_cache_is_bounded(divergence: list[dict]) -> None:
+    assert [out["cache_size"] for out in divergence] == [2, 2]
+
+
+@pytest.mark.parametrize("case,key", [("clipping", "gradient_clipping"), ("lr", "lr"), ("accumulation", "gradient_accumulation_steps")])
+def test_divergent_settings_are_refused_at_initialize(divergence: list[dict], case: str, key: str) -> None:
+    for out in divergence:
+        assert out[case]["error"] == "RankDivergenceError", out[case]
+        assert key in out[case]["message"], out[case]["message"]
+
+
+def test_other_models_or_graphs_with_the_same_parameters_are_refused(divergence: list[dict]) -> None:
+    for out in divergence:
+        assert out["heads"]["error"] == "RankDivergenceError", out["heads"]
+        assert "different models" in out["heads"]["message"] and "rope_cos" in out["heads"]["message"], out["heads"]
+        assert out["graphs"]["error"] == "RankDivergenceError", out["graphs"]
+        assert "graph fingerprints" in out["graphs"]["message"], out["graphs"]["message"]
+
+
+def test_a_stalled_peer_is_an_error_within_the_collective_timeout() -> None:
+    first, second = run_ranks(2, fault_workers.stalled_peer, 2.0, 12.0)
+    assert second == {"stalled": True}
+    assert first["error"] == "CollectiveTimeoutError", first
+    assert first["elapsed_s"] < 10.0, first
+    message = first["message"]
+    assert "rank 0" in message and "backward graph" in message and "_c10d_functional" in message, message
+    assert "zerofx.collective_timeout_s" in message, message
+
+
+def test_calls_out_of_order_are_refused_and_change_nothing() -> None:
+    for out in run_ranks(2, fault_workers.call_order):
+        assert out["step_first"]["error"] == "EngineStateError", out["step_first"]
+        assert "without engine.backward()" in out["step_first"]["message"]
+        assert out["unchanged"] and out["global_steps"] == 0
+        assert out["forward_step"]["error"] == "EngineStateError", out["forward_step"]
+        assert out["backward_twice"]["error"] == "EngineStateError", out["backward_twice"]
+        assert "twice" in out["backward_twice"]["message"]
+        assert out["recovers"]["error"] is None, out["recovers"]
