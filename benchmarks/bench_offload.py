@@ -15,7 +15,8 @@ configuration's own. glibc's malloc keeps freed blocks resident and raises its m
 large blocks are freed, so by default a tensor allocated after the backward (torch's Adam state at
 the first step) partly reuses activation memory that is already resident, and peak RSS
 understates what the state costs. ``MALLOC_MMAP_THRESHOLD_=131072`` fixes the threshold: blocks
-above 128 KiB are mapped and unmapped, and RSS follows the live tensors. The README gives both. The first ``--warmup`` steps are left out of the step time. Results go to
+above 128 KiB are mapped and unmapped, and RSS follows the live tensors. The README gives both.
+The first ``--warmup`` steps are left out of the step time. Results go to
 ``benchmarks/results/offload_<size>_w<W>.{json,md}``.
 """
 

@@ -42,7 +42,8 @@ def max_param_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Te
 
 
 def summarize(
-    system: str, *, setup_s: float, setup_rss_bytes: int | None = None, steps: list[list[tuple[float, float, float]]], warmup: int, finish: list[dict[str, Any]],
+    system: str, *, setup_s: float, setup_rss_bytes: int | None = None, steps: list[list[tuple[float, float, float]]], warmup: int,
+    finish: list[dict[str, Any]],
     num_params: int, world_size: int, optimizer: str,
 ) -> dict[str, Any]:
     """One table row. ``steps[i][rank]`` is (wall s, main-thread CPU s, loss) of step i."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from cost_models.compute import value_bytes
+from zerofx.cost_models.compute import value_bytes
 
 aten = torch.ops.aten
 _functional = torch.ops._c10d_functional

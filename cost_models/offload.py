@@ -84,7 +84,7 @@ class OffloadTimeline:
 def record_numels(owned_numel: int, *, optimizer: str, mixed_precision: bool) -> tuple[int, ...]:
     """Element counts of a record's fp32 tensors, in file order (see NOTE [What an offloaded
     record holds]): (master,)? + one per optimizer state tensor."""
-    from cost_models.memory import STATE_TENSORS_PER_PARAM
+    from zerofx.cost_models.memory import STATE_TENSORS_PER_PARAM
 
     if optimizer not in STATE_TENSORS_PER_PARAM:
         raise ValueError(f"optimizer={optimizer!r}; accepted: {', '.join(STATE_TENSORS_PER_PARAM)}")

@@ -8,9 +8,9 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from cost_models.comm import PROFILES as COMM_PROFILES
-from cost_models.comm import CommSpec
-from cost_models.compute import DEVICES, DeviceSpec
+from zerofx.cost_models.comm import PROFILES as COMM_PROFILES
+from zerofx.cost_models.comm import CommSpec
+from zerofx.cost_models.compute import DEVICES, DeviceSpec
 
 BUILTIN = {"cpu": ("cpu-gloo", "cpu-core"), "h100": ("8xH100-nvlink-ib400", "h100")}
 

@@ -1,12 +1,12 @@
 """Graph passes: planners (``plan_*``, read only) and rewrites (``*_pass``), one per file."""
 
-from passes.param_sync import build_param_sync
-from passes.partition import partition_joint
-from passes.plan import Collective, CommKind, ParamPlacement, Plan, ZeroStage
-from passes.plan_offload import OffloadPlan, plan_offload
-from passes.plan_sharding import plan_sharding
-from passes.reduce_grads import reduce_grads_pass
-from passes.shard_params import shard_params_pass
+from zerofx.passes.param_sync import build_param_sync
+from zerofx.passes.partition import partition_joint
+from zerofx.passes.plan import Collective, CommKind, ParamPlacement, Plan, ZeroStage
+from zerofx.passes.plan_offload import OffloadPlan, plan_offload
+from zerofx.passes.plan_sharding import plan_sharding
+from zerofx.passes.reduce_grads import reduce_grads_pass
+from zerofx.passes.shard_params import shard_params_pass
 
 __all__ = [
     "Collective",

@@ -33,11 +33,11 @@ from functorch.compile import (  # noqa: F401  (re-exported)
     make_boxed_func,
     min_cut_rematerialization_partition,
 )
-from torch._guards import detect_fake_mode  # noqa: F401
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
-from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
-from torch.fx.traceback import preserve_node_meta  # noqa: F401
-from torch.utils.checkpoint import CheckpointPolicy  # noqa: F401
+from torch._guards import detect_fake_mode  # noqa: F401  (re-exported)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401  (re-exported)
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401  (re-exported)
+from torch.fx.traceback import preserve_node_meta  # noqa: F401  (re-exported)
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: F401  (re-exported)
 
 TESTED_TORCH = "2.13"
 

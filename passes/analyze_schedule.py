@@ -19,12 +19,12 @@ from typing import Any
 
 import torch.fx as fx
 
-from cost_models.comm import CommSpec, estimate_all_gather_s, estimate_all_reduce_s, estimate_reduce_scatter_s
-from cost_models.compute import DeviceSpec, estimate_node_s
-from cost_models.memory_timeline import TimelinePoint, peak, step_timeline
-from passes import meta
-from passes.check_collectives import GRAPH_ORDER
-from passes.plan import Plan
+from zerofx.cost_models.comm import CommSpec, estimate_all_gather_s, estimate_all_reduce_s, estimate_reduce_scatter_s
+from zerofx.cost_models.compute import DeviceSpec, estimate_node_s
+from zerofx.cost_models.memory_timeline import TimelinePoint, peak, step_timeline
+from zerofx.passes import meta
+from zerofx.passes.check_collectives import GRAPH_ORDER
+from zerofx.passes.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -142,16 +142,18 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
 def format_report(report: ScheduleReport, *, budget_bytes: float | None = None) -> str:
     from tabulate import tabulate
 
-    from passes.plan import format_bytes
+    from zerofx.passes.plan import format_bytes
 
     table = [
-        (r.order, r.graph, r.op.replace("_into_tensor", "").replace("_tensor", ""), f"{len(r.bucket)}: {r.bucket[0] if r.bucket else ''}{' ...' if len(r.bucket) > 1 else ''}",
+        (r.order, r.graph, r.op.replace("_into_tensor", "").replace("_tensor", ""),
+         f"{len(r.bucket)}: {r.bucket[0] if r.bucket else ''}{' ...' if len(r.bucket) > 1 else ''}",
          format_bytes(r.bytes_per_rank), r.issued_after, r.waited_at, f"{r.overlap_compute_s * 1e3:.2f}", f"{r.comm_s * 1e3:.2f}", f"{r.exposed_s * 1e3:.2f}")
         for r in report.rows
     ]
     lines = [
         "communication schedule (one row per collective; times in ms, estimated):",
-        tabulate(table, headers=["#", "graph", "op", "bucket (params: first)", "bytes/rank", "issued after", "waited at", "overlaps compute", "comm", "exposed"]),
+        tabulate(table, headers=["#", "graph", "op", "bucket (params: first)", "bytes/rank", "issued after", "waited at", "overlaps compute", "comm",
+                                 "exposed"]),
         "",
         f"memory per rank: persistent model state {format_bytes(report.persistent_bytes)}, "
         f"peak {format_bytes(report.peak.live_bytes)} at {report.peak.graph} node {report.peak.node}",
@@ -166,7 +168,7 @@ def format_report(report: ScheduleReport, *, budget_bytes: float | None = None) 
 def format_summary(report: ScheduleReport | Any, label: str) -> str:
     """The one-line step summary of a report, or of anything with the same summary fields
     (``zerofx.folding.FoldedReport``)."""
-    from passes.plan import format_bytes
+    from zerofx.passes.plan import format_bytes
 
     return (
         f"{label}: {format_bytes(report.bytes_moved_per_rank)} sent in per rank per step; compute "

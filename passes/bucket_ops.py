@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from passes import meta
+from zerofx.passes import meta
 
 aten = torch.ops.aten
 

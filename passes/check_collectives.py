@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from passes import meta
+from zerofx.passes import meta
 
 GRAPH_ORDER = ("forward", "backward", "param_sync")
 

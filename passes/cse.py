@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from passes import _compat
+from zerofx.passes import _compat
 
 _NEVER = {
     torch.ops.aten.empty.memory_format,

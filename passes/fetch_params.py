@@ -38,8 +38,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from passes import meta
-from passes.plan_offload import ParamOffloadPlan
+from zerofx.passes import meta
+from zerofx.passes.plan_offload import ParamOffloadPlan
 
 FETCH_FQN = "zerofx_fetch_fqn"  # str: on fetch_shard nodes, the parameter fetched
 

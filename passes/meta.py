@@ -12,7 +12,7 @@ from typing import Any
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from passes import _compat
+from zerofx.passes import _compat
 
 # On placeholders of the captured joint graph:
 FQN = "zerofx_fqn"  # str: the parameter's, buffer's or input's name

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from passes import _compat, bucket_ops, meta
-from passes.plan import Plan
+from zerofx.passes import _compat, bucket_ops, meta
+from zerofx.passes.plan import Plan
 
 aten = torch.ops.aten
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from passes import _compat, meta
-from passes.cse import eliminate_common_subexpressions
+from zerofx.passes import _compat, meta
+from zerofx.passes.cse import eliminate_common_subexpressions
 
 
 def partition_joint(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from passes.plan_tiling import TilingPlan
+from zerofx.passes.plan_tiling import TilingPlan
 
 
 class ZeroStage(enum.IntEnum):

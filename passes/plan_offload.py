@@ -29,7 +29,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from cost_models.offload import (
+from zerofx.cost_models.offload import (
     FetchItem,
     OffloadItem,
     Tier,
@@ -100,7 +100,7 @@ class OffloadPlan(_TierPlacement):
     def __str__(self) -> str:
         from tabulate import tabulate
 
-        from passes.plan import format_bytes
+        from zerofx.passes.plan import format_bytes
 
         e = self.estimates
         rows = [(t.value, len(self.fqns_on(t)), format_bytes(self.bytes_on(t))) for t in _FASTEST_FIRST]
@@ -206,7 +206,7 @@ class ParamOffloadPlan(_TierPlacement):
     def __str__(self) -> str:
         from tabulate import tabulate
 
-        from passes.plan import format_bytes
+        from zerofx.passes.plan import format_bytes
 
         e = self.estimates
         rows = [(t.value, len(self.fqns_on(t)), format_bytes(self.bytes_on(t))) for t in _FASTEST_FIRST]

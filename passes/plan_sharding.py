@@ -19,10 +19,10 @@ import math
 import torch
 import torch.fx as fx
 
-from cost_models.comm import CPU_GLOO, CommSpec, efficient_bucket_bytes
-from cost_models.memory import estimate_model_state_bytes
-from passes import meta
-from passes.plan import (
+from zerofx.cost_models.comm import CPU_GLOO, CommSpec, efficient_bucket_bytes
+from zerofx.cost_models.memory import estimate_model_state_bytes
+from zerofx.passes import meta
+from zerofx.passes.plan import (
     Collective,
     CommKind,
     ParamPlacement,
@@ -30,15 +30,15 @@ from passes.plan import (
     ScheduleOptions,
     ZeroStage,
 )
-from passes.plan_buckets import (
+from zerofx.passes.plan_buckets import (
     choose_prefetch_distance,
     plan_buckets,
     repeated_blocks_of,
 )
-from passes.tile_weights import BACKWARD as TILED_BACKWARD
-from passes.tile_weights import FORWARD as TILED_FORWARD
-from passes.tile_weights import tile_gatherable
-from passes.tiled_kernels import tile_bounds
+from zerofx.passes.tile_weights import BACKWARD as TILED_BACKWARD
+from zerofx.passes.tile_weights import FORWARD as TILED_FORWARD
+from zerofx.passes.tile_weights import tile_gatherable
+from zerofx.passes.tiled_kernels import tile_bounds
 
 _tiling_log = logging.getLogger("zerofx.tiling")  # weights gathered whole, with the reason
 
@@ -51,6 +51,7 @@ def place_param(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, requires_g
 
 
 DEFAULT_MAX_BUCKET_NUMEL = 50_000_000
+_DEFAULT_OPTIONS = ScheduleOptions()  # frozen, so one shared default is safe
 
 
 def persistent_params(placements: list[ParamPlacement], stage: ZeroStage, threshold: int) -> frozenset[str]:
@@ -67,7 +68,7 @@ def plan_sharding(
     world_size: int,
     stage: ZeroStage,
     optimizer: str,
-    options: ScheduleOptions = ScheduleOptions(),
+    options: ScheduleOptions = _DEFAULT_OPTIONS,
     comm: CommSpec = CPU_GLOO,
 ) -> Plan:
     assert world_size >= 1 and stage in ZeroStage

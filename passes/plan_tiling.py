@@ -47,8 +47,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from passes import meta, seq_regions
-from passes.seq_regions import SeqAnalysis
+from zerofx.passes import meta, seq_regions
+from zerofx.passes.seq_regions import SeqAnalysis
 
 log = logging.getLogger("zerofx.tiling")
 
@@ -158,7 +158,7 @@ class TilingPlan:
     def table(self) -> str:
         from tabulate import tabulate
 
-        from passes.plan import format_bytes
+        from zerofx.passes.plan import format_bytes
 
         rows = [(o.kind, o.what, "x".join(map(str, o.shape)), f"{o.block_size} tiles" if o.kind == "weight" else o.block_size,
                  format_bytes(o.bytes_untiled - o.bytes_tiled)) for o in self.ops]
@@ -342,25 +342,5 @@ def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | No
         budget_bytes=budget,
         estimate_untiled_bytes=sum(c.bytes_untiled for c in candidates),
         estimate_tiled_bytes=tiled_total,
-        weight_tile_bytes=tile_bytes,
-    )
-
-
-def tiling_options(section: Mapping[str, Any] | None) -> TilingOptions:
-    """``TilingOptions`` from the config's ``zerofx.tiling`` section (already schema-checked)."""
-    section = dict(section or {})
-    kinds = tuple(k for k in KINDS if section.get(k, True))
-    # zerofx.config imports this module at its top, so a top-level import back would be a cycle.
-    from zerofx.config import parse_bytes
-
-    budget, tile_bytes = section.get("budget"), section.get("weight_tile_bytes")
-    budget = int(parse_bytes(budget)) if isinstance(budget, str) else budget
-    tile_bytes = int(parse_bytes(tile_bytes)) if isinstance(tile_bytes, str) else tile_bytes
-    return TilingOptions(
-        enabled=section.get("enabled", "auto"),
-        block_size=section.get("block_size"),
-        attention_block_size=section.get("attention_block_size"),
-        budget_bytes=budget,
-        kinds=kinds,
         weight_tile_bytes=tile_bytes,
     )

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from passes import _compat, bucket_ops, meta
-from passes.plan import Plan, ZeroStage
+from zerofx.passes import _compat, bucket_ops, meta
+from zerofx.passes.plan import Plan, ZeroStage
 
 aten = torch.ops.aten
 

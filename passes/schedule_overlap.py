@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from passes import meta
-from passes.plan import Plan
-from passes.tile_weights import WEIGHT_TILE
+from zerofx.passes import meta
+from zerofx.passes.plan import Plan
+from zerofx.passes.tile_weights import WEIGHT_TILE
 
 
 # Gradient reductions issued and not yet waited for, at most (NOTE [A reduction holds its input

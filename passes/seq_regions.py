@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from passes import meta, tiled_kernels  # noqa: F401  (registers the zerofx:: ops)
+from zerofx.passes import meta, tiled_kernels  # noqa: F401  (registers the zerofx:: ops)
 
 aten = torch.ops.aten
 
@@ -341,7 +341,10 @@ def _find_attention(gm: fx.GraphModule) -> list[AttentionMatch]:
     for node in gm.graph.nodes:
         if is_sdpa(node):
             q, k, v = node.args[:3]
-            get = lambda i, name, default: node.args[i] if len(node.args) > i else node.kwargs.get(name, default)  # noqa: E731
+
+            def get(i: int, name: str, default: object, node: fx.Node = node) -> object:  # node bound: called in this iteration only
+                return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
             mask, dropout, causal = get(3, "attn_mask", None), get(4, "dropout_p", 0.0), get(5, "is_causal", False)
             scale = node.kwargs.get("scale") or 1.0 / math.sqrt(_val(q).shape[-1])
             reason = _attention_reason(q, k, v, mask)

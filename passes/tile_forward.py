@@ -40,8 +40,8 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from passes import _compat, meta, seq_regions
-from passes.plan_tiling import TilingPlan, weight_linears
+from zerofx.passes import _compat, meta, seq_regions
+from zerofx.passes.plan_tiling import TilingPlan, weight_linears
 
 aten = torch.ops.aten
 TILE_REGION = "zerofx_tile_region"
@@ -228,10 +228,10 @@ def _emit_region(g: fx.Graph, env: dict[fx.Node, fx.Node], a: seq_regions.SeqAna
     for c, length in enumerate(sizes):
         cenv: dict[fx.Node, fx.Node] = {}
 
-        def lookup(x: fx.Node) -> fx.Node:
+        def lookup(x: fx.Node, cenv: dict[fx.Node, fx.Node] = cenv, c: int = c) -> fx.Node:  # bound: used within this iteration
             if x in inside:
                 return cenv[x]
-            return pieces[x][c] if x in pieces else env[x]  # noqa: B023  (used within this iteration)
+            return pieces[x][c] if x in pieces else env[x]
 
         for n in region:
             args = fx.map_arg(n.args, lookup)

@@ -41,9 +41,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from passes import _compat, meta
-from passes.plan import ParamPlacement, Plan, ZeroStage
-from passes.tiled_kernels import tile_bounds
+from zerofx.passes import _compat, meta
+from zerofx.passes.plan import ParamPlacement, Plan, ZeroStage
+from zerofx.passes.tiled_kernels import tile_bounds
 
 aten = torch.ops.aten
 FORWARD = torch.ops.zerofx.feature_tiled_linear.default

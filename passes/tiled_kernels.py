@@ -45,7 +45,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from passes import _compat
+from zerofx.passes import _compat
 
 Tensor = torch.Tensor
 
@@ -145,7 +145,7 @@ def blocked_attention(
         qe = min(qs + q_block, tq)
         qb = q[:, :, qs:qe]  # (B, H, bq, D)
         m = torch.full((b, h, qe - qs), float("-inf"), dtype=torch.float32, device=q.device)
-        l = torch.zeros((b, h, qe - qs), dtype=torch.float32, device=q.device)
+        row_sum = torch.zeros((b, h, qe - qs), dtype=torch.float32, device=q.device)
         acc = torch.zeros((b, h, qe - qs, v.size(-1)), dtype=torch.float32, device=q.device)
         for ks in range(0, _kv_stop(is_causal, qe, tk), kv_block):
             ke = min(ks + kv_block, tk)
@@ -154,13 +154,13 @@ def blocked_attention(
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # all masked so far
             p = torch.exp(s - m_safe.unsqueeze(-1))  # (B, H, bq, bk)
             alpha = torch.exp(m - m_safe)
-            l = alpha * l + p.sum(-1)
+            row_sum = alpha * row_sum + p.sum(-1)
             acc = alpha.unsqueeze(-1) * acc + torch.matmul(p.to(v.dtype), v[:, :, ks:ke]).float()
             m = m_new
-        l_safe = torch.where(l == 0, torch.ones_like(l), l)
-        out[:, :, qs:qe] = (acc / l_safe.unsqueeze(-1)).to(q.dtype)
+        row_sum_safe = torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
+        out[:, :, qs:qe] = (acc / row_sum_safe.unsqueeze(-1)).to(q.dtype)
         m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-        lse[:, :, qs:qe] = torch.where(l == 0, torch.full_like(l, float("inf")), m_safe + torch.log(l_safe))
+        lse[:, :, qs:qe] = torch.where(row_sum == 0, torch.full_like(row_sum, float("inf")), m_safe + torch.log(row_sum_safe))
     return out, lse
 
 
@@ -211,14 +211,14 @@ def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tenso
     return _empty_bthd(q, q.size(-1)), _empty_bthd(k, k.size(-1)), _empty_bthd(v, v.size(-1))
 
 
-def _attention_setup(ctx, inputs, output) -> None:  # noqa: ANN001  (torch.library's signature)
+def _attention_setup(ctx, inputs, output) -> None:
     q, k, v, mask, is_causal, scale, q_block, kv_block = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask)
     ctx.args = (is_causal, scale, q_block, kv_block)
 
 
-def _attention_backward(ctx, grad_out: Tensor, _grad_lse: Tensor):  # noqa: ANN001, ANN202
+def _attention_backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
     q, k, v, out, lse, mask = ctx.saved_tensors
     dq, dk, dv = torch.ops.zerofx.blocked_attention_backward(grad_out, q, k, v, out, lse, mask, *ctx.args)
     return dq, dk, dv, None, None, None, None, None
@@ -267,14 +267,14 @@ def _(grad: Tensor, h: Tensor, w: Tensor, b: Tensor | None, target: Tensor, igno
     return torch.empty_like(h), torch.empty_like(w), w.new_empty((w.size(0),))
 
 
-def _ce_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+def _ce_setup(ctx, inputs, output) -> None:
     h, w, b, target, ignore_index, chunk = inputs
     ctx.save_for_backward(h, w, b, target)
     ctx.args = (ignore_index, chunk)
     ctx.has_bias = b is not None
 
 
-def _ce_backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
+def _ce_backward(ctx, grad: Tensor):
     h, w, b, target = ctx.saved_tensors
     dh, dw, db = torch.ops.zerofx.chunked_linear_cross_entropy_backward(grad, h, w, b, target, *ctx.args)
     return dh, dw, (db if ctx.has_bias else None), None, None, None
@@ -330,14 +330,14 @@ def _(grad: Tensor, x: Tensor, w: Tensor, tiles: int, with_bias: bool) -> tuple[
     return torch.empty_like(x), torch.empty_like(w), grad.new_empty((w.size(0) if with_bias else 0,))
 
 
-def _linear_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+def _linear_setup(ctx, inputs, output) -> None:
     x, w, b, tiles = inputs
     ctx.save_for_backward(x, w)
     ctx.tiles = tiles
     ctx.has_bias = b is not None
 
 
-def _linear_backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202
+def _linear_backward(ctx, grad: Tensor):
     x, w = ctx.saved_tensors
     dx, dw, db = torch.ops.zerofx.feature_tiled_linear_backward(grad, x, w, ctx.tiles, ctx.has_bias)
     return dx, dw, (db if ctx.has_bias else None), None

@@ -8,17 +8,24 @@ per-step world sizes.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import shutil
 import signal
+import struct
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 import zerofx
 import zerofx.checkpoint
-from passes import _compat
+from zerofx.passes import _compat
 from tests.models import BATCH, BUILDERS, SEQ, VOCAB, loss_of, make_optimizer
 
 SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
@@ -178,3 +185,118 @@ def load_latest(rank: int, world_size: int, root: str, stage: int) -> dict[str, 
     engine = make_engine("dna", stage, ADAMW)
     engine.load_checkpoint(root)
     return snapshot(engine)
+
+
+# --------------------------------------------------------------------------- failures and damage
+def _disk_full(tensors: dict, path: str, metadata: dict | None = None) -> None:
+    """Stands in for safetensors' save_file on one rank: the disk fills halfway through the file."""
+    save_file(tensors, path, metadata=metadata)
+    os.truncate(path, os.path.getsize(path) // 2)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def _error(call: Callable[[], Any]) -> str | None:
+    try:
+        call()
+    except zerofx.checkpoint.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def overwrite_tensor_bytes(file: Path, nbytes: int = 4000) -> str:
+    """Overwrite ``nbytes`` of the largest tensor's data in a safetensors file with 0xff; its key."""
+    with open(file, "r+b") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_len))
+        key = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
+        start, stop = header[key]["data_offsets"]
+        assert stop - start >= nbytes, (key, stop - start)
+        f.seek(8 + header_len + start)
+        f.write(b"\xff" * nbytes)
+    return key
+
+
+DAMAGED = ("swapped", "other_step", "other_run", "corrupt", "client_garbage", "client_swapped")
+
+
+def _damaged_copies(root: Path) -> dict[str, Any]:
+    """Rank 0: copies of run/step-00000004, each with one file swapped, replaced or damaged."""
+    good, tag = root / "run" / "step-00000004", "step-00000004"
+    r0, r1 = "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"
+    c0, c1 = "client-00000-of-00002.pt", "client-00001-of-00002.pt"
+    info: dict[str, Any] = {}
+    d = {name: root / name / tag for name in DAMAGED}
+    for copy in d.values():
+        shutil.copytree(good, copy)
+    os.replace(d["swapped"] / r0, d["swapped"] / "x")
+    os.replace(d["swapped"] / r1, d["swapped"] / r0)
+    os.replace(d["swapped"] / "x", d["swapped"] / r1)
+    shutil.copy(root / "run" / "step-00000003" / r1, d["other_step"] / r1)
+    shutil.copy(root / "twin" / tag / r1, d["other_run"] / r1)
+    info["corrupt_key"] = overwrite_tensor_bytes(d["corrupt"] / r1)
+    (d["client_garbage"] / c1).write_bytes(b"not a torch.save file")
+    os.replace(d["client_swapped"] / c0, d["client_swapped"] / "x")
+    os.replace(d["client_swapped"] / c1, d["client_swapped"] / c0)
+    os.replace(d["client_swapped"] / "x", d["client_swapped"] / c1)
+    # latest names a checkpoint marked COMPLETE that lacks a rank file (as a buggy save left it).
+    for t in ("step-00000003", "step-00000004"):
+        shutil.copytree(root / "run" / t, root / "fallback" / t)
+    (root / "fallback" / tag / r1).unlink()
+    (root / "fallback" / "latest").write_text(f"{tag}\n")
+    return info
+
+
+def failures(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """On 2 ranks, stage 3: a save whose rank-1 write fails on a full disk, loads after it, keep_last,
+    and loads of checkpoints with swapped, copied or damaged files."""
+    base = Path(root)
+    run = base / "run"
+    out: dict[str, Any] = {}
+    engine = make_engine("dna", 3, ADAMW)
+    train(engine, "dna", 1, 1)
+    engine.save_checkpoint(run, client_state={"step": 1})
+    out["step1"] = engine.full_state_dict()
+    train(engine, "dna", 2, 2)
+    if rank == 1:
+        zerofx.checkpoint.save_file = _disk_full
+    out["failed_save"] = _error(lambda: engine.save_checkpoint(run, client_state={"step": 2}))
+    zerofx.checkpoint.save_file = save_file
+    dist.barrier()  # a caller that catches the error and goes on
+    if rank == 0:
+        out["after_failure"] = {"files": sorted(os.listdir(run)), "latest": (run / "latest").read_text().strip()}
+
+    fresh = make_engine("dna", 2, ADAMW)  # stage 2: loading all-gathers full flats, where a lone failure would hang
+    out["named_failed_tag"] = _error(lambda: fresh.load_checkpoint(run, "step-00000002"))
+    out["loaded_client"] = fresh.load_checkpoint(run)
+    out["loaded"] = fresh.full_state_dict()
+
+    out["bad_keep_last"] = [_error(lambda k=k: engine.save_checkpoint(run, keep_last=k)) for k in (0, True, 2.5)]
+    engine.save_checkpoint(run, tag="best", keep_last=1)  # not a step-<N> tag: never deleted
+    for step in (3, 4):
+        train(engine, "dna", step, step)
+        engine.save_checkpoint(run, keep_last=2)
+        dist.barrier()
+        if rank == 0:
+            out[f"kept_after_step{step}"] = sorted(p for p in os.listdir(run) if not p.startswith("."))
+    engine.save_checkpoint(base / "twin")  # step 4 again, in another save
+
+    info = _damaged_copies(base) if rank == 0 else {}
+    dist.barrier()
+    out["damaged"] = {
+        name: _error(lambda name=name: fresh.load_checkpoint(base / name, "step-00000004"))
+        for name in DAMAGED
+    }
+    out["corrupt_key"] = info.get("corrupt_key")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["fallback_client"] = fresh.load_checkpoint(base / "fallback")
+    out["fallback_warnings"] = [str(w.message) for w in caught]
+    out["fallback_step"] = fresh.global_steps
+
+    # Re-save the tag latest names when a newer step-<N> exists: keep_last=1 keeps both.
+    engine.load_checkpoint(run, "step-00000003")
+    engine.save_checkpoint(run, keep_last=1)
+    dist.barrier()
+    if rank == 0:
+        out["kept_after_resave"] = sorted(p for p in os.listdir(run) if not p.startswith("."))
+    return out

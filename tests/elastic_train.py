@@ -21,11 +21,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from tests.checkpoint_workers import SGD, make_engine, train  # noqa: E402
-from zerofx.checkpoint import latest_complete_tag  # noqa: E402
+from tests.checkpoint_workers import SGD, make_engine, train
+from zerofx.checkpoint import latest_complete_tag
 
 
 def log(out: Path, **event: Any) -> None:

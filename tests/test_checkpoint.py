@@ -1,15 +1,19 @@
 """Sharded checkpoints (zerofx/checkpoint.py, checkpoint_format.py, consolidation.py).
 
 Real gloo ranks save and load; one 3-rank run (module fixture) covers the round trip at every
-stage at world size 2, and loads those checkpoints at world sizes 3 and 1 at other stages. A
-save is killed with SIGKILL mid-write, and torchelastic really loses a node.
+stage at world size 2, and loads those checkpoints at world sizes 3 and 1 at other stages. One
+2-rank run (module fixture) covers a save that fails on one rank, keep_last, and loads of
+checkpoints with swapped, copied or damaged files. A save is killed with SIGKILL mid-write, and
+torchelastic really loses a node.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,11 +31,17 @@ from tests import checkpoint_workers as cw
 from tests.dist_utils import ROOT, _worker, free_port, run_ranks
 from tests.models import BUILDERS, TINY
 from zerofx.checkpoint import CheckpointError, check_structure, consolidate, latest_complete_tag, model_structure, read_metadata
-from zerofx.checkpoint_format import RankFiles, check_rank_files, resolve_tag
+from zerofx.checkpoint_format import RankFiles, check_rank_files, read_client, resolve_tag
 from zerofx.cli import main
 from zerofx.models import DNADecoderLM
 
 SGD_TOL = 1e-5  # fp32, the same tolerance as the parity tests
+
+
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("failures")
+    return root, run_ranks(2, cw.failures, str(root))
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +146,13 @@ def test_mixed_precision_masters_states_and_loss_scale_survive_a_reshard(runs: t
     assert not torch.equal(saved["state"]["embed.weight"].float(), fp32["state"]["embed.weight"])
 
 
-def test_each_rank_reads_only_the_slices_it_needs(runs: tuple[Path, list]) -> None:
+def test_each_rank_reads_only_the_slices_it_needs(runs: tuple[Path, list], tmp_path: Path) -> None:
     root, _ = runs
     path = resolve_tag(root / "stage3", None)
     meta = read_metadata(path.parent)
     fqn = "blocks.1.mlp.down.weight"
     shard = meta["placements"][fqn]["shard_numel"]
-    full = load_file(str(consolidate(path.parent, path.parent / "full.safetensors")))[fqn].reshape(-1)
+    full = load_file(str(consolidate(path.parent, tmp_path / "full.safetensors")))[fqn].reshape(-1)
     with RankFiles(check_rank_files(path, 2)) as files:
         assert torch.equal(files.read_range(f"param/{fqn}", shard, shard + 3, shard + 40), full[shard + 3 : shard + 40])
         assert files.opened == [1]
@@ -214,6 +224,247 @@ def test_errors_name_what_is_wrong(runs: tuple[Path, list], tmp_path: Path) -> N
         check_structure(read_metadata(src), model_structure(wider), str(src))
     check_structure(read_metadata(src), model_structure(BUILDERS["dna"]()), str(src))  # the same model passes
     assert "client_state" in results[0]["bad_client_state"] and "accepted" in results[0]["bad_client_state"]
+
+
+# --------------------------------------------------------------------------- failed saves, damaged files
+def test_a_save_that_fails_on_one_rank_is_never_marked_complete(failed: tuple[Path, list]) -> None:
+    """Rank 1's disk fills while it writes its rank file; both ranks catch the error and go on."""
+    root, results = failed
+    for rank in (0, 1):
+        msg = results[rank]["failed_save"]
+        assert msg is not None and "\n" not in msg
+        assert re.search(r"checkpoint 'step-00000002' .* was not saved \(rank 1: OSError: \[Errno 28\] No space left on device", msg), msg
+        assert "rank 0" not in msg
+        # Named, the failed tag is an error; unnamed, the previous checkpoint loads.
+        assert "no checkpoint tag 'step-00000002'" in results[rank]["named_failed_tag"]
+        assert results[rank]["loaded_client"] == {"step": 1}
+        _assert_equal(results[0]["step1"], results[rank]["loaded"])
+    # Nothing of the failed save is left, and latest still names step 1.
+    assert results[0]["after_failure"] == {"files": ["latest", "step-00000001"], "latest": "step-00000001"}
+
+
+def test_load_skips_a_complete_marked_checkpoint_with_missing_files(failed: tuple[Path, list], tmp_path: Path) -> None:
+    """latest names step 4, marked COMPLETE but without rank 1's file: tag=None loads step 3."""
+    root, results = failed
+    for rank in (0, 1):
+        assert results[rank]["fallback_step"] == 3
+        (warning,) = results[rank]["fallback_warnings"]
+        assert warning.startswith("using checkpoint 'step-00000003'")
+        assert "skipping ones that cannot load: checkpoint '" in warning
+        assert "step-00000004' saved at world size 2 is missing rank files" in warning
+    assert latest_complete_tag(root / "fallback") == "step-00000003"
+    with pytest.raises(CheckpointError, match="missing rank files: rank-00001-of-00002.safetensors"):  # named, it is an error
+        consolidate(root / "fallback", tmp_path / "out.safetensors", tag="step-00000004")
+
+
+def test_keep_last_deletes_the_oldest_step_checkpoints(failed: tuple[Path, list]) -> None:
+    root, results = failed
+    r = results[0]
+    for rank in (0, 1):
+        assert results[rank]["bad_keep_last"] == [
+            f"keep_last={k} is invalid; accepted: None (keep every checkpoint) or an integer >= 1" for k in ("0", "True", "2.5")
+        ]
+    assert r["kept_after_step3"] == ["best", "latest", "step-00000001", "step-00000003"]
+    assert r["kept_after_step4"] == ["best", "latest", "step-00000003", "step-00000004"]  # "best" is not a step-<N> tag
+    # keep_last=1 re-saving step 3, which latest then names, while step 4 exists: both stay.
+    assert r["kept_after_resave"] == ["best", "latest", "step-00000003", "step-00000004"]
+    assert latest_complete_tag(root / "run") == "step-00000003"
+
+
+@pytest.mark.parametrize(
+    ("name", "pattern"),
+    [
+        ("swapped", r"rank 0: rank file '[^']*/swapped/step-00000004/rank-00000-of-00002\.safetensors' does not belong to checkpoint "
+                    r".*: it holds rank 1's data, not rank 0's .*; rank 1: .*rank-00001-of-00002\.safetensors.*it holds rank 0's data"),
+        ("other_step", r"^rank 1: rank file '[^']*/other_step/step-00000004/rank-00001-of-00002\.safetensors' does not belong .*: "
+                       r"it was saved under tag 'step-00000003', not 'step-00000004'"),
+        ("other_run", r"^rank 1: rank file '[^']*/other_run/step-00000004/rank-00001-of-00002\.safetensors' does not belong .*: "
+                      r"it comes from another save \(save id [0-9a-f]{16}, not [0-9a-f]{16}"),
+        ("client_swapped", r"rank 0: client file '[^']*/client-00000-of-00002\.pt' does not belong .*: it holds rank 1's data"),
+    ],
+)
+def test_swapped_or_copied_files_are_refused(failed: tuple[Path, list], tmp_path: Path, name: str, pattern: str) -> None:
+    root, results = failed
+    for rank in (0, 1):  # one rank found it; both raise, and neither hangs
+        msg = results[rank]["damaged"][name]
+        assert msg is not None and "\n" not in msg and re.search(pattern, msg), msg
+    if name != "client_swapped":  # consolidate reads no client files
+        rank_file_pattern = pattern.split("; rank 1")[0].removeprefix("^").removeprefix("rank 0: ").removeprefix("rank 1: ")
+        with pytest.raises(CheckpointError, match=rank_file_pattern):
+            consolidate(root / name, tmp_path / "out.safetensors")
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_damaged_tensor_bytes_fail_load_and_consolidate(failed: tuple[Path, list], tmp_path: Path) -> None:
+    """4,000 bytes of rank 1's largest tensor overwritten with 0xff."""
+    root, results = failed
+    key = results[0]["corrupt_key"]
+    pattern = (rf"rank file '[^']*/corrupt/step-00000004/rank-00001-of-00002\.safetensors': tensor '{re.escape(key)}' "
+               r"fails its checksum \(CRC-32 [0-9a-f]{8}, saved [0-9a-f]{8}\): the file is damaged")
+    for rank in (0, 1):
+        assert re.search("^rank 1: " + pattern, results[rank]["damaged"]["corrupt"]), results[rank]["damaged"]["corrupt"]
+    with pytest.raises(CheckpointError, match=pattern):
+        consolidate(root / "corrupt", tmp_path / "out.safetensors")
+    assert list(tmp_path.iterdir()) == []
+    # The same bytes damaged after the header's checksums were checked: a streamed read in small chunks still finds it.
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "run" / "step-00000004", copy / "step-00000004")
+    cw.overwrite_tensor_bytes(copy / "step-00000004" / "rank-00000-of-00002.safetensors", 4000)
+    with pytest.raises(CheckpointError, match=r"rank-00000-of-00002\.safetensors': tensor '.*' fails its checksum"):
+        consolidate(copy, tmp_path / "out.safetensors", chunk_bytes=64)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]
+
+
+def test_missing_or_garbage_client_file_is_named(failed: tuple[Path, list], tmp_path: Path) -> None:
+    root, results = failed
+    for rank in (0, 1):
+        msg = results[rank]["damaged"]["client_garbage"]
+        assert re.fullmatch(r"rank 1: client file '[^']*/client_garbage/step-00000004/client-00001-of-00002\.pt' is not a readable "
+                            r"torch\.save file \(\w+\); accepted: the file rank 1 wrote in this save .*", msg), msg
+    copy = tmp_path / "ckpt"
+    shutil.copytree(root / "run" / "step-00000004", copy / "step-00000004")
+    (copy / "step-00000004" / "client-00001-of-00002.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"missing client files: client-00001-of-00002\.pt; .* holds no other complete checkpoint"):
+        resolve_tag(copy, None)
+    meta = json.loads((copy / "step-00000004" / "metadata.json").read_text())
+    with pytest.raises(CheckpointError, match=r"client file '.*client-00001-of-00002\.pt' is not readable \(No such file"):
+        read_client(copy / "step-00000004", meta, 1)
+    assert read_client(copy / "step-00000004", meta, 0)["rank"] == 0
+
+
+@pytest.mark.parametrize(
+    ("edit", "pattern"),
+    [
+        ({"shard_numel": 1}, r"gives blocks\.0\.mlp\.gate\.weight \(shape \(70, 30\)\) numel 2100, shard_numel 1 and padded_numel 2100 "
+                             r"at world size 2; accepted: numel = the shape's product <= padded_numel = shard_numel \* world_size"),
+        ({"shard_numel": 2000, "padded_numel": 4000},
+         r"rank file '.*rank-00000-of-00002\.safetensors': tensor 'param/blocks\.0\.mlp\.gate\.weight' has shape \[1050\], "
+         r"but metadata\.json gives shard_numel 2000"),
+        ({"shard_numel": "1050"}, r"shard_numel '1050'"),
+    ],
+)
+def test_edited_shard_numel_is_named(failed: tuple[Path, list], tmp_path: Path, edit: dict, pattern: str) -> None:
+    root, _ = failed
+    copy = tmp_path / "ckpt"
+    shutil.copytree(root / "run" / "step-00000004", copy / "step-00000004")
+    path = copy / "step-00000004" / "metadata.json"
+    meta = json.loads(path.read_text())
+    meta["placements"]["blocks.0.mlp.gate.weight"].update(edit)
+    path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=pattern):
+        consolidate(copy, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+    del meta["placements"]
+    path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"metadata\.json is malformed \(KeyError: 'placements'\)"):
+        read_metadata(copy)
+
+
+def test_format_1_checkpoints_still_consolidate(failed: tuple[Path, list], tmp_path: Path) -> None:
+    """Format 1 recorded no tag, save id or checksums: the rank and world size are still checked."""
+    root, _ = failed
+    copy = tmp_path / "v1"
+    shutil.copytree(root / "run" / "step-00000004", copy / "step-00000004")
+    path = copy / "step-00000004" / "metadata.json"
+    meta = json.loads(path.read_text())
+    for key in ("tag", "save_id", "client_crc32"):
+        del meta[key]
+    path.write_text(json.dumps({**meta, "format_version": 1}))
+    v1 = load_file(str(consolidate(copy, tmp_path / "v1.safetensors")))
+    _assert_equal(v1, load_file(str(consolidate(root / "run", tmp_path / "v2.safetensors", tag="step-00000004"))))
+    r0, r1 = (copy / "step-00000004" / f"rank-0000{r}-of-00002.safetensors" for r in (0, 1))
+    os.replace(r0, tmp_path / "x")
+    os.replace(r1, r0)
+    os.replace(tmp_path / "x", r1)
+    with pytest.raises(CheckpointError, match=r"rank-00000-of-00002\.safetensors' does not belong .*: it holds rank 1's data"):
+        consolidate(copy, tmp_path / "v1.safetensors")
+
+
+def test_rank_files_have_the_mode_of_the_other_files(failed: tuple[Path, list]) -> None:
+    root, _ = failed
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (root / "run" / "step-00000004").iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+# --------------------------------------------------------------------------- consolidate's output
+def test_consolidate_refuses_an_output_in_the_checkpoint(failed: tuple[Path, list], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    root, _ = failed
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(root / "run" / "step-00000004", ckpt / "step-00000004")
+    rank0 = ckpt / "step-00000004" / "rank-00000-of-00002.safetensors"
+    before = rank0.read_bytes()
+    elsewhere = tmp_path / "out"
+    elsewhere.mkdir()
+    (elsewhere / "link.safetensors").symlink_to(rank0)  # a symlink to an input, outside the checkpoint
+    (tmp_path / "ckpt-link").symlink_to(ckpt)  # the checkpoint through a symlink
+    os.link(rank0, elsewhere / "hard.safetensors")
+    for out in (rank0, ckpt / "model.safetensors", ckpt / "step-00000004" / "new.safetensors", tmp_path / "ckpt-link" / "m.safetensors"):
+        with pytest.raises(CheckpointError, match=rf"cannot write '{re.escape(str(out))}': it is inside the checkpoint directory .*; "
+                                                  r"accepted: a file path outside the checkpoint directory"):
+            consolidate(ckpt, out)
+    for out in (elsewhere / "link.safetensors", elsewhere / "hard.safetensors"):
+        with pytest.raises(CheckpointError, match=r"it is (inside the checkpoint directory|the checkpoint's own file)"):
+            consolidate(ckpt, out)
+    assert main(["consolidate", str(ckpt), str(rank0)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot write '{rank0}'" in err and "accepted: a file path outside" in err
+    assert rank0.read_bytes() == before and sorted(p.name for p in rank0.parent.iterdir()) == [
+        "COMPLETE", "client-00000-of-00002.pt", "client-00001-of-00002.pt", "metadata.json",
+        "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
+    read_metadata(ckpt)  # still loads
+
+
+def test_consolidate_output_folder_errors_come_before_any_work(failed: tuple[Path, list], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    root, _ = failed
+    opened: list[str] = []
+    monkeypatch.setattr(RankFiles, "get", lambda self, rank: opened.append(rank))  # any read would be recorded
+    missing = tmp_path / "nowhere" / "m.safetensors"
+    with pytest.raises(CheckpointError, match=rf"cannot write '{re.escape(str(missing))}': folder '.*nowhere' does not exist; accepted"):
+        consolidate(root / "run", missing)
+    assert main(["consolidate", str(root / "run"), str(missing)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    if os.access(read_only, os.W_OK):  # root ignores permissions; /sys is read-only to it
+        read_only = Path("/sys")
+    with pytest.raises(CheckpointError, match=rf"cannot write '.*m\.safetensors': folder '{read_only}' is not writable \(.*\); accepted"):
+        consolidate(root / "run", read_only / "m.safetensors")
+    assert opened == []
+
+
+def test_consolidate_that_fails_midway_removes_its_temp_file_and_keeps_the_old_output(
+    failed: tuple[Path, list], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The disk fills after two tensors; the previous output stays whole."""
+    root, _ = failed
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"the previous output")
+    import zerofx.consolidation
+
+    real_write, calls = zerofx.consolidation._write, []
+
+    def write(f: Any, t: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(f, t)
+
+    monkeypatch.setattr(zerofx.consolidation, "_write", write)
+    with pytest.raises(CheckpointError, match=rf"could not write '{re.escape(str(out))}' \(No space left on device\); "
+                                              r"the partial file was removed and the output is unchanged"):
+        consolidate(root / "run", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"] and out.read_bytes() == b"the previous output"
+    assert main(["consolidate", str(root / "run"), str(out)]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    monkeypatch.setattr(zerofx.consolidation, "_write", real_write)
+    assert main(["consolidate", str(root / "run"), str(out)]) == 0  # a whole file replaces it
+    assert list(load_file(str(out))) == list(BUILDERS["dna"]().state_dict())
+    assert out.stat().st_mode & 0o777 == (root / "run" / "latest").stat().st_mode & 0o777
 
 
 # --------------------------------------------------------------------------- a killed save

@@ -10,12 +10,12 @@ import torch
 import torch.fx as fx
 
 import zerofx
-from passes import ZeroStage, meta, partition_joint, plan_sharding, reduce_grads_pass, shard_params_pass
-from cost_models.comm import CPU_GLOO, efficient_bucket_bytes, estimate_all_gather_s, estimate_all_reduce_s
-from passes.check_collectives import collective_sequence, first_divergence
-from passes.plan import Plan
-from passes.plan_buckets import choose_prefetch_distance, plan_buckets
-from passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
+from zerofx.passes import ZeroStage, meta, partition_joint, plan_sharding, reduce_grads_pass, shard_params_pass
+from zerofx.cost_models.comm import CPU_GLOO, efficient_bucket_bytes, estimate_all_gather_s, estimate_all_reduce_s
+from zerofx.passes.check_collectives import collective_sequence, first_divergence
+from zerofx.passes.plan import Plan
+from zerofx.passes.plan_buckets import choose_prefetch_distance, plan_buckets
+from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 from tests.models import BATCH, SEQ, TINY
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig
 
@@ -158,7 +158,7 @@ def test_param_sync_writes_each_bucket_in_place() -> None:
     """Stages 1-2: the parameter all-gather after the step copies each bucket into the engine's
     full flats (inputs) right after its wait, so one gathered bucket is alive at a time, not a
     second copy of the whole model."""
-    from cost_models.memory_timeline import graph_timeline
+    from zerofx.cost_models.memory_timeline import graph_timeline
     sync = meta_program(2, 4, **SMALL_BUCKETS).graph_modules(0)["param_sync"]
     gathers = [n for n in sync.graph.nodes if meta.is_all_gather(n)]
     assert len(gathers) >= 3
@@ -173,7 +173,7 @@ def test_param_sync_writes_each_bucket_in_place() -> None:
 def test_reductions_in_flight_are_bounded() -> None:
     """NOTE [A reduction holds its input until its wait]: with the overlap, no point of the
     backward has more than REDUCTIONS_IN_FLIGHT reductions issued and not yet waited for."""
-    from passes.schedule_overlap import REDUCTIONS_IN_FLIGHT
+    from zerofx.passes.schedule_overlap import REDUCTIONS_IN_FLIGHT
     bw = meta_program(3, 4, overlap_comm=True, **SMALL_BUCKETS).graph_modules(0)["backward"]
     in_flight, most = set(), 0
     for n in bw.graph.nodes:
@@ -187,7 +187,7 @@ def test_reductions_in_flight_are_bounded() -> None:
 
 def test_memory_model_holds_a_collective_input_until_its_wait() -> None:
     """A reduce-scatter's input stays counted until its wait_tensor, not its issue."""
-    from cost_models.memory_timeline import graph_timeline
+    from zerofx.cost_models.memory_timeline import graph_timeline
     graph = fx.Graph()
     x = graph.placeholder("x")
     big = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
@@ -358,7 +358,7 @@ def test_cse_merges_what_the_partitioners_cse_merges(kind: str) -> None:
     partitioner's]): on real joints it must produce the same graph, node for node."""
     from torch._functorch.compile_utils import fx_graph_cse
 
-    from passes.cse import eliminate_common_subexpressions
+    from zerofx.passes.cse import eliminate_common_subexpressions
     from tests.models import llama
 
     if kind == "llama_stage3":
@@ -375,8 +375,8 @@ def test_cse_merges_what_the_partitioners_cse_merges(kind: str) -> None:
 
 
 def test_cse_keeps_random_ops_and_collectives_apart() -> None:
-    from passes import _compat
-    from passes.cse import eliminate_common_subexpressions
+    from zerofx.passes import _compat
+    from zerofx.passes.cse import eliminate_common_subexpressions
 
     graph = fx.Graph()
     x = graph.placeholder("x")

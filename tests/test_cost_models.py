@@ -9,11 +9,11 @@ import torch
 import torch.nn as nn
 
 import zerofx
-from cost_models.comm import CPU_GLOO, CommSpec, estimate_all_gather_s, estimate_reduce_scatter_s
-from cost_models.compute import CPU_CORE, DeviceSpec, estimate_flops
-from cost_models.memory import estimate_model_state_bytes, zero_paper_bytes
-from passes import meta
-from passes.analyze_schedule import format_report
+from zerofx.cost_models.comm import CPU_GLOO, estimate_all_gather_s, estimate_reduce_scatter_s
+from zerofx.cost_models.compute import DeviceSpec, estimate_flops
+from zerofx.cost_models.memory import estimate_model_state_bytes, zero_paper_bytes
+from zerofx.passes import meta
+from zerofx.passes.analyze_schedule import format_report
 from tests.test_core_passes import SMALL_BUCKETS, meta_program
 
 
@@ -51,7 +51,11 @@ def test_flops_of_matmul_and_attention() -> None:
 
     program = zerofx.compile(Attn(), world_size=1, stage=0, example_inputs=(torch.ones(2, 8, 16),))
     fw = program.graph_modules(0)["forward"]
-    flops = {n.target.__name__: estimate_flops(n) for n in fw.graph.nodes if n.op == "call_function" and "mm" in n.target.__name__ or "scaled_dot" in str(n.target)}
+    flops = {
+        n.target.__name__: estimate_flops(n)
+        for n in fw.graph.nodes
+        if n.op == "call_function" and "mm" in n.target.__name__ or "scaled_dot" in str(n.target)
+    }
     assert flops["mm.default"] == 2 * 16 * 16 * 16  # (B*T, d) x (d, d)
     attn = next(v for k, v in flops.items() if "scaled_dot_product" in k)
     assert attn == 2 * 2 * (2 * 4) * 8 * 8 * 4  # QK^T and PV over (B*nh) heads of T x T x hd

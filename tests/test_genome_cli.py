@@ -187,7 +187,7 @@ def test_cli_estimate_matches_the_paper(capsys: pytest.CaptureFixture[str]) -> N
     "argv, message",
     [
         (["plan", "13b", "--world-size", "8", "--stage", "3"], "accepted: " + ", ".join(DNA_LM_SIZES)),
-        (["plan", "tiny", "--world-size", "0", "--stage", "3"], "--world-size 0"),
+        (["plan", "tiny", "--world-size", "0", "--stage", "3"], "argument --world-size: 0 is out of range"),
         (["plan", "tiny", "--world-size", "8", "--stage", "4"], "--stage 4"),
         (["estimate", "tiny", "--world-size", "8", "--stage", "-1"], "--stage -1"),
         (["estimate", "--world-size", "8"], "exactly one of --params P and --model MODEL"),
@@ -195,8 +195,8 @@ def test_cli_estimate_matches_the_paper(capsys: pytest.CaptureFixture[str]) -> N
         (["plan", "tiny", "--world-size", "8", "--stage", "3", "--budget", "lots"], "cannot read 'lots' as a size"),
         (["plan", "tiny", "--world-size", "8", "--stage", "3", "--profile", "tpu"], "neither a built-in"),
         (["train", "--model", "tinny"], "did you mean tiny"),
-        (["train", "--world-size", "0"], "--world-size 0"),
-        (["train", "--seq-len", "1"], "--seq-len 1"),
+        (["train", "--world-size", "0"], "argument --world-size: 0 is out of range"),
+        (["train", "--seq-len", "1"], "argument --seq-len: 1 is out of range"),
         (["train", "--fasta", "/nonexistent/genome.fa"], "does not exist"),
         (["plan", "tiny", "--world-size", "two"], "invalid int value"),
         (["frobnicate"], "invalid choice"),
@@ -217,14 +217,19 @@ def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--print-graph" in capsys.readouterr().out
 
 
-def test_cli_train_two_gloo_ranks_stage3(capfd: pytest.CaptureFixture[str]) -> None:
+def test_cli_train_two_gloo_ranks_stage3(capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     # capfd, not capsys: the spawned ranks write to the inherited file descriptors.
-    assert main(["train", "--world-size", "2", "--stage", "3", "--steps", "3", "--seq-len", "64"]) == 0
+    run = tmp_path / "run"
+    assert main(["train", "--world-size", "2", "--stage", "3", "--steps", "3", "--seq-len", "64", "--output-dir", str(run),
+                 "--save-every", "1", "--keep-last", "2", "--collective-timeout", "60"]) == 0
     out = capfd.readouterr().out
     losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and "step 3/3 loss" in out
     # Untrained, the model guesses about uniformly over 5 tokens: ln 5 = 1.609.
     assert abs(losses[0] - 1.609) < 0.1 and losses[-1] < losses[0]
+    assert "genome lambda_virus.fa.gz: 48,502 bases in 1 record, 0 became N (0.00%)" in out
+    # --keep-last 2: the first of three saves is deleted once the third is complete.
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-00000002", "step-00000003"]
 
 
 def test_kmer_tokens_and_windows() -> None:
@@ -276,5 +281,7 @@ def test_train_takes_the_micro_batch_from_the_config(tmp_path: Path) -> None:
     cfg.write_text('{"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}')
     opts = _check_train_options(TrainOptions(config=cfg, seq_len=64))
     assert opts.batch_size == 3 and opts.stage == 2
-    assert _check_train_options(TrainOptions(config=cfg, seq_len=64, batch_size=1)).batch_size == 1
+    # A --batch-size that disagrees with the config is an error naming both (issue 20, item 14).
+    with pytest.raises(ZeroFXError, match="--batch-size 1 disagrees .* train_micro_batch_size_per_gpu=3"):
+        _check_train_options(TrainOptions(config=cfg, seq_len=64, batch_size=1))
     assert _check_train_options(TrainOptions(seq_len=64)).batch_size == 2

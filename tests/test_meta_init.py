@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import zerofx
 from tests.dist_utils import run_ranks
 from tests.meta_workers import init_peak_rss, initialize_error, meta_vs_materialized
 from zerofx.errors import ZeroFXError

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import zerofx
-from cost_models.offload import OffloadItem, Tier, TierSpec, estimate_offload_timeline
-from passes.plan_offload import OffloadPlan, plan_offload
+from zerofx.cost_models.offload import OffloadItem, Tier, TierSpec, estimate_offload_timeline
+from zerofx.passes.plan_offload import OffloadPlan, plan_offload
 from tests.dist_utils import run_ranks
 from tests.models import reference
 from tests.offload_workers import config, fault_runs, param_config, reference_late, run_many
@@ -304,7 +304,7 @@ def test_plan_shows_the_placement(tmp_path: Path, capsys: pytest.CaptureFixture)
 
 # --------------------------------------------------------------------------- offload_param (stage 3)
 def test_param_fetch_timeline_closed_form() -> None:
-    from cost_models.offload import FetchItem, estimate_param_fetch_s
+    from zerofx.cost_models.offload import FetchItem, estimate_param_fetch_s
 
     # Shards of 1000 bytes read at 1000 B/s (1 s each), needed at 0, 1, 2 s into the pass.
     tiers = {Tier.NVME: TierSpec(INF, 1000.0, 500.0), Tier.CPU: TierSpec(INF, INF, INF)}
@@ -318,7 +318,7 @@ def test_param_fetch_timeline_closed_form() -> None:
 
 
 def test_param_placement_and_plan_round_trip() -> None:
-    from passes.plan_offload import ParamOffloadPlan, plan_param_offload
+    from zerofx.passes.plan_offload import ParamOffloadPlan, plan_param_offload
 
     tiers = {Tier.DEVICE: TierSpec(0, INF, INF), Tier.CPU: TierSpec(250, INF, INF), Tier.NVME: TierSpec(INF, 1e3, 1e3)}
     shards = [("a", 100, True), ("b", 200, True), ("c", 50, False)]
@@ -348,9 +348,9 @@ def _stage3_graphs() -> tuple[dict, object]:
 
 
 def test_fetch_params_pass_fetches_each_shard_right_before_its_gather() -> None:
-    from passes import meta
-    from passes.fetch_params import FETCH_FQN, fetch_order, fetch_params_pass, is_fetch
-    from passes.plan_offload import ParamOffloadPlan
+    from zerofx.passes import meta
+    from zerofx.passes.fetch_params import FETCH_FQN, fetch_order, fetch_params_pass, is_fetch
+    from zerofx.passes.plan_offload import ParamOffloadPlan
 
     gms, plan = _stage3_graphs()
     sharded = [p.fqn for p in plan.params if p.fqn not in plan.persistent]
@@ -395,7 +395,7 @@ def test_fetch_params_pass_fetches_each_shard_right_before_its_gather() -> None:
 
 
 def _param_store(tmp_path: Path, numels: dict[str, int], buffer_count: int = 2):
-    from passes.plan_offload import ParamOffloadPlan
+    from zerofx.passes.plan_offload import ParamOffloadPlan
     from zerofx.param_offload import ParamOffloadOptions, ParamStore
 
     plan = ParamOffloadPlan(tuple((f, Tier.NVME) for f in numels), tuple((f, 4 * n) for f, n in numels.items()), buffer_count, {})
@@ -411,7 +411,7 @@ def test_param_store_window_is_bounded(tmp_path: Path) -> None:
     store = _param_store(tmp_path, numels, buffer_count=2)
     store.set_schedule(list(numels))
     store.reset_peak()
-    for step in range(2):
+    for _step in range(2):
         for i, f in enumerate(numels):
             shard = torch.ops.zerofx.fetch_shard(store.token, f, 1000, torch.float32, torch.device("cpu"))
             assert torch.equal(shard, torch.full((1000,), float(i)))
@@ -430,7 +430,7 @@ def test_param_store_window_is_bounded(tmp_path: Path) -> None:
 
 
 def test_param_store_faults_name_the_path(tmp_path: Path) -> None:
-    from passes.plan_offload import ParamOffloadPlan
+    from zerofx.passes.plan_offload import ParamOffloadPlan
     from zerofx.param_offload import ParamOffloadOptions, ParamStore
 
     blocker = tmp_path / "a-file"

@@ -11,8 +11,8 @@ import sympy
 import torch
 
 import zerofx
-from cost_models.memory import paper_breakdown
-from cost_models.symbolic import B, T, fit_exact, fit_timeline, longest_fitting
+from zerofx.cost_models.memory import paper_breakdown
+from zerofx.cost_models.symbolic import B, T, fit_exact, fit_timeline, longest_fitting
 from zerofx.planning import (
     ModelSpec,
     load_model_spec,
@@ -96,7 +96,7 @@ def test_plot_and_json(tmp_path: Path) -> None:
 
 
 def test_profiles_builtin_file_and_calibration(tmp_path: Path) -> None:
-    from cost_models.profiles import load_profile, save_profile
+    from zerofx.cost_models.profiles import load_profile, save_profile
     from zerofx.calibrate import calibrate
 
     comm, device = load_profile("h100")
@@ -217,11 +217,11 @@ def test_prefetch_distance_is_lowered_to_fit_the_memory_budget() -> None:
 
 
 def test_memory_model_is_symbolic_in_batch_and_sequence() -> None:
-    from cost_models.symbolic import B, fit_timeline_batch_seq
+    from zerofx.cost_models.symbolic import B, fit_timeline_batch_seq
     from zerofx.planning import solve_memory
 
     # c(T) + B * a(T), fitted from two batch sizes and checked at a third.
-    truth = lambda b, t: 1000 + 7 * t + b * (3 * t * t + 5 * t)  # noqa: E731
+    truth = lambda b, t: 1000 + 7 * t + b * (3 * t * t + 5 * t)  # noqa: E731  (a one-line formula, read like the assert below)
     samples = {(b, t): [truth(b, t), 64 * b] for b in (1, 2) for t in (8, 16, 24, 32)}
     exprs = fit_timeline_batch_seq({**samples, (3, 8): [truth(3, 8), 192]})
     assert exprs == [sympy.expand(1000 + 7 * T + B * (3 * T**2 + 5 * T)), 64 * B]
@@ -243,7 +243,7 @@ def test_memory_model_is_symbolic_in_batch_and_sequence() -> None:
 
 
 def test_buckets_end_at_block_boundaries() -> None:
-    from passes.plan_buckets import plan_buckets, repeated_blocks_of
+    from zerofx.passes.plan_buckets import plan_buckets, repeated_blocks_of
 
     shapes = {"embed.weight": (16, 8), "norm.weight": (8,)}
     for i in range(3):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 import zerofx
 from tests.tiling_models import dna_lm, tokens

@@ -4,16 +4,16 @@
     engine = zerofx.initialize(model, config="ds_config.json", example_inputs=(batch,))
 """
 
-from passes import Plan, ZeroStage
+from zerofx.passes import Plan, ZeroStage
 from zerofx.capture import CapturedStep, capture_step
 from zerofx.checkpoint import CheckpointError, consolidate
 from zerofx.config import ZeroConfig, parse_config
 from zerofx.engine import Engine, initialize
 from zerofx.errors import CaptureError, ConfigError, RankDivergenceError, ZeroFXError
 from zerofx.materialize import init_weights_
-from zerofx.program import Program, compile  # noqa: A004
+from zerofx.program import Program, compile
 
-__version__ = "0.1.0"
+from zerofx._version import __version__
 
 __all__ = [
     "CaptureError",

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cost_models.comm import CommSpec
-from cost_models.compute import DeviceSpec
-from cost_models.profiles import save_profile
-from passes import _compat
+from zerofx.cost_models.comm import CommSpec
+from zerofx.cost_models.compute import DeviceSpec
+from zerofx.cost_models.profiles import save_profile
+from zerofx.passes import _compat
 
 SIZES = (2**14, 2**16, 2**18, 2**20, 2**22)  # bytes per rank
 
@@ -45,7 +45,7 @@ def measure(rank: int, world_size: int, repeats: int = 5) -> list[float]:
         shard = torch.ones(nbytes // 4)
         out = torch.empty(shard.numel() * world_size)
         dist.barrier()
-        t = _time(lambda: _compat.all_gather_flat(out, shard), repeats)
+        t = _time(lambda out=out, shard=shard: _compat.all_gather_flat(out, shard), repeats)
         # Ring: t = (N - 1) * alpha + (N - 1) * nbytes / bw  ->  linear in nbytes.
         xs.append((world_size - 1) * nbytes)
         ys.append(t)
@@ -80,7 +80,7 @@ def calibrate(out: Path, world_size: int = 2, repeats: int = 5) -> tuple[CommSpe
     """Measure with ``world_size`` local gloo ranks and write the profile to ``out``."""
     import socket
 
-    from cost_models.profiles import load_profile
+    from zerofx.cost_models.profiles import load_profile
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -29,9 +29,9 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.func import functional_call
 
-from passes import _compat, meta
-from passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
-from passes.tile_forward import tile_forward_pass
+from zerofx.passes import _compat, meta
+from zerofx.passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
+from zerofx.passes.tile_forward import tile_forward_pass
 from zerofx.errors import CaptureError, MissingLossError
 
 LossFn = Callable[..., torch.Tensor]

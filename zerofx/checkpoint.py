@@ -8,11 +8,23 @@ The files are described in ``zerofx.checkpoint_format`` (NOTE [On-disk layout]):
 one file per rank holding that rank's 1/N slice of every padded flat, and a JSON metadata file.
 
 NOTE [Why a save is atomic]
-Every file is written under a temporary name, fsynced and renamed. Ranks write into
-``.<tag>.partial``; after a barrier, rank 0 writes the metadata and ``COMPLETE`` there, renames
-the directory to ``<tag>`` and then replaces ``latest``. A save killed at any point before that
-rename leaves ``<tag>`` absent and ``latest`` naming the previous checkpoint; loading the
-interrupted tag raises ``CheckpointError`` saying so. All ranks must see one file system.
+Every file is written under a temporary name, fsynced and renamed; a write that fails removes its
+temporary file. Ranks write into ``.<tag>.partial`` and then report success or their error to
+every rank (``all_gather_object``, not a bare barrier). Only when every rank confirmed its files
+does rank 0 write the metadata and ``COMPLETE`` there, rename the directory to ``<tag>`` and
+replace ``latest``; it reports that step's outcome the same way. When any rank failed, rank 0
+removes the partial directory, nothing is marked complete, ``latest`` is untouched, and every
+rank raises one ``CheckpointError`` naming the failed ranks and their reasons: a caller that
+catches it can go on training and save again. A save killed at any point before the rename
+leaves ``<tag>`` absent and ``latest`` naming the previous checkpoint; loading the interrupted
+tag raises ``CheckpointError`` saying so. All ranks must see one file system.
+
+NOTE [Loading checks before it changes anything]
+A load first reads and checks, on every rank, all it will use: the metadata, each rank file's
+identity and the checksum of every tensor this rank reads (NOTE [Checkpoint identity and
+checksums] in ``zerofx.checkpoint_format``), and its client file. The ranks then agree on the
+outcome and on the checkpoint (tag and save id) they found: one rank's damaged file is an error
+on every rank, before the first collective, instead of a peer left waiting in an all-gather.
 
 NOTE [Loading at another world size or stage]
 Rank r' of M owns elements ``[r' * s', (r' + 1) * s')`` of each new padded flat. It reads only
@@ -30,19 +42,22 @@ import io
 import json
 import os
 import random
+import re
+import secrets
 import shutil
-from collections.abc import Mapping
+import warnings
+import zlib
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import safetensors
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-import zerofx
-from passes import _compat
+from zerofx._version import __version__
 from zerofx.checkpoint_format import (
     COMPLETE,
     FORMAT_VERSION,
@@ -54,17 +69,22 @@ from zerofx.checkpoint_format import (
     check_rank_files,
     check_structure,
     client_file,
+    complete_tags,
     latest_complete_tag,
     model_class,
     model_structure,
     rank_file,
+    rank_file_header,
+    read_client,
     read_metadata,
     resolve_tag,
+    saved_ranks,
     state_dict_keys,
     structure,
     torch_dtype,
 )
 from zerofx.consolidation import consolidate
+from zerofx.passes import _compat
 
 if TYPE_CHECKING:
     from zerofx.engine import Engine
@@ -80,6 +100,10 @@ __all__ = [
     "save_checkpoint",
 ]
 
+# The tags save_checkpoint names by default; keep_last deletes only these.
+DEFAULT_TAG_RE = re.compile(r"step-\d{8,}")
+
+
 # --------------------------------------------------------------------------- writing
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -89,12 +113,52 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _new_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0o666 less the umask (safetensors writes 0o600)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        mask = int(re.search(r"^Umask:\s*([0-7]+)", status, re.M).group(1), 8)  # type: ignore[union-attr]
+    except (OSError, AttributeError):  # not Linux: read it by setting it
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through ``write(tmp)``, fsync, then rename: ``path`` is whole or absent."""
+    """Write through ``write(tmp)``, fsync, then rename: ``path`` is whole or absent, and a
+    failed write (a full disk) leaves no temporary file behind."""
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    _fsync(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.chmod(tmp, _new_file_mode())
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc).strip() else ""
+    return text if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {text}".rstrip(": ")
+
+
+def _all_gather(engine: Engine, status: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``status``, by rank: the ranks' agreement on an outcome."""
+    out: list[Any] = [None] * engine.world_size
+    dist.all_gather_object(out, status, group=engine.group)
+    return out
+
+
+def _failures(statuses: list[dict[str, Any]]) -> str | None:
+    """The ranks' errors, one line (each reason once, with the ranks that gave it); None if none failed."""
+    by_reason: dict[str, list[str]] = {}
+    for rank, s in enumerate(statuses):
+        if s["error"] is not None:
+            by_reason.setdefault(s["error"], []).append(str(rank))
+    if not by_reason:
+        return None
+    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {reason}" for reason, ranks in by_reason.items())
 
 
 def _check_tag(tag: str) -> str:
@@ -196,12 +260,17 @@ def _engine_counters(engine: Engine) -> dict[str, Any]:
     return out
 
 
-def _metadata(engine: Engine, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> dict[str, Any]:
+def _metadata(
+    engine: Engine, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any], tag: str, save_id: str, client_crc32: list[str]
+) -> dict[str, Any]:
     program = engine.program
     groups = _param_groups(engine)
     return {
         "format_version": FORMAT_VERSION,
-        "zerofx_version": zerofx.__version__,
+        "tag": tag,
+        "save_id": save_id,
+        "client_crc32": {str(rank): crc for rank, crc in enumerate(client_crc32)},
+        "zerofx_version": __version__,
         "torch_version": torch.__version__,
         "safetensors_version": safetensors.__version__,
         "model_class": model_class(engine.model),
@@ -230,41 +299,132 @@ def _metadata(engine: Engine, tensors: Mapping[str, torch.Tensor], scalars: Mapp
     }
 
 
-def save_checkpoint(engine: Engine, save_dir: str | Path, tag: str | None = None, client_state: Mapping[str, Any] | None = None) -> None:
+def _check_keep_last(keep_last: int | None) -> None:
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"keep_last={keep_last!r} is invalid; accepted: None (keep every checkpoint) or an integer >= 1")
+
+
+def _client_bytes(client: dict[str, Any], rank: int, n: int, tag: str, save_id: str) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"client_state": client, "rng": _rng_states(), "rank": rank, "world_size": n, "tag": tag, "save_id": save_id}, buf)
+    return buf.getvalue()
+
+
+def _publish(root: Path, staging: Path, tag: str, meta: str) -> None:
+    """Rank 0, once every rank confirmed its files: mark ``staging`` complete, rename it to
+    ``tag`` and point ``latest`` at it. On an error before ``latest`` names it, a copy of ``tag``
+    that was being replaced is put back."""
+    _write_atomically(staging / METADATA, lambda p: p.write_text(meta))
+    _write_atomically(staging / COMPLETE, lambda p: p.write_text(f"{tag}\n"))
+    _fsync(staging)
+    final, old = root / tag, root / f".{tag}.old"
+    replaced = final.exists()
+    if replaced:  # saving a tag again: move the old copy aside, then drop it
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    try:
+        os.replace(staging, final)
+        try:
+            _write_atomically(root / LATEST, lambda p: p.write_text(f"{tag}\n"))
+        except BaseException:
+            os.replace(final, staging)
+            raise
+    except BaseException:
+        if replaced:
+            os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    try:
+        _fsync(root)
+    except OSError as exc:  # the save is complete and ``latest`` names it; only its durability is in doubt
+        warnings.warn(f"checkpoint {tag!r} is saved, but fsync of {str(root)!r} failed ({exc}): a power loss may undo it", stacklevel=3)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    """Rank 0, after a save: delete the oldest complete ``step-<N>`` checkpoints beyond the newest
+    ``keep_last``, never the one ``latest`` names. Each is renamed out of sight first, so one
+    deleted halfway never looks complete. A deletion that fails is a warning: the save stands."""
+    latest = (root / LATEST).read_text().strip()
+    tags = [t for t in complete_tags(root) if DEFAULT_TAG_RE.fullmatch(t)]
+    for tag in tags[: max(0, len(tags) - keep_last)]:
+        if tag == latest:
+            continue
+        doomed = root / f".{tag}.deleted"
+        try:
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.replace(root / tag, doomed)
+            shutil.rmtree(doomed)
+        except OSError as exc:
+            warnings.warn(f"keep_last={keep_last}: could not delete old checkpoint {str(root / tag)!r}: {exc}", stacklevel=3)
+
+
+def save_checkpoint(
+    engine: Engine,
+    save_dir: str | Path,
+    tag: str | None = None,
+    client_state: Mapping[str, Any] | None = None,
+    *,
+    keep_last: int | None = None,
+) -> None:
     """Save ``engine`` under ``save_dir/tag`` (default tag ``step-<global_steps>``). A collective:
     call on every rank. ``client_state`` (this rank's; tensors, numbers, strings and containers
-    of them) comes back from ``load_checkpoint``. See NOTE [Why a save is atomic]."""
+    of them) comes back from ``load_checkpoint``. With ``keep_last`` K, rank 0 then deletes the
+    oldest complete ``step-<N>`` checkpoints in ``save_dir`` beyond the newest K (other tags are
+    never deleted). A failure on any rank raises ``CheckpointError`` on every rank, naming the
+    rank and the reason, and leaves ``save_dir`` as it was. See NOTE [Why a save is atomic]."""
     tag = _check_tag(tag if tag is not None else f"step-{engine.global_steps:08d}")
+    _check_keep_last(keep_last)
     client = dict(client_state or {})
-    _check_loadable(client)
-    root, rank, n, group = Path(save_dir), engine.rank, engine.world_size, engine.group
+    root, rank, n = Path(save_dir), engine.rank, engine.world_size
     staging = root / f".{tag}.partial"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # a killed save's leftovers
-        staging.mkdir()
-    dist.barrier(group=group)
+    not_saved = f"checkpoint {tag!r} in {str(root)!r} was not saved"
+    unchanged = f"no rank marked it {COMPLETE}; {LATEST!r} and earlier checkpoints are unchanged"
 
-    tensors, scalars = _rank_tensors(engine)
-    meta_str = {"zerofx_rank": str(rank), "zerofx_world_size": str(n), "zerofx_tag": tag}
-    _write_atomically(staging / rank_file(rank, n), lambda p: save_file(tensors, p, metadata=meta_str))
-    _write_atomically(staging / client_file(rank, n), lambda p: torch.save({"client_state": client, "rng": _rng_states()}, p))
-    dist.barrier(group=group)
+    def fail(statuses: list[dict[str, Any]], cause: BaseException | None) -> None:
+        reasons = _failures(statuses)
+        if reasons is None:
+            return
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"{not_saved} ({reasons}); {unchanged}") from cause
+
+    error: BaseException | None = None
+    try:
+        _check_loadable(client)
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # a killed save's leftovers
+            staging.mkdir()
+    except (CheckpointError, OSError) as exc:
+        error = exc
+    setup = _all_gather(engine, {"error": error and _one_line(error), "tag": tag, "save_id": secrets.token_hex(8)})
+    if len({s["tag"] for s in setup}) > 1:  # ranks at different steps: each would write its own directory
+        setup = [{**s, "error": s["error"] or f"saving under tag {s['tag']!r}, not one tag on every rank"} for s in setup]
+    fail(setup, error)
+    save_id = setup[0]["save_id"]  # rank 0's
+
+    crc = None
+    try:
+        tensors, scalars = _rank_tensors(engine)
+        header = rank_file_header(rank, n, tag, save_id, tensors)
+        _write_atomically(staging / rank_file(rank, n), lambda p: save_file(tensors, p, metadata=header))
+        data = _client_bytes(client, rank, n, tag, save_id)
+        _write_atomically(staging / client_file(rank, n), lambda p: p.write_bytes(data))
+        crc = f"{zlib.crc32(data):08x}"
+    except Exception as exc:  # a full disk, an I/O error, state that cannot be saved: tell every rank
+        error = exc
+    written = _all_gather(engine, {"error": error and _one_line(error), "crc32": crc})
+    fail(written, error)
 
     if rank == 0:
-        meta = json.dumps(_metadata(engine, tensors, scalars), indent=1, default=str)
-        _write_atomically(staging / METADATA, lambda p: p.write_text(meta))
-        _write_atomically(staging / COMPLETE, lambda p: p.write_text(f"{tag}\n"))
-        _fsync(staging)
-        final, old = root / tag, root / f".{tag}.old"
-        if final.exists():  # saving a tag again: move the old copy aside, then drop it
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(staging, final)
-        _write_atomically(root / LATEST, lambda p: p.write_text(f"{tag}\n"))
-        _fsync(root)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier(group=group)
+        try:
+            meta = json.dumps(_metadata(engine, tensors, scalars, tag, save_id, [s["crc32"] for s in written]), indent=1, default=str)
+            _publish(root, staging, tag, meta)
+        except Exception as exc:
+            error = exc
+        if error is None and keep_last is not None:
+            _prune(root, keep_last)
+    fail(_all_gather(engine, {"error": error and _one_line(error)}), error)
 
 
 # --------------------------------------------------------------------------- loading
@@ -291,13 +451,26 @@ def _read_shard(engine: Engine, files: RankFiles, meta: Mapping[str, Any], key: 
     return mine
 
 
-def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True) -> dict[str, Any]:
-    """Load a checkpoint saved at any world size and stage into ``engine``; return this rank's
-    ``client_state`` (saved rank ``rank % N``'s at a new world size). A collective: call on every
-    rank. Restores parameters (and fp32 masters), persistent buffers, optimizer states and the
-    step counters; at the saved world size also each rank's torch and Python RNG states.
-    ``CheckpointError`` names a missing, incomplete or mismatched checkpoint before anything
-    is changed."""
+def _planned_reads(engine: Engine, meta: Mapping[str, Any], load_optimizer_states: bool) -> list[tuple[int, str, int | None]]:
+    """(saved rank, tensor key, saved shard_numel or None for a buffer) of every slice or buffer
+    this rank's load reads, in reading order."""
+    reads: list[tuple[int, str, int | None]] = []
+    for fqn, p in engine.placements.items():
+        keys = [f"{'master' if fqn in meta['masters'] else 'param'}/{fqn}"]
+        if load_optimizer_states and p.requires_grad:
+            keys += [f"state/{fqn}/{name}" for name in meta["optimizer"]["tensor_states"].get(fqn, [])]
+        start, stop = p.owned_range(engine.rank)
+        shard_numel = meta["placements"][fqn]["shard_numel"]
+        if stop > start:
+            reads += [(k, key, shard_numel) for key in keys for k in saved_ranks(shard_numel, start, stop)]
+    reads += [(0, f"buffer/{key}", None) for key, owner in state_dict_keys(engine.model) if owner is None]
+    return reads
+
+
+def _prepare_load(
+    engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_states: bool
+) -> tuple[Path, dict[str, Any], RankFiles, dict[str, Any]]:
+    """Everything this rank's load reads, checked: see NOTE [Loading checks before it changes anything]."""
     path = resolve_tag(load_dir, tag)
     meta = read_metadata(load_dir, path.name)
     check_structure(meta, engine_structure(engine), repr(str(path)))
@@ -312,7 +485,46 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
             f"checkpoint {str(path)!r}: optimizer param groups {opt['param_groups']} differ from the engine's {_param_groups(engine)}"
         )
     n = meta["world_size"]
-    with RankFiles(check_rank_files(path, n)) as files:
+    files = RankFiles(check_rank_files(path, n), meta)
+    try:
+        for k, key, shard_numel in _planned_reads(engine, meta, load_optimizer_states):
+            files.verify(k, key, shard_numel)
+        client = read_client(path, meta, engine.rank % n)
+    except BaseException:
+        files.close()
+        raise
+    return path, meta, files, client
+
+
+def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True) -> dict[str, Any]:
+    """Load a checkpoint saved at any world size and stage into ``engine``; return this rank's
+    ``client_state`` (saved rank ``rank % N``'s at a new world size). A collective: call on every
+    rank. Restores parameters (and fp32 masters), persistent buffers, optimizer states and the
+    step counters; at the saved world size also each rank's torch and Python RNG states.
+    With ``tag`` None: the tag ``latest`` names, or the newest complete one when that one is
+    incomplete or damaged. ``CheckpointError``, on every rank, names a missing, incomplete,
+    mismatched or damaged checkpoint or file before anything is changed (NOTE [Loading checks
+    before it changes anything])."""
+    error: BaseException | None = None
+    try:
+        path, meta, files, saved = _prepare_load(engine, load_dir, tag, load_optimizer_states)
+    except Exception as exc:  # every rank must hear of it, or its peers wait in the first all-gather
+        error = exc
+    found = None if error is not None else (path.name, meta.get("save_id"))
+    statuses = _all_gather(engine, {"error": error and _one_line(error), "found": found})
+    reasons = _failures(statuses)
+    if reasons is None and len({s["found"] for s in statuses}) > 1:
+        reasons = "ranks found different checkpoints (" + ", ".join(f"rank {r}: {s['found'][0]!r}" for r, s in enumerate(statuses))
+        reasons += "); accepted: one checkpoint directory that every rank sees"
+    if reasons is not None:
+        if error is None:
+            files.close()
+        single = {s["error"] for s in statuses}
+        # Every rank failed the same way (a wrong path, another model): that reason as it is.
+        raise CheckpointError(next(iter(single)) if len(single) == 1 and None not in single else reasons) from error
+
+    n = meta["world_size"]
+    with files:
         masters = getattr(engine, "master", {})
         load_offloaded_master = getattr(engine.optimizer, "load_master", None) if getattr(engine, "offload_store", None) else None
         for fqn, p in engine.placements.items():
@@ -335,7 +547,7 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
                 load_offloaded_master(fqn, owned)
         for key, owner in state_dict_keys(engine.model):
             if owner is None:
-                engine.buffers[key].copy_(files.get(0).get_tensor(f"buffer/{key}"))
+                engine.buffers[key].copy_(files.tensor(0, f"buffer/{key}"))
         if load_optimizer_states:
             _load_optimizer(engine, files, meta)
     engine.global_steps = meta["step"]
@@ -347,7 +559,6 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
     for name, value in counters.get("loss_scaler", {}).items() if scaler is not None else ():
         if hasattr(scaler, name):
             setattr(scaler, name, value)
-    saved = torch.load(path / client_file(engine.rank % n, n), weights_only=True)
     if n == engine.world_size:  # at another world size two ranks would share rank r % N's stream
         torch.set_rng_state(saved["rng"]["torch"])
         random.setstate(saved["rng"]["python"])

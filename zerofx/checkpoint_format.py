@@ -1,17 +1,19 @@
 """The sharded checkpoint format, and reading it without an engine or a process group.
 
 ``zerofx.checkpoint`` writes and loads checkpoints through an engine; ``zerofx.consolidation``
-turns one into a single file. Both find checkpoints, read metadata and read slices here.
+turns one into a single file. Both find checkpoints, read and check metadata, check each file's
+identity and checksums, and read slices here.
 
 NOTE [On-disk layout]
     CKPT_DIR/latest                        the newest complete tag; replaced atomically by rank 0
     CKPT_DIR/<tag>/metadata.json           rank 0: versions, model structure, config, world size,
-                                           stage, step, plan fingerprint, optimizer type and scalars
+                                           stage, step, tag, save id, plan fingerprint, optimizer
+                                           type and scalars, each client file's CRC-32
     CKPT_DIR/<tag>/rank-00001-of-00002.safetensors
                                            rank r: slice r of every padded flat (see below)
     CKPT_DIR/<tag>/client-00001-of-00002.pt
                                            rank r: its client_state and RNG states (torch.save)
-    CKPT_DIR/<tag>/COMPLETE                written last, before the directory is renamed in place
+    CKPT_DIR/<tag>/COMPLETE                written last, once every rank confirmed its files
     CKPT_DIR/.<tag>.partial/               a save in progress, or one that was killed
 Rank r's safetensors file holds, for each parameter of ``ParamPlacement`` p at the saving world
 size N, elements ``[r * p.shard_numel, (r + 1) * p.shard_numel)`` of its zero-padded flat
@@ -19,14 +21,29 @@ size N, elements ``[r * p.shard_numel, (r + 1) * p.shard_numel)`` of its zero-pa
 optimizer-state tensor (``state/<fqn>/<name>``, e.g. ``exp_avg``). Stage 0, where every rank
 holds everything, writes the same 1/N slices, so one format serves every stage. Rank 0's file
 also holds the persistent buffers, whole (``buffer/<key>``).
+
+NOTE [Checkpoint identity and checksums]
+A save draws a random save id on rank 0 and hands it to every rank. Each rank file's safetensors
+header names its rank, the world size, the tag and the save id (``zerofx_rank``,
+``zerofx_world_size``, ``zerofx_tag``, ``zerofx_save_id``), and the CRC-32 of every tensor's bytes
+(``zerofx_crc32``, JSON); each client file holds the same identity, and metadata.json holds the
+tag, the save id and each client file's CRC-32. ``RankFiles`` checks a file's identity against
+metadata.json when it opens it, and a tensor's CRC-32, read in chunks, before the first read from
+it. So a file swapped between ranks, copied from another step or another run, or with damaged
+bytes, is a ``CheckpointError`` naming the file and what differs, never a silent mix. Format 1
+checkpoints (no save id, no checksums) still load, with the rank and world size checked.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
+import math
 import re
+import warnings
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,11 +54,17 @@ from safetensors import SafetensorError, safe_open
 
 from zerofx.errors import ZeroFXError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: no save id, no checksums
 METADATA = "metadata.json"
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+# Rank files' safetensors header keys (NOTE [Checkpoint identity and checksums]).
+CRC32_KEY = "zerofx_crc32"
+_IDENTITY_KEYS = {"rank": "zerofx_rank", "world_size": "zerofx_world_size", "tag": "zerofx_tag", "save_id": "zerofx_save_id"}
+DEFAULT_CHUNK_BYTES = 2**20
+_MAX_ITEMSIZE = 8  # float64 and int64: a chunk of chunk_bytes // 8 elements is at most chunk_bytes
 
 
 class CheckpointError(ZeroFXError):
@@ -108,41 +131,114 @@ def check_structure(meta: Mapping[str, Any], current: Mapping[str, Any], where: 
     raise CheckpointError(f"checkpoint {where} does not match this model: state_dict keys differ at {diff[:3]}")
 
 
+# --------------------------------------------------------------------------- identity and checksums
+def crc32_hex(t: torch.Tensor) -> str:
+    """The CRC-32 of a CPU tensor's bytes, as safetensors stores them (little-endian), in hex."""
+    return f"{zlib.crc32(_bytes(t)):08x}"
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def rank_file_header(rank: int, world_size: int, tag: str, save_id: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The safetensors header metadata of rank ``rank``'s file: its identity and every tensor's CRC-32."""
+    identity = {"rank": rank, "world_size": world_size, "tag": tag, "save_id": save_id}
+    header = {_IDENTITY_KEYS[k]: str(v) for k, v in identity.items()}
+    header[CRC32_KEY] = json.dumps({k: crc32_hex(t) for k, t in tensors.items()}, separators=(",", ":"))
+    return header
+
+
+def _identity_mismatch(found: Mapping[str, Any], rank: int, meta: Mapping[str, Any]) -> str | None:
+    """What in a file's identity (rank, world size, tag, save id) differs from rank ``rank`` of
+    the checkpoint ``meta`` describes; None when it matches. Format 1 records no tag or save id."""
+    if str(found.get("rank")) != str(rank):
+        return f"it holds rank {found.get('rank')}'s data, not rank {rank}'s (files swapped or renamed?)"
+    if str(found.get("world_size")) != str(meta["world_size"]):
+        return f"it was saved at world size {found.get('world_size')}, not {meta['world_size']}"
+    if meta["format_version"] < 2:
+        return None
+    if found.get("tag") != meta["tag"]:
+        return f"it was saved under tag {found.get('tag')!r}, not {meta['tag']!r} (copied from another step?)"
+    if found.get("save_id") != meta["save_id"]:
+        return f"it comes from another save (save id {found.get('save_id')}, not {meta['save_id']}; copied from another run?)"
+    return None
+
+
 # --------------------------------------------------------------------------- finding checkpoints
-def _complete_tags(root: Path) -> list[str]:
+def _step_of(path: Path) -> int:
+    try:
+        return int(read_metadata_file(path).get("step", -1))
+    except (CheckpointError, TypeError, ValueError):  # unreadable: oldest; resolve_tag says why
+        return -1
+
+
+def complete_tags(root: Path) -> list[str]:
+    """Tags with a COMPLETE marker, oldest first (by saved step, then by when they completed)."""
     tags = [d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".") and (d / COMPLETE).is_file()]
-    return sorted(tags, key=lambda t: (read_metadata_file(root / t).get("step", -1), (root / t / COMPLETE).stat().st_mtime))
+    return sorted(tags, key=lambda t: (_step_of(root / t), (root / t / COMPLETE).stat().st_mtime))
+
+
+def _candidates(root: Path) -> list[str]:
+    """Complete tags, the one ``latest`` names first, then newest first."""
+    tags = complete_tags(root)[::-1]
+    latest = root / LATEST
+    named = latest.read_text().strip() if latest.is_file() else None
+    return sorted(tags, key=lambda t: t != named)  # stable: the rest stay newest first
+
+
+def missing_files(path: Path) -> str | None:
+    """Why complete-marked checkpoint ``path`` cannot load (unreadable metadata, missing rank or
+    client files), or None."""
+    try:
+        n = read_metadata_file(path)["world_size"]
+        check_rank_files(path, n)
+    except (CheckpointError, KeyError, TypeError) as exc:
+        return str(exc) if isinstance(exc, CheckpointError) else f"checkpoint {str(path)!r} has a malformed {METADATA}"
+    missing = [client_file(r, n) for r in range(n) if not (path / client_file(r, n)).is_file()]
+    if missing:
+        return f"checkpoint {str(path)!r} saved at world size {n} is missing client files: {', '.join(missing)}"
+    return None
 
 
 def latest_complete_tag(ckpt_dir: str | Path) -> str | None:
-    """The tag ``latest`` names if it is complete, else the complete tag with the highest step;
-    None when ``ckpt_dir`` holds no complete checkpoint (or does not exist)."""
+    """The tag ``resolve_tag(ckpt_dir, None)`` picks: the one ``latest`` names if it is complete
+    and has all its files, else the newest such tag. None when ``ckpt_dir`` holds no complete
+    tag (or does not exist); when complete tags exist but none has all its files, the one
+    ``latest`` names (or the newest), so that loading it says what is missing."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return None
-    latest = root / LATEST
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        if (root / tag / COMPLETE).is_file():
-            return tag
-    tags = _complete_tags(root)
-    return tags[-1] if tags else None
+    candidates = _candidates(root)
+    return next((t for t in candidates if missing_files(root / t) is None), candidates[0] if candidates else None)
 
 
 def resolve_tag(ckpt_dir: str | Path, tag: str | None) -> Path:
-    """The directory of a complete checkpoint; ``CheckpointError`` naming what is missing."""
+    """The directory of a complete checkpoint; ``CheckpointError`` naming what is missing. With
+    ``tag`` None: the tag ``latest`` names, or the newest complete one with all its files when
+    ``latest`` names an incomplete or damaged one (a warning names what was skipped)."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {str(root)!r} does not exist")
     if tag is None:
-        tag = latest_complete_tag(root)
-        if tag is None:
+        candidates = _candidates(root)
+        if not candidates:
             raise CheckpointError(
                 f"{str(root)!r} holds no complete checkpoint (no {LATEST!r} file and no tag directory with a {COMPLETE} marker)"
             )
+        skipped = []
+        for t in candidates:
+            reason = missing_files(root / t)
+            if reason is None:
+                if skipped:
+                    warnings.warn(f"using checkpoint {t!r} in {str(root)!r}, skipping ones that cannot load: {'; '.join(skipped)}",
+                                  stacklevel=2)
+                return root / t
+            skipped.append(reason)
+        raise CheckpointError(f"{skipped[0]}; {str(root)!r} holds no other complete checkpoint")
     path = root / tag
     if not path.is_dir():
-        available = ", ".join(_complete_tags(root)) or "none"
+        available = ", ".join(complete_tags(root)) or "none"
         if (root / f".{tag}.partial").is_dir():
             raise CheckpointError(
                 f"checkpoint {tag!r} in {str(root)!r} is incomplete: its save was interrupted (only .{tag}.partial exists); "
@@ -156,18 +252,51 @@ def resolve_tag(ckpt_dir: str | Path, tag: str | None) -> Path:
 
 def read_metadata_file(path: Path) -> dict[str, Any]:
     try:
-        return json.loads((path / METADATA).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        meta = json.loads((path / METADATA).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint {str(path)!r} has no readable {METADATA}: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {METADATA} holds a {type(meta).__name__}; accepted: the JSON object a save writes")
+    return meta
 
 
 def read_metadata(ckpt_dir: str | Path, tag: str | None = None) -> dict[str, Any]:
-    """The metadata of a complete checkpoint (the newest one when ``tag`` is None)."""
+    """The metadata of a complete checkpoint (the newest one when ``tag`` is None), checked for
+    the consistency that reading its slices relies on."""
     path = resolve_tag(ckpt_dir, tag)
     meta = read_metadata_file(path)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {str(path)!r} has format_version {meta.get('format_version')!r}; accepted: {FORMAT_VERSION}")
+    if meta.get("format_version") not in READABLE_VERSIONS:
+        accepted = ", ".join(map(str, READABLE_VERSIONS))
+        raise CheckpointError(f"checkpoint {str(path)!r} has format_version {meta.get('format_version')!r}; accepted: {accepted}")
+    try:
+        _check_metadata(meta, path)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: {METADATA} is malformed ({type(exc).__name__}: {exc}); accepted: the file the save wrote"
+        ) from exc
     return meta
+
+
+def _check_metadata(meta: Mapping[str, Any], path: Path) -> None:
+    """The slice layout in ``meta`` is self-consistent: every placement has numel = the product of
+    its shape and padded_numel = shard_numel * world_size >= numel."""
+    where = f"checkpoint {str(path)!r}: {METADATA}"
+    n = meta["world_size"]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise CheckpointError(f"{where} gives world_size {n!r}; accepted: an integer >= 1")
+    shapes = {fqn: shape for fqn, shape, _, _ in meta["params"]}
+    for fqn, p in meta["placements"].items():
+        numel, shard, padded = p["numel"], p["shard_numel"], p["padded_numel"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (numel, shard, padded)) or (
+            numel != math.prod(shapes[fqn]) or shard * n != padded or not 0 <= numel <= padded
+        ):
+            raise CheckpointError(
+                f"{where} gives {fqn} (shape {tuple(shapes[fqn])}) numel {numel!r}, shard_numel {shard!r} and padded_numel "
+                f"{padded!r} at world size {n}; accepted: numel = the shape's product <= padded_numel = shard_numel * world_size, "
+                "as the save wrote them"
+            )
+    if meta["format_version"] >= 2 and not (isinstance(meta["tag"], str) and isinstance(meta["save_id"], str)):
+        raise CheckpointError(f"{where} has no tag or save id; accepted: the file the save wrote")
 
 
 def check_rank_files(path: Path, world_size: int) -> list[Path]:
@@ -178,41 +307,159 @@ def check_rank_files(path: Path, world_size: int) -> list[Path]:
     return files
 
 
-class RankFiles:
-    """The saved ranks' safetensors files, opened lazily: a rank opens only those it reads."""
+def read_client(path: Path, meta: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    """Saved rank ``rank``'s client file: ``{"client_state": ..., "rng": ...}``, its identity
+    and checksum checked (NOTE [Checkpoint identity and checksums])."""
+    file = path / client_file(rank, meta["world_size"])
+    where = f"client file {str(file)!r}"
+    accepted = f"accepted: the file rank {rank} wrote in this save (torch.save of its client_state and RNG states)"
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{where} is not readable ({exc.strerror or exc}); {accepted}") from exc
+    try:
+        saved = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # torch.load's errors vary with how the bytes are damaged; the cause is chained
+        raise CheckpointError(f"{where} is not a readable torch.save file ({type(exc).__name__}); {accepted}") from exc
+    if not isinstance(saved, dict) or not {"client_state", "rng"} <= saved.keys():
+        raise CheckpointError(f"{where} holds no client_state and RNG states; {accepted}")
+    mismatch = _identity_mismatch(saved, rank, meta) if meta["format_version"] >= 2 else None  # format 1 recorded none
+    if mismatch is not None:
+        raise CheckpointError(f"{where} does not belong to checkpoint {str(path)!r}: {mismatch}; {accepted}")
+    want = meta.get("client_crc32", {}).get(str(rank))
+    got = f"{zlib.crc32(data):08x}"
+    if want is not None and got != want:
+        raise CheckpointError(f"{where} fails its checksum (CRC-32 {got}, saved {want}): the file is damaged; {accepted}")
+    return saved
 
-    def __init__(self, files: list[Path]) -> None:
+
+def saved_ranks(shard_numel: int, start: int, stop: int) -> range:
+    """The saved ranks whose slices hold elements [start, stop) of a padded flat."""
+    return range(start // shard_numel, -(-stop // shard_numel))
+
+
+class RankFiles:
+    """The saved ranks' safetensors files, opened lazily: a rank opens only those it reads.
+
+    Given the checkpoint's ``meta``, a file's identity is checked when it is opened, and a
+    tensor's CRC-32 before its first read (NOTE [Checkpoint identity and checksums]); ``verified``
+    shares what was checked between readers of one checkpoint."""
+
+    def __init__(
+        self,
+        files: list[Path],
+        meta: Mapping[str, Any] | None = None,
+        *,
+        verified: set[tuple[int, str]] | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
         self._paths = files
+        self._meta = meta
+        self._verified = verified if verified is not None else set()
+        self._chunk_numel = max(1, chunk_bytes // _MAX_ITEMSIZE)
         self._open: dict[int, Any] = {}
+        self._crc32: dict[int, dict[str, str]] = {}
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> RankFiles:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
         self._stack.close()
+        self._open.clear()
 
     @property
     def opened(self) -> list[int]:
         """The saved ranks whose files this reader has opened so far."""
         return sorted(self._open)
 
+    def _where(self, rank: int) -> str:
+        return f"rank file {str(self._paths[rank])!r}"
+
     def get(self, rank: int) -> Any:
         if rank not in self._open:
             try:
-                self._open[rank] = self._stack.enter_context(safe_open(str(self._paths[rank]), framework="pt"))
-            except SafetensorError as exc:
-                raise CheckpointError(f"rank file {str(self._paths[rank])!r} is not a readable safetensors file: {exc}") from exc
+                handle = self._stack.enter_context(safe_open(str(self._paths[rank]), framework="pt"))
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"{self._where(rank)} is not a readable safetensors file: {exc}") from exc
+            if self._meta is not None:
+                self._crc32[rank] = self._check_header(rank, handle.metadata() or {})
+            self._open[rank] = handle
         return self._open[rank]
+
+    def _check_header(self, rank: int, header: Mapping[str, str]) -> dict[str, str]:
+        meta = self._meta
+        assert meta is not None
+        found = {k: header.get(key) for k, key in _IDENTITY_KEYS.items()}
+        mismatch = _identity_mismatch(found, rank, meta)
+        if mismatch is not None:
+            raise CheckpointError(
+                f"{self._where(rank)} does not belong to checkpoint {str(self._paths[rank].parent)!r}: {mismatch}; "
+                f"accepted: the file rank {rank} wrote in this save"
+            )
+        if meta["format_version"] < 2:
+            return {}
+        try:
+            crc32 = json.loads(header[CRC32_KEY])
+        except (KeyError, json.JSONDecodeError):
+            crc32 = None
+        if not isinstance(crc32, dict):
+            raise CheckpointError(f"{self._where(rank)} has no readable tensor checksums ({CRC32_KEY}): its header is damaged")
+        return crc32
+
+    def _slice(self, rank: int, key: str) -> Any:
+        try:
+            return self.get(rank).get_slice(key)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{self._where(rank)} has no tensor {key!r} ({exc})") from exc
+
+    def verify(self, rank: int, key: str, shard_numel: int | None = None) -> None:
+        """Check saved rank ``rank``'s tensor ``key``, once per reader set: a slice of a flat holds
+        ``shard_numel`` elements, and (given format-2 ``meta``) its bytes match their CRC-32, read
+        in chunks."""
+        if (rank, key) in self._verified:
+            return
+        sl = self._slice(rank, key)
+        if shard_numel is not None and sl.get_shape() != [shard_numel]:
+            raise CheckpointError(
+                f"{self._where(rank)}: tensor {key!r} has shape {sl.get_shape()}, but {METADATA} gives shard_numel {shard_numel}; "
+                "accepted: the metadata the save wrote"
+            )
+        if self._meta is not None and self._meta["format_version"] >= 2:
+            want = self._crc32[rank].get(key)
+            if want is None:
+                raise CheckpointError(f"{self._where(rank)} has no checksum for tensor {key!r}: its header is damaged")
+            if shard_numel is not None:  # a slice of a flat: streamed
+                crc = 0
+                for start in range(0, shard_numel, self._chunk_numel):
+                    crc = zlib.crc32(_bytes(sl[start : start + self._chunk_numel]), crc)
+            else:  # a buffer, whole
+                crc = zlib.crc32(_bytes(self.get(rank).get_tensor(key)))
+            if f"{crc:08x}" != want:
+                raise CheckpointError(
+                    f"{self._where(rank)}: tensor {key!r} fails its checksum (CRC-32 {crc:08x}, saved {want}): the file is damaged; "
+                    f"accepted: the bytes the save wrote"
+                )
+        self._verified.add((rank, key))
+
+    def tensor(self, rank: int, key: str) -> torch.Tensor:
+        """Saved rank ``rank``'s whole tensor ``key`` (a buffer), checked."""
+        self.verify(rank, key)
+        return self.get(rank).get_tensor(key)
 
     def read_range(self, key: str, shard_numel: int, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the saved padded flat ``key``, read only from the slices that
-        overlap them (saved rank k holds [k * shard_numel, (k + 1) * shard_numel))."""
+        overlap them (saved rank k holds [k * shard_numel, (k + 1) * shard_numel)), each checked."""
         assert 0 <= start < stop, (key, start, stop)
         parts = []
-        for k in range(start // shard_numel, -(-stop // shard_numel)):
+        for k in saved_ranks(shard_numel, start, stop):
+            assert k < len(self._paths), (key, shard_numel, stop)  # read_metadata checked padded_numel = shard_numel * N
+            self.verify(k, key, shard_numel)
             lo, hi = max(start, k * shard_numel), min(stop, (k + 1) * shard_numel)
-            parts.append(self.get(k).get_slice(key)[lo - k * shard_numel : hi - k * shard_numel])
+            parts.append(self._slice(k, key)[lo - k * shard_numel : hi - k * shard_numel])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

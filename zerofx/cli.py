@@ -14,6 +14,7 @@ training loop itself, for scripts such as ``examples/train_dna.py``.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import itertools
 import json
@@ -21,9 +22,11 @@ import math
 import os
 import socket
 import sys
+import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,11 +37,11 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 import zerofx
-from cost_models.memory import paper_breakdown
-from cost_models.profiles import load_profile
-from passes.analyze_schedule import format_report
-from passes.meta import is_all_gather
-from passes.plan import format_bytes
+from zerofx.cost_models.memory import paper_breakdown
+from zerofx.cost_models.profiles import load_profile
+from zerofx.passes.analyze_schedule import format_report
+from zerofx.passes.meta import is_all_gather
+from zerofx.passes.plan import format_bytes
 from zerofx.checkpoint import (
     consolidate,
     latest_complete_tag,
@@ -46,7 +49,7 @@ from zerofx.checkpoint import (
     resolve_tag,
 )
 from zerofx.config import load_config, parse_config
-from zerofx.data.genome import bundled_genome, genome_windows
+from zerofx.data.genome import MAX_FOREIGN_FRACTION, bundled_genome, genome_stats, genome_windows
 from zerofx.errors import ZeroFXError, did_you_mean
 from zerofx.folding import (
     AUTO_FOLD_MIN_BLOCKS,
@@ -58,16 +61,17 @@ from zerofx.folding import (
     plan_folded,
 )
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig
-from zerofx.offload import plan_for_program
+from zerofx.offload_plan import plan_for_program
 from zerofx.planning import (
     ModelSpec,
     load_model_spec,
     parse_bytes,
     plot_report,
     report_json,
+    running_model_code,
     solve_memory,
 )
-from zerofx.program import Program, plan_program, resolve
+from zerofx.program import MAX_WORLD_SIZE, Program, plan_program, resolve
 from zerofx.rss import peak_rss_bytes
 
 GIB = 2**30
@@ -146,6 +150,28 @@ def _load_model(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(model, (ids,), {"labels": ids}, args.model)
 
 
+def _check_output_file(flag: str, path: Path) -> None:
+    """Raise ``UsageError`` unless ``path`` can be written: not a folder, in an existing folder
+    that accepts a new file. Commands call it before their slow work (capture, measuring), so a
+    typo in the folder costs nothing. The probe is a real file created and removed, since
+    ``os.access`` answers yes to root on a read-only mount or folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is a folder; accepted: a file path in an existing, writable folder")
+    folder = path.parent
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {str(path)!r}: folder {str(folder)!r} does not exist; create it or give a path in an existing folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".zerofx-write-check-")
+    except OSError as exc:
+        raise UsageError(f"{flag} {str(path)!r}: cannot create a file in folder {str(folder)!r} ({exc.strerror}); "
+                         "accepted: a path in a writable folder") from exc
+    os.close(fd)
+    os.unlink(probe)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {str(path)!r} exists and is read-only; accepted: a writable file or a new path")
+
+
 def _profile(args: argparse.Namespace) -> tuple[Any, Any]:
     try:
         return load_profile(args.profile)
@@ -168,8 +194,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.config = _with_memory_budget(args.config, budget)
     if args.solve is not None and budget is None:
         raise UsageError(f"--solve {args.solve} needs --budget, the memory per rank to fit in (e.g. 80GiB)")
+    if args.plot is not None:
+        _check_output_file("--plot", args.plot)
     comm, device = _profile(args)
     spec = _load_model(args)
+    with running_model_code(spec.label):  # a sys.exit in the spec's forward is an error, not exit 0
+        return _plan_spec(args, spec, budget, user_config, comm, device)
+
+
+def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, user_config: Path | None, comm: Any,
+               device: Any) -> int:
+    """``cmd_plan`` once the arguments are checked and the model is loaded: capture, plan, print."""
     blocks = find_repeated_blocks(spec.model)
     fold = args.fold == "on" or (args.fold == "auto" and blocks is not None and blocks.count >= AUTO_FOLD_MIN_BLOCKS)
     if args.fold == "on" and blocks is None:
@@ -194,7 +229,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.plot is not None:
         plot_report(report, args.plot, title=spec.label, budget_bytes=budget)
     cfg = resolve(args.config, stage=args.stage, world_size=args.world_size)
-    offload = plan_for_program(program.plan, cfg.raw, mixed_precision=cfg.compute_dtype is not None,
+    offload = plan_for_program(program.plan, cfg.offload, cfg.param_offload, mixed_precision=cfg.compute_dtype is not None,
                                device_is_cpu=device.name.startswith("cpu"), compute_s=report.compute_s)
     if args.format == "json":
         data = json.loads(report_json(program, report, budget))
@@ -288,7 +323,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     else:
         spec = _load_model(args)
         # Capture does not depend on the stage, only planning does: one capture serves every stage.
-        captured = zerofx.capture_step(spec.model, spec.args, spec.kwargs)
+        with running_model_code(spec.label):
+            captured = zerofx.capture_step(spec.model, spec.args, spec.kwargs)
         for s in stages:
             program = plan_program(captured, resolve(args.config, stage=s, world_size=args.world_size), args.world_size)
             report = program.report(0)
@@ -341,6 +377,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure collectives and compute on local gloo ranks; write a profile for ``plan --profile``."""
     _check_positive("--world-size", args.world_size)
     _check_positive("--repeats", args.repeats)
+    _check_output_file("--out", args.out)  # before about 11 s of measuring, not after
     from zerofx.calibrate import calibrate
 
     comm, device = calibrate(args.out, world_size=args.world_size, repeats=args.repeats)
@@ -369,6 +406,8 @@ class TrainOptions:
     output_dir: Path | None = None  # checkpoints and train_log.jsonl go here; a run resumes from its newest complete one
     eval_batches: int = 8  # held-out batches per rank evaluated after training
     save_every: int | None = None  # None: save only after the last step (when output_dir is set)
+    keep_last: int | None = None  # None: keep every checkpoint; K: delete the oldest beyond the newest K
+    collective_timeout_s: float | None = None  # None: the config's zerofx.collective_timeout_s (default 300)
 
 
 def _free_port() -> int:
@@ -379,29 +418,87 @@ def _free_port() -> int:
 
 
 def _engine_config(opts: TrainOptions) -> str | Path | Mapping[str, Any]:
+    raw: dict[str, Any]
     if opts.config is not None:
-        return opts.config
-    return {"zero_optimization": {"stage": opts.stage}, "optimizer": {"type": "AdamW", "params": {"lr": opts.lr}}}
+        if opts.collective_timeout_s is None:
+            return opts.config
+        raw = load_config(opts.config)
+    else:
+        raw = {"zero_optimization": {"stage": opts.stage}, "optimizer": {"type": "AdamW", "params": {"lr": opts.lr}}}
+    if opts.collective_timeout_s is not None:  # the flag wins over the config, on every rank alike
+        raw.setdefault("zerofx", {})["collective_timeout_s"] = opts.collective_timeout_s
+    return raw
+
+
+def _collective_timeout(opts: TrainOptions) -> timedelta:
+    """The process group's timeout: --collective-timeout, else the config's (NOTE [The collective timeout])."""
+    return timedelta(seconds=parse_config(_engine_config(opts)).collective_timeout_s)
+
+
+def _config_micro_batch(opts: TrainOptions) -> tuple[int, str] | None:
+    """The micro-batch per rank the config states or implies, and where it comes from, after
+    checking DeepSpeed's rule train_batch_size = train_micro_batch_size_per_gpu x
+    gradient_accumulation_steps x world size. With only train_batch_size, the micro-batch is what
+    the rule leaves, as DeepSpeed derives it; with neither, None."""
+    if opts.config is None:
+        return None
+    raw = parse_config(opts.config).raw
+    total, micro = raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu")
+    accumulate, world = raw.get("gradient_accumulation_steps", 1), opts.world_size
+    if total is None:
+        return None if micro is None else (micro, f"train_micro_batch_size_per_gpu={micro}")
+    if micro is not None:
+        if total != micro * accumulate * world:
+            raise UsageError(
+                f"the config's train_batch_size={total} is not train_micro_batch_size_per_gpu={micro} x "
+                f"gradient_accumulation_steps={accumulate} x world size {world} = {micro * accumulate * world} "
+                "(DeepSpeed's rule); change one of them"
+            )
+        return micro, f"train_micro_batch_size_per_gpu={micro}"
+    if total % (accumulate * world):
+        raise UsageError(
+            f"the config's train_batch_size={total} is not divisible by gradient_accumulation_steps={accumulate} x "
+            f"world size {world}, so no micro-batch per rank fits DeepSpeed's rule; change one of them"
+        )
+    micro = total // (accumulate * world)
+    return micro, f"train_batch_size={total} / (gradient_accumulation_steps={accumulate} x world size {world}) = {micro}"
 
 
 def _check_train_options(opts: TrainOptions) -> TrainOptions:
-    """Validate in the parent, before any process starts; return the options with stage and
-    genome resolved. Raises ``ZeroFXError`` subclasses naming the bad value."""
+    """Validate in the parent, before any process starts; return the options with stage, batch
+    size and genome resolved. Raises ``ZeroFXError`` subclasses naming the bad value."""
     cfg = model_config(opts.model)
     _check_stage(opts.stage)
-    if opts.batch_size is None:
-        micro = parse_config(opts.config).raw.get("train_micro_batch_size_per_gpu") if opts.config is not None else None
-        opts = replace(opts, batch_size=micro or DEFAULT_TRAIN_BATCH)
-    for name, value in (("--world-size", opts.world_size), ("--steps", opts.steps), ("--batch-size", opts.batch_size)):
+    for name, value in (("--world-size", opts.world_size), ("--steps", opts.steps)):
         _check_positive(name, value)
+    if opts.batch_size is not None:
+        _check_positive("--batch-size", opts.batch_size)
+    from_config = _config_micro_batch(opts)
+    if opts.batch_size is None:
+        opts = replace(opts, batch_size=DEFAULT_TRAIN_BATCH if from_config is None else from_config[0])
+    elif from_config is not None and opts.batch_size != from_config[0]:
+        # An error, not an override: the config's train_batch_size (and the lr tuned for it) assume its micro-batch.
+        raise UsageError(
+            f"--batch-size {opts.batch_size} disagrees with the config's micro-batch per rank, {from_config[1]}; "
+            "leave out --batch-size or make them equal"
+        )
     if not 2 <= opts.seq_len <= cfg.max_seq_len:
         raise UsageError(f"--seq-len {opts.seq_len} is invalid for model {opts.model}; accepted: 2..{cfg.max_seq_len}")
-    if opts.lr < 0:
-        raise UsageError(f"--lr {opts.lr} is invalid; accepted: a number >= 0")
+    if not (isinstance(opts.lr, (int, float)) and math.isfinite(opts.lr) and opts.lr >= 0):
+        raise UsageError(f"--lr {opts.lr} is invalid; accepted: a finite number >= 0")
+    if not 0 <= opts.seed <= MAX_SEED:
+        raise UsageError(f"--seed {opts.seed} is invalid; accepted: an integer in 0..{MAX_SEED}")
     if opts.save_every is not None:
         _check_positive("--save-every", opts.save_every)
         if opts.output_dir is None:
             raise UsageError("--save-every needs --output-dir, the directory the checkpoints go to")
+    if opts.keep_last is not None:
+        _check_positive("--keep-last", opts.keep_last)
+        if opts.output_dir is None:
+            raise UsageError("--keep-last needs --output-dir, the directory the checkpoints go to")
+    if opts.collective_timeout_s is not None and not (
+            isinstance(opts.collective_timeout_s, (int, float)) and math.isfinite(opts.collective_timeout_s) and opts.collective_timeout_s > 0):
+        raise UsageError(f"--collective-timeout {opts.collective_timeout_s} is invalid; accepted: a finite number of seconds > 0")
     if opts.output_dir is not None and Path(opts.output_dir).exists() and not Path(opts.output_dir).is_dir():
         raise UsageError(f"--output-dir {str(opts.output_dir)!r} is a file; accepted: a directory (created if missing)")
     stage = opts.stage
@@ -515,7 +612,8 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
                       tokens_per_s=tokens_per_step / elapsed, model_state_bytes_per_rank=state_bytes, peak_rss_bytes=rss)
         if opts.output_dir is not None and (step == opts.steps or (opts.save_every and step % opts.save_every == 0)):
             tag = f"step-{step:08d}"
-            engine.save_checkpoint(opts.output_dir, tag, client_state={"step": step, "batches_consumed": consumed + (step - start) * accumulate})
+            engine.save_checkpoint(opts.output_dir, tag, client_state={"step": step, "batches_consumed": consumed + (step - start) * accumulate},
+                                   keep_last=opts.keep_last)
             if rank == 0:
                 bar.write(f"saved checkpoint {Path(opts.output_dir) / tag}")
     bar.close()
@@ -563,9 +661,11 @@ def _evaluate(engine: zerofx.Engine, opts: TrainOptions, rank: int, log: _JsonlL
 
 def _train_worker(rank: int, opts: TrainOptions, port: int) -> None:
     """Entry point of one spawned rank: join the gloo group, train, report a user error in one line."""
+    faulthandler.enable()  # a rank killed by a signal prints every thread's Python stack to stderr
     # Ranks share this machine's cores; more threads than cores per rank slows every rank down.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.world_size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=opts.world_size)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=opts.world_size,
+                            timeout=_collective_timeout(opts))
     try:
         _train_rank(rank, opts)
     except ZeroFXError as exc:
@@ -593,7 +693,9 @@ def _train_under_torchrun(opts: TrainOptions) -> None:
     opts = _check_train_options(replace(opts, world_size=world_size))
     if torch.cuda.is_available():
         torch.cuda.set_device(_device())
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if int(os.environ["RANK"]) == 0:
+        print(genome_stats(opts.fasta).summary(), flush=True)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=_collective_timeout(opts))
     try:
         _train_rank(dist.get_rank(), opts)
     finally:
@@ -612,6 +714,7 @@ def train(opts: TrainOptions) -> None:
         _train_under_torchrun(opts)
         return
     opts = _check_train_options(opts)
+    print(genome_stats(opts.fasta).summary(), flush=True)
     try:
         mp.spawn(_train_worker, args=(opts, _free_port()), nprocs=opts.world_size, join=True)
     except mp.ProcessRaisedException as exc:
@@ -630,6 +733,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             model=args.model, fasta=args.fasta, world_size=args.world_size, stage=args.stage, config=args.config,
             steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
             print_graph=args.print_graph, output_dir=args.output_dir, save_every=args.save_every,
+            keep_last=args.keep_last, collective_timeout_s=args.collective_timeout_s,
         )
     )
     return 0
@@ -649,32 +753,98 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parser
+# The largest world size zerofx plans for is zerofx.program.MAX_WORLD_SIZE (2**20 ranks), far
+# beyond today's largest clusters and far inside the int64 group size the functional
+# collectives take (2**63 fails in C++); a bound that catches a typo (an extra 0) costs nothing.
+# Local ranks (train, calibrate) are processes on this machine, each with torch loaded (a few
+# hundred MiB) and cpu_count / world_size threads: beyond 256 they only contend. torchrun's
+# world size is not bounded by this.
+MAX_LOCAL_RANKS = 256
+# `zerofx estimate --params`: 10**15, about a thousand times any model trained so far; its 16
+# bytes per parameter stay far inside a float.
+MAX_PARAMS = 1e15
+# torch.manual_seed takes a 64-bit unsigned seed.
+MAX_SEED = 2**64 - 1
+
+
+def _int_arg(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer in low..high; argparse names the flag in the error."""
+    accepted = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}; accepted: {accepted}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: {accepted}")
+        return value
+
+    return parse
+
+
+def _float_arg(low: float, high: float | None = None, *, low_inclusive: bool = True) -> Callable[[str], float]:
+    """An argparse ``type=``: a finite number in range (float() alone takes 'nan', 'inf', '1e999')."""
+    accepted = f"a finite number {'>=' if low_inclusive else '>'} {low:g}" + ("" if high is None else f" and <= {high:g}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {text!r}; accepted: {accepted}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number; accepted: {accepted}")
+        if not (value >= low if low_inclusive else value > low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; accepted: {accepted}")
+        return value
+
+    return parse
+
+
+def _bytes_arg(text: str) -> float:
+    """An argparse ``type=`` for --budget: a size such as 80GiB, finite and above 0."""
+    try:
+        value = parse_bytes(text)
+    except ZeroFXError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range; accepted: a finite size above 0, e.g. 80GiB")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     sizes = ", ".join(DNA_LM_SIZES)
     parser = _Parser(prog="zerofx", description="ZeRO-style sharded training as torch.fx compiler passes.")
     parser.add_argument("--version", action="version", version=f"zerofx {zerofx.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                help="one of these; zerofx COMMAND --help lists its options")
 
     model_help = f"a DNA LM size ({sizes}) or FILE.py:CALLABLE / MODULE:CALLABLE returning (model, example_inputs)"
     p = sub.add_parser("plan", help="print the plan, communication schedule and memory per rank, before anything runs",
                        description="Capture and plan a model on the meta device (no parameter memory): the sharding, one row "
                                    "per collective, memory per rank with a fits verdict, and the estimated step time.")
     p.add_argument("model", metavar="MODEL_SPEC", help=model_help)
-    p.add_argument("--world-size", type=int, help="number of ranks to plan for (required unless the config implies it)")
+    p.add_argument("--world-size", type=_int_arg(1, MAX_WORLD_SIZE),
+                   help=f"number of ranks to plan for, 1..{MAX_WORLD_SIZE} (required unless the config implies it)")
     p.add_argument("--stage", type=int, help="ZeRO stage 0, 1, 2 or 3 (required unless the config sets it)")
     p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config (ds_config.json)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence in a bundled model's example batch (default: min(512, max_seq_len))")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences in a bundled model's example batch (default: 1)")
+    p.add_argument("--seq-len", type=_int_arg(2),
+                   help="tokens per sequence in a bundled model's example batch, 2..max_seq_len (default: min(512, max_seq_len))")
+    p.add_argument("--batch-size", type=_int_arg(1), default=1, help="sequences in a bundled model's example batch, >= 1 (default: 1)")
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
-    p.add_argument("--budget", help="memory per rank to fit in, e.g. 80GiB: adds a fits / doesn't-fit verdict")
+    p.add_argument("--budget", type=_bytes_arg,
+                   help="memory per rank to fit in, e.g. 80GiB (units B, KB..TB, KiB..TiB): adds a fits / doesn't-fit verdict")
     p.add_argument("--solve", choices=("seq_len", "batch_size"),
                    help="answer the longest sequence (at the example's batch size) or the largest batch (at its "
                         "sequence length) that fits --budget, from the memory model symbolic in both")
-    p.add_argument("--max-seq-len", type=int, default=1 << 20, help="upper bound for --solve seq_len when the model states none")
-    p.add_argument("--max-batch-size", type=int, default=1 << 16, help="upper bound for --solve batch_size (default 65536)")
-    p.add_argument("--plot", type=Path, help="draw the memory timeline and a compute/communication Gantt chart to this PNG")
+    p.add_argument("--max-seq-len", type=_int_arg(1), default=1 << 20,
+                   help="upper bound for --solve seq_len when the model states none, >= 1 (default: 1048576)")
+    p.add_argument("--max-batch-size", type=_int_arg(1), default=1 << 16, help="upper bound for --solve batch_size, >= 1 (default: 65536)")
+    p.add_argument("--plot", type=Path, help="draw the memory timeline and a compute/communication Gantt chart to this PNG "
+                        "(its folder must exist and be writable; checked before planning)")
     p.add_argument("--profile", default="cpu", help="hardware profile: cpu, h100, or a file from zerofx calibrate (default: cpu)")
-    p.add_argument("--rank", type=int, default=0, help="the rank to report (every rank runs the same graphs; default 0)")
+    p.add_argument("--rank", type=_int_arg(0), default=0,
+                   help="the rank to report, 0..world size - 1 (every rank runs the same graphs; default: 0)")
     p.add_argument("--fold", choices=("auto", "on", "off"), default="auto",
                    help="plan a model of N identical blocks from captures of 2 and 3 of them and extrapolate (fast; "
                         f"auto: when N >= {AUTO_FOLD_MIN_BLOCKS}); off plans every block (exact rows)")
@@ -685,8 +855,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Adam (2 + 2 + 12 bytes per parameter), per ZeRO stage; with --model, also the "
                                    "activation peak from the memory model.")
     p.add_argument("model", metavar="MODEL_SPEC", nargs="?", help=model_help)
-    p.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9 (instead of MODEL_SPEC)")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    p.add_argument("--params", type=_float_arg(0, MAX_PARAMS, low_inclusive=False),
+                   help=f"number of parameters, e.g. 7.5e9, above 0 and at most {MAX_PARAMS:g} (instead of MODEL_SPEC)")
+    p.add_argument("--world-size", type=_int_arg(1, MAX_WORLD_SIZE), required=True, help=f"number of ranks, 1..{MAX_WORLD_SIZE}")
     p.add_argument("--stage", type=int, help="only this ZeRO stage (default: all of 0, 1, 2, 3)")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none", help="where optimizer states live (default: none)")
     p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="none",
@@ -703,29 +874,44 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure this machine's collectives and compute into a planner profile",
                        description="Time all-gathers on local gloo ranks and a matmul and a copy on one core; fit the "
                                    "alpha-beta model; write a profile for zerofx plan --profile.")
-    p.add_argument("--world-size", type=int, default=2, help="local ranks to measure with (default: 2)")
-    p.add_argument("--out", type=Path, default=Path("zerofx_profile.json"), help="profile file to write (default: zerofx_profile.json)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (default: 5)")
+    p.add_argument("--world-size", type=_int_arg(1, MAX_LOCAL_RANKS), default=2,
+                   help=f"local ranks to measure with, 1..{MAX_LOCAL_RANKS} (default: 2)")
+    p.add_argument("--out", type=Path, default=Path("zerofx_profile.json"),
+                   help="profile file to write, in an existing writable folder (checked before measuring; "
+                        "default: zerofx_profile.json)")
+    p.add_argument("--repeats", type=_int_arg(1), default=5, help="timed repeats per measurement, >= 1 (default: 5)")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("train", help="train a DNA LM on local gloo (CPU) ranks",
                        description="Spawn local gloo ranks and train a DNA LM with zerofx on a FASTA genome.")
     p.add_argument("--model", default="tiny", help=f"DNA LM size: {sizes} (default: tiny)")
-    p.add_argument("--fasta", type=Path, help="FASTA genome, plain or .gz (default: the bundled lambda phage genome)")
-    p.add_argument("--world-size", type=int, default=2, help="number of local ranks to spawn (default: 2)")
+    p.add_argument("--fasta", type=Path,
+                   help="FASTA genome, plain or .gz (default: the bundled lambda phage genome): IUPAC nucleotide codes, "
+                        f"ambiguity codes read as N; refused when over {MAX_FOREIGN_FRACTION * 100:g}%% of its symbols are not "
+                        "nucleotide codes (a protein FASTA)")
+    p.add_argument("--world-size", type=_int_arg(1, MAX_LOCAL_RANKS), default=2,
+                   help=f"number of local ranks to spawn, 1..{MAX_LOCAL_RANKS} (default: 2; under torchrun, torchrun's)")
     p.add_argument("--stage", type=int, help=f"ZeRO stage 0-3 (default: the config's, else {DEFAULT_TRAIN_STAGE})")
     p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config; replaces the default AdamW and --lr")
-    p.add_argument("--steps", type=int, default=20,
-                   help="optimizer steps; each takes the config's gradient_accumulation_steps micro-batches (default: 20)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per window (default: 128)")
-    p.add_argument("--batch-size", type=int,
-                   help="windows per rank per micro-step (default: the config's train_micro_batch_size_per_gpu, else 2)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate when no --config (default: 3e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the model init and the data shuffle (default: 0)")
+    p.add_argument("--steps", type=_int_arg(1), default=20,
+                   help="optimizer steps, >= 1; each takes the config's gradient_accumulation_steps micro-batches (default: 20)")
+    p.add_argument("--seq-len", type=_int_arg(2), default=128, help="tokens per window, 2..the model's max_seq_len (default: 128)")
+    p.add_argument("--batch-size", type=_int_arg(1),
+                   help="windows per rank per micro-step, >= 1 (default: the config's train_micro_batch_size_per_gpu, or "
+                        "train_batch_size / (gradient_accumulation_steps x world size), else 2); with a config, it must agree")
+    p.add_argument("--lr", type=_float_arg(0), default=3e-3,
+                   help="AdamW learning rate when no --config, a finite number >= 0 (default: 3e-3)")
+    p.add_argument("--seed", type=_int_arg(0, MAX_SEED), default=0,
+                   help="seed for the model init and the data shuffle, 0..2**64-1 (default: 0)")
     p.add_argument("--print-graph", action="store_true", help="print rank 0's forward graph and its all-gather counts")
     p.add_argument("--output-dir", type=Path,
                    help="save sharded checkpoints here, and resume from its newest complete one (default: no checkpoints)")
-    p.add_argument("--save-every", type=int, help="save every K training steps (default: only after the last step)")
+    p.add_argument("--save-every", type=_int_arg(1), help="save every K >= 1 training steps (default: only after the last step)")
+    p.add_argument("--keep-last", type=_int_arg(1),
+                   help="after each save, delete the oldest step-N checkpoints beyond the newest K >= 1 (default: keep all)")
+    p.add_argument("--collective-timeout", dest="collective_timeout_s", type=_float_arg(0, low_inclusive=False),
+                   help="seconds a collective waits for a dead or stalled peer before the run fails, > 0 (default: the "
+                        "config's zerofx.collective_timeout_s, else 300)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("consolidate", help="write a sharded checkpoint as one safetensors file",

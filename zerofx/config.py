@@ -23,16 +23,17 @@ import math
 import re
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from passes.plan import ScheduleOptions
-from passes.plan_tiling import TilingOptions, tiling_options
+from zerofx.passes.plan import ScheduleOptions
+from zerofx.passes.plan_tiling import KINDS, TilingOptions
 from zerofx.errors import ConfigError, did_you_mean
+from zerofx.offload_options import OffloadOptions, ParamOffloadOptions
 from zerofx.schedulers import SCHEDULER_TYPES, SchedulerSpec, is_finite_number
 
 OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
@@ -156,7 +157,7 @@ _OFFLOAD_PARAM = {
     "max_in_cpu": Key(_NUM, "with device nvme, parameter elements per rank kept in host memory (zerofx default 0)", lambda v: v >= 0, "a number >= 0"),
     "buffer_size": Key(_NUM, "elements per NVMe buffer (zerofx sizes each read to its shard)", lambda v: v > 0, "a number > 0", False),
 }
-_BYTES = lambda v: v >= 0  # noqa: E731
+_BYTES = lambda v: v >= 0  # noqa: E731  (a validator, written like the inline lambdas it sits among)
 _ZEROFX_OFFLOAD = {
     "delayed_update": Key((bool,), "one-step delayed parameter update (DPU): the optimizer step runs during the next forward/backward; changes the numerics"),
     "device_budget_bytes": Key(_NUM, "optimizer-state bytes per rank kept on the device (default: (1 - ratio) x all)", _BYTES, "a number >= 0",
@@ -280,6 +281,23 @@ def schema_rows(schema: Mapping[str, Key] = SCHEMA, prefix: str = "") -> list[tu
     return rows
 
 
+def tiling_options(section: Mapping[str, Any] | None) -> TilingOptions:
+    """``TilingOptions`` from the config's ``zerofx.tiling`` section (already schema-checked)."""
+    section = dict(section or {})
+    kinds = tuple(k for k in KINDS if section.get(k, True))
+    budget, tile_bytes = section.get("budget"), section.get("weight_tile_bytes")
+    budget = int(parse_bytes(budget)) if isinstance(budget, str) else budget
+    tile_bytes = int(parse_bytes(tile_bytes)) if isinstance(tile_bytes, str) else tile_bytes
+    return TilingOptions(
+        enabled=section.get("enabled", "auto"),
+        block_size=section.get("block_size"),
+        attention_block_size=section.get("attention_block_size"),
+        budget_bytes=budget,
+        kinds=kinds,
+        weight_tile_bytes=tile_bytes,
+    )
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     """Which optimizer to build on each rank's shard, and with what arguments."""
@@ -310,6 +328,8 @@ class ZeroConfig:
     optimizer: OptimizerSpec
     raw: Mapping[str, Any]
     scheduler: SchedulerSpec | None = None  # the ``scheduler`` section; None without one
+    offload: OffloadOptions | None = None  # ``offload_optimizer`` with ``zerofx.offload``; None when off
+    param_offload: ParamOffloadOptions | None = None  # ``offload_param``; None when off
 
     @property
     def collective_timeout_s(self) -> float:
@@ -621,17 +641,18 @@ def parse_config(
         raise ConfigError(f"config key 'optimizer.params.nesterov' is true with momentum={params.get('momentum', 0)!r} and "
                           f"dampening={params.get('dampening', 0)!r}; accepted: nesterov with momentum > 0 and dampening 0")
     scheduler = SchedulerSpec.from_config(raw["scheduler"]) if raw.get("scheduler") else None
-    from zerofx.offload import OffloadOptions  # offload imports the cost models; only its checks are needed here
-    from zerofx.param_offload import ParamOffloadOptions
-
-    OffloadOptions.from_config(raw)  # offload settings that contradict each other
-    ParamOffloadOptions.from_config(raw)
+    offload, param_offload = OffloadOptions.from_config(raw), ParamOffloadOptions.from_config(raw)
+    if param_offload is not None and offload is None and raw.get("zerofx", {}).get("offload", {}).get("delayed_update"):
+        raise ConfigError("zerofx.offload.delayed_update needs zero_optimization.offload_optimizer; "
+                          "it is not supported with offload_param alone")
     return ZeroConfig(
         stage=stage if stage is not None else cfg_stage,
         world_size=world_size if world_size is not None else cfg_world,
         optimizer=OptimizerSpec(type=kind, params=params),
         raw=raw,
         scheduler=scheduler,
+        offload=offload,
+        param_offload=param_offload,
     )
 
 

@@ -8,7 +8,8 @@ NCCL on CUDA: the device is the model's.
 NOTE [What the engine holds]
 Parameters are laid out per ``ParamPlacement``: each flattened and padded to a multiple of the
 world size. Stages 0-2 keep every full padded flat; stage 3 keeps only this rank's shards, in
-one flat buffer, except parameters below ``stage3_param_persistence_threshold``, kept whole. Gradient buffers are persistent and accumulate across ``backward`` calls until
+one flat buffer, except parameters below ``stage3_param_persistence_threshold``, kept whole.
+Gradient buffers are persistent and accumulate across ``backward`` calls until
 ``step``: full padded flats at stages 0-1, shards at stages 2-3. The optimizer is a plain
 ``torch.optim`` optimizer whose parameters are views of this rank's shards (the whole flat at
 stage 0), so it updates the stored parameters in place. Where parameters are kept whole
@@ -78,14 +79,14 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from cost_models.memory import optimizer_kind
-from cost_models.offload import Tier
-from passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
-from passes.meta import is_wait
-from passes.check_collectives import collective_sequence, first_divergence
-from passes.fetch_params import fetch_order
-from passes.plan_offload import ParamOffloadPlan
-from passes.plan_sharding import persistent_params, place_param
+from zerofx.cost_models.memory import optimizer_kind
+from zerofx.cost_models.offload import Tier
+from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
+from zerofx.passes.meta import is_wait
+from zerofx.passes.check_collectives import collective_sequence, first_divergence
+from zerofx.passes.fetch_params import fetch_order
+from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan_sharding import persistent_params, place_param
 from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, cast_info, flatten_call, split_loss_kwargs
 from zerofx.config import OptimizerSpec, ZeroConfig, first_config_difference
 from zerofx.errors import (
@@ -96,8 +97,9 @@ from zerofx.errors import (
     ZeroFXError,
 )
 from zerofx.materialize import InitFn, check_all_meta_or_none, iter_initial_state
-from zerofx.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, plan_engine_offload
-from zerofx.param_offload import ParamOffloadOptions, ParamStore, plan_engine_param_offload
+from zerofx.offload import OffloadedOptimizer, OffloadStore, plan_engine_offload
+from zerofx.offload_options import OffloadOptions
+from zerofx.param_offload import ParamStore, plan_engine_param_offload
 from zerofx.program import Program, capture_and_plan, check_example_inputs, resolve
 from zerofx.schedulers import lr_at
 
@@ -249,8 +251,8 @@ class Engine:
         self._state_keys = [
             (key, param_aliases.get(key)) for key in model.state_dict().keys()
         ]
-        self.offload_options = OffloadOptions.from_config(cfg.raw)
-        self.param_offload_options = ParamOffloadOptions.from_config(cfg.raw)
+        self.offload_options = cfg.offload
+        self.param_offload_options = cfg.param_offload
         if self.param_offload_options is not None:
             if self.stage is not ZeroStage.THREE:
                 raise ZeroFXError(
@@ -258,7 +260,7 @@ class Engine:
                     f"{int(self.stage)}; set stage 3 or offload_param.device none"
                 )
             if self.offload_options is None:  # NOTE [offload_param]: one optimizer streams the shards
-                self.offload_options = OffloadOptions.on_device(cfg.raw)
+                self.offload_options = OffloadOptions.on_device()
         self.offload_store: OffloadStore | None = None
         self.offload_plan: OffloadPlan | None = None
         self.param_store: ParamStore | None = None
@@ -808,13 +810,15 @@ class Engine:
         return out
 
     # ----------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: Mapping[str, Any] | None = None) -> None:
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: Mapping[str, Any] | None = None, *,
+                        keep_last: int | None = None) -> None:
         """Save this rank's shards under ``save_dir/tag`` (default ``step-<global_steps>``),
-        atomically; a collective, call on every rank. See ``zerofx.checkpoint``."""
+        atomically; a collective, call on every rank. With ``keep_last=K``, then delete the
+        oldest ``step-<N>`` checkpoints beyond the newest K. See ``zerofx.checkpoint``."""
         from zerofx.checkpoint import save_checkpoint  # the checkpoint module imports engine types
 
         self.flush()
-        save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+        save_checkpoint(self, save_dir, tag=tag, client_state=client_state, keep_last=keep_last)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True) -> dict[str, Any]:
         """Load a checkpoint saved at any world size and stage (default: the newest complete one);

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from passes.analyze_schedule import CollectiveRow, ScheduleReport, format_summary, summary_json
-from passes.plan import format_bytes
+from zerofx.passes.analyze_schedule import CollectiveRow, ScheduleReport, format_summary, summary_json
+from zerofx.passes.plan import format_bytes
 
 log = logging.getLogger("zerofx.folding")
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import abc
 import errno
-import math
 import mmap
 import os
 import threading
@@ -68,10 +67,16 @@ from torch.optim.adam import adam as adam_update
 from torch.optim.adamw import adamw as adamw_update
 from torch.optim.sgd import sgd as sgd_update
 
-from cost_models.compute import CPU_CORE
-from cost_models.offload import FP32_BYTES, Tier, TierSpec, record_numels
-from passes.plan_offload import OffloadPlan, ParamOffloadPlan, plan_offload
+from zerofx.cost_models.compute import CPU_CORE
+from zerofx.cost_models.offload import FP32_BYTES, Tier, record_numels
+from zerofx.passes.plan_offload import OffloadPlan, plan_offload
 from zerofx.errors import ConfigError, ZeroFXError
+from zerofx.offload_options import (  # noqa: F401  (the options and their defaults, re-exported)
+    DEFAULT_HOST_COPY_BYTES_PER_S,
+    DEFAULT_NVME_READ_BYTES_PER_S,
+    DEFAULT_NVME_WRITE_BYTES_PER_S,
+    OffloadOptions,
+)
 
 if TYPE_CHECKING:
     from zerofx.param_offload import ParamStore
@@ -81,93 +86,10 @@ IO_THREADS = 2
 # O_DIRECT needs buffer addresses, file offsets and lengths in multiples of the device's logical
 # block: 4 KiB covers 512-byte and 4 KiB drives.
 DIRECT_ALIGN = 4096
-# Defaults when the config gives no measured bandwidth: a PCIe 4 x16 link (host <-> device) and
-# a datacenter NVMe drive; `zerofx.offload.*_bytes_per_s` overrides them.
-DEFAULT_HOST_COPY_BYTES_PER_S = 12e9
-DEFAULT_NVME_READ_BYTES_PER_S = 3e9
-DEFAULT_NVME_WRITE_BYTES_PER_S = 1.5e9
 
 
 class OffloadError(ZeroFXError):
     """Offloaded state could not be stored or read back: names the path and what failed."""
-
-
-# --------------------------------------------------------------------------- options
-@dataclass(frozen=True)
-class OffloadOptions:
-    """What the config asks for (``zero_optimization.offload_optimizer`` and ``zerofx.offload``)."""
-
-    device: Tier  # the slowest tier records may go to: CPU or NVME
-    nvme_path: Path | None
-    pin_memory: bool
-    buffer_count: int
-    ratio: float
-    delayed_update: bool
-    device_budget_bytes: float | None
-    cpu_budget_bytes: float | None
-    host_copy_bytes_per_s: float
-    nvme_read_bytes_per_s: float
-    nvme_write_bytes_per_s: float
-
-    @classmethod
-    def from_config(cls, raw: Mapping[str, Any]) -> OffloadOptions | None:
-        """None when optimizer offload is off. ``ConfigError`` for settings that contradict."""
-        zero = raw.get("zero_optimization", {})
-        own = raw.get("zerofx", {}).get("offload", {})
-        section = zero.get("offload_optimizer", {})
-        device = section.get("device", "none")
-        if device == "none":
-            if own and zero.get("offload_param", {}).get("device", "none") == "none":
-                raise ConfigError("zerofx.offload is set but zero_optimization.offload_optimizer.device is not; set it to cpu or nvme")
-            return None
-        if device == "nvme" and not section.get("nvme_path"):
-            raise ConfigError("zero_optimization.offload_optimizer.device is nvme but nvme_path is missing; accepted: a writable folder")
-        ratio = float(section.get("ratio", 1.0))
-        if not 0.0 <= ratio <= 1.0:
-            raise ConfigError(f"config key 'zero_optimization.offload_optimizer.ratio' got {ratio!r}; accepted: a number in [0, 1]")
-        return cls(
-            device=Tier(device),
-            nvme_path=Path(section["nvme_path"]) if section.get("nvme_path") else None,
-            pin_memory=bool(section.get("pin_memory", False)),
-            buffer_count=int(section.get("buffer_count", 4)),
-            ratio=ratio,
-            delayed_update=bool(own.get("delayed_update", False)),
-            device_budget_bytes=own.get("device_budget_bytes"),
-            cpu_budget_bytes=own.get("cpu_budget_bytes"),
-            host_copy_bytes_per_s=float(own.get("host_copy_bytes_per_s", DEFAULT_HOST_COPY_BYTES_PER_S)),
-            nvme_read_bytes_per_s=float(own.get("nvme_read_bytes_per_s", DEFAULT_NVME_READ_BYTES_PER_S)),
-            nvme_write_bytes_per_s=float(own.get("nvme_write_bytes_per_s", DEFAULT_NVME_WRITE_BYTES_PER_S)),
-        )
-
-    @classmethod
-    def on_device(cls, raw: Mapping[str, Any]) -> OffloadOptions:
-        """Every record on the device: what the engine uses when only ``offload_param`` is set, so
-        that one optimizer streams the offloaded shards through the update (NOTE [Stepping
-        offloaded shards])."""
-        own = raw.get("zerofx", {}).get("offload", {})
-        if own.get("delayed_update"):
-            raise ConfigError("zerofx.offload.delayed_update needs zero_optimization.offload_optimizer; "
-                              "it is not supported with offload_param alone")
-        return cls(
-            device=Tier.CPU, nvme_path=None, pin_memory=False, buffer_count=1, ratio=0.0, delayed_update=False,
-            device_budget_bytes=None, cpu_budget_bytes=0.0, host_copy_bytes_per_s=DEFAULT_HOST_COPY_BYTES_PER_S,
-            nvme_read_bytes_per_s=DEFAULT_NVME_READ_BYTES_PER_S, nvme_write_bytes_per_s=DEFAULT_NVME_WRITE_BYTES_PER_S,
-        )
-
-    def tier_specs(self, total_bytes: int, *, device_is_cpu: bool) -> dict[Tier, TierSpec]:
-        """Budgets and bandwidths per tier. The device keeps ``(1 - ratio)`` of the records unless
-        ``device_budget_bytes`` says otherwise; host memory is unbounded when it is the slowest
-        tier, else it holds ``cpu_budget_bytes`` (default 0); NVMe is unbounded."""
-        device_budget = self.device_budget_bytes if self.device_budget_bytes is not None else (1.0 - self.ratio) * total_bytes
-        copy = math.inf if device_is_cpu else self.host_copy_bytes_per_s
-        if self.device is Tier.CPU:
-            cpu_budget = self.cpu_budget_bytes if self.cpu_budget_bytes is not None else math.inf
-        else:
-            cpu_budget = self.cpu_budget_bytes if self.cpu_budget_bytes is not None else 0.0
-        tiers = {Tier.DEVICE: TierSpec(device_budget, math.inf, math.inf), Tier.CPU: TierSpec(cpu_budget, copy, copy)}
-        if self.device is Tier.NVME:
-            tiers[Tier.NVME] = TierSpec(math.inf, self.nvme_read_bytes_per_s, self.nvme_write_bytes_per_s)
-        return tiers
 
 
 def plan_engine_offload(
@@ -192,70 +114,6 @@ def plan_engine_offload(
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-
-
-@dataclass(frozen=True)
-class ProgramOffload:
-    """What ``zerofx plan`` prints for offload: the optimizer-state placement and, at stage 3
-    with ``offload_param``, the parameter-shard placement. Its JSON is the optimizer plan's
-    (unchanged) with a ``params`` key added for the shards."""
-
-    optimizer: OffloadPlan | None
-    params: ParamOffloadPlan | None
-
-    def to_json(self) -> str:
-        import json
-
-        out: dict[str, Any] = json.loads(self.optimizer.to_json()) if self.optimizer is not None else {}
-        if self.params is not None:
-            out["params"] = json.loads(self.params.to_json())
-        return json.dumps(out, indent=1, sort_keys=True)
-
-    def __str__(self) -> str:
-        return "\n".join(str(p) for p in (self.optimizer, self.params) if p is not None)
-
-
-def plan_for_program(plan: Any, raw: Mapping[str, Any], *, mixed_precision: bool, device_is_cpu: bool,
-                     compute_s: Mapping[str, float]) -> ProgramOffload | None:
-    """What ``zerofx plan`` shows: the engine's ``OffloadPlan`` and ``ParamOffloadPlan`` for a
-    ``Plan`` (None without offload), with the schedule's estimated forward and backward times as
-    the I/O's cover."""
-    from zerofx.param_offload import (  # it imports this module
-        ParamOffloadOptions,
-        plan_engine_param_offload,
-    )
-
-    options = OffloadOptions.from_config(raw)
-    param_options = ParamOffloadOptions.from_config(raw)
-    forward, backward = compute_s.get("forward", 0.0), compute_s.get("backward", 0.0)
-    opt_plan = None
-    if options is not None:
-        owned = {p.fqn: p.padded_numel if int(plan.stage) == 0 else p.shard_numel for p in plan.params if p.requires_grad}
-        opt_plan = plan_engine_offload(owned, options, optimizer=plan.optimizer, mixed_precision=mixed_precision,
-                                       device_is_cpu=device_is_cpu, forward_backward_s=forward + backward, backward_s=backward)
-    param_plan = None
-    if param_options is not None and int(plan.stage) == 3:
-        sharded = [p for p in plan.params if p.fqn not in plan.persistent]
-        param_plan = plan_engine_param_offload(
-            [(p.fqn, p.shard_numel, p.itemsize, p.requires_grad) for p in sharded], _fetch_groups(plan), param_options,
-            device_is_cpu=device_is_cpu, forward_s=forward, backward_s=backward,
-        )
-    if opt_plan is None and param_plan is None:
-        return None
-    return ProgramOffload(opt_plan, param_plan)
-
-
-def _fetch_groups(plan: Any) -> list[tuple[str, ...]]:
-    """The stage-3 shards in the order the graphs fetch them: each gather bucket, and each weight
-    gathered one tile at a time on its own, where it is first used (``plan.gather_order``)."""
-    bucket_of = {f: b for b in plan.gather_buckets for f in b}
-    tiled = {f for f, _ in plan.tile_gathered}
-    groups: list[tuple[str, ...]] = []
-    for f in plan.gather_order:
-        group = (f,) if f in tiled else bucket_of.get(f)
-        if group is not None and group not in groups:
-            groups.append(group)
-    return groups
 
 
 # --------------------------------------------------------------------------- NVMe files
@@ -662,7 +520,7 @@ class OffloadStore(BackgroundIO):
         the transfers still in flight are dropped here."""
         try:
             self.drain()
-        except BaseException:  # noqa: BLE001  (see docstring)
+        except BaseException:
             pass
 
     # ------------------------------------------------------------- accounting

@@ -6,26 +6,20 @@ registered here) and streamed through the optimizer's update. See NOTE [The para
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import weakref
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from cost_models.offload import Tier, TierSpec
-from passes.fetch_params import fetch_shard
-from passes.plan_offload import ParamOffloadPlan, plan_param_offload
+from zerofx.cost_models.offload import Tier
+from zerofx.passes.fetch_params import fetch_shard
+from zerofx.passes.plan_offload import ParamOffloadPlan, plan_param_offload
 from zerofx.errors import ConfigError
 from zerofx.offload import (
-    DEFAULT_HOST_COPY_BYTES_PER_S,
-    DEFAULT_NVME_READ_BYTES_PER_S,
-    DEFAULT_NVME_WRITE_BYTES_PER_S,
     IO_THREADS,
     BackgroundIO,
     NvmeFiles,
@@ -33,53 +27,7 @@ from zerofx.offload import (
     aligned_empty,
 )
 
-# --------------------------------------------------------------------------- options
-DEFAULT_PARAM_BUFFER_COUNT = 5  # DeepSpeed's offload_param.buffer_count default
-
-
-@dataclass(frozen=True)
-class ParamOffloadOptions:
-    """What ``zero_optimization.offload_param`` asks for (bandwidths from ``zerofx.offload``)."""
-
-    device: Tier  # CPU or NVME
-    nvme_path: Path | None
-    pin_memory: bool
-    buffer_count: int
-    max_in_cpu: float  # elements per rank kept in host memory with device nvme
-    host_copy_bytes_per_s: float
-    nvme_read_bytes_per_s: float
-    nvme_write_bytes_per_s: float
-
-    @classmethod
-    def from_config(cls, raw: Mapping[str, Any]) -> ParamOffloadOptions | None:
-        """None when parameter offload is off. ``ConfigError`` for settings that contradict."""
-        section = raw.get("zero_optimization", {}).get("offload_param", {})
-        own = raw.get("zerofx", {}).get("offload", {})
-        device = section.get("device", "none")
-        if device == "none":
-            return None
-        if device == "nvme" and not section.get("nvme_path"):
-            raise ConfigError("zero_optimization.offload_param.device is nvme but nvme_path is missing; accepted: a writable folder")
-        return cls(
-            device=Tier(device),
-            nvme_path=Path(section["nvme_path"]) if section.get("nvme_path") else None,
-            pin_memory=bool(section.get("pin_memory", False)),
-            buffer_count=int(section.get("buffer_count", DEFAULT_PARAM_BUFFER_COUNT)),
-            max_in_cpu=float(section.get("max_in_cpu", 0)),
-            host_copy_bytes_per_s=float(own.get("host_copy_bytes_per_s", DEFAULT_HOST_COPY_BYTES_PER_S)),
-            nvme_read_bytes_per_s=float(own.get("nvme_read_bytes_per_s", DEFAULT_NVME_READ_BYTES_PER_S)),
-            nvme_write_bytes_per_s=float(own.get("nvme_write_bytes_per_s", DEFAULT_NVME_WRITE_BYTES_PER_S)),
-        )
-
-    def tier_specs(self, itemsize: int, *, device_is_cpu: bool) -> dict[Tier, TierSpec]:
-        """Nothing stays on the device (DeepSpeed offloads every sharded parameter). Host memory
-        holds everything with device cpu, ``max_in_cpu`` elements with nvme; NVMe the rest."""
-        copy = math.inf if device_is_cpu else self.host_copy_bytes_per_s
-        cpu_budget = math.inf if self.device is Tier.CPU else self.max_in_cpu * itemsize
-        tiers = {Tier.DEVICE: TierSpec(0.0, math.inf, math.inf), Tier.CPU: TierSpec(cpu_budget, copy, copy)}
-        if self.device is Tier.NVME:
-            tiers[Tier.NVME] = TierSpec(math.inf, self.nvme_read_bytes_per_s, self.nvme_write_bytes_per_s)
-        return tiers
+from zerofx.offload_options import DEFAULT_PARAM_BUFFER_COUNT, ParamOffloadOptions  # noqa: F401  (re-exported)
 
 
 def plan_engine_param_offload(

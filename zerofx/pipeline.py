@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 
-from passes import Plan, build_param_sync, meta, partition_joint, reduce_grads_pass, shard_params_pass
-from passes.fetch_params import fetch_params_pass
-from passes.plan_offload import ParamOffloadPlan
-from passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
-from passes.tile_weights import tile_weights_pass
+from zerofx.passes import Plan, build_param_sync, meta, partition_joint, reduce_grads_pass, shard_params_pass
+from zerofx.passes.fetch_params import fetch_params_pass
+from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
+from zerofx.passes.tile_weights import tile_weights_pass
 
 log = logging.getLogger("zerofx.pipeline")
 

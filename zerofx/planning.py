@@ -4,10 +4,12 @@ sequence that fits", and draw the memory timeline and the compute/communication 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
-from collections.abc import Mapping
+import traceback
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,9 @@ import sympy
 import torch
 import torch.nn as nn
 
-from cost_models.memory_timeline import TimelinePoint
-from cost_models.symbolic import B, T, fit_timeline_batch_seq, longest_fitting
-from passes.analyze_schedule import ScheduleReport, summary_json
+from zerofx.cost_models.memory_timeline import TimelinePoint
+from zerofx.cost_models.symbolic import B, T, fit_timeline_batch_seq, longest_fitting
+from zerofx.passes.analyze_schedule import ScheduleReport, summary_json
 from zerofx.config import parse_bytes  # noqa: F401  (zerofx.planning.parse_bytes, as before)
 from zerofx.errors import ZeroFXError
 from zerofx.program import Program, compile
@@ -32,10 +34,56 @@ class ModelSpec:
     label: str
 
 
+def _user_code_error(spec: str, doing: str, exc: BaseException, accepted: str) -> ZeroFXError:
+    """One line for an exception (or ``sys.exit``) out of the user's model code, with where it came from."""
+    if isinstance(exc, SystemExit):
+        what = f"called sys.exit({exc.code!r})"
+    else:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        what = f"raised {type(exc).__name__}" + (f": {first_line}" if first_line else "")
+    frames = traceback.extract_tb(exc.__traceback__)
+    if isinstance(exc, SyntaxError) and exc.filename:
+        where = f" (at {Path(exc.filename).name}:{exc.lineno})"
+    else:
+        where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return ZeroFXError(f"model spec {spec!r} {what}{where} while {doing}; {accepted}")
+
+
+_SPEC_CONTRACT = "a model spec's module imports, and its callable returns (model, example_inputs), without exiting or raising"
+
+
+def _run_user_code(spec: str, doing: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, with any exception or ``sys.exit`` from it reported as a ``ZeroFXError`` naming
+    the spec: a model spec is the user's code, and a SystemExit from it would otherwise end
+    ``zerofx plan`` with its exit code (0 for ``sys.exit(0)``) and no output."""
+    try:
+        return fn()
+    except ZeroFXError:
+        raise
+    except (Exception, SystemExit) as exc:  # not KeyboardInterrupt: Ctrl-C still stops the program
+        raise _user_code_error(spec, doing, exc, _SPEC_CONTRACT) from exc
+
+
+@contextlib.contextmanager
+def running_model_code(label: str) -> Iterator[None]:
+    """Around capture and planning of a spec's model, whose forward is the user's code: a
+    ``sys.exit`` in it becomes a ``ZeroFXError`` naming ``label``. Other exceptions pass through
+    (capture already reports them as ``CaptureError``)."""
+    try:
+        yield
+    except SystemExit as exc:
+        raise _user_code_error(label, "zerofx traced the model's forward", exc,
+                               "a forward returns the loss (or an output holding it), not exit") from exc
+
+
 def load_model_spec(spec: str) -> ModelSpec:
     """``path/to/file.py:callable`` or ``package.module:callable``. The callable takes no
     arguments and returns ``(model, example_inputs)``: a tuple of positional arguments, a dict of
-    keyword arguments, or ``(args_tuple, kwargs_dict)``. Build the model on the meta device."""
+    keyword arguments, or ``(args_tuple, kwargs_dict)``. Build the model on the meta device.
+
+    Every failure is a one-line ``ZeroFXError`` naming the spec: a missing file or module, an
+    exception or ``sys.exit`` while importing it or calling the callable, a wrong return value,
+    and a model with no trainable parameters."""
     if ":" not in spec:
         raise ZeroFXError(f"model spec {spec!r} is not FILE.py:CALLABLE or MODULE:CALLABLE")
     where, name = spec.rsplit(":", 1)
@@ -46,16 +94,18 @@ def load_model_spec(spec: str) -> ModelSpec:
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         assert module_spec is not None and module_spec.loader is not None
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        _run_user_code(spec, f"zerofx imported {where}", lambda: module_spec.loader.exec_module(module))
     else:
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
             raise ZeroFXError(f"cannot import {where!r} from model spec {spec!r}: {exc}") from exc
+        except (Exception, SystemExit) as exc:  # the module's own code failed as it ran
+            raise _user_code_error(spec, f"zerofx imported {where}", exc, _SPEC_CONTRACT) from exc
     factory = getattr(module, name, None)
     if not callable(factory):
         raise ZeroFXError(f"{where!r} has no callable {name!r} (model spec {spec!r})")
-    result = factory()
+    result = _run_user_code(spec, f"zerofx called {name}()", factory)
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
         raise ZeroFXError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
     model, inputs = result
@@ -67,7 +117,18 @@ def load_model_spec(spec: str) -> ModelSpec:
         args, kwargs = inputs, {}
     else:
         raise ZeroFXError(f"{spec}'s example_inputs must be a tuple, a dict, or (tuple, dict); got {type(inputs).__name__}")
+    check_trainable(model, f"model spec {spec!r}")
     return ModelSpec(model, tuple(args), dict(kwargs), spec)
+
+
+def check_trainable(model: nn.Module, label: str) -> None:
+    """Raise ``ZeroFXError`` unless ``model`` has a parameter with requires_grad: without one
+    there is nothing to shard or train (and torch's own errors, a StopIteration from
+    ``next(model.parameters())`` or "optimizer got an empty parameter list", say neither)."""
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        found = "no parameters" if not params else f"{len(params)} parameters, all frozen (requires_grad=False)"
+        raise ZeroFXError(f"{label}: {type(model).__name__} has {found}; zerofx needs at least one trainable parameter")
 
 
 def with_seq_len(value: Any, old: int, new: int) -> Any:

@@ -17,14 +17,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from cost_models.comm import CPU_GLOO, CommSpec
-from cost_models.compute import CPU_CORE, DeviceSpec
-from cost_models.memory import optimizer_kind
-from passes import Plan, ZeroStage, _compat, plan_sharding
-from passes.analyze_schedule import ScheduleReport, analyze_schedule
-from passes.plan import ScheduleOptions, format_bytes
-from passes.plan_offload import ParamOffloadPlan
-from passes.plan_tiling import TilingOptions
+from zerofx.cost_models.comm import CPU_GLOO, CommSpec
+from zerofx.cost_models.compute import CPU_CORE, DeviceSpec
+from zerofx.cost_models.memory import optimizer_kind
+from zerofx.passes import Plan, ZeroStage, _compat, plan_sharding
+from zerofx.passes.analyze_schedule import ScheduleReport, analyze_schedule
+from zerofx.passes.plan import ScheduleOptions, format_bytes
+from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan_tiling import TilingOptions
 from zerofx.capture import CapturedStep, LossFn, capture_step
 from zerofx.config import GraphCompiler, ZeroConfig, parse_config
 from zerofx.errors import ZeroFXError
@@ -135,9 +135,14 @@ def check_stage(stage: Any) -> ZeroStage:
     return ZeroStage(stage)
 
 
+# The largest world size planned: far beyond any cluster, small enough that per-rank sizes and
+# the planner's tables stay exact.
+MAX_WORLD_SIZE = 2**20
+
+
 def check_world_size(world_size: Any) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ZeroFXError(f"world_size={world_size!r} is invalid; accepted: an integer >= 1")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ZeroFXError(f"world_size={world_size!r} is invalid; accepted: an integer in 1..{MAX_WORLD_SIZE}")
     return world_size
 
 
@@ -304,7 +309,7 @@ def capture_and_plan(capture: Callable[[TilingOptions | None], CapturedStep], cf
     return _fit_tiling_to_timeline(program, build, options)
 
 
-def compile(  # noqa: A001  (the public name users expect)
+def compile(
     model: nn.Module,
     world_size: int | None = None,
     stage: int | None = None,

@@ -4,9 +4,23 @@ Nothing here holds a whole genome: ``read_fasta`` yields bounded chunks, and
 ``genome_windows`` keeps one partial window, one pending window and a bounded shuffle buffer,
 so a 3 Gbp human assembly streams in the same memory as the bundled 48,502 bp lambda phage.
 
-Tokens follow ``zerofx.models.dna_lm.DNA_VOCAB``: A, C, G, T are 0..3, and every other symbol
-(N, the IUPAC ambiguity codes, gaps) is 4, N. Lowercase (soft-masked repeats) reads as
-uppercase.
+Tokens follow ``zerofx.models.dna_lm.DNA_VOCAB``: A, C, G, T are 0..3, U (RNA) reads as T, and
+every other symbol is 4, N. Lowercase (soft-masked repeats) reads as uppercase.
+
+NOTE [Which symbols a genome may hold]
+A sequence line holds letters, '-', '*' and '.'; anything else (a digit, a space, a byte that is
+not text) is not FASTA and raises ``GenomeError`` at once, naming the line. Of those symbols, the
+IUPAC nucleotide codes (A C G T U, and the ambiguity codes R Y S W K M B D H V N, in either case)
+are DNA; the ambiguity codes read as N. The rest (E F I J L O P Q X Z, gaps '-' and '.', stop
+'*') are "foreign": a few read as N, but when they exceed ``MAX_FOREIGN_FRACTION`` of the
+sequence symbols read so far, the file is refused with the count, the fraction and the first
+one's record, line and column. A protein FASTA has about 35% foreign letters (E, F, I, L, P, Q),
+so it is refused within its first ``FOREIGN_CHECK_MIN_SYMBOLS`` symbols, which every reader scans
+when it is called. Before that many symbols the fraction is too noisy to judge (a short first
+contig with one gap), so it is checked only from there on, and at the end of the file whatever
+its length. A file that crosses the fraction later raises while it is read, at the same line
+on every rank, since every rank reads the whole file. X is foreign although RepeatMasker -x masks
+repeats with it: replace it with N. ``genome_stats`` reads a whole file and counts what became N.
 
 NOTE [How windows are assigned to ranks]
 Each record is cut into non-overlapping windows of ``seq_len`` tokens; a record's tail
@@ -23,7 +37,9 @@ from __future__ import annotations
 
 import gzip
 import random
+import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -35,12 +51,19 @@ from zerofx.models.dna_lm import DNA_VOCAB
 N_TOKEN = DNA_VOCAB.index("N")
 # Maps each token to its complement's token: A<->T, C<->G, N stays N.
 _COMPLEMENT = torch.tensor([DNA_VOCAB.index(b) for b in "TGCAN"], dtype=torch.uint8)
-# bytes.translate table: ASCII byte -> token id (as a byte); unknown symbols become N.
+# bytes.translate table: ASCII byte -> token id (as a byte); U (RNA) is T; other symbols become N.
 _TOKEN_TABLE = bytes(
-    DNA_VOCAB.index(chr(b).upper()) if chr(b).upper() in "ACGT" else N_TOKEN for b in range(256)
+    DNA_VOCAB.index(chr(b).upper().replace("U", "T")) if chr(b).upper() in "ACGTU" else N_TOKEN for b in range(256)
 )
-# Symbols a FASTA sequence line may hold: IUPAC letters in either case, gap '-', stop '*'.
+# Symbols a FASTA sequence line may hold: letters in either case, gaps '-' and '.', stop '*'.
 _SEQUENCE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz-*.")
+# IUPAC nucleotide codes (NC-IUB 1984): bases, U, and the ambiguity codes, which read as N.
+NUCLEOTIDE_CODES = "ACGTURYSWKMBDHVN"
+_NUCLEOTIDE_CHARS = frozenset(NUCLEOTIDE_CODES + NUCLEOTIDE_CODES.lower())
+# NOTE [Which symbols a genome may hold]: at most 1% of the symbols may be foreign (not
+# nucleotide codes). Assembled genomes have none; a protein FASTA has about 35%.
+MAX_FOREIGN_FRACTION = 0.01
+FOREIGN_CHECK_MIN_SYMBOLS = 10_000
 _GZIP_MAGIC = b"\x1f\x8b"
 DEFAULT_CHUNK_CHARS = 1 << 16
 DEFAULT_SHUFFLE_WINDOWS = 256
@@ -56,7 +79,8 @@ def bundled_genome() -> Path:
 
 
 def tokenize(sequence: str) -> torch.Tensor:
-    """DNA letters to token ids: a 1-D uint8 tensor, A,C,G,T -> 0..3 and anything else -> 4 (N).
+    """DNA letters to token ids: a 1-D uint8 tensor, A,C,G,T -> 0..3, U -> 3 (as T) and anything
+    else -> 4 (N).
 
     uint8 because these tensors sit in shuffle buffers; ``genome_windows`` widens to int64.
     """
@@ -88,20 +112,89 @@ def _open_text(path: Path) -> IO[str]:
     return open(path, encoding="utf-8", errors="replace")
 
 
+@dataclass
+class _Tally:
+    """What one pass over a file has read so far; ``_sequence_lines`` updates it as it goes."""
+
+    num_records: int = 0
+    num_symbols: int = 0
+    num_foreign: int = 0  # symbols that are not nucleotide codes (NOTE [Which symbols a genome may hold])
+    first_foreign: str = ""  # where the first one is, e.g. "'Q' in record 'sp|P1|X' at line 2, column 5"
+
+
+def _foreign_error(path: Path, tally: _Tally) -> GenomeError:
+    return GenomeError(
+        f"genome file {str(path)!r} is not DNA: {tally.num_foreign:,} of its first {tally.num_symbols:,} sequence symbols "
+        f"({tally.num_foreign / tally.num_symbols:.1%}) are not nucleotide codes, more than the {MAX_FOREIGN_FRACTION:.0%} "
+        f"accepted; the first is {tally.first_foreign}. Accepted: the IUPAC nucleotide codes {' '.join(NUCLEOTIDE_CODES)} "
+        "in either case (a protein FASTA is refused; write N for masked or unknown bases)"
+    )
+
+
+def _sequence_lines(path: Path, tally: _Tally) -> Iterator[tuple[str, str]]:
+    """Every sequence line of ``path`` as ``(record_name, line)``, stripped and uppercase.
+
+    Raises ``GenomeError`` for a sequence line before the first header, a symbol that is not a
+    sequence symbol, too many foreign symbols (NOTE [Which symbols a genome may hold]), and a
+    corrupt or truncated gzip stream; each names the file."""
+    name: str | None = None
+    try:
+        with _open_text(path) as f:
+            for lineno, raw in enumerate(f, start=1):
+                line = raw.strip()
+                if not line or line.startswith(";"):
+                    continue
+                if line.startswith(">"):
+                    words = line[1:].split()
+                    name = words[0] if words else f"record@{lineno}"
+                    tally.num_records += 1
+                    continue
+                if name is None:
+                    raise GenomeError(
+                        f"genome file {str(path)!r} is not FASTA: its first line should be a '>name' header, got {line[:40]!r}"
+                    )
+                if not _NUCLEOTIDE_CHARS.issuperset(line):  # rare: the common line is all nucleotide codes
+                    if not _SEQUENCE_CHARS.issuperset(line):
+                        bad = next(c for c in line if c not in _SEQUENCE_CHARS)
+                        raise GenomeError(
+                            f"{str(path)!r} line {lineno}: {bad!r} is not a sequence symbol; accepted: IUPAC letters, '-', '.', '*'"
+                        )
+                    foreign = [i for i, c in enumerate(line) if c not in _NUCLEOTIDE_CHARS]
+                    if not tally.num_foreign:
+                        column = len(raw) - len(raw.lstrip()) + foreign[0] + 1
+                        tally.first_foreign = f"{line[foreign[0]]!r} in record {name!r} at line {lineno}, column {column}"
+                    tally.num_foreign += len(foreign)
+                tally.num_symbols += len(line)
+                if (
+                    tally.num_foreign > MAX_FOREIGN_FRACTION * tally.num_symbols
+                    and tally.num_symbols >= FOREIGN_CHECK_MIN_SYMBOLS
+                ):
+                    raise _foreign_error(path, tally)
+                yield name, line.upper()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # truncated, corrupt deflate data, bad header or CRC
+        raise GenomeError(f"genome file {str(path)!r} is corrupt (gzip) or not text: {exc}") from exc
+    except OSError as exc:
+        raise GenomeError(f"genome file {str(path)!r} cannot be read: {exc}") from exc
+    if tally.num_foreign > MAX_FOREIGN_FRACTION * tally.num_symbols:
+        raise _foreign_error(path, tally)
+
+
 def _check_fasta_file(path: str | Path) -> Path:
-    """Raise ``GenomeError`` unless ``path`` is a readable file whose first line is a FASTA header."""
+    """Raise ``GenomeError`` unless ``path`` is a readable FASTA file whose first
+    ``FOREIGN_CHECK_MIN_SYMBOLS`` sequence symbols (or all, if fewer) are DNA."""
     p = Path(path)
     if not p.is_file():
         raise GenomeError(f"genome file {str(p)!r} does not exist; pass a FASTA file (.fa, .fasta, optionally .gz)")
+    tally = _Tally()
+    lines = _sequence_lines(p, tally)
     try:
-        with _open_text(p) as f:
-            first = next((line for line in f if line.strip() and not line.startswith(";")), "")
-    except (OSError, EOFError) as exc:
-        raise GenomeError(f"genome file {str(p)!r} is not a FASTA text file (plain or gzip): {exc}") from exc
-    if not first.startswith(">"):
-        raise GenomeError(
-            f"genome file {str(p)!r} is not FASTA: its first line should be a '>name' header, got {first[:40]!r}"
-        )
+        for _ in lines:
+            if tally.num_symbols >= FOREIGN_CHECK_MIN_SYMBOLS:
+                break
+    finally:
+        lines.close()
+    if tally.num_records == 0:
+        raise GenomeError(f"genome file {str(p)!r} is not FASTA: it has no '>name' header line")
     return p
 
 
@@ -110,45 +203,66 @@ def read_fasta(path: str | Path, *, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> I
 
     ``record_name`` is the first word of the record's '>' header. Chunks are uppercase, hold no
     line breaks, are at most about ``chunk_chars`` long, and concatenate, per record, to the
-    record's sequence. The file is checked when this is called (missing, not FASTA:
-    ``GenomeError``); a bad sequence line later raises ``GenomeError`` naming its line number.
+    record's sequence. The file is checked when this is called (missing, not FASTA, not DNA in its
+    first ``FOREIGN_CHECK_MIN_SYMBOLS`` symbols: ``GenomeError``); a bad sequence line later, or
+    too many symbols that are not nucleotide codes, raises ``GenomeError`` naming its line.
     """
     if chunk_chars < 1:
         raise GenomeError(f"chunk_chars={chunk_chars!r} is invalid; accepted: an integer >= 1")
     return _read_fasta(_check_fasta_file(path), chunk_chars)
 
 
-def _read_fasta(path: Path, chunk_chars: int) -> Iterator[tuple[str, str]]:
-    name: str | None = None
-    parts: list[str] = []
-    size = 0
-    try:
-        with _open_text(path) as f:
-            for lineno, line in enumerate(f, start=1):
-                line = line.strip()
-                if not line or line.startswith(";"):
-                    continue
-                if line.startswith(">"):
-                    if name is not None and parts:
-                        yield name, "".join(parts)
-                    words = line[1:].split()
-                    name, parts, size = (words[0] if words else f"record@{lineno}"), [], 0
-                    continue
-                if not _SEQUENCE_CHARS.issuperset(line):
-                    bad = next(c for c in line if c not in _SEQUENCE_CHARS)
-                    raise GenomeError(
-                        f"{str(path)!r} line {lineno}: {bad!r} is not a sequence symbol; accepted: IUPAC letters, '-', '*'"
-                    )
-                assert name is not None, "the first line was checked to be a header"
-                parts.append(line.upper())
-                size += len(line)
-                if size >= chunk_chars:
-                    yield name, "".join(parts)
-                    parts, size = [], 0
-    except (EOFError, gzip.BadGzipFile) as exc:
-        raise GenomeError(f"genome file {str(path)!r} is corrupt or not text: {exc}") from exc
-    if name is not None and parts:
+def _read_fasta(path: Path, chunk_chars: int, tally: _Tally | None = None) -> Iterator[tuple[str, str]]:
+    tally = _Tally() if tally is None else tally
+    record, name, parts, size = 0, "", [], 0
+    for line_name, line in _sequence_lines(path, tally):
+        if tally.num_records != record:  # the first line of a new record
+            if parts:
+                yield name, "".join(parts)
+            record, name, parts, size = tally.num_records, line_name, [], 0
+        parts.append(line)
+        size += len(line)
+        if size >= chunk_chars:
+            yield name, "".join(parts)
+            parts, size = [], 0
+    if parts:
         yield name, "".join(parts)
+
+
+@dataclass(frozen=True)
+class GenomeStats:
+    """What one whole pass over a genome file found (``genome_stats``)."""
+
+    path: Path
+    num_records: int
+    num_bases: int  # sequence symbols, one token each
+    num_n: int  # symbols that became N: N itself, the other ambiguity codes, and tolerated foreign symbols
+    num_foreign: int  # of num_n, the symbols that are not nucleotide codes (at most MAX_FOREIGN_FRACTION)
+    first_foreign: str = ""  # where the first foreign symbol is; "" when there is none
+
+    @property
+    def n_fraction(self) -> float:
+        return self.num_n / self.num_bases if self.num_bases else 0.0
+
+    def summary(self) -> str:
+        """One line, e.g. "genome lambda_virus.fa.gz: 48,502 bases in 1 record, 0 became N (0.00%)"."""
+        records = f"{self.num_records:,} record{'' if self.num_records == 1 else 's'}"
+        line = f"genome {self.path.name}: {self.num_bases:,} bases in {records}, {self.num_n:,} became N ({self.n_fraction:.2%})"
+        if self.num_foreign:
+            line += f"; {self.num_foreign:,} of them not nucleotide codes, the first {self.first_foreign}"
+        return line
+
+
+def genome_stats(path: str | Path) -> GenomeStats:
+    """Read the whole file once (streaming, as one epoch does) and count its records, its bases
+    and how many became N. Raises ``GenomeError`` as ``read_fasta`` does."""
+    p = _check_fasta_file(path)
+    tally = _Tally()
+    num_named = 0  # A, C, G, T and U: the symbols that do not become N
+    for _, chunk in _read_fasta(p, DEFAULT_CHUNK_CHARS, tally):
+        num_named += sum(chunk.count(c) for c in "ACGTU")
+    return GenomeStats(p, tally.num_records, tally.num_symbols, tally.num_symbols - num_named, tally.num_foreign,
+                       tally.first_foreign)
 
 
 def _record_windows(path: Path, seq_len: int) -> Iterator[torch.Tensor]:
@@ -235,9 +349,9 @@ def genome_windows(
     within the shard rather than in the file gives every rank half, whatever ``world_size``.
 
     Arguments and the file are checked when this is called (``GenomeError``: a missing or
-    non-FASTA file, ``seq_len`` < 2 since a window needs a next token to predict, ``rank``
-    outside 0..world_size-1). A genome too short to give this rank one batch raises
-    ``GenomeError`` when iteration ends.
+    non-FASTA file, one whose first ``FOREIGN_CHECK_MIN_SYMBOLS`` symbols are not DNA, ``seq_len``
+    < 2 since a window needs a next token to predict, ``rank`` outside 0..world_size-1). A genome
+    too short to give this rank one batch raises ``GenomeError`` when iteration ends.
     """
     _check_int("seq_len", seq_len, 2)
     _check_int("world_size", world_size, 1)

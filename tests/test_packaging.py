@@ -1,0 +1,47 @@
+"""The installed import names are zerofx, zerofx.passes and zerofx.cost_models: the repository's
+top-level passes/ and cost_models/ never land in site-packages under generic names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECK = """
+import importlib, sys
+for generic in ("passes", "cost_models"):
+    try:
+        importlib.import_module(generic)
+    except ImportError:
+        continue
+    sys.exit(f"{generic} is importable")
+import zerofx.passes, zerofx.cost_models, zerofx.passes.plan
+print(zerofx.passes.__file__)
+"""
+
+
+def _check(python: str, cwd: Path) -> str:
+    done = subprocess.run([python, "-c", CHECK], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout
+    return done.stdout.strip()
+
+
+def test_editable_install_exposes_only_zerofx_names(tmp_path: Path) -> None:
+    # Outside the repository, so the current folder does not put passes/ on sys.path.
+    assert Path(_check(sys.executable, tmp_path)) == ROOT / "passes" / "__init__.py"
+
+
+def test_wheel_installs_passes_under_zerofx(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
+                   check=True, timeout=300, capture_output=True)
+    (wheel,) = wheels.glob("zerofx-*.whl")
+    env = tmp_path / "venv"
+    venv.create(env, system_site_packages=True, with_pip=True)  # torch and friends from this interpreter
+    python = str(env / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=300, capture_output=True)
+    installed = Path(_check(python, tmp_path))
+    assert env in installed.parents and installed.parent.name == "passes" and installed.parent.parent.name == "zerofx"
