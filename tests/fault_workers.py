@@ -118,4 +118,8 @@ def call_order(rank: int, world_size: int) -> dict:
 
     out["backward_twice"] = _outcome(backward_twice)
     out["recovers"] = _outcome(lambda: (engine.step(), _train_step(engine, ids)))
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    x = torch.zeros(2, 4)
+    out["no_params"] = _outcome(lambda: zerofx.initialize(torch.nn.ReLU(), _config(), example_inputs=(x,), loss_fn=lambda y: y.sum()))
+    out["all_frozen"] = _outcome(lambda: zerofx.initialize(frozen, _config(), example_inputs=(x,), loss_fn=lambda y: y.sum()))
     return out

@@ -62,3 +62,6 @@ def test_calls_out_of_order_are_refused_and_change_nothing() -> None:
         assert out["backward_twice"]["error"] == "EngineStateError", out["backward_twice"]
         assert "twice" in out["backward_twice"]["message"]
         assert out["recovers"]["error"] is None, out["recovers"]
+        # A model with nothing to train is named, not a StopIteration or torch's empty-list error.
+        assert out["no_params"]["error"] == "ZeroFXError" and "has no parameters" in out["no_params"]["message"]
+        assert out["all_frozen"]["error"] == "ZeroFXError" and "frozen" in out["all_frozen"]["message"]

@@ -294,9 +294,10 @@ class Engine:
         # ``program_cache_size`` of them (each holds its graphs, about 5 MiB for a small model).
         self._programs: OrderedDict[Any, Program] = OrderedDict()
         self._pending: tuple[Program, list[torch.Tensor], torch.Tensor] | None = None
-        # NOTE [The engine's call order]: step() needs a backward() since the last step, and a
-        # second backward() needs a step() in between (step runs every micro-step; it updates the
-        # parameters only at the gradient-accumulation boundary).
+        # NOTE [The engine's call order]
+        # step() needs a backward() since the last step, and a second backward() needs a step()
+        # in between (step runs every micro-step; it updates the parameters only at the
+        # gradient-accumulation boundary). Out of order is an EngineStateError that changes nothing.
         self._backward_since_step = False
         self.global_steps = 0
         # Set to a WaitTimer to measure exposed communication (time blocked in waits).
