@@ -92,10 +92,6 @@ def record_numels(owned_numel: int, *, optimizer: str, mixed_precision: bool) ->
     return (owned_numel,) * count
 
 
-def estimate_record_bytes(owned_numel: int, *, optimizer: str, mixed_precision: bool) -> int:
-    return FP32_BYTES * sum(record_numels(owned_numel, optimizer=optimizer, mixed_precision=mixed_precision))
-
-
 def estimate_update_s(record_bytes: int, update_bytes_per_s: float) -> float:
     """One record's optimizer update: memory-bound, it reads and writes the record and the
     gradient once (about 2x the record's bytes)."""

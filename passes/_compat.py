@@ -12,6 +12,8 @@ these, this is the only file to touch.
 - ``torch.ops._c10d_functional``: functional collectives (an op returns a tensor, a separate
   ``wait_tensor`` op waits for it), the form torch's own overlap tooling reads.
 - ``torch.utils.checkpoint.CheckpointPolicy``: the recompute tag the min-cut partitioner honours.
+- ``torch.utils._pytree``: flattening of nested call arguments (``tree_flatten`` and friends),
+  re-exported as ``pytree`` for capture, the engine and the passes.
 - ``torch.fx.experimental.proxy_tensor.make_fx`` (``pre_dispatch=True``): the forward before
   autograd, for tiling; ``torch.fx.traceback.preserve_node_meta``: carries a forward node's
   ``recompute`` tag onto the nodes AOTAutograd traces from it.
@@ -37,9 +39,8 @@ from torch._guards import detect_fake_mode  # noqa: F401  (re-exported)
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401  (re-exported)
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401  (re-exported)
 from torch.fx.traceback import preserve_node_meta  # noqa: F401  (re-exported)
+import torch.utils._pytree as pytree  # noqa: F401  (re-exported: torch's pytree utilities are private)
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: F401  (re-exported)
-
-TESTED_TORCH = "2.13"
 
 
 def min_cut_partition_without_cse(joint: torch.fx.GraphModule, inputs: Any, *, num_fwd_outputs: int) -> Any:

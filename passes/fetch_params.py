@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
+from zerofx.passes._compat import pytree
 
 from zerofx.passes import meta
 from zerofx.passes.plan_offload import ParamOffloadPlan

@@ -10,7 +10,7 @@ import enum
 from typing import Any
 
 import torch.fx as fx
-import torch.utils._pytree as pytree
+from zerofx.passes._compat import pytree
 
 from zerofx.passes import _compat
 

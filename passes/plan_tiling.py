@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -138,9 +138,6 @@ class TilingPlan:
 
     def chosen(self, kind: str) -> dict[int, TiledOp]:
         return {op.index: op for op in self.ops if op.kind == kind}
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TilingPlan:

@@ -40,7 +40,6 @@ Below stage 3, or where the weight cannot be tile-gathered, these kernels run as
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -346,6 +345,3 @@ def _linear_backward(ctx, grad: Tensor):
 feature_tiled_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
-def default_scale(head_dim: int) -> float:
-    """``scaled_dot_product_attention``'s default scale, 1/sqrt(head_dim)."""
-    return 1.0 / math.sqrt(head_dim)

@@ -45,3 +45,20 @@ def test_wheel_installs_passes_under_zerofx(tmp_path: Path) -> None:
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=300, capture_output=True)
     installed = Path(_check(python, tmp_path))
     assert env in installed.parents and installed.parent.name == "passes" and installed.parent.parent.name == "zerofx"
+
+
+def test_private_torch_imports_live_in_the_compat_module() -> None:
+    """Every import of a private torch module (a dotted name with a part starting with ``_``)
+    is in zerofx/passes/_compat.py, the one file to touch when torch moves them."""
+    import re
+
+    private = re.compile(r"^\s*(?:from|import)\s+((?:torch|functorch)(?:\.\w+)*)", re.M)
+    offenders = []
+    for folder in ("zerofx", "passes", "cost_models"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == ROOT / "passes" / "_compat.py":
+                continue
+            for module in private.findall(path.read_text()):
+                if any(part.startswith("_") for part in module.split(".")):
+                    offenders.append(f"{path.relative_to(ROOT)}: {module}")
+    assert not offenders, offenders

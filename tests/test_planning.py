@@ -11,12 +11,12 @@ import sympy
 import torch
 
 import zerofx
+from zerofx.config import parse_bytes
 from zerofx.cost_models.memory import paper_breakdown
 from zerofx.cost_models.symbolic import B, T, fit_exact, fit_timeline, longest_fitting
 from zerofx.planning import (
     ModelSpec,
     load_model_spec,
-    parse_bytes,
     plot_report,
     report_json,
     solve_seq_len,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
+from zerofx.passes._compat import pytree
 from torch.func import functional_call
 
 from zerofx.passes import _compat, meta
@@ -72,11 +72,6 @@ class CapturedStep:
     tied: Mapping[str, str]  # alias FQN -> the FQN it shares storage with
     model_class: str
     tiling: TilingPlan | None = None  # what tile_forward_pass did to the forward before autograd
-
-    @property
-    def num_primals(self) -> int:
-        return len(self.params) + len(self.buffers) + len(self.inputs)
-
 
 class _CaptureDone(Exception):
     """Raised from the partition hook to stop AOTAutograd once the joint graph is in hand."""

@@ -48,7 +48,7 @@ from zerofx.checkpoint import (
     read_metadata,
     resolve_tag,
 )
-from zerofx.config import load_config, parse_config
+from zerofx.config import load_config, parse_bytes, parse_config
 from zerofx.data.genome import MAX_FOREIGN_FRACTION, bundled_genome, genome_stats, genome_windows
 from zerofx.errors import ZeroFXError, did_you_mean
 from zerofx.folding import (
@@ -65,7 +65,6 @@ from zerofx.offload_plan import plan_for_program
 from zerofx.planning import (
     ModelSpec,
     load_model_spec,
-    parse_bytes,
     plot_report,
     report_json,
     running_model_code,
@@ -74,7 +73,6 @@ from zerofx.planning import (
 from zerofx.program import MAX_WORLD_SIZE, Program, plan_program, resolve
 from zerofx.rss import peak_rss_bytes
 
-GIB = 2**30
 DEFAULT_TRAIN_STAGE = 3
 DEFAULT_TRAIN_BATCH = 2
 
@@ -117,15 +115,6 @@ def _check_stage(stage: int | None) -> int | None:
     if stage is not None and stage not in (0, 1, 2, 3):
         raise UsageError(f"--stage {stage} is not a ZeRO stage; accepted: 0, 1, 2 or 3")
     return stage
-
-
-def _check_common(args: argparse.Namespace) -> DNALMConfig:
-    """Check the arguments every command shares, before any slow work; return the model config."""
-    cfg = model_config(args.model)
-    if args.world_size is not None:
-        _check_positive("--world-size", args.world_size)
-    _check_stage(args.stage)
-    return cfg
 
 
 def _meta_example(cfg: DNALMConfig, batch_size: int, seq_len: int | None) -> tuple[DNADecoderLM, torch.Tensor]:

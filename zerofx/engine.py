@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
+from zerofx.passes._compat import pytree
 
 from zerofx.cost_models.memory import optimizer_kind
 from zerofx.cost_models.offload import Tier

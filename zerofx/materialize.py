@@ -65,10 +65,6 @@ def module_seed(seed: int, module_fqn: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def has_meta_tensors(model: nn.Module) -> bool:
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-
-
 def check_all_meta_or_none(model: nn.Module) -> bool:
     """True when every parameter and buffer is on the meta device, False when none is; a mix
     raises, naming a tensor of each kind."""

@@ -21,7 +21,6 @@ import torch.nn as nn
 from zerofx.cost_models.memory_timeline import TimelinePoint
 from zerofx.cost_models.symbolic import B, T, fit_timeline_batch_seq, longest_fitting
 from zerofx.passes.analyze_schedule import ScheduleReport, summary_json
-from zerofx.config import parse_bytes  # noqa: F401  (zerofx.planning.parse_bytes, as before)
 from zerofx.errors import ZeroFXError
 from zerofx.program import Program, compile
 

@@ -97,6 +97,14 @@ class Program:
         self.compiled_graphs.add(name)
         return lambda args_list: compiled(*_take(args_list))
 
+    def with_decision(self, why: str) -> Program:
+        """This program with ``why`` added to its plan's decision notes. A note changes no graph,
+        so the copy keeps the graphs already lowered rather than lowering them again."""
+        program = Program(self.captured, replace(self.plan, decisions=(*self.plan.decisions, why)), group_name=self.group_name,
+                          param_offload=self.param_offload)
+        program._modules = self._modules
+        return program
+
     def report(self, rank: int, *, comm: CommSpec = CPU_GLOO, device: DeviceSpec = CPU_CORE) -> ScheduleReport:
         """The estimated schedule of rank ``rank``: one row per collective (where it is issued and
         waited for, the compute it overlaps, its time), the memory timeline and its peak, and the
@@ -202,10 +210,7 @@ def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, gr
         verdict = "fits" if peak <= budget else "does not fit even without prefetch"
         why = f"prefetch distance lowered from {chosen} to {program.plan.prefetch_distance} for the memory budget " \
               f"{format_bytes(budget)} (estimated peak {steps}; {verdict})"
-        lowered = program._modules
-        program = Program(captured, replace(program.plan, decisions=(*program.plan.decisions, why)), group_name=group_name,
-                          param_offload=param_offload)
-        program._modules = lowered  # a decision note changes no graph
+        program = program.with_decision(why)
     return program
 
 
@@ -286,11 +291,7 @@ def _fit_tiling_to_timeline(first: Program, build: Callable[[TilingOptions], Pro
            f"(NOTE [Tiling checked against the memory timeline]): {steps}; kept {len(sequence_ops(chosen))} tiled ops, "
            f"which {'fit' if fits else 'do not fit'}")
     log.info(why)
-    lowered = chosen._modules
-    program = Program(chosen.captured, replace(chosen.plan, decisions=(*chosen.plan.decisions, why)), group_name=chosen.group_name,
-                      param_offload=chosen.param_offload)
-    program._modules = lowered  # a decision note changes no graph
-    return program
+    return chosen.with_decision(why)
 
 
 def capture_and_plan(capture: Callable[[TilingOptions | None], CapturedStep], cfg: ZeroConfig, world_size: int, *,
