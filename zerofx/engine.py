@@ -55,10 +55,11 @@ until a named point, and nothing writes into it or frees it before then:
   until its future is taken (``acquire``, ``drain``); the delayed update's snapshot belongs to
   the update thread until ``finish`` (NOTE [One-step delayed update] in zerofx.offload); a
   parameter shard read ahead belongs to the store until ``fetch`` hands the graph a copy.
-The heap corruption once seen in long stage-3 runs with overlap on (``malloc(): unaligned
-tcache chunk detected`` in a rank, while a reduce-scatter was in flight in backward) has not
-been reproduced against this code (``benchmarks/soak_stage3.py``); docs/failure-modes.md says
-what was run and what was ruled out.
+A rare heap corruption in long stage-3 runs with overlap on (``malloc(): unaligned tcache chunk
+detected`` in a rank, while the backward issues a reduce-scatter) is not explained by these
+owners: its core dump shows the damaged free list on a gloo worker thread, in gloo's own small
+allocations. docs/failure-modes.md ("A rank that crashes") has the reproduction, the core dump
+and what was ruled out; ``benchmarks/soak_stage3.py`` is the long run.
 """
 
 from __future__ import annotations
