@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from zerofx.passes._compat import pytree
 
 from zerofx.passes import meta
+from zerofx.passes._compat import pytree
 from zerofx.passes.plan_offload import ParamOffloadPlan
 
 FETCH_FQN = "zerofx_fetch_fqn"  # str: on fetch_shard nodes, the parameter fetched

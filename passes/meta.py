@@ -10,9 +10,9 @@ import enum
 from typing import Any
 
 import torch.fx as fx
-from zerofx.passes._compat import pytree
 
 from zerofx.passes import _compat
+from zerofx.passes._compat import pytree
 
 # On placeholders of the captured joint graph:
 FQN = "zerofx_fqn"  # str: the parameter's, buffer's or input's name

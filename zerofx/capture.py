@@ -26,10 +26,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from zerofx.passes._compat import pytree
 from torch.func import functional_call
 
 from zerofx.passes import _compat, meta
+from zerofx.passes._compat import pytree
 from zerofx.passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
 from zerofx.passes.tile_forward import tile_forward_pass
 from zerofx.errors import CaptureError, MissingLossError

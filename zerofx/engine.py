@@ -78,11 +78,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from zerofx.passes._compat import pytree
 
 from zerofx.cost_models.memory import optimizer_kind
 from zerofx.cost_models.offload import Tier
 from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
+from zerofx.passes._compat import pytree
 from zerofx.passes.meta import is_wait
 from zerofx.passes.check_collectives import collective_sequence, first_divergence
 from zerofx.passes.fetch_params import fetch_order
