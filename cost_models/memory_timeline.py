@@ -28,7 +28,9 @@ from zerofx.cost_models.compute import value_bytes
 
 aten = torch.ops.aten
 _functional = torch.ops._c10d_functional
-_COLLECTIVES = {_functional.all_gather_into_tensor.default, _functional.reduce_scatter_tensor.default, _functional.all_reduce.default}
+# An all-gather into a buffer the graph allocated: its output is that buffer (its ``out``).
+_GATHER_INTO = _functional.all_gather_into_tensor_out.default
+_COLLECTIVES = {_functional.all_gather_into_tensor.default, _GATHER_INTO, _functional.reduce_scatter_tensor.default, _functional.all_reduce.default}
 _WAIT = _functional.wait_tensor.default
 
 # Ops whose output shares its input's storage.
@@ -66,7 +68,9 @@ def graph_timeline(gm: fx.GraphModule, name: str, *, counted_inputs: Iterable[st
     counted = set(counted_inputs)
     owner: dict[fx.Node, fx.Node] = {}
     for n in nodes:
-        if n.op == "call_function" and _is_view(n) and n.all_input_nodes:
+        if n.op == "call_function" and n.target is _GATHER_INTO:
+            owner[n] = owner[n.kwargs["out"]]
+        elif n.op == "call_function" and _is_view(n) and n.all_input_nodes:
             owner[n] = owner.get(n.all_input_nodes[0], n.all_input_nodes[0])
         else:
             owner[n] = n

@@ -79,11 +79,14 @@ def boxed_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
 
 c10d_functional = torch.ops._c10d_functional
 ALL_GATHER = c10d_functional.all_gather_into_tensor.default
+# The same all-gather into a caller's buffer; what lowered graphs run (NOTE [gloo's completion
+# race] in passes/gather_into_buffers.py).
+ALL_GATHER_INTO = c10d_functional.all_gather_into_tensor_out.default
 REDUCE_SCATTER = c10d_functional.reduce_scatter_tensor.default
 ALL_REDUCE = c10d_functional.all_reduce.default
 WAIT = c10d_functional.wait_tensor.default
 
-COLLECTIVE_TARGETS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+COLLECTIVE_TARGETS = (ALL_GATHER, ALL_GATHER_INTO, REDUCE_SCATTER, ALL_REDUCE)
 
 # PyTorch's blocked (flash) attention kernel on CPU and its backward: what
 # scaled_dot_product_attention dispatches to there. Used by zerofx::blocked_attention.

@@ -116,7 +116,7 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
                 val = coll.args[0].meta["val"]
                 rows.append(
                     CollectiveRow(
-                        order=issue_index, graph=name, op=coll.target._opname, bucket=tuple(coll.meta.get(meta.COMM_FQNS, ())),
+                        order=issue_index, graph=name, op=meta.collective_name(coll), bucket=tuple(coll.meta.get(meta.COMM_FQNS, ())),
                         bytes_per_rank=val.numel() * val.element_size(), issued_after=issued_after, waited_at=node.name,
                         overlap_compute_s=start_compute - compute_at_issue, comm_s=dur, exposed_s=blocked,
                         start_s=begins[coll], end_s=done,

@@ -52,7 +52,7 @@ def collective_sequence(modules: Mapping[str, fx.GraphModule]) -> tuple[Collecti
         for node in gm.graph.nodes:
             if meta.is_collective(node):
                 val = node.args[0].meta["val"]
-                calls.append(CollectiveCall(name, index, node.target._opname, val.numel(), str(val.dtype), _group_size(node)))
+                calls.append(CollectiveCall(name, index, meta.collective_name(node), val.numel(), str(val.dtype), _group_size(node)))
                 index += 1
     return tuple(calls)
 

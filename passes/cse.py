@@ -32,6 +32,7 @@ _NEVER = {
     torch.ops.aten.empty.memory_format,
     torch.ops.aten.empty_strided.default,
     torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_empty.default,
     *_compat.COLLECTIVE_TARGETS,
     _compat.WAIT,
 }

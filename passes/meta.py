@@ -39,7 +39,7 @@ def output_node(graph: fx.Graph) -> fx.Node:
 
 
 def is_all_gather(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is _compat.ALL_GATHER
+    return node.op == "call_function" and node.target in (_compat.ALL_GATHER, _compat.ALL_GATHER_INTO)
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:
@@ -52,6 +52,12 @@ def is_all_reduce(node: fx.Node) -> bool:
 
 def is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _compat.COLLECTIVE_TARGETS
+
+
+def collective_name(node: fx.Node) -> str:
+    """A collective node's op as plans and errors name it: both forms of the all-gather (NOTE
+    [gloo's completion race] in passes/gather_into_buffers.py) are ``all_gather_into_tensor``."""
+    return "all_gather_into_tensor" if is_all_gather(node) else node.target._opname
 
 
 def is_wait(node: fx.Node) -> bool:

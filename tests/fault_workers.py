@@ -123,3 +123,18 @@ def call_order(rank: int, world_size: int) -> dict:
     out["no_params"] = _outcome(lambda: zerofx.initialize(torch.nn.ReLU(), _config(), example_inputs=(x,), loss_fn=lambda y: y.sum()))
     out["all_frozen"] = _outcome(lambda: zerofx.initialize(frozen, _config(), example_inputs=(x,), loss_fn=lambda y: y.sum()))
     return out
+
+
+def gloo_ops_of_a_step(rank: int, world_size: int, stage: int) -> list[str]:
+    """The c10d ops a whole training step issues (initialize and the first step excluded), with
+    overlap, prefetch and gradient clipping on: NOTE [gloo's completion race]."""
+    from torch.profiler import profile
+
+    ids = batches(world_size, 1)[0, rank]
+    config = {"zero_optimization": {"stage": stage, "overlap_comm": True}, **SGD, "gradient_clipping": 1.0,
+              "zerofx": {"prefetch_distance": 1}}
+    engine = zerofx.initialize(dna_lm(frozen=False), config, example_inputs=(ids,), example_kwargs={"labels": ids})
+    _train_step(engine, ids)
+    with profile() as prof:
+        _train_step(engine, ids)
+    return sorted({e.name for e in prof.events() if e.name.startswith("c10d::")})

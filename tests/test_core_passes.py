@@ -10,12 +10,14 @@ import torch
 import torch.fx as fx
 
 import zerofx
-from zerofx.passes import ZeroStage, meta, partition_joint, plan_sharding, reduce_grads_pass, shard_params_pass
+from zerofx.passes import ZeroStage, _compat, meta, partition_joint, plan_sharding, reduce_grads_pass, shard_params_pass
 from zerofx.cost_models.comm import CPU_GLOO, efficient_bucket_bytes, estimate_all_gather_s, estimate_all_reduce_s
 from zerofx.passes.check_collectives import collective_sequence, first_divergence
 from zerofx.passes.plan import Plan
 from zerofx.passes.plan_buckets import choose_prefetch_distance, plan_buckets
+from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
 from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
+from zerofx.pipeline import lower
 from tests.models import BATCH, SEQ, TINY
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig
 
@@ -41,7 +43,7 @@ def collectives(gm: fx.GraphModule) -> list[tuple[str, str, int]]:
     for n in gm.graph.nodes:
         if meta.is_collective(n):
             inp = n.args[0].meta["val"]
-            out.append((kinds[n.target._opname], n.meta[meta.COMM_FQNS], inp.numel() * inp.element_size()))
+            out.append((kinds[meta.collective_name(n)], n.meta[meta.COMM_FQNS], inp.numel() * inp.element_size()))
     return out
 
 
@@ -123,11 +125,11 @@ def test_prefetch_and_wait_placement(overlap: bool) -> None:
         for k, g in enumerate(gathers):
             if overlap and k >= 1:
                 # Issued right after the previous bucket's wait (only its pack in between), so
-                # it runs while the previous bucket computes.
+                # it runs while the previous bucket computes (and the allocation of its buffer).
                 prev_wait = _wait(gathers[k - 1])
                 assert pos[prev_wait] < pos[g] < pos[_wait(g)]
                 between = list(gm.graph.nodes)[pos[prev_wait] + 1 : pos[g]]
-                assert all(n.target is torch.ops.aten.cat.default for n in between)
+                assert all(n.target in (torch.ops.aten.cat.default, torch.ops.aten.new_empty.default) for n in between)
             else:
                 assert _wait(g) is g.next  # issued and waited back to back
     bw = program.graph_modules(0)["backward"]
@@ -273,10 +275,14 @@ def test_passes_idempotent_and_noop_below_stage3() -> None:
     joint = meta.clone_graph_module(stage2.captured.joint)
     before = joint.code
     assert shard_params_pass(joint, stage2.plan, group_name="g") is joint and joint.code == before
-    for gm in program.graph_modules(0).values():  # already scheduled: moving again changes nothing
+    scheduled = lower(program.captured.joint, program.plan, group_name="g", disabled=["gather_into_buffers_pass"])
+    for gm in scheduled.values():  # already scheduled: moving again changes nothing
         code = gm.code
         gm = sink_reduce_waits_pass(prefetch_gathers_pass(gm, program.plan), program.plan)
         assert gm.code == code
+    for gm in program.graph_modules(0).values():  # no functional all-gather is left to replace
+        code = gm.code
+        assert gather_into_buffers_pass(gm).code == code
     # The captured joint graph itself is never modified by lowering.
     assert program.captured.joint.code == meta_program(3, 2).captured.joint.code
 
@@ -375,7 +381,6 @@ def test_cse_merges_what_the_partitioners_cse_merges(kind: str) -> None:
 
 
 def test_cse_keeps_random_ops_and_collectives_apart() -> None:
-    from zerofx.passes import _compat
     from zerofx.passes.cse import eliminate_common_subexpressions
 
     graph = fx.Graph()
@@ -396,24 +401,45 @@ def test_cse_keeps_random_ops_and_collectives_apart() -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_graphs_write_into_no_buffer(stage: int) -> None:
-    """NOTE [Who owns a collective's buffers]: the forward and backward graphs hold no in-place or
-    out= op, so nothing in them can write into a collective's input or output while it is in
-    flight; only param_sync writes (copy_ into the full flats), each right after its bucket's wait."""
+    """NOTE [Who owns a collective's buffers]: the only in-place or out= ops in the forward and
+    backward graphs are the all-gathers, each into a ``new_empty`` buffer that nothing else uses,
+    so nothing in them can write into a collective's input or output while it is in flight; only
+    param_sync also writes (copy_ into the full flats), each right after its bucket's wait."""
     gms = meta_program(stage, 4, **SMALL_BUCKETS).graph_modules(0)
+    for gm in gms.values():
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and _mutates(n) and meta.is_all_gather(n):
+                buffer = n.kwargs["out"]
+                assert buffer.target is torch.ops.aten.new_empty.default and list(buffer.users) == [n], n.format_node()
     for name in ("forward", "backward"):
         mutating = [n.format_node() for n in gms[name].graph.nodes
-                    if n.op == "call_function" and _mutates(n)]
+                    if n.op == "call_function" and _mutates(n) and not meta.is_all_gather(n)]
         assert mutating == [], (stage, name, mutating[:3])
     if "param_sync" in gms:
         nodes = list(gms["param_sync"].graph.nodes)
         for i, n in enumerate(nodes):
-            if n.op == "call_function" and _mutates(n):
+            if n.op == "call_function" and _mutates(n) and not meta.is_all_gather(n):
                 assert n.target is torch.ops.aten.copy_.default, n.format_node()
                 waits = [m for m in nodes[:i] if meta.is_wait(m)]
                 source = n.args[1]
                 while source.op == "call_function" and not meta.is_wait(source):
                     source = source.args[0]
                 assert source in waits, n.format_node()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_no_functional_all_gather_is_left(stage: int) -> None:
+    """NOTE [gloo's completion race]: every all-gather in the lowered graphs runs as
+    ``all_gather_into_tensor_out`` (gloo's ``_ALLGATHER_BASE``), never as the functional op that
+    gloo runs as ``ALLGATHER_COALESCED``; the plan still names it ``all_gather_into_tensor``."""
+    program = meta_program(stage, 4, **SMALL_BUCKETS)
+    gathers = 0
+    for gm in program.graph_modules(0).values():
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert _compat.ALL_GATHER not in targets
+        gathers += targets.count(_compat.ALL_GATHER_INTO)
+    assert gathers > 0
+    assert {c.op for c in collective_sequence(program.graph_modules(0))} <= {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"}
 
 
 def _mutates(node: fx.Node) -> bool:

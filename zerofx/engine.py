@@ -43,11 +43,13 @@ back. ``param_shard``, ``full_state_dict`` and checkpoints read offloaded shards
 NOTE [Who owns a collective's buffers]
 Every buffer handed to another thread, or to a collective that completes later, has one owner
 until a named point, and nothing writes into it or frees it before then:
-- A graph's collective (``_c10d_functional``) takes its input and returns a fresh output. The
-  backend's work object holds both (gloo's reduce-scatter even clones the input when it is
-  issued, on the calling thread) until ``wait_tensor``; the graph reads the output only after
-  that wait, and the graphs hold no in-place op at all (``tests/test_core_passes.py`` checks
-  the lowered graphs), so nothing the graph frees or reuses can be a buffer in flight.
+- A graph's collective (``_c10d_functional``) takes its input and returns its output: a fresh
+  tensor, or for an all-gather the ``new_empty`` buffer allocated right before it, which
+  nothing else uses. The backend's work object holds both (gloo's reduce-scatter even clones
+  the input when it is issued, on the calling thread) until ``wait_tensor``; the graph reads
+  the output only after that wait, and the graphs hold no other in-place or ``out=`` op
+  (``tests/test_core_passes.py`` checks the lowered graphs), so nothing the graph frees or
+  reuses can be a buffer in flight.
 - The engine's own flats (shards, gradient buffers, masters) are written only between graphs:
   ``backward`` adds the graph's outputs once the graph has returned (every wait done), the
   optimizer steps after it, and ``param_sync`` copies each gathered bucket after its wait.
@@ -55,11 +57,9 @@ until a named point, and nothing writes into it or frees it before then:
   until its future is taken (``acquire``, ``drain``); the delayed update's snapshot belongs to
   the update thread until ``finish`` (NOTE [One-step delayed update] in zerofx.offload); a
   parameter shard read ahead belongs to the store until ``fetch`` hands the graph a copy.
-A rare heap corruption in long stage-3 runs with overlap on (``malloc(): unaligned tcache chunk
-detected`` in a rank, while the backward issues a reduce-scatter) is not explained by these
-owners: its core dump shows the damaged free list on a gloo worker thread, in gloo's own small
-allocations. docs/failure-modes.md ("A rank that crashes") has the reproduction, the core dump
-and what was ruled out; ``benchmarks/soak_stage3.py`` is the long run.
+- Inside torch, gloo's two worker threads share one unguarded string (the name of the last
+  completed collective); NOTE [gloo's completion race] in passes/gather_into_buffers.py says
+  why every collective zerofx issues has a name short enough to keep that string off the heap.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
     forward, backward --prefetch_gathers_pass--> --sink_reduce_waits_pass--> (overlap)
         --fetch_params_pass--> (stage 3 with offload_param)
     plan --build_param_sync--> param_sync (stages 1 and 2)
+    every graph --gather_into_buffers_pass--> (last: NOTE [gloo's completion race])
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.fx as fx
 
 from zerofx.passes import Plan, build_param_sync, meta, partition_joint, reduce_grads_pass, shard_params_pass
 from zerofx.passes.fetch_params import fetch_params_pass
+from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
 from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 from zerofx.passes.tile_weights import tile_weights_pass
@@ -44,6 +46,7 @@ def graph_passes(plan: Plan, param_offload: ParamOffloadPlan | None = None) -> l
     ]
     if param_offload is not None:
         passes.append(("fetch_params_pass", functools.partial(fetch_params_pass, plan=param_offload)))
+    passes.append(("gather_into_buffers_pass", gather_into_buffers_pass))
     return passes
 
 
@@ -80,5 +83,5 @@ def lower(joint: fx.GraphModule, plan: Plan, *, group_name: str, disabled: Seque
     }
     sync = build_param_sync(plan, group_name=group_name)
     if sync is not None:
-        modules["param_sync"] = sync
+        modules["param_sync"] = run_passes(sync, [("gather_into_buffers_pass", gather_into_buffers_pass)], disabled=disabled)
     return modules
