@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -64,31 +65,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _outcome(procs: list[subprocess.Popen]) -> str:
+    """How the trial ended: a rank killed by a signal (the race), another failure with the last
+    line its rank wrote, or clean. ``procs`` are the ranks that ended by themselves."""
+    codes = [p.returncode for p in procs]
+    signals = [signal.Signals(-c).name for c in codes if c is not None and c < 0]
+    if signals:
+        return f"crashed ({', '.join(signals)})"
+    for p in procs:
+        if p.returncode:
+            lines = p.stderr.read().decode(errors="replace").strip().splitlines() if p.stderr else []
+            return f"failed (exit {p.returncode}: {lines[-1] if lines else 'no output'})"
+    return "clean"
+
+
 def trial(variant: str, seconds: float) -> tuple[str, float]:
-    """('clean' or how a rank died, seconds the trial ran)."""
+    """(how the trial ended, seconds it ran)."""
     port = _free_port()
     start = time.monotonic()
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--variant", variant, "--port", str(port),
                                "--trial-seconds", str(seconds)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for r in range(2)]
-    outcome = "clean"
+    hung = False
     while any(p.poll() is None for p in procs):
-        dead = [p for p in procs if p.returncode not in (None, 0)]
-        if dead:
-            outcome = f"crashed (exit {dead[0].returncode})"
+        if any(p.returncode not in (None, 0) for p in procs):
+            time.sleep(2.0)  # let the peer notice and exit, so a signal is told from its echo
             break
         if time.monotonic() - start > seconds + 60:
-            outcome = "hung"
+            hung = True
             break
         time.sleep(0.2)
+    elapsed = time.monotonic() - start
+    ended = [p for p in procs if p.poll() is not None]
     for p in procs:
         if p.poll() is None:
             p.kill()
         p.wait()
-    codes = [p.returncode for p in procs]
-    if outcome == "clean" and any(codes):
-        outcome = f"crashed (exit {next(c for c in codes if c)})"
-    return outcome, time.monotonic() - start
+    return ("hung" if hung else _outcome(ended)), elapsed
 
 
 def main() -> int:

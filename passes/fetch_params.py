@@ -26,7 +26,7 @@ The shard must not be a graph input: inputs are alive for the whole call, so eve
 shard would be resident at once. A custom op (``torch.library.custom_op``, public API) lets
 the graph ask for one shard where it needs it. Its fake kernel makes an empty tensor of the
 shard's shape, so capture, the memory timeline and Inductor all see a plain tensor producer.
-The real kernel belongs to the runtime (``zerofx.offload`` registers it for the CPU token): the
+The real kernel belongs to the runtime (``zerofx.offload.params`` registers it for the CPU token): the
 op only names the store (the token's value) and the shard (its FQN), so this pass imports no
 runtime. The store reads ahead in schedule order, so the op usually returns a shard that is
 already in memory.

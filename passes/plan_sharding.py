@@ -2,6 +2,8 @@
 
 Expects the captured joint graph (``zerofx.capture``), placeholders tagged with ``zerofx_role``
 and ``zerofx_fqn``; outputs ``[loss, grad per primal]``. Reads only; changes nothing.
+``plan_sharding_from_shapes`` plans from the parameters alone, before any capture, through the
+same code (NOTE [A plan from shapes alone]).
 
 The schedule it predicts is the one ``tile_weights_pass`` + ``shard_params_pass`` +
 ``reduce_grads_pass`` + the partitioner produce; a test checks the two agree collective for
@@ -15,6 +17,7 @@ import functools
 import itertools
 import logging
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -83,16 +86,84 @@ def plan_sharding(
         place_param(ph.meta[meta.FQN], tuple(ph.meta["val"].shape), ph.meta["val"].dtype, grad_of[ph] is not None, world_size)
         for ph in params
     ]
-    by_fqn = {p.fqn: p for p in placements}
 
     def first_use(ph: fx.Node) -> int:
         return min((position[u] for u in ph.users), default=len(position))
 
     persistent = persistent_params(placements, stage, options.persistence_threshold)
-    tiled, decisions = _tile_gathered(params, by_fqn, world_size, persistent) if stage is ZeroStage.THREE else ({}, [])
-    gather_order = tuple(ph.meta[meta.FQN] for ph in sorted(params, key=first_use) if ph.users and ph.meta[meta.FQN] not in persistent)
+    tiled, decisions = ({}, [])
+    read_in_backward: frozenset[str] = frozenset()
+    if stage is ZeroStage.THREE:
+        tiled, decisions = _tile_gathered(params, {p.fqn: p for p in placements}, world_size, persistent)
+        # Backward gathers a bucket again if it reads the full value (or a view or cast) of any member.
+        backward = meta.backward_region(graph)
+        chains = meta.derived_only_from(graph, [ph for ph in params if ph.users], backward)
+        read_in_backward = frozenset(ph.meta[meta.FQN] for ph, chain in chains.items() if any(u in backward for n in chain for u in n.users))
     trainable = [ph for ph in params if grad_of[ph] is not None]
-    reduce_order = tuple(ph.meta[meta.FQN] for ph in sorted(trainable, key=lambda ph: position[grad_of[ph]]))
+    return _plan(
+        placements,
+        forward_order=tuple(ph.meta[meta.FQN] for ph in sorted(params, key=first_use) if ph.users),
+        reduce_order=tuple(ph.meta[meta.FQN] for ph in sorted(trainable, key=lambda ph: position[grad_of[ph]])),
+        read_in_backward=read_in_backward, persistent=persistent, tiled=tiled, decisions=decisions,
+        world_size=world_size, stage=stage, optimizer=optimizer, options=options, comm=comm,
+    )
+
+
+def plan_sharding_from_shapes(
+    params: Sequence[tuple[str, tuple[int, ...], torch.dtype, bool]],
+    *,
+    world_size: int,
+    stage: ZeroStage,
+    optimizer: str,
+    options: ScheduleOptions = _DEFAULT_OPTIONS,
+    comm: CommSpec = CPU_GLOO,
+) -> Plan:
+    """The plan from the parameters alone, as (fqn, shape, dtype, requires_grad) in registration
+    order, each once: what ``zerofx.compile`` gives before any capture.
+
+    NOTE [A plan from shapes alone]
+    Placements, persistence and the bytes per rank need only the parameters, and come out of the
+    same code as ``plan_sharding``'s, so they agree with the capture's plan. What the graph
+    would tell is assumed instead: the forward uses the parameters in registration order, the
+    backward produces their gradients in reverse, every trainable parameter gets one, and at
+    stage 3 backward reads every gathered bucket again. No weight is tiled (tiling comes from
+    the capture). A model whose forward keeps its registration order (the bundled DNA LM does)
+    plans identically; where it does not (Hugging Face's Llama registers each block's norms
+    after its linears), the capture's plan orders the same parameters by first use.
+    """
+    assert world_size >= 1 and stage in ZeroStage
+    placements = [place_param(fqn, tuple(shape), dtype, requires_grad, world_size) for fqn, shape, dtype, requires_grad in params]
+    persistent = persistent_params(placements, stage, options.persistence_threshold)
+    return _plan(
+        placements,
+        forward_order=tuple(p.fqn for p in placements),
+        reduce_order=tuple(p.fqn for p in reversed(placements) if p.requires_grad),
+        read_in_backward=frozenset(p.fqn for p in placements) if stage is ZeroStage.THREE else frozenset(),
+        persistent=persistent, tiled={}, decisions=[],
+        world_size=world_size, stage=stage, optimizer=optimizer, options=options, comm=comm,
+    )
+
+
+def _plan(
+    placements: list[ParamPlacement],
+    *,
+    forward_order: tuple[str, ...],
+    reduce_order: tuple[str, ...],
+    read_in_backward: frozenset[str],
+    persistent: frozenset[str],
+    tiled: dict[str, tuple[int, bool, bool]],
+    decisions: list[str],
+    world_size: int,
+    stage: ZeroStage,
+    optimizer: str,
+    options: ScheduleOptions,
+    comm: CommSpec,
+) -> Plan:
+    """The plan from what both planners know: the placements, the parameters the forward reads
+    in order of first use, the trainable ones in order of gradient production, the ones backward
+    reads, and the weights gathered one tile at a time."""
+    by_fqn = {p.fqn: p for p in placements}
+    gather_order = tuple(f for f in forward_order if f not in persistent)
 
     # Bucket caps: the config's (in elements), else the smallest message the ring moves efficiently.
     itemsize = placements[0].itemsize if placements else 4
@@ -125,10 +196,7 @@ def plan_sharding(
     schedule: list[Collective] = []
     if stage is ZeroStage.THREE:
         schedule += [Collective(CommKind.ALL_GATHER, b, "forward", shard_bytes(b)) for b in gather_buckets]
-        # Backward gathers a bucket again if it reads the full value (or a view or cast) of any member.
-        backward = meta.backward_region(graph)
-        chains = meta.derived_only_from(graph, [ph for ph in params if ph.users], backward)
-        needed = {ph.meta[meta.FQN] for ph, chain in chains.items() if any(u in backward for n in chain for u in n.users)} - persistent
+        needed = read_in_backward - persistent
         schedule += [Collective(CommKind.ALL_GATHER, b, "backward", shard_bytes(b)) for b in gather_buckets if needed & set(b)]
     grad_kind = CommKind.REDUCE_SCATTER if stage >= ZeroStage.TWO else CommKind.ALL_REDUCE
     schedule += [Collective(grad_kind, b, "backward", sum(padded_bytes[f] for f in b)) for b in reduce_buckets]

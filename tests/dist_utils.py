@@ -1,14 +1,28 @@
-"""Spawn real gloo process groups for tests, and collect each rank's result."""
+"""Real gloo process groups for tests, and each rank's result.
+
+NOTE [A pool of ranks]
+Starting a rank costs a new Python process that imports torch and zerofx: 3-8 s of the 2-core
+CI machine per call, more than many tests' own work. ``run_ranks`` therefore keeps, per world
+size, a pool of rank processes that stay up between calls. Each call still runs in a new
+process group (a fresh port, ``init_process_group`` before and ``destroy_process_group`` after),
+so nothing communicates across calls; between calls a rank restores its environment variables,
+thread count and default dtype. A call that fails in any way (an exception, a timeout, a rank
+killed by a signal) discards its pool, so the next call starts clean processes. ``fresh=True``
+runs in new processes that exit afterwards: for what a pool would distort, such as a process's
+peak resident memory.
+"""
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import io
+import multiprocessing.connection as mp_connection
 import os
-import queue as queue_mod
 import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 900.0  # a call's ranks, all together
+AFTER_ERROR_S = 20.0  # once one rank failed, the others may hang in a collective
 
 
 def free_port() -> int:
@@ -26,56 +42,143 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
-    sys.path.insert(0, ROOT)
-    faulthandler.enable()  # a segfault in a rank prints every thread's Python stack to the test's stderr
-    import torch
-
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _run_one(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> tuple[str, bytes | str]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        # Serialise with torch.save: tensors shared through the queue vanish when this process exits.
+        # Serialise with torch.save: tensors shared through a pipe vanish when this process exits.
         buf = io.BytesIO()
         torch.save(fn(rank, world_size, *args), buf)
-        queue.put((rank, "ok", buf.getvalue()))
+        return "ok", buf.getvalue()
     except BaseException:  # report any failure to the test process, with its traceback
-        queue.put((rank, "error", traceback.format_exc()))
+        return "error", traceback.format_exc()
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
-    ``fn`` must be importable (module level) and return picklable values."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors = []
-    timeout = 900.0
-    for _ in procs:
+def _serve(rank: int, conn: Any, once: bool) -> None:
+    """A rank process: run each call that arrives on ``conn`` and send back its outcome."""
+    sys.path.insert(0, ROOT)
+    faulthandler.enable()  # a segfault in a rank prints every thread's Python stack to stderr
+    torch.set_num_threads(1)
+    environ = dict(os.environ)
+    while True:
         try:
-            rank, status, value = queue.get(timeout=timeout)
-        except queue_mod.Empty:  # the remaining ranks are stuck, most likely in a collective
-            errors.append(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout:.0f}s")
-            break
-        if status == "error":
-            errors.append(f"rank {rank}:\n{value}")
-            timeout = 20.0  # the other ranks may now hang in a collective; don't wait long
-        results[rank] = torch.load(io.BytesIO(value), weights_only=False) if status == "ok" else value
-    for rank, p in enumerate(procs):
-        p.join(timeout=5)
-        if p.is_alive():
-            p.terminate()
-        elif p.exitcode is not None and p.exitcode < 0 and rank not in results:
-            # A rank killed by a signal reports nothing itself; its Python stacks (faulthandler)
-            # are in the captured stderr.
-            errors.append(f"rank {rank} died from signal {signal.Signals(-p.exitcode).name}")
+            call = conn.recv()
+        except EOFError:  # the test process is gone
+            return
+        if call is None:
+            return
+        world_size, port, fn, args = call
+        conn.send((rank, *_run_one(rank, world_size, port, fn, args)))
+        if once:
+            return
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(1)
+        torch.set_default_dtype(torch.float32)
+
+
+def rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    """One rank in a process of its own, for tests that watch the processes themselves (a rank
+    that gets killed): ``fn``'s result is dropped; a failure prints its traceback and exits 1."""
+    sys.path.insert(0, ROOT)
+    faulthandler.enable()
+    torch.set_num_threads(1)
+    status, value = _run_one(rank, world_size, port, fn, args)
+    if status == "error":
+        print(value, file=sys.stderr)
+        sys.exit(1)
+
+
+class _Ranks:
+    """``world_size`` rank processes, each with a pipe to this process."""
+
+    def __init__(self, world_size: int, *, once: bool) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, child, once), daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def call(self, fn: Callable[..., Any], args: tuple) -> tuple[dict[int, Any], list[str]]:
+        port = free_port()
+        for conn in self.conns:
+            conn.send((self.world_size, port, fn, args))
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        waiting = {conn: rank for rank, conn in enumerate(self.conns)}
+        deadline = time.monotonic() + TIMEOUT_S
+        while waiting:
+            ready = mp_connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:  # the remaining ranks are stuck, most likely in a collective
+                errors.append(f"ranks {sorted(waiting.values())} did not finish in time")
+                break
+            for conn in ready:
+                rank = waiting.pop(conn)
+                try:
+                    _, status, value = conn.recv()
+                except EOFError:  # died; its Python stacks (faulthandler) are in the captured stderr
+                    self.procs[rank].join(timeout=5)
+                    code = self.procs[rank].exitcode
+                    how = f"died from signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited ({code})"
+                    errors.append(f"rank {rank} {how}")
+                    deadline = min(deadline, time.monotonic() + AFTER_ERROR_S)
+                    continue
+                if status == "error":
+                    errors.append(f"rank {rank}:\n{value}")
+                    deadline = min(deadline, time.monotonic() + AFTER_ERROR_S)
+                else:
+                    results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        return results, errors
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+_POOLS: dict[int, _Ranks] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, fresh: bool = False) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+    ``fn`` must be importable (module level) and return picklable values. The ranks come from a
+    pool that outlives the call (NOTE [A pool of ranks]) unless ``fresh``."""
+    if fresh:
+        ranks = _Ranks(world_size, once=True)
+    else:
+        ranks = _POOLS.get(world_size)
+        if ranks is None or not ranks.alive():
+            ranks = _POOLS[world_size] = _Ranks(world_size, once=False)
+    errors = ["interrupted"]
+    try:
+        results, errors = ranks.call(fn, args)
+    finally:
+        if fresh or errors:
+            if _POOLS.get(world_size) is ranks:
+                del _POOLS[world_size]
+            ranks.close()
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from tests import checkpoint_workers as cw
-from tests.dist_utils import ROOT, _worker, free_port, run_ranks
+from tests.dist_utils import ROOT, free_port, rank_main, run_ranks
 from tests.models import BUILDERS, TINY
 from zerofx.checkpoint import CheckpointError, check_structure, consolidate, latest_complete_tag, model_structure, read_metadata
 from zerofx.checkpoint_format import RankFiles, check_rank_files, read_client, resolve_tag
@@ -471,8 +471,8 @@ def test_consolidate_that_fails_midway_removes_its_temp_file_and_keeps_the_old_o
 def test_save_killed_mid_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     """Rank 1 gets SIGKILL halfway through writing its rank file of the second save."""
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, cw.killed_save, (str(tmp_path),), queue)) for r in range(2)]
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, 2, port, cw.killed_save, (str(tmp_path),))) for r in range(2)]
     for p in procs:
         p.start()
     procs[1].join(timeout=300)

@@ -1,13 +1,19 @@
 """``"zerofx": {"compile": "inductor"}``: each rank's forward and backward graphs (functional
-collectives included) compiled by TorchInductor train like the FX graphs run op by op."""
+collectives included) compiled by TorchInductor train like the FX graphs run op by op. And
+``zerofx.compile`` without example inputs: the plan from the parameters' shapes, the graphs
+captured from the first example inputs given."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
+import zerofx
 from tests.dist_utils import run_ranks
 from tests.meta_workers import eager_vs_inductor
+from tests.models import BATCH, SEQ, dna_lm
+from zerofx.models import DNADecoderLM
 
 # Inductor fuses elementwise chains and reductions (RMSNorm, softmax, SwiGLU), which reorders
 # fp32 sums: ulp-level differences, grown over 3 SGD steps at lr 0.1 to about 1e-6 here. A
@@ -44,3 +50,103 @@ def test_compile_and_fused_optimizer_config_keys() -> None:
     # SGD has no fused CPU kernel to ask for: the key leaves it alone.
     sgd = parse_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}).optimizer
     assert not build_optimizer(sgd, params, fused=True).defaults.get("fused")
+
+
+# --------------------------------------------------------------------------- compile without inputs
+# NOTE [Capture on first need] in zerofx/program.py: the plan and memory from the parameters'
+# shapes, the graphs from the first example inputs.
+def _meta_dna(frozen: bool = True) -> DNADecoderLM:
+    with torch.device("meta"):
+        return dna_lm(frozen=frozen)
+
+
+def _inputs() -> dict:
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    return {"example_inputs": (ids,), "example_kwargs": {"labels": ids}}
+
+
+@pytest.mark.parametrize(
+    ("stage", "config"),
+    [
+        (3, {"zero_optimization": {"stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 2000}}),
+        (2, {"bf16": {"enabled": True}, "zero_optimization": {"reduce_bucket_size": 3000}}),
+        (1, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}),
+    ],
+)
+def test_the_plan_from_shapes_is_the_plan_from_a_capture(stage: int, config: dict) -> None:
+    """The bundled LM uses its parameters in registration order, so the plan from shapes alone
+    (NOTE [A plan from shapes alone]) is the capture's plan field for field: placements with a
+    frozen norm and the tied head once, persistent parameters, buckets, schedule, bytes."""
+    lazy = zerofx.compile(_meta_dna(), world_size=8, stage=stage, config=config)
+    captured = zerofx.compile(_meta_dna(), world_size=8, stage=stage, config=config, **_inputs())
+    assert lazy.plan.to_json() == captured.plan.to_json()
+    assert lazy.memory(rank=7) == captured.memory(rank=7) == dict(captured.plan.estimates)
+    assert not lazy.plan.param("blocks.0.attn_norm.weight").requires_grad
+    assert "head.weight" not in {p.fqn for p in lazy.plan.params}
+    assert len(lazy.plan.reduce_buckets) > 1 and (stage != 3 or lazy.plan.persistent)  # the config's caps and threshold act
+    if stage == 2:
+        assert {p.dtype for p in lazy.plan.params} == {"torch.bfloat16"}  # as capture traces them
+
+
+def test_a_meta_model_compiles_without_inputs_and_captures_on_first_need() -> None:
+    model = _meta_dna()
+    program = zerofx.compile(model, world_size=8, stage=3)
+    shapes_plan = program.plan
+    assert program.memory(rank=0)["params"] > 0 and shapes_plan.world_size == 8
+    for ask in (lambda: program.graph_modules(0), lambda: program.report(0), lambda: program.captured):
+        with pytest.raises(zerofx.MissingExampleInputsError, match=r"compiled without example inputs; pass example_inputs.*"
+                                                                   r"zerofx.compile, or to program.graph_modules\(rank, example_inputs="):
+            ask()
+    with pytest.raises(zerofx.ZeroFXError, match="example_inputs is missing"):
+        program.graph_modules(0, example_kwargs={"labels": torch.zeros(BATCH, SEQ, dtype=torch.long)})
+    gms = program.graph_modules(3, **_inputs())
+    assert sorted(gms) == ["backward", "forward"]
+    assert program.graph_modules(0)["forward"] is gms["forward"]  # captured once, kept
+    assert program.graph_modules(5, **_inputs())["backward"] is gms["backward"]  # the same inputs again: the same graphs
+    assert program.plan == shapes_plan  # replaced by the capture's plan, the same for this model
+    assert program.report(0).peak.live_bytes > 0
+    longer = torch.zeros(BATCH, 2 * SEQ, dtype=torch.long)
+    with pytest.raises(zerofx.ZeroFXError, match=r"compiled for shape \(2, 16\).*compile again"):
+        program.graph_modules(0, example_inputs=(longer,), example_kwargs={"labels": longer})
+    assert all(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("zerofx_section", "reason"),
+    [({"prefetch_distance": 2, "memory_budget": "1KiB"}, "zerofx.memory_budget"), ({"tiling": {"enabled": True}}, "zerofx.tiling")],
+)
+def test_a_plan_chosen_on_the_memory_timeline_waits_for_the_capture(zerofx_section: dict, reason: str) -> None:
+    program = zerofx.compile(_meta_dna(), world_size=4, stage=3, config={"zerofx": zerofx_section})
+    with pytest.raises(zerofx.MissingExampleInputsError, match=rf"program.plan \({reason}.*pass example_inputs"):
+        program.plan  # noqa: B018  (the property is what raises)
+    memory = program.memory(rank=0)  # model state only: known from the shapes
+    program.graph_modules(0, **_inputs())
+    assert program.memory(rank=0) == memory
+    if reason == "zerofx.memory_budget":  # the search ran on the captured timeline
+        assert program.plan.prefetch_distance == 0 and "lowered from 2 to 0" in program.plan.decisions[0]
+    else:
+        assert program.plan.tiling is not None and program.plan.tiling.ops
+
+
+class _OutOfOrder(nn.Module):
+    """Registers its output layer first and uses it last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(24, 1)
+        self.body = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).relu()).sum()
+
+
+def test_the_capture_orders_buckets_by_first_use() -> None:
+    """The shapes plan orders by registration; the capture's plan, which replaces it, by first
+    use, over the same placements and bytes (NOTE [A plan from shapes alone])."""
+    config = {"zero_optimization": {"stage3_prefetch_bucket_size": 1}}  # a bucket per parameter
+    program = zerofx.compile(_OutOfOrder(), world_size=2, stage=3, config=config)
+    shapes = program.plan
+    program.graph_modules(0, example_inputs=(torch.ones(4, 8),))
+    assert shapes.params == program.plan.params and shapes.estimates == program.plan.estimates
+    assert shapes.gather_order == ("head.weight", "head.bias", "body.weight", "body.bias")
+    assert program.plan.gather_order == ("body.weight", "body.bias", "head.weight", "head.bias")

@@ -21,10 +21,12 @@ from zerofx.config import (
     OPTIMIZER_PARAMS,
     SCHEMA,
     Key,
+    LossScaleOptions,
     first_config_difference,
     parse_config,
 )
 from zerofx.errors import ConfigError
+from zerofx.loss_scaling import LossScaler
 from zerofx.schedulers import SchedulerSpec, SchedulerType, WarmupType, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -295,6 +297,82 @@ def test_config_schema_lists_the_new_keys(capsys: pytest.CaptureFixture[str]) ->
     assert rows["zerofx.collective_timeout_s"]["accepted"] == "a number of seconds in (0, 604800]"
     assert "default 300" in rows["zerofx.collective_timeout_s"]["meaning"]
     assert rows["zerofx.program_cache_size"]["accepted"] == "an integer >= 1" and "default 8" in rows["zerofx.program_cache_size"]["meaning"]
+
+
+# --------------------------------------------------------------------------- fp16 loss scaling, steps_per_print
+SCALE_BOUND = re.escape("2**127")
+
+
+@pytest.mark.parametrize(
+    "fp16, message",
+    [
+        ({"loss_scale": -1}, rf"'fp16.loss_scale' got -1; accepted: a number >= 0 and <= {SCALE_BOUND} \(0: dynamic\)"),
+        # a static scale past 2**127 overflowed every fp32 loss, so every step was skipped
+        ({"loss_scale": 1e39}, rf"'fp16.loss_scale' got 1e\+39; accepted: a number >= 0 and <= {SCALE_BOUND}"),
+        ({"loss_scale": math.inf}, r"'fp16.loss_scale' got inf, which is not a finite number; accepted: a number >= 0"),
+        ({"loss_scale": "128"}, r"'fp16.loss_scale' must be an integer or number, got '128'"),
+        ({"initial_scale_power": -1}, r"'fp16.initial_scale_power' got -1; accepted: an integer in \[0, 127\]"),
+        ({"initial_scale_power": 16.0}, r"'fp16.initial_scale_power' must be an integer, got 16.0"),
+        ({"loss_scale_window": 0}, r"'fp16.loss_scale_window' got 0; accepted: an integer >= 1"),
+        ({"loss_scale_window": 10**400}, r"'fp16.loss_scale_window' got 1000.*characters\), which is not a finite number"),
+        ({"hysteresis": 0}, r"'fp16.hysteresis' got 0; accepted: an integer >= 1"),
+        ({"hysteresis": True}, r"'fp16.hysteresis' must be an integer, got True"),
+        ({"min_loss_scale": 0}, rf"'fp16.min_loss_scale' got 0; accepted: a number > 0 and <= {SCALE_BOUND}"),
+        ({"min_loss_scale": 2.0**128}, rf"'fp16.min_loss_scale' got 3.4028.*e\+38; accepted: a number > 0 and <= {SCALE_BOUND}"),
+        ({"min_loss_scale": math.nan}, r"'fp16.min_loss_scale' got nan, which is not a finite number"),
+        ({"consecutive_hysteresis": 1}, r"'fp16.consecutive_hysteresis' must be a true/false, got 1"),
+        ({"loss_scale_windows": 10}, r"unknown config key 'fp16.loss_scale_windows'.*did you mean loss_scale_window"),
+    ],
+)
+def test_bad_fp16_loss_scaling_names_the_key_and_what_is_accepted(fp16: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"fp16": {"enabled": True, **fp16}})
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (0, r"'steps_per_print' got 0; accepted: an integer >= 1"),
+        (-10, r"'steps_per_print' got -10; accepted: an integer >= 1"),
+        (2.5, r"'steps_per_print' must be an integer, got 2.5"),
+        (False, r"'steps_per_print' must be an integer, got False"),
+        ("10", r"'steps_per_print' must be an integer, got '10'"),
+        (10**400, r"'steps_per_print' got 1000.*characters\), which is not a finite number"),
+    ],
+)
+def test_bad_steps_per_print_names_the_key(value: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"steps_per_print": value})
+
+
+def test_loss_scaling_and_steps_per_print_are_parsed_into_typed_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_config({}).loss_scaling is None and parse_config({}).steps_per_print is None
+    # fp16 keys are checked even with fp16 off, but only fp16 scales the loss.
+    assert parse_config({"fp16": {"enabled": False, "loss_scale": 128}}).loss_scaling is None
+    assert parse_config({"bf16": {"enabled": True}}).loss_scaling is None
+    defaults = parse_config({"fp16": {"enabled": True}}).loss_scaling
+    assert defaults == LossScaleOptions(loss_scale=0.0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1.0)
+    cfg = parse_config({"fp16": {"enabled": True, "loss_scale": 128, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 1,
+                                 "min_loss_scale": 2}, "steps_per_print": 10})
+    options = cfg.loss_scaling
+    assert options == LossScaleOptions(loss_scale=128.0, initial_scale_power=12, loss_scale_window=500, hysteresis=1, min_loss_scale=2.0)
+    assert isinstance(options.loss_scale, float) and isinstance(options.min_loss_scale, float) and cfg.steps_per_print == 10
+    with pytest.raises(AttributeError):
+        options.loss_scale = 1.0  # type: ignore[misc,union-attr]
+    # What the engine's scaler starts from: a static scale, or 2**initial_scale_power.
+    static = LossScaler.from_options(options)  # type: ignore[arg-type]
+    assert (static.scale, static.dynamic) == (128.0, False)
+    dynamic = LossScaler.from_options(LossScaleOptions(initial_scale_power=12, hysteresis=1, min_loss_scale=2048.0))
+    dynamic.update(overflow=True)
+    dynamic.update(overflow=True)
+    assert (dynamic.scale, dynamic.dynamic) == (2048.0, True)  # halved once, then held at the floor
+    # Defaults written out or left out: the same settings to every rank.
+    written = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    assert parse_config({"fp16": written}).fingerprint() == parse_config({"fp16": {"enabled": True}}).fingerprint()
+    # The schema documents the defaults.
+    assert main(["config-schema", "--format", "json"]) == 0
+    rows = {row["key"]: row for row in json.loads(capsys.readouterr().out)}
+    assert "default 16" in rows["fp16.initial_scale_power"]["meaning"] and "default: no log" in rows["steps_per_print"]["meaning"]
 
 
 # --------------------------------------------------------------------------- the fingerprint (items 4 and 11)

@@ -144,7 +144,7 @@ def test_bad_input_names_the_value(kwargs: dict, message: str) -> None:
 
 def test_missing_example_inputs_and_bad_rank() -> None:
     with pytest.raises(zerofx.ZeroFXError, match="example_inputs is missing"):
-        zerofx.compile(dna(), world_size=2, stage=3)
+        zerofx.compile(dna(), world_size=2, stage=3, example_kwargs={"labels": IDS})
     program = zerofx.compile(dna(), world_size=2, stage=3, example_inputs=(IDS,), example_kwargs={"labels": IDS})
     with pytest.raises(zerofx.ZeroFXError, match=r"rank=2 .*accepted: 0..1"):
         program.graph_modules(rank=2)

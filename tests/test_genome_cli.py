@@ -275,13 +275,13 @@ def test_train_under_torchrun(tmp_path: Path) -> None:
 
 
 def test_train_takes_the_micro_batch_from_the_config(tmp_path: Path) -> None:
-    from zerofx.cli import TrainOptions, _check_train_options
+    from zerofx.training import TrainOptions, check_train_options
 
     cfg = tmp_path / "ds.json"
     cfg.write_text('{"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}')
-    opts = _check_train_options(TrainOptions(config=cfg, seq_len=64))
+    opts = check_train_options(TrainOptions(config=cfg, seq_len=64))
     assert opts.batch_size == 3 and opts.stage == 2
     # A --batch-size that disagrees with the config is an error naming both (issue 20, item 14).
     with pytest.raises(ZeroFXError, match="--batch-size 1 disagrees .* train_micro_batch_size_per_gpu=3"):
-        _check_train_options(TrainOptions(config=cfg, seq_len=64, batch_size=1))
-    assert _check_train_options(TrainOptions(seq_len=64)).batch_size == 2
+        check_train_options(TrainOptions(config=cfg, seq_len=64, batch_size=1))
+    assert check_train_options(TrainOptions(seq_len=64)).batch_size == 2

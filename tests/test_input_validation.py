@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import zerofx
-from zerofx.cli import MAX_WORLD_SIZE, TrainOptions, UsageError, _check_train_options, build_parser, main
+from zerofx.cli import MAX_WORLD_SIZE, build_parser, main
 from zerofx.data.genome import (
     FOREIGN_CHECK_MIN_SYMBOLS,
     MAX_FOREIGN_FRACTION,
@@ -28,6 +28,8 @@ from zerofx.data.genome import (
     read_fasta,
     tokenize,
 )
+from zerofx.errors import UsageError
+from zerofx.training import TrainOptions, check_train_options
 
 # The 20 amino acids: about 35% of a protein's residues (E, F, I, L, P, Q) are not nucleotide codes.
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
@@ -146,8 +148,8 @@ def test_batch_size_flag_must_agree_with_the_config(tmp_path: Path, capsys: pyte
     err = _error_line(capsys)
     assert "--batch-size 8" in err and "train_micro_batch_size_per_gpu=2" in err
     # Agreeing values, or no flag, are fine.
-    assert _check_train_options(TrainOptions(config=cfg, world_size=2, seq_len=64, batch_size=2)).batch_size == 2
-    assert _check_train_options(TrainOptions(config=cfg, world_size=2, seq_len=64)).batch_size == 2
+    assert check_train_options(TrainOptions(config=cfg, world_size=2, seq_len=64, batch_size=2)).batch_size == 2
+    assert check_train_options(TrainOptions(config=cfg, world_size=2, seq_len=64)).batch_size == 2
 
 
 def test_batch_rule_mismatch_and_micro_batch_derived_from_train_batch_size(tmp_path: Path) -> None:
@@ -155,14 +157,14 @@ def test_batch_rule_mismatch_and_micro_batch_derived_from_train_batch_size(tmp_p
     cfg.write_text('{"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}')
     with pytest.raises(UsageError, match=r"train_batch_size=6 is not .*micro_batch_size_per_gpu=2 x "
                                          r"gradient_accumulation_steps=1 x world size 2 = 4 \(DeepSpeed's rule\)"):
-        _check_train_options(TrainOptions(config=cfg, world_size=2, seq_len=64))
+        check_train_options(TrainOptions(config=cfg, world_size=2, seq_len=64))
     # Only train_batch_size: the micro-batch is what DeepSpeed's rule leaves, 12 / (2 x 2) = 3.
     cfg.write_text('{"train_batch_size": 12, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 3}}')
-    assert _check_train_options(TrainOptions(config=cfg, world_size=2, seq_len=64)).batch_size == 3
+    assert check_train_options(TrainOptions(config=cfg, world_size=2, seq_len=64)).batch_size == 3
     with pytest.raises(UsageError, match=r"--batch-size 2 disagrees .*train_batch_size=12 / \(gradient_accumulation_steps=2"):
-        _check_train_options(TrainOptions(config=cfg, world_size=2, seq_len=64, batch_size=2))
+        check_train_options(TrainOptions(config=cfg, world_size=2, seq_len=64, batch_size=2))
     with pytest.raises(UsageError, match="not divisible by gradient_accumulation_steps=2 x world size 4"):
-        _check_train_options(TrainOptions(config=cfg, world_size=4, seq_len=64))
+        check_train_options(TrainOptions(config=cfg, world_size=4, seq_len=64))
 
 
 # --------------------------------------------------------------------------- item 9: numbers
@@ -202,7 +204,7 @@ def test_numeric_flags_are_finite_and_in_range(argv: list[str], flag: str, accep
 def test_train_options_api_refuses_a_lr_that_is_not_finite() -> None:
     for lr in (float("inf"), float("nan")):
         with pytest.raises(UsageError, match="--lr .* accepted: a finite number >= 0"):
-            _check_train_options(TrainOptions(lr=lr, seq_len=64))
+            check_train_options(TrainOptions(lr=lr, seq_len=64))
 
 
 @pytest.mark.parametrize("world_size", [10**9, 2**63])

@@ -133,8 +133,8 @@ def test_meta_built_100m_model_never_holds_the_full_model_at_stage_3() -> None:
     shards come with the first backward); beyond that, meta init adds one module at a time. The materialized build
     adds the full model on every rank (freed once sharded, but the peak keeps it): the same
     bound fails for it, which shows the measurement can tell the two apart."""
-    meta = run_ranks(2, init_peak_rss, "100m", True)
-    materialized = run_ranks(2, init_peak_rss, "100m", False)
+    meta = run_ranks(2, init_peak_rss, "100m", True, fresh=True)  # a process's own peak
+    materialized = run_ranks(2, init_peak_rss, "100m", False, fresh=True)
     for m, full in zip(meta, materialized):
         assert m["num_params"] > 99e6 and m["held_bytes"] == full["held_bytes"]
         # NOTE [Gradient buffers come with the first backward]: nothing but the shards yet.

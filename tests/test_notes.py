@@ -1,6 +1,6 @@
 """Every ``NOTE [title]`` the code or the docs point to is defined once, where its invariant is
 enforced: a line that is the note's title alone (a comment ``# NOTE [title]``, or a docstring
-line ``NOTE [title]``), in zerofx/, passes/, cost_models/, benchmarks/ or pyproject.toml."""
+line ``NOTE [title]``), in zerofx/, passes/, cost_models/, benchmarks/, tests/ or pyproject.toml."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFINING = [*(ROOT / d for d in ("zerofx", "passes", "cost_models", "benchmarks")), ROOT / "pyproject.toml"]
-REFERRING = [*DEFINING, ROOT / "tests", ROOT / "benchmarks", ROOT / "examples", ROOT / "docs", ROOT / "README.md"]
+DEFINING = [*(ROOT / d for d in ("zerofx", "passes", "cost_models", "benchmarks", "tests")), ROOT / "pyproject.toml"]
+REFERRING = [*DEFINING, ROOT / "examples", ROOT / "docs", ROOT / "README.md"]
 
 _DEFINITION = re.compile(r'^\s*(?:#\s*|"""\s*)?NOTE \[([^\]]+)\]\s*$')
 _REFERENCE = re.compile(r"NOTE \[([^\]]+)\]")

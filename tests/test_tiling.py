@@ -339,7 +339,7 @@ def test_stage3_gathers_and_reduces_one_weight_tile_at_a_time() -> None:
     assert not set(tiled) & {f for b in plan.gather_buckets + plan.reduce_buckets for f in b}
     assert Plan.from_json(plan.to_json()) == plan and "blocks.0.mlp.up.weight in 3 tiles of at most" in str(plan)
     # offload_param's I/O estimate times every shard's fetch, tiled weights too, in first-use order.
-    from zerofx.offload_plan import _fetch_groups
+    from zerofx.offload.plan import _fetch_groups
 
     groups = _fetch_groups(plan)
     assert sorted(f for g in groups for f in g) == sorted(plan.gather_order) and {(f,) for f in tiled} <= set(groups)

@@ -87,6 +87,19 @@ def cast_info(info: TensorInfo, dtype: torch.dtype) -> TensorInfo:
     return TensorInfo(info.fqn, info.shape, dtype, info.requires_grad) if info.dtype.is_floating_point else info
 
 
+def traced_param_infos(model: nn.Module, param_infos: Sequence[TensorInfo] | None = None,
+                       compute_dtype: torch.dtype | None = None) -> list[TensorInfo]:
+    """The parameters as capture traces them: ``param_infos``, else the model's (a tied one once,
+    under its first name), floating ones in ``compute_dtype`` when given (mixed precision).
+    Raises ``CaptureError`` when none is trainable."""
+    if param_infos is None:
+        param_infos = [TensorInfo(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()]
+    infos = [cast_info(i, compute_dtype) for i in param_infos] if compute_dtype is not None else list(param_infos)
+    if not any(i.requires_grad for i in infos):
+        raise CaptureError(f"{type(model).__name__} has no trainable parameters (requires_grad=True); nothing to train")
+    return infos
+
+
 def extract_loss(output: Any, loss_fn: LossFn | None, loss_kwargs: Mapping[str, Any]) -> torch.Tensor:
     """The step's loss: ``loss_fn(output, **loss_kwargs)`` if given, else the output itself if it
     is a scalar tensor, else its ``.loss`` attribute or ``"loss"`` key (Hugging Face style)."""
@@ -166,17 +179,13 @@ def capture_step(
     autograd, planned and tiled along the sequence, and the joint graph is traced from that.
     """
     example_kwargs = dict(example_kwargs or {})
-    if param_infos is None:
-        param_infos = [TensorInfo(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()]
+    param_infos = traced_param_infos(model, param_infos, compute_dtype)
     buffer_infos = [TensorInfo(n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()]
-    if compute_dtype is not None:  # mixed precision: floating parameters and buffers compute in it
-        param_infos = [cast_info(i, compute_dtype) for i in param_infos]
+    if compute_dtype is not None:  # mixed precision: floating buffers compute in it
         buffer_infos = [cast_info(i, compute_dtype) for i in buffer_infos]
     if device is None:
         first = next(model.parameters(), None)
         device = "cpu" if first is None or first.device.type == "meta" else first.device
-    if not any(p.requires_grad for p in param_infos):
-        raise CaptureError(f"{type(model).__name__} has no trainable parameters (requires_grad=True); nothing to train")
 
     model_kwargs, loss_kwargs = split_loss_kwargs(model, example_kwargs, loss_fn)
     leaves, spec = pytree.tree_flatten((tuple(example_args), model_kwargs, loss_kwargs))

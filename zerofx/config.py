@@ -33,7 +33,7 @@ import torch
 from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_tiling import KINDS, TilingOptions
 from zerofx.errors import ConfigError, did_you_mean
-from zerofx.offload_options import OffloadOptions, ParamOffloadOptions
+from zerofx.offload.options import OffloadOptions, ParamOffloadOptions
 from zerofx.schedulers import SCHEDULER_TYPES, SchedulerSpec, is_finite_number
 
 OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
@@ -62,6 +62,32 @@ MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600.0
 DEFAULT_PROGRAM_CACHE_SIZE = 8
 # fp16.initial_scale_power: the scale 2**p multiplies an fp32 loss, and 2**128 is inf in fp32.
 MAX_INITIAL_SCALE_POWER = 127
+# fp16.loss_scale and fp16.min_loss_scale: the same bound for a static scale and the dynamic floor.
+MAX_LOSS_SCALE = 2.0**MAX_INITIAL_SCALE_POWER
+
+
+@dataclass(frozen=True)
+class LossScaleOptions:
+    """fp16 loss scaling (the ``fp16`` section, DeepSpeed's keys and defaults); ``zerofx.loss_scaling``
+    runs it. ``consecutive_hysteresis`` is read and warns: zerofx does not act on it."""
+
+    loss_scale: float = 0.0  # a static scale; 0: dynamic
+    initial_scale_power: int = 16  # the dynamic scale starts at 2**this
+    loss_scale_window: int = 1000  # overflow-free steps before the dynamic scale doubles
+    hysteresis: int = 2  # overflowing steps before it halves
+    min_loss_scale: float = 1.0  # the dynamic scale's floor
+
+    @classmethod
+    def from_config(cls, fp16: Mapping[str, Any]) -> LossScaleOptions:
+        """From the schema-checked ``fp16`` section; numbers that may be fractional as floats."""
+        default = cls()
+        return cls(
+            loss_scale=float(fp16.get("loss_scale", default.loss_scale)),
+            initial_scale_power=fp16.get("initial_scale_power", default.initial_scale_power),
+            loss_scale_window=fp16.get("loss_scale_window", default.loss_scale_window),
+            hysteresis=fp16.get("hysteresis", default.hysteresis),
+            min_loss_scale=float(fp16.get("min_loss_scale", default.min_loss_scale)),
+        )
 
 
 class GraphCompiler(Enum):
@@ -170,6 +196,8 @@ _ZEROFX_OFFLOAD = {
     "nvme_write_bytes_per_s": Key(_NUM, "measured NVMe write bandwidth, for the placement plan", lambda v: v > 0, "a number > 0", per_rank=True),
 }
 
+_FP16 = LossScaleOptions()  # the defaults, for the docs below
+
 SCHEMA: dict[str, Key] = {
     "zero_optimization": Key((dict,), "ZeRO settings", children={
         "stage": Key((int,), "ZeRO stage", lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
@@ -205,7 +233,7 @@ SCHEMA: dict[str, Key] = {
     "train_micro_batch_size_per_gpu": Key((int,), "batch per rank per micro-step", _pos_int, "an integer >= 1"),
     "gradient_accumulation_steps": Key((int,), "micro-steps per optimizer step", _pos_int, "an integer >= 1"),
     "gradient_clipping": Key(_NUM, "max global gradient norm (0: off)", lambda v: v >= 0, "a number >= 0"),
-    "steps_per_print": Key((int,), "log every N optimizer steps", _pos_int, "an integer >= 1", per_rank=True),
+    "steps_per_print": Key((int,), "rank 0 logs every N optimizer steps (default: no log)", _pos_int, "an integer >= 1", per_rank=True),
     "scheduler": Key((dict,), "learning-rate scheduler (zerofx/schedulers.py says which keys each type takes and requires)", children={
         "type": Key((str,), "scheduler (required when the section is given)", lambda v: v in SCHEDULER_TYPES, ", ".join(SCHEDULER_TYPES)),
         "params": Key((dict,), "scheduler arguments", children={
@@ -225,12 +253,15 @@ SCHEMA: dict[str, Key] = {
     }),
     "fp16": Key((dict,), "float16 mixed precision with loss scaling", children={
         "enabled": Key((bool,), "train in float16 with fp32 master weights"),
-        "loss_scale": Key(_NUM, "static loss scale; 0 for dynamic", lambda v: v >= 0, "a number >= 0"),
-        "initial_scale_power": Key((int,), "dynamic scale starts at 2**this", lambda v: _nonneg_int(v) and v <= MAX_INITIAL_SCALE_POWER,
-                                   f"an integer in [0, {MAX_INITIAL_SCALE_POWER}]"),
-        "loss_scale_window": Key((int,), "overflow-free steps before the scale doubles", _pos_int, "an integer >= 1"),
-        "hysteresis": Key((int,), "overflows tolerated before the scale halves", _pos_int, "an integer >= 1"),
-        "min_loss_scale": Key(_NUM, "the dynamic scale's floor", lambda v: v > 0, "a number > 0"),
+        "loss_scale": Key(_NUM, f"static loss scale; 0 for dynamic (default {_FP16.loss_scale:g})", lambda v: 0 <= v <= MAX_LOSS_SCALE,
+                          f"a number >= 0 and <= 2**{MAX_INITIAL_SCALE_POWER} (0: dynamic)"),
+        "initial_scale_power": Key((int,), f"dynamic scale starts at 2**this (default {_FP16.initial_scale_power})",
+                                   lambda v: _nonneg_int(v) and v <= MAX_INITIAL_SCALE_POWER, f"an integer in [0, {MAX_INITIAL_SCALE_POWER}]"),
+        "loss_scale_window": Key((int,), f"overflow-free steps before the scale doubles (default {_FP16.loss_scale_window})", _pos_int,
+                                 "an integer >= 1"),
+        "hysteresis": Key((int,), f"overflows tolerated before the scale halves (default {_FP16.hysteresis})", _pos_int, "an integer >= 1"),
+        "min_loss_scale": Key(_NUM, f"the dynamic scale's floor (default {_FP16.min_loss_scale:g})", lambda v: 0 < v <= MAX_LOSS_SCALE,
+                              f"a number > 0 and <= 2**{MAX_INITIAL_SCALE_POWER}"),
         "auto_cast": Key((bool,), "cast inputs to fp16", acted_on=False),
         "consecutive_hysteresis": Key((bool,), "refill hysteresis after a good step", acted_on=False),
     }),
@@ -330,6 +361,8 @@ class ZeroConfig:
     scheduler: SchedulerSpec | None = None  # the ``scheduler`` section; None without one
     offload: OffloadOptions | None = None  # ``offload_optimizer`` with ``zerofx.offload``; None when off
     param_offload: ParamOffloadOptions | None = None  # ``offload_param``; None when off
+    loss_scaling: LossScaleOptions | None = None  # the ``fp16`` section's loss scaling; None unless fp16 is enabled
+    steps_per_print: int | None = None  # rank 0 logs every this many optimizer steps; None: never
 
     @property
     def collective_timeout_s(self) -> float:
@@ -413,8 +446,6 @@ class ZeroConfig:
         zero_keys, own_keys = SCHEMA["zero_optimization"].children, SCHEMA["zerofx"].children
         assert zero_keys is not None and own_keys is not None
         tiling = self.tiling_options()
-        fp16_keys = SCHEMA["fp16"].children
-        assert fp16_keys is not None
         fields = {
             "stage": self.stage,
             "world_size": self.world_size,
@@ -426,8 +457,7 @@ class ZeroConfig:
             "scheduler": None if self.scheduler is None else self.scheduler.to_json(),
             "precision": {
                 "compute_dtype": None if self.compute_dtype is None else str(self.compute_dtype).removeprefix("torch."),
-                # loss scaling as written (its defaults live with the engine's LossScaler)
-                "loss_scaling": _canonical(self.raw.get("fp16", {}), fp16_keys) if self.compute_dtype is torch.float16 else None,
+                "loss_scaling": None if self.loss_scaling is None else asdict(self.loss_scaling),
             },
             "communication": asdict(self.schedule_options()),
             "offload": {
@@ -653,6 +683,8 @@ def parse_config(
         scheduler=scheduler,
         offload=offload,
         param_offload=param_offload,
+        loss_scaling=LossScaleOptions.from_config(raw["fp16"]) if raw.get("fp16", {}).get("enabled") else None,
+        steps_per_print=raw.get("steps_per_print"),
     )
 
 

@@ -5,40 +5,10 @@ forward graph and returns the loss, ``engine.backward(loss)`` runs the backward 
 ``engine.step()`` runs the optimizer on this rank's shard. The same code runs gloo on CPU and
 NCCL on CUDA: the device is the model's.
 
-NOTE [What the engine holds]
-Parameters are laid out per ``ParamPlacement``: each flattened and padded to a multiple of the
-world size. Stages 0-2 keep every full padded flat; stage 3 keeps only this rank's shards, in
-one flat buffer, except parameters below ``stage3_param_persistence_threshold``, kept whole.
-Gradient buffers are persistent and accumulate across ``backward`` calls until
-``step``: full padded flats at stages 0-1, shards at stages 2-3. The optimizer is a plain
-``torch.optim`` optimizer whose parameters are views of this rank's shards (the whole flat at
-stage 0), so it updates the stored parameters in place. Where parameters are kept whole
-(stages 1-2, persistent ones at stage 3) the ``param_sync`` graph then all-gathers the
-updated shards. At stage 3 the engine takes the parameters' memory: each
-model parameter's ``.data`` becomes an empty tensor; ``full_state_dict()`` gathers them.
-
-NOTE [Meta-device models]
-A model built on the meta device never had full parameters. The engine computes each
-parameter's initial value on every rank, one module at a time (``zerofx.materialize``), keeps
-what its stage holds (at stage 3, its shard) and drops the rest, so at most one module's full
-tensors are alive beyond the stage's own storage. No broadcast is needed: every rank computes
-the same values, at any world size. The model's own tensors stay on the meta device, and the
-engine's storage lives on the CPU (gloo) or the current CUDA device (NCCL).
-
-With ``offload_optimizer`` the fp32 masters and optimizer states are not laid out here: each
-parameter's record goes to the tier ``plan_offload`` chose (device, host memory or NVMe), and the
-optimizer is an ``OffloadedOptimizer`` over the shards themselves (see ``zerofx.offload``).
-
-NOTE [offload_param]
-At stage 3 with ``offload_param`` the sharded parameters ``plan_param_offload`` puts in host
-memory or on NVMe are not in the engine's flat buffer either: a ``ParamStore`` holds them (NOTE
-[The parameter store] in ``zerofx.offload``). The graphs take the store's 8-byte token in place
-of each such shard and fetch the shard right before its bucket's all-gather
-(``passes.fetch_params``), so the rank never holds them all. ``self.shards`` has no entry for
-them; ``optimizer_params`` holds a shape-only handle (no storage) per offloaded shard, and the
-optimizer, always an ``OffloadedOptimizer`` then (its records on the device when
-``offload_optimizer`` is off), takes each shard from the store to update it and writes it
-back. ``param_shard``, ``full_state_dict`` and checkpoints read offloaded shards one at a time.
+Storage: ``EngineStorage`` in ``zerofx.engine_storage`` (NOTE [What the engine holds]) holds this
+rank's parameters, gradients and masters; the engine runs the graphs, the collectives around
+them and the optimizer over it, and checks that ranks agree before their first collective.
+fp16 loss scaling is ``zerofx.loss_scaling``.
 
 NOTE [Who owns a collective's buffers]
 Every buffer handed to another thread, or to a collective that completes later, has one owner
@@ -79,7 +49,6 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from zerofx.cost_models.memory import optimizer_kind
 from zerofx.cost_models.offload import Tier
 from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
 from zerofx.passes._compat import pytree
@@ -87,7 +56,7 @@ from zerofx.passes.meta import is_wait
 from zerofx.passes.check_collectives import collective_sequence, first_divergence
 from zerofx.passes.fetch_params import fetch_order
 from zerofx.passes.plan_offload import ParamOffloadPlan
-from zerofx.passes.plan_sharding import persistent_params, place_param
+from zerofx.passes.plan_sharding import place_param
 from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, cast_info, flatten_call, split_loss_kwargs
 from zerofx.config import OptimizerSpec, ZeroConfig, first_config_difference
 from zerofx.errors import (
@@ -97,10 +66,10 @@ from zerofx.errors import (
     RankDivergenceError,
     ZeroFXError,
 )
-from zerofx.materialize import InitFn, check_all_meta_or_none, iter_initial_state
-from zerofx.offload import OffloadedOptimizer, OffloadStore, plan_engine_offload
-from zerofx.offload_options import OffloadOptions
-from zerofx.param_offload import ParamStore, plan_engine_param_offload
+from zerofx.engine_storage import EngineStorage, storage_bytes
+from zerofx.loss_scaling import LossScaler
+from zerofx.materialize import InitFn, check_all_meta_or_none
+from zerofx.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, ParamOffloadOptions, ParamStore
 from zerofx.program import Program, capture_and_plan, check_example_inputs, resolve
 from zerofx.schedulers import lr_at
 
@@ -134,42 +103,6 @@ class WaitTimer:
         return out
 
 
-class LossScaler:
-    """fp16 loss scaling, DeepSpeed's rules: a static scale, or a dynamic one that starts at
-    ``2**initial_scale_power``, halves after ``hysteresis`` overflowing steps (never below
-    ``min_loss_scale``) and doubles after ``loss_scale_window`` steps without overflow."""
-
-    def __init__(self, scale: float, dynamic: bool, window: int, hysteresis: int, min_scale: float) -> None:
-        self.scale, self.dynamic, self.window = scale, dynamic, window
-        self.hysteresis, self.min_scale = hysteresis, min_scale
-        self._good_steps, self._bad_left = 0, hysteresis
-
-    @classmethod
-    def from_config(cls, fp16: Mapping[str, Any]) -> LossScaler:
-        static = float(fp16.get("loss_scale", 0))
-        return cls(
-            scale=static or 2.0 ** int(fp16.get("initial_scale_power", 16)),
-            dynamic=static == 0,
-            window=int(fp16.get("loss_scale_window", 1000)),
-            hysteresis=int(fp16.get("hysteresis", 2)),
-            min_scale=float(fp16.get("min_loss_scale", 1)),
-        )
-
-    def update(self, *, overflow: bool) -> None:
-        if not self.dynamic:
-            return
-        if overflow:
-            self._good_steps = 0
-            self._bad_left -= 1
-            if self._bad_left <= 0:
-                self.scale = max(self.scale / 2, self.min_scale)
-                self._bad_left = self.hysteresis
-            return
-        self._good_steps += 1
-        if self._good_steps % self.window == 0:
-            self.scale *= 2
-
-
 def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor], *, fused: bool = False) -> torch.optim.Optimizer:
     kw = dict(spec.params)
     if "betas" in kw:
@@ -178,14 +111,6 @@ def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor], *, fused: b
         kw["fused"] = True
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[spec.type]
     return cls(params, **kw)
-
-
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 class Engine:
@@ -216,7 +141,8 @@ class Engine:
                 f"world_size={cfg.world_size} differs from the process group's world size {self.world_size}; "
                 f"accepted: {self.world_size} or leave it out"
             )
-        # A model built on the meta device is initialized here, shard by shard: NOTE [Meta-device models].
+        # A model built on the meta device is initialized by the storage, shard by shard: NOTE
+        # [Meta-device models] in zerofx/engine_storage.py.
         self._from_meta = check_all_meta_or_none(model)
         if not self._from_meta and (init_fn is not None or init_seed != 0):
             raise ZeroFXError(
@@ -243,36 +169,14 @@ class Engine:
         self.placements: dict[str, ParamPlacement] = {
             i.fqn: place_param(i.fqn, i.shape, i.dtype, i.requires_grad, self.world_size) for i in self.param_infos
         }
-        self.buffers = {
-            name: b.to(self.compute_dtype) if self.compute_dtype is not None and b.is_floating_point() else b
-            for name, b in model.named_buffers()
-        }
         owner_of = {id(p): fqn for fqn, p in model.named_parameters()}
         param_aliases = {name: owner_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
         self._state_keys = [
             (key, param_aliases.get(key)) for key in model.state_dict().keys()
         ]
-        self.offload_options = cfg.offload
-        self.param_offload_options = cfg.param_offload
-        if self.param_offload_options is not None:
-            if self.stage is not ZeroStage.THREE:
-                raise ZeroFXError(
-                    f"zero_optimization.offload_param applies at ZeRO stage 3 (parameters are sharded only there), got stage "
-                    f"{int(self.stage)}; set stage 3 or offload_param.device none"
-                )
-            if self.offload_options is None:  # NOTE [offload_param]: one optimizer streams the shards
-                self.offload_options = OffloadOptions.on_device()
-        self.offload_store: OffloadStore | None = None
-        self.offload_plan: OffloadPlan | None = None
-        self.param_store: ParamStore | None = None
-        self.param_offload_plan: ParamOffloadPlan | None = None
+        self.storage = EngineStorage(model, cfg, self.placements, group=self.group, device=self.device, from_meta=self._from_meta,
+                                     init_fn=init_fn, init_seed=init_seed)
         self._scheduled: Program | None = None  # the program whose fetch order the store reads ahead along
-        self._init_storage(model, init_fn=init_fn, init_seed=init_seed)
-        trainable = [f for f, p in self.placements.items() if p.requires_grad]
-        # The tensors the optimizer steps: fp32 master copies of this rank's shards in mixed
-        # precision, else the shards themselves (their gradients are the persistent buffers).
-        # Offloaded, the masters live in the store and the optimizer steps the shards.
-        self.optimizer_params = {f: self.master[f] if self.master else self._shard_or_handle(f) for f in trainable}
         self.optimizer: torch.optim.Optimizer
         if self.offload_store is not None:
             self.optimizer = OffloadedOptimizer(self.optimizer_params, self.offload_store, cfg.optimizer.type, cfg.optimizer.params,
@@ -289,7 +193,7 @@ class Engine:
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.micro_steps = 0
         self.skipped_steps = 0
-        self.loss_scaler = LossScaler.from_config(cfg.raw.get("fp16", {})) if self.compute_dtype is torch.float16 else None
+        self.loss_scaler = LossScaler.from_options(cfg.loss_scaling) if cfg.loss_scaling is not None else None
         self._last_loss: torch.Tensor | None = None
         # Compiled programs by input signature, least recently used first; at most
         # ``program_cache_size`` of them (each holds its graphs, about 5 MiB for a small model).
@@ -308,170 +212,75 @@ class Engine:
         except MissingLossError:
             pass  # the example may omit what the loss needs (e.g. labels); capture waits for the first call
 
-    # ----------------------------------------------------------------- storage
-    def _init_storage(self, model: nn.Module, *, init_fn: InitFn | None = None, init_seed: int = 0) -> None:
-        self.persistent = persistent_params(list(self.placements.values()), self.stage, self.cfg.schedule_options().persistence_threshold)
-        sharded = [f for f, p in self.placements.items() if p.is_sharded(self.stage, self.persistent)]
-        self.full: dict[str, torch.Tensor] = {}
-        self.shards: dict[str, torch.Tensor] = {}
-        self._shard_flat: torch.Tensor | None = None
-        self._offsets: dict[str, int] = {}
-        self.master: dict[str, torch.Tensor] = {}
-        self._master_offsets: dict[str, int] = {}
-        if self.param_offload_options is not None and sharded:
-            self.param_store = self._build_param_store(sharded)
-            sharded = [f for f in sharded if f not in self.param_store]
-        if self.offload_options is not None:
-            self.offload_store = self._build_offload_store()
-        elif self.compute_dtype is not None:
-            total = 0
-            for f, p in self.placements.items():
-                if p.requires_grad:
-                    self._master_offsets[f] = total
-                    total += p.padded_numel if self.stage is ZeroStage.ZERO else p.shard_numel
-            self._master_flat = torch.empty(total, dtype=torch.float32, device=self.device)
-        if sharded:
-            total = 0
-            for f in sharded:
-                self._offsets[f] = total
-                total += self.placements[f].shard_numel
-            self._shard_flat = torch.empty(total, dtype=self._flat_dtype(), device=self.device)
-        if self._from_meta:
-            # Every rank computes the same values (NOTE [The init scheme] in zerofx.materialize):
-            # no broadcast, and one module's tensors alive at a time.
-            stored: set[str] = set()
-            for item in iter_initial_state(model, seed=init_seed, init_fn=init_fn):
-                if item.is_param:
-                    self._store_param(item.fqn, item.value, broadcast=False)
-                    stored.add(item.fqn)
-                else:
-                    b = item.value.to(self.device)
-                    self.buffers[item.fqn] = b.to(self.compute_dtype) if self.compute_dtype is not None and b.is_floating_point() else b
-            assert stored == set(self.placements), f"parameters left uninitialized: {sorted(set(self.placements) - stored)}"
-        else:
-            params = dict(model.named_parameters())
-            for fqn in self.placements:
-                # Data parallel starts from one set of weights: rank 0's, as DDP does.
-                self._store_param(fqn, params[fqn].detach(), broadcast=True)
-            for b in self.buffers.values():
-                dist.broadcast(b.data, src=0, group=self.group)
-        if self.stage is ZeroStage.THREE and not self._from_meta:
-            # The engine owns the parameters now: free the model's full copies.
-            for prm in model.parameters():
-                prm.data = torch.empty(0, dtype=prm.dtype, device=prm.device)
+    # ----------------------------------------------------------------- storage (zerofx.engine_storage)
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The model's buffers, in the compute dtype: what the graphs take for them."""
+        return self.storage.buffers
 
-        # NOTE [Gradient buffers come with the first backward]
-        # The persistent gradient buffers (a full flat per parameter at stages 0-1, this rank's
-        # shard at 2-3) are allocated by the first backward, as FSDP2 allocates its sharded
-        # gradients, not here: between initialize and the first step a rank holds only its
-        # parameters (and the optimizer's masters), which is when a peer that builds the full
-        # model on every rank has its peak. ``grads`` stays empty until then.
-        self.grads: dict[str, torch.Tensor] = {}
+    @property
+    def shards(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of each parameter held here (none for an offloaded one)."""
+        return self.storage.shards
 
-    def _store_param(self, fqn: str, source: torch.Tensor, *, broadcast: bool) -> None:
-        """Keep what this rank holds of parameter ``fqn`` given its full value ``source``: the
-        padded full flat where the stage keeps it whole, else only this rank's shard (and, in
-        mixed precision, the fp32 master of what this rank owns). At most this one full
-        parameter is alive beyond what the stage keeps."""
-        p, r = self.placements[fqn], self.rank
-        flat = torch.zeros(p.padded_numel, dtype=source.dtype, device=self.device)
-        flat[: p.numel].copy_(source.reshape(-1))
-        if broadcast:
-            dist.broadcast(flat, src=0, group=self.group)
-        if fqn in self._master_offsets:  # the fp32 master of what this rank owns, before rounding to 16 bits
-            start = self._master_offsets[fqn]
-            owned = flat if self.stage is ZeroStage.ZERO else flat[r * p.shard_numel : (r + 1) * p.shard_numel]
-            self.master[fqn] = self._master_flat[start : start + owned.numel()]
-            self.master[fqn].copy_(owned)
-        elif self.offload_store is not None and p.requires_grad:  # one record at a time
-            owned = flat if self.stage is ZeroStage.ZERO else flat[r * p.shard_numel : (r + 1) * p.shard_numel]
-            self.offload_store.init_record(fqn, owned if self.compute_dtype is not None else None)
-        flat = flat.to(p.torch_dtype)
-        own = flat[r * p.shard_numel : (r + 1) * p.shard_numel]
-        if self.param_store is not None and fqn in self.param_store:
-            self.param_store.init_shard(fqn, own)
-        elif fqn in self._offsets:
-            self.shards[fqn] = self._shard_flat[self._offsets[fqn] : self._offsets[fqn] + p.shard_numel]
-            self.shards[fqn].copy_(own)
-        else:
-            self.full[fqn] = flat
-            self.shards[fqn] = flat if self.stage is ZeroStage.ZERO else own
+    @property
+    def full(self) -> dict[str, torch.Tensor]:
+        """The padded full flat of each parameter the stage keeps whole."""
+        return self.storage.full
 
-    def _owned_numel(self, fqn: str) -> int:
-        p = self.placements[fqn]
-        return p.padded_numel if self.stage is ZeroStage.ZERO else p.shard_numel
+    @property
+    def master(self) -> dict[str, torch.Tensor]:
+        """The fp32 masters of this rank's shards, in mixed precision without offload."""
+        return self.storage.master
 
-    def _build_offload_store(self) -> OffloadStore:
-        """Plan the tiers of the optimizer-state records and create them (empty; ``init_record``
-        fills each). The plan is a function of the config and the shapes: the same on every rank."""
-        assert self.offload_options is not None
-        owned = {f: self._owned_numel(f) for f, p in self.placements.items() if p.requires_grad}
-        kind = optimizer_kind(self.cfg.optimizer.type, dict(self.cfg.optimizer.params))
-        mixed = self.compute_dtype is not None
-        self.offload_plan = plan_engine_offload(owned, self.offload_options, optimizer=kind, mixed_precision=mixed,
-                                                device_is_cpu=self.device.type == "cpu")
-        return OffloadStore(self.offload_plan, self.offload_options, owned, optimizer=kind, mixed_precision=mixed,
-                            device=self.device, rank=self.rank)
+    @property
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The persistent gradient buffers; empty until the first backward."""
+        return self.storage.grads
 
-    def _build_param_store(self, sharded: list[str]) -> ParamStore:
-        """Plan the tiers of the sharded parameters (``offload_param``) and create their store;
-        ``_store_param`` fills it. Like the optimizer plan, a function of the config and shapes."""
-        assert self.param_offload_options is not None
-        # The gather buckets are planned after capture; placement does not depend on them, only
-        # the I/O estimate does, and the engine has no compute times to weigh it with anyway.
-        buckets = [(f,) for f in sharded]
-        shards = [(f, self.placements[f].shard_numel, self.placements[f].itemsize, self.placements[f].requires_grad) for f in sharded]
-        self.param_offload_plan = plan_engine_param_offload(shards, buckets, self.param_offload_options,
-                                                            device_is_cpu=self.device.type == "cpu")
-        return ParamStore(self.param_offload_plan, self.param_offload_options, {f: n for f, n, _, _ in shards},
-                          self._flat_dtype(), device=self.device, rank=self.rank)
+    @property
+    def persistent(self) -> frozenset[str]:
+        """The stage-3 parameters kept whole (below the persistence threshold)."""
+        return self.storage.persistent
 
-    def _shard_or_handle(self, fqn: str) -> torch.Tensor:
-        """The shard, or for an offloaded one a handle of its shape with no storage (NOTE [offload_param])."""
-        if self.param_store is not None and fqn in self.param_store:
-            p = self.placements[fqn]
-            return torch.empty((), dtype=p.torch_dtype, device=self.device).expand(p.shard_numel)
-        return self.shards[fqn]
+    @property
+    def optimizer_params(self) -> dict[str, torch.Tensor]:
+        """The tensors the optimizer steps, by FQN."""
+        return self.storage.optimizer_params
+
+    @property
+    def offload_options(self) -> OffloadOptions | None:
+        """The optimizer-state offload options; None when off."""
+        return self.storage.offload_options
+
+    @property
+    def param_offload_options(self) -> ParamOffloadOptions | None:
+        """The ``offload_param`` options; None when off."""
+        return self.storage.param_offload_options
+
+    @property
+    def offload_store(self) -> OffloadStore | None:
+        """The offloaded optimizer-state records; None without offload."""
+        return self.storage.offload_store
+
+    @property
+    def offload_plan(self) -> OffloadPlan | None:
+        """The tiers of the optimizer-state records; None without offload."""
+        return self.storage.offload_plan
+
+    @property
+    def param_store(self) -> ParamStore | None:
+        """The offloaded parameter shards (NOTE [offload_param]); None without."""
+        return self.storage.param_store
+
+    @property
+    def param_offload_plan(self) -> ParamOffloadPlan | None:
+        """The tiers of the parameter shards; None without ``offload_param``."""
+        return self.storage.param_offload_plan
 
     def param_shard(self, fqn: str) -> torch.Tensor:
         """This rank's shard of ``fqn`` (a copy read from the store when offloaded)."""
-        if self.param_store is not None and fqn in self.param_store:
-            return self.param_store.read_shard(fqn).to(self.device)
-        return self.shards[fqn]
-
-    def _flat_dtype(self) -> torch.dtype:
-        dtypes = {p.torch_dtype for p in self.placements.values()}
-        if len(dtypes) != 1:
-            raise ZeroFXError(f"stage 3 needs parameters of one dtype, got {sorted(map(str, dtypes))}; cast the model first, e.g. model.float()")
-        return dtypes.pop()
-
-    def _allocate_grads(self) -> None:
-        """The gradient buffers, zeroed (NOTE [Gradient buffers come with the first backward]).
-        In fp32 they are the ``.grad`` of what the optimizer steps."""
-        if self.grads:
-            return
-        for fqn, p in self.placements.items():
-            if p.requires_grad:
-                size = p.padded_numel if self.stage <= ZeroStage.ONE else p.shard_numel
-                self.grads[fqn] = torch.zeros(size, dtype=p.torch_dtype, device=self.device)
-        if self.compute_dtype is None:
-            for f, t in self.optimizer_params.items():
-                t.grad = self._grad_shard(f)
-
-    def _grad_shard(self, fqn: str) -> torch.Tensor:
-        g, p = self.grads[fqn], self.placements[fqn]
-        if self.stage is ZeroStage.ONE:
-            return g[self.rank * p.shard_numel : (self.rank + 1) * p.shard_numel]
-        return g
-
-    def _param_input(self, fqn: str) -> torch.Tensor:
-        """What the forward graph takes for a parameter: its shard if sharded, else its full value."""
-        p = self.placements[fqn]
-        if self.param_store is not None and fqn in self.param_store:
-            return self.param_store.token  # the graph fetches the shard itself (passes.fetch_params)
-        if fqn not in self.full:
-            return self.shards[fqn]
-        return self.full[fqn][: p.numel].view(p.shape)
+        return self.storage.param_shard(fqn)
 
     # ----------------------------------------------------------------- programs
     def _signature(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
@@ -574,7 +383,7 @@ class Engine:
         program = self._program_for(args, kwargs)
         captured: CapturedStep = program.captured
         inputs = flatten_call(captured, self.model, args, kwargs, self.loss_fn)
-        primals = [self._param_input(p.fqn) for p in captured.params]
+        primals = [self.storage.param_input(p.fqn) for p in captured.params]
         primals += [self.buffers[b.fqn] for b in captured.buffers]
         primals += inputs
         outputs = self._run(program, "forward", primals)
@@ -632,10 +441,7 @@ class Engine:
         args_list.append(torch.full_like(loss, seed))
         grads = self._run(program, "backward", args_list)
         self._backward_since_step = True
-        self._allocate_grads()
-        for info, g in zip(program.captured.params, grads):
-            if g is not None:
-                self.grads[info.fqn].add_(g)
+        self.storage.accumulate_grads([info.fqn for info in program.captured.params], grads)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -653,7 +459,8 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        grads = self._optimizer_grads()
+        # Gradients of what the optimizer steps, unscaled (in mixed precision fp32 copies).
+        grads = self.storage.optimizer_grads(1.0 / self.loss_scaler.scale if self.loss_scaler else 1.0)
         if self.loss_scaler is not None and not self._finite(grads):
             self.loss_scaler.update(overflow=True)
             self.skipped_steps += 1
@@ -675,30 +482,10 @@ class Engine:
         self.optimizer.step()
         self._after_step(updated=True)
 
-    def _optimizer_grads(self) -> dict[str, torch.Tensor]:
-        """Gradients of what the optimizer steps. In mixed precision, fp32 copies of this rank's
-        16-bit gradient shards, unscaled; they live only through the step."""
-        if self.compute_dtype is None:
-            return {f: t.grad for f, t in self.optimizer_params.items()}
-        inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler else 1.0
-        out = {}
-        for f, t in self.optimizer_params.items():
-            out[f] = self._grad_shard(f).to(torch.float32).mul_(inv_scale)
-            if self.master:  # a torch optimizer over the masters reads .grad
-                t.grad = out[f]
-        return out
-
-    def _owned(self, fqn: str, grad: torch.Tensor) -> torch.Tensor:
-        """The elements of ``grad`` this rank alone accounts for (stage 0 holds them all)."""
-        if self.stage is ZeroStage.ZERO:
-            p = self.placements[fqn]
-            return grad[self.rank * p.shard_numel : (self.rank + 1) * p.shard_numel]
-        return grad
-
     def _finite(self, grads: dict[str, torch.Tensor]) -> bool:
         bad = torch.zeros(1, device=self.device)
         for f, g in grads.items():
-            if not torch.isfinite(self._owned(f, g)).all():
+            if not torch.isfinite(self.storage.owned(f, g)).all():
                 bad.fill_(1)
                 break
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)  # every rank skips together
@@ -708,7 +495,7 @@ class Engine:
         """Scale gradients so their global L2 norm (over all ranks' shards) is at most ``max_norm``."""
         squares = torch.zeros(1, dtype=torch.float64, device=self.device)
         for f, g in grads.items():
-            squares += self._owned(f, g).double().pow(2).sum()
+            squares += self.storage.owned(f, g).double().pow(2).sum()
         dist.all_reduce(squares, group=self.group)
         norm = squares.sqrt().item()
         coef = max_norm / (norm + 1e-6)
@@ -718,15 +505,9 @@ class Engine:
         return norm
 
     def _after_step(self, *, updated: bool) -> None:
-        for g in self.grads.values():
-            g.zero_()
-        if self.master:
-            for f, t in self.optimizer_params.items():
-                t.grad = None
-                if updated:  # round the new fp32 master into the 16-bit copy the graphs read
-                    self.shards[f].copy_(t)
+        self.storage.end_step(updated=updated)
         self.global_steps += 1
-        every = self.cfg.raw.get("steps_per_print")
+        every = self.cfg.steps_per_print
         if every and self.global_steps % every == 0 and self.rank == 0:
             loss = f"{self._last_loss.item():.4f}" if self._last_loss is not None else "n/a"
             scale = f", loss scale {self.loss_scaler.scale:g}" if self.loss_scaler else ""
@@ -789,8 +570,7 @@ class Engine:
         update's copy of the shards). With ``offload_param``, ``params`` counts only what stays
         on the device; ``offload_param_cpu_bytes`` / ``offload_param_nvme_bytes`` the shards on
         the other tiers and ``offload_param_window_bytes`` the NVMe read-ahead bound."""
-        params = list(self.full.values()) + ([self._shard_flat] if self._shard_flat is not None else [])
-        out = {"params": _storage_bytes(params), "grads": _storage_bytes(list(self.grads.values()))}
+        out = self.storage.memory()
         if isinstance(self.optimizer, OffloadedOptimizer):
             store = self.offload_store
             assert store is not None
@@ -808,7 +588,7 @@ class Engine:
             return out
         states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         states += list(self.master.values())  # the fp32 master copy counts with the optimizer states, as in ZeRO
-        out["optimizer_states"] = _storage_bytes(states)
+        out["optimizer_states"] = storage_bytes(states)
         return out
 
     # ----------------------------------------------------------------- checkpoints

@@ -10,6 +10,10 @@ class ZeroFXError(ValueError):
     """Base class for every error zerofx raises on bad user input."""
 
 
+class UsageError(ZeroFXError):
+    """A command-line argument or a ``zerofx train`` option is missing or malformed."""
+
+
 class ConfigError(ZeroFXError):
     """A config key is unknown, misspelled, of the wrong type or out of range."""
 
@@ -20,6 +24,10 @@ class CaptureError(ZeroFXError):
 
 class MissingLossError(CaptureError):
     """The model's output holds no loss (for example a Hugging Face model called without labels)."""
+
+
+class MissingExampleInputsError(ZeroFXError):
+    """A program compiled without example inputs was asked for what needs its graphs."""
 
 
 class RankDivergenceError(ZeroFXError):

@@ -1,15 +1,16 @@
-"""``zerofx.compile``: capture, plan and lower a model for one world size, without running it.
+"""``zerofx.compile``: plan a model for one world size, and capture and lower it, without running it.
 
-Planning needs no process group and no parameter memory: capture runs on fake tensors, so a
-model built on the meta device plans for world size 8 or 1024 on a laptop.
+Planning needs no process group and no parameter memory: the sharding plan needs only the
+parameters' shapes, and capture runs on fake tensors, so a model built on the meta device plans
+for world size 8 or 1024 on a laptop. The graphs come from example inputs, given to ``compile``
+or later (NOTE [Capture on first need]).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,28 +23,42 @@ from zerofx.cost_models.compute import CPU_CORE, DeviceSpec
 from zerofx.cost_models.memory import optimizer_kind
 from zerofx.passes import Plan, ZeroStage, _compat, plan_sharding
 from zerofx.passes.analyze_schedule import ScheduleReport, analyze_schedule
-from zerofx.passes.plan import ScheduleOptions, format_bytes
+from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan_sharding import plan_sharding_from_shapes
 from zerofx.passes.plan_tiling import TilingOptions
-from zerofx.capture import CapturedStep, LossFn, capture_step
+from zerofx.capture import CapturedStep, LossFn, capture_step, flatten_call, traced_param_infos
 from zerofx.config import GraphCompiler, ZeroConfig, parse_config
-from zerofx.errors import ZeroFXError
+from zerofx.errors import MissingExampleInputsError, ZeroFXError
 from zerofx.pipeline import lower
+from zerofx.search import fit_prefetch, fit_tiling
 
 # The group name planned graphs carry when no process group exists; the engine lowers again
 # with the real group's name.
 PLANNING_GROUP = "zerofx_planning_group"
 
-log = logging.getLogger("zerofx.tiling")
+
+@dataclass(frozen=True)
+class Source:
+    """What ``zerofx.compile`` was given, to capture from once example inputs come."""
+
+    model: nn.Module
+    cfg: ZeroConfig
+    loss_fn: LossFn | None
 
 
 class Program:
-    """A captured, planned and lowered training step for one world size and stage."""
+    """A planned training step for one world size and stage, with its graphs captured and
+    lowered once example inputs are known (NOTE [Capture on first need])."""
 
-    def __init__(self, captured: CapturedStep, plan: Plan, *, group_name: str = PLANNING_GROUP,
-                 param_offload: ParamOffloadPlan | None = None) -> None:
-        self.captured = captured
-        self.plan = plan
+    def __init__(self, captured: CapturedStep | None, plan: Plan, *, group_name: str = PLANNING_GROUP,
+                 param_offload: ParamOffloadPlan | None = None, source: Source | None = None,
+                 plan_waits_for: str | None = None) -> None:
+        assert captured is not None or source is not None, "a program captures, or has what to capture from"
+        self._captured = captured
+        self._plan = plan
+        self._source = source  # what zerofx.compile was given; None for a program planned from a capture (the engine's)
+        self._plan_waits_for = plan_waits_for  # why the plan itself needs the capture, when it does
         self.group_name = group_name
         self.param_offload = param_offload  # stage 3 offload_param: which shards the graphs fetch
         self._modules: dict[str, fx.GraphModule] | None = None
@@ -52,27 +67,76 @@ class Program:
         self.compile_s = 0.0  # seconds spent compiling this program's graphs (GraphCompiler.INDUCTOR)
 
     @property
+    def plan(self) -> Plan:
+        """The sharding plan. Without a capture it is planned from the parameters' shapes (NOTE [A
+        plan from shapes alone] in passes/plan_sharding.py), unless the config chooses from the
+        memory timeline (``zerofx.memory_budget``, ``zerofx.tiling``): then it needs the capture."""
+        if self._captured is None and self._plan_waits_for is not None:
+            raise MissingExampleInputsError(self._needs_inputs(f"program.plan ({self._plan_waits_for})"))
+        return self._plan
+
+    @property
+    def captured(self) -> CapturedStep:
+        """The captured training step (joint graph, parameters, buffers, inputs)."""
+        return self._require_capture("program.captured")
+
+    @property
     def world_size(self) -> int:
-        return self.plan.world_size
+        return self._plan.world_size
 
     @property
     def stage(self) -> ZeroStage:
-        return self.plan.stage
+        return self._plan.stage
 
     def _check_rank(self, rank: int) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ZeroFXError(f"rank={rank!r} is outside this program's world size {self.world_size}; accepted: 0..{self.world_size - 1}")
 
-    def graph_modules(self, rank: int) -> dict[str, fx.GraphModule]:
+    def _needs_inputs(self, what: str) -> str:
+        return (f"{what} needs the captured graphs, and {self!r} was compiled without example inputs; pass example_inputs "
+                "(and example_kwargs) to zerofx.compile, or to program.graph_modules(rank, example_inputs=..., example_kwargs=...)")
+
+    def _require_capture(self, what: str) -> CapturedStep:
+        if self._captured is None:
+            raise MissingExampleInputsError(self._needs_inputs(what))
+        return self._captured
+
+    def _take_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> None:
+        """Capture, plan and lower from these inputs if not done yet; else check they are the
+        inputs the graphs were captured for."""
+        if self._source is None:
+            raise ZeroFXError("this program was planned from a captured step (the engine's); its graphs come from that capture, "
+                              "so it takes no example_inputs")
+        source = self._source
+        if self._captured is None:
+            captured = capture_and_plan(
+                lambda tiling: capture_step(source.model, args, kwargs, loss_fn=source.loss_fn, compute_dtype=source.cfg.compute_dtype,
+                                            tiling=tiling),
+                source.cfg, self.world_size, group_name=self.group_name, param_offload=self.param_offload,
+            )
+            self._captured, self._plan, self._modules = captured._captured, captured._plan, captured._modules
+            return
+        try:
+            flatten_call(self._captured, source.model, args, kwargs or {}, source.loss_fn)
+        except ValueError as exc:  # the graphs were captured for other inputs
+            raise ZeroFXError(str(exc)) from exc
+
+    def graph_modules(self, rank: int, *, example_inputs: Sequence[Any] | None = None,
+                      example_kwargs: Mapping[str, Any] | None = None) -> dict[str, fx.GraphModule]:
         """The graph modules rank ``rank`` runs: ``forward``, ``backward`` and, at stages 1 and 2,
         ``param_sync`` (the all-gather of updated shards after the optimizer step).
 
+        A program compiled without example inputs captures from the first ones given here
+        (positional arguments, and keyword arguments such as ``labels``); later ones must match.
         Every rank's shard has the same padded size, so the graphs are the same on every rank:
         which slice of each parameter a rank holds is decided by its rank in the collectives.
         """
         self._check_rank(rank)
+        if example_inputs is not None or example_kwargs is not None:
+            self._take_inputs(check_example_inputs(example_inputs), example_kwargs)
         if self._modules is None:
-            self._modules = lower(self.captured.joint, self.plan, group_name=self.group_name, param_offload=self.param_offload)
+            joint = self._require_capture("program.graph_modules(rank)").joint
+            self._modules = lower(joint, self._plan, group_name=self.group_name, param_offload=self.param_offload)
         return dict(self._modules)
 
     def run(self, rank: int, name: str, args_list: list[torch.Tensor], compiler: GraphCompiler) -> Any:
@@ -100,8 +164,8 @@ class Program:
     def with_decision(self, why: str) -> Program:
         """This program with ``why`` added to its plan's decision notes. A note changes no graph,
         so the copy keeps the graphs already lowered rather than lowering them again."""
-        program = Program(self.captured, replace(self.plan, decisions=(*self.plan.decisions, why)), group_name=self.group_name,
-                          param_offload=self.param_offload)
+        program = Program(self._captured, replace(self._plan, decisions=(*self._plan.decisions, why)), group_name=self.group_name,
+                          param_offload=self.param_offload, source=self._source, plan_waits_for=self._plan_waits_for)
         program._modules = self._modules
         return program
 
@@ -110,15 +174,31 @@ class Program:
         waited for, the compute it overlaps, its time), the memory timeline and its peak, and the
         estimated step time with the communication left exposed. ``str(format_report(...))``
         prints it."""
+        self._require_capture("program.report(rank) (the schedule, step time and memory timeline)")
         return analyze_schedule(self.graph_modules(rank), self.plan, comm=comm, device=device)
 
     def memory(self, rank: int) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer states rank ``rank`` holds between steps."""
+        """Bytes of parameters, gradients and optimizer states rank ``rank`` holds between steps:
+        a function of the parameters' shapes, so known before any capture."""
         self._check_rank(rank)
-        return dict(self.plan.estimates)
+        return dict(self._plan.estimates)
 
     def __repr__(self) -> str:
-        return f"Program({self.captured.model_class}, stage={int(self.stage)}, world_size={self.world_size})"
+        model_class = self._captured.model_class if self._captured is not None else type(self._source.model).__qualname__
+        return f"Program({model_class}, stage={int(self.stage)}, world_size={self.world_size})"
+
+
+# NOTE [Capture on first need]
+# The sharding plan and the bytes per rank are functions of the parameters, so
+# ``zerofx.compile`` plans from them at once (``plan_sharding_from_shapes``) and keeps what
+# it was given (``Source``). The graphs need example inputs; as ``torch.compile`` captures on
+# its first call, a program captures, plans from the graph and lowers the first time example
+# inputs reach it (``compile(example_inputs=...)`` or ``graph_modules(rank, example_inputs=...)``)
+# and keeps the result: the captured plan replaces the shapes-only one (the same placements and
+# bytes; buckets and their order from the graph). Later example inputs must match those. Before
+# that, what needs the graphs (``graph_modules``, ``report``, ``captured``, and ``plan`` itself
+# where ``zerofx.memory_budget`` or ``zerofx.tiling`` chooses from the memory timeline) raises
+# ``MissingExampleInputsError`` naming both ways to give them.
 
 
 # NOTE [Boxed graphs]
@@ -178,136 +258,56 @@ def resolve(config: str | Path | Mapping[str, Any] | None, *, stage: int | None,
     return cfg
 
 
+def _planner_args(cfg: ZeroConfig) -> tuple[ZeroStage, str, ScheduleOptions]:
+    """The stage, optimizer kind and schedule options both planners take from the config."""
+    return ZeroStage(cfg.stage), optimizer_kind(cfg.optimizer.type, dict(cfg.optimizer.params)), cfg.schedule_options()
+
+
 def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, group_name: str = PLANNING_GROUP,
                  param_offload: ParamOffloadPlan | None = None) -> Program:
-    opt = optimizer_kind(cfg.optimizer.type, dict(cfg.optimizer.params))
-    options = cfg.schedule_options()
+    """Plan ``captured``; under ``zerofx.memory_budget`` the prefetch distance is lowered until
+    the estimated peak fits (NOTE [Prefetch under a memory budget] in zerofx/search.py)."""
+    stage, optimizer, options = _planner_args(cfg)
 
     def plan_with(opts: ScheduleOptions) -> Program:
-        plan = plan_sharding(captured.joint, world_size=world_size, stage=ZeroStage(cfg.stage), optimizer=opt, options=opts)
+        plan = plan_sharding(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer, options=opts)
         if captured.tiling is not None:
             plan = replace(plan, tiling=captured.tiling)
         return Program(captured, plan, group_name=group_name, param_offload=param_offload)
 
-    program = plan_with(options)
-    budget = options.memory_budget_bytes
-    if budget is None or program.plan.prefetch_distance == 0:
-        return program
-    # NOTE [Prefetch under a memory budget]
-    # Each bucket prefetched ahead keeps one more gathered bucket alive, so the step's peak grows
-    # with the distance. The planner's distance obeys stage3_max_live_parameters; here the memory
-    # model (the lowered graphs' timeline) lowers it until the peak fits the budget. The plan is
-    # rebuilt, never patched: the rewrites read only the Plan.
-    chosen = program.plan.prefetch_distance
-    peak = program.report(0).peak.live_bytes
-    tried = [(chosen, peak)]
-    while peak > budget and program.plan.prefetch_distance > 0:
-        program = plan_with(replace(options, prefetch_distance=program.plan.prefetch_distance - 1))
-        peak = program.report(0).peak.live_bytes
-        tried.append((program.plan.prefetch_distance, peak))
-    if len(tried) > 1:
-        steps = ", ".join(f"{format_bytes(b)} at distance {d}" for d, b in tried)
-        verdict = "fits" if peak <= budget else "does not fit even without prefetch"
-        why = f"prefetch distance lowered from {chosen} to {program.plan.prefetch_distance} for the memory budget " \
-              f"{format_bytes(budget)} (estimated peak {steps}; {verdict})"
-        program = program.with_decision(why)
-    return program
-
-
-# NOTE [Tiling checked against the memory timeline]
-# ``auto`` tiling chooses from per-op estimates that are upper bounds (NOTE [What the estimates
-# mean] in passes/plan_tiling.py): a region counts every token-wise output as saved, where the
-# min-cut partitioner saves far fewer, and SDPA counts a score matrix its fused kernel never
-# makes. Measured on the 2-layer d256 DNA LM at 8k tokens, they put activations at 2.9 GiB
-# untiled, where the lowered graphs' memory timeline gives 354 MiB and the real process
-# 360 MiB. Alone, they tile far more than the budget needs, and every tiled region costs a
-# recompute. So the choice is checked against the timeline of the lowered graphs (activations:
-# its peak less the persistent model state): nothing is tiled when the untiled program fits;
-# otherwise the estimates are held to a bound raised from the budget, doubling, while the
-# timeline still fits, so the fewest and largest tiles that fit are kept. Each try is one more
-# capture and lowering; the plan's decisions list them. The estimates can also fall short of
-# the timeline (on small models the timeline's gradients and temporaries outweigh the saved
-# activations they count): then the bound is halved, at most MAX_TIGHTENINGS times, until the
-# timeline fits; if none does, the program with the least memory is kept.
-MAX_TIGHTENINGS = 8
-
-
-def _fit_tiling_to_timeline(first: Program, build: Callable[[TilingOptions], Program], options: TilingOptions) -> Program:
-    budget = first.plan.tiling.budget_bytes
-    tried: list[tuple[str, Program, int]] = []
-
-    def attempt(what: str, program: Program) -> int:
-        report = program.report(0)
-        tried.append((what, program, report.peak.live_bytes - report.persistent_bytes))
-        return tried[-1][2]
-
-    def ops(program: Program) -> tuple:
-        return program.plan.tiling.ops if program.plan.tiling is not None else ()
-
-    def sequence_ops(program: Program) -> tuple:
-        return tuple(op for op in ops(program) if op.kind != "weight")
-
-    # Weight tiles follow weight_tile_bytes, not the activation budget (NOTE [Weight tiles] in
-    # passes/plan_tiling.py): "untiled" here means no sequence tiling, with the weights as planned.
-    weights_tiled = any(op.kind == "weight" for op in ops(first))
-    untiled_options = replace(options, kinds=("weight",)) if weights_tiled else replace(options, enabled=False)
-    if not sequence_ops(first):
-        if attempt("untiled", first) <= budget:
-            return first  # nothing tiled, and the timeline agrees: no note
-        chosen, fits = first, False
-    else:
-        untiled = build(untiled_options)
-        if attempt("untiled", untiled) <= budget:
-            chosen, fits = untiled, True
-        else:
-            chosen = first
-            fits = attempt(f"estimates held to {format_bytes(budget)}", first) <= budget
-            if fits:  # loosen: fewer or larger tiles, while the timeline still fits
-                bound = budget
-                while (bound := bound * 2) < first.plan.tiling.estimate_untiled_bytes:
-                    candidate = build(replace(options, estimate_budget_bytes=bound))
-                    if ops(candidate) == ops(chosen):
-                        continue
-                    if attempt(f"estimates held to {format_bytes(bound)}", candidate) > budget:
-                        break
-                    chosen = candidate
-    if not fits:  # tighten: more or smaller tiles, until the timeline fits
-        bound = budget
-        for _ in range(MAX_TIGHTENINGS):
-            bound //= 2
-            candidate = build(replace(options, estimate_budget_bytes=bound))
-            if ops(candidate) == ops(chosen):
-                if len(ops(candidate)) == sum(candidate.plan.tiling.num_candidates) - len(candidate.plan.tiling.skipped):
-                    break  # every candidate tiled, and a tighter bound changed nothing: it is as tiled as it gets
-                continue
-            chosen = candidate
-            if attempt(f"estimates held to {format_bytes(bound)}", candidate) <= budget:
-                fits = True
-                break
-        if not fits:  # none fits: the least memory tried
-            chosen = min(tried, key=lambda t: t[2])[1]
-    steps = "; ".join(f"{what}: {len(sequence_ops(p))} tiled ops, activations {format_bytes(peak)}" for what, p, peak in tried)
-    why = (f"tiling (auto) checked against the memory timeline for the budget {format_bytes(budget)} "
-           f"(NOTE [Tiling checked against the memory timeline]): {steps}; kept {len(sequence_ops(chosen))} tiled ops, "
-           f"which {'fit' if fits else 'do not fit'}")
-    log.info(why)
-    return chosen.with_decision(why)
+    return fit_prefetch(plan_with(options), lambda d: plan_with(replace(options, prefetch_distance=d)), options.memory_budget_bytes)
 
 
 def capture_and_plan(capture: Callable[[TilingOptions | None], CapturedStep], cfg: ZeroConfig, world_size: int, *,
                      group_name: str = PLANNING_GROUP, param_offload: ParamOffloadPlan | None = None) -> Program:
     """``capture(tiling_options)``, then plan and lower it; with ``zerofx.tiling.enabled: auto``
     the tiling is checked against the memory timeline (NOTE [Tiling checked against the memory
-    timeline]), which may capture again."""
+    timeline] in zerofx/search.py), which may capture again."""
     options = cfg.tiling_options()
 
     def build(opts: TilingOptions | None) -> Program:
         return plan_program(capture(opts), cfg, world_size, group_name=group_name, param_offload=param_offload)
 
-    program = build(options)
-    if options is None or options.enabled != "auto" or program.plan.tiling is None:
-        return program
-    return _fit_tiling_to_timeline(program, build, options)
+    return fit_tiling(build(options), build, options)
+
+
+def plan_from_shapes(model: nn.Module, cfg: ZeroConfig, world_size: int) -> Plan:
+    """The plan from ``model``'s parameters alone, taken as capture takes them (NOTE [A plan from
+    shapes alone] in passes/plan_sharding.py)."""
+    stage, optimizer, options = _planner_args(cfg)
+    infos = traced_param_infos(model, compute_dtype=cfg.compute_dtype)
+    return plan_sharding_from_shapes([(i.fqn, i.shape, i.dtype, i.requires_grad) for i in infos], world_size=world_size,
+                                     stage=stage, optimizer=optimizer, options=options)
+
+
+def _plan_waits_for(cfg: ZeroConfig, plan: Plan) -> str | None:
+    """Why the config makes the plan depend on the captured graphs, or None."""
+    tiling = cfg.tiling_options()
+    if tiling is not None and tiling.enabled is not False:
+        return "zerofx.tiling chooses what to tile from the graph"
+    if cfg.schedule_options().memory_budget_bytes is not None and plan.prefetch_distance > 0:
+        return "zerofx.memory_budget fits the prefetch distance to the memory timeline"
+    return None
 
 
 def compile(
@@ -320,16 +320,20 @@ def compile(
     config: str | Path | Mapping[str, Any] | None = None,
     loss_fn: LossFn | None = None,
 ) -> Program:
-    """Capture ``model``'s training step and plan it for ``world_size`` ranks at ZeRO ``stage``.
+    """Plan ``model``'s training step for ``world_size`` ranks at ZeRO ``stage``, and capture it.
 
     Nothing runs and no process group is needed. ``example_inputs`` are the positional
-    arguments of one call, ``example_kwargs`` its keyword arguments (e.g. ``labels``).
+    arguments of one call, ``example_kwargs`` its keyword arguments (e.g. ``labels``). Without
+    them the program has its plan and ``memory``, and captures its graphs from the first
+    example inputs given to ``graph_modules`` (NOTE [Capture on first need]).
     """
-    args = check_example_inputs(example_inputs)
+    given = example_inputs is not None or example_kwargs is not None
+    args = check_example_inputs(example_inputs) if given else None
     cfg = resolve(config, stage=stage, world_size=world_size)
     if cfg.world_size is None:
         raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
-    return capture_and_plan(
-        lambda tiling: capture_step(model, args, example_kwargs, loss_fn=loss_fn, compute_dtype=cfg.compute_dtype, tiling=tiling),
-        cfg, cfg.world_size,
-    )
+    plan = plan_from_shapes(model, cfg, cfg.world_size)
+    program = Program(None, plan, source=Source(model, cfg, loss_fn), plan_waits_for=_plan_waits_for(cfg, plan))
+    if args is not None:
+        program._take_inputs(args, example_kwargs)
+    return program

@@ -1,6 +1,10 @@
-"""What ``zerofx plan`` shows for offload: the optimizer-state and parameter-shard placements the
-engine would make for a ``Plan`` (the runtime's planners in ``zerofx.offload`` and
-``zerofx.param_offload``, run without any storage)."""
+"""The offload plans, built from the typed options and the sizes of what is offloaded, with no
+storage: ``plan_engine_offload`` (where each optimizer-state record lives) and
+``plan_engine_param_offload`` (where each stage-3 parameter shard lives), which the engine
+calls, and ``plan_for_program``, what ``zerofx plan`` shows for a ``Plan``. The placement itself
+is the pure planner in ``passes/plan_offload.py``; this module turns options into its inputs and
+its ``ValueError`` into a ``ConfigError``.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,52 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zerofx.offload import plan_engine_offload
-from zerofx.offload_options import OffloadOptions, ParamOffloadOptions
-from zerofx.param_offload import plan_engine_param_offload
-from zerofx.passes.plan_offload import OffloadPlan, ParamOffloadPlan
+from zerofx.cost_models.compute import CPU_CORE
+from zerofx.cost_models.offload import FP32_BYTES, record_numels
+from zerofx.errors import ConfigError
+from zerofx.offload.options import OffloadOptions, ParamOffloadOptions
+from zerofx.passes.plan_offload import OffloadPlan, ParamOffloadPlan, plan_offload, plan_param_offload
+
+
+def plan_engine_offload(
+    owned_numels: Mapping[str, int], options: OffloadOptions, *, optimizer: str, mixed_precision: bool, device_is_cpu: bool,
+    forward_backward_s: float = 0.0, backward_s: float = 0.0,
+) -> OffloadPlan:
+    """The ``OffloadPlan`` for a rank's trainable parameters (``fqn -> owned elements``, in model
+    order). Backward produces gradients in about the reverse order, so records are listed that way."""
+    records = [
+        (f, FP32_BYTES * sum(record_numels(n, optimizer=optimizer, mixed_precision=mixed_precision)))
+        for f, n in reversed(list(owned_numels.items()))
+    ]
+    try:
+        return plan_offload(
+            records,
+            options.tier_specs(sum(b for _, b in records), device_is_cpu=device_is_cpu),
+            buffer_count=options.buffer_count,
+            update_bytes_per_s=CPU_CORE.memory_bytes_per_s,
+            prefetch_lead_s=backward_s,
+            delayed_update=options.delayed_update,
+            forward_backward_s=forward_backward_s,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def plan_engine_param_offload(
+    shards: list[tuple[str, int, int, bool]], buckets: Any, options: ParamOffloadOptions, *, device_is_cpu: bool,
+    forward_s: float = 0.0, backward_s: float = 0.0,
+) -> ParamOffloadPlan:
+    """The ``ParamOffloadPlan`` for a rank's sharded parameters ``(fqn, shard_numel, itemsize,
+    trainable)`` in model order and the plan's gather buckets."""
+    itemsize = max((i for _, _, i, _ in shards), default=1)
+    try:
+        return plan_param_offload(
+            [(f, n * i, t) for f, n, i, t in shards], [tuple(b) for b in buckets],
+            options.tier_specs(itemsize, device_is_cpu=device_is_cpu), buffer_count=options.buffer_count,
+            forward_s=forward_s, backward_s=backward_s,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""``offload_param`` at run time (stage 3): parameter shards in host memory or in files on NVMe,
-fetched into the graphs through ``zerofx::fetch_shard`` (``passes.fetch_params``; its kernel is
-registered here) and streamed through the optimizer's update. See NOTE [The parameter store].
+"""``offload_param`` at run time (stage 3): ``ParamStore``, this rank's parameter shards in host
+memory or in files on NVMe (``zerofx.offload.files``), fetched into the graphs through
+``zerofx::fetch_shard`` (``passes.fetch_params``; its kernel is registered here) and streamed
+through the optimizer's update. See NOTE [The parameter store].
 """
 
 from __future__ import annotations
@@ -11,40 +12,14 @@ import weakref
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 
 from zerofx.cost_models.offload import Tier
+from zerofx.offload.files import IO_THREADS, BackgroundIO, NvmeFiles, OffloadError, aligned_empty
+from zerofx.offload.options import ParamOffloadOptions
 from zerofx.passes.fetch_params import fetch_shard
-from zerofx.passes.plan_offload import ParamOffloadPlan, plan_param_offload
-from zerofx.errors import ConfigError
-from zerofx.offload import (
-    IO_THREADS,
-    BackgroundIO,
-    NvmeFiles,
-    OffloadError,
-    aligned_empty,
-)
-
-from zerofx.offload_options import DEFAULT_PARAM_BUFFER_COUNT, ParamOffloadOptions  # noqa: F401  (re-exported)
-
-
-def plan_engine_param_offload(
-    shards: list[tuple[str, int, int, bool]], buckets: Any, options: ParamOffloadOptions, *, device_is_cpu: bool,
-    forward_s: float = 0.0, backward_s: float = 0.0,
-) -> ParamOffloadPlan:
-    """The ``ParamOffloadPlan`` for a rank's sharded parameters ``(fqn, shard_numel, itemsize,
-    trainable)`` in model order and the plan's gather buckets."""
-    itemsize = max((i for _, _, i, _ in shards), default=1)
-    try:
-        return plan_param_offload(
-            [(f, n * i, t) for f, n, i, t in shards], [tuple(b) for b in buckets],
-            options.tier_specs(itemsize, device_is_cpu=device_is_cpu), buffer_count=options.buffer_count,
-            forward_s=forward_s, backward_s=backward_s,
-        )
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+from zerofx.passes.plan_offload import ParamOffloadPlan
 
 
 # --------------------------------------------------------------------------- the parameter store

@@ -1,5 +1,5 @@
 """The typed offload options ``parse_config`` builds from ``zero_optimization.offload_optimizer``,
-``zero_optimization.offload_param`` and ``zerofx.offload``: below the config and the offload
+``zero_optimization.offload_param`` and ``zerofx.offload``: below the config and the rest of the offload
 runtime, so both import them (NOTE [Layers] in pyproject.toml)."""
 
 from __future__ import annotations
