@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from tests.dist_utils import free_port
+    from tests.support.dist_utils import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import zerofx
-from tests.dist_utils import run_ranks
-from tests.tiling_models import dna_lm, tokens
+from tests.support.dist_utils import run_ranks
+from tests.support.tiling_models import dna_lm, tokens
 
 WEIGHT_TILES = {"enabled": True, "attention": False, "region": False, "loss": False, "weight_tile_bytes": 4096}
 VARIANTS = {

@@ -1,12 +1,13 @@
 """Test setup, and the fast tier.
 
-The fast tier is the structural, planning, config and single-process tests:
+The fast tier is the structural, planning, config and single-process tests, without those
+marked ``slow``:
 
-    python -m pytest -q tests -m "not multiprocess and not inductor"
+    python -m pytest -q -n 2 --dist loadfile tests -m "not multiprocess and not inductor and not slow"
 
 A test is marked ``multiprocess`` here, at collection, when its body or a fixture of its module
 that it requests starts processes (``run_ranks``, ``subprocess``, ``mp.spawn``, ``zerofx train``,
-torchrun). The full suite, ``python -m pytest -q tests``, runs everything.
+torchrun). The full suite, ``python -m pytest -q -n 2 --dist loadfile tests``, runs everything.
 """
 
 from __future__ import annotations
@@ -45,7 +46,19 @@ def _starts_processes(item: pytest.Item) -> bool:
     return any(_STARTS_PROCESSES.search(s) for s in sources)
 
 
+# The longest files first (about 140-210 s each on 2 cores): pytest-xdist hands whole files to
+# its workers in collection order (--dist loadfile), and a long file started last leaves the
+# other worker idle at the end.
+LONGEST_FIRST = ("test_tiling.py", "test_planning.py", "test_checkpoint.py", "test_core_parity.py")
+
+
+def _file_rank(item: pytest.Item) -> int:
+    name = os.path.basename(str(item.fspath))
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_file_rank)  # stable: within a file, and among the rest, the order stays
     for item in items:
         if _starts_processes(item):
             item.add_marker(pytest.mark.multiprocess)

@@ -39,6 +39,7 @@ def smoke() -> dict[str, Any]:
     return run_benchmark(smoke_options(systems=(*DEFAULT_SYSTEMS, "zerofx3@AdamW")), log=lambda msg: None)
 
 
+@pytest.mark.slow
 def test_every_system_matches_single_process(smoke: dict[str, Any]) -> None:
     rows = _rows(smoke)
     assert set(rows) == {*DEFAULT_SYSTEMS, "zerofx3@AdamW"}

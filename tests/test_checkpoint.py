@@ -27,9 +27,9 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from tests import checkpoint_workers as cw
-from tests.dist_utils import ROOT, free_port, rank_main, run_ranks
-from tests.models import BUILDERS, TINY
+from tests.support import checkpoint_workers as cw
+from tests.support.dist_utils import ROOT, free_port, rank_main, run_ranks
+from tests.support.models import BUILDERS, TINY
 from zerofx.checkpoint import CheckpointError, check_structure, consolidate, latest_complete_tag, model_structure, read_metadata
 from zerofx.checkpoint_format import RankFiles, check_rank_files, read_client, resolve_tag
 from zerofx.cli import main
@@ -533,7 +533,7 @@ def test_torchelastic_resumes_with_fewer_workers_after_one_is_killed(tmp_path: P
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=zerofx-{port}",
             # The host agent keeps the rendezvous store, so the other is the one to lose.
             f"--rdzv-conf=last_call_timeout=3,is_host={str(is_host).lower()}", "--monitor-interval=0.5",
-            os.path.join(ROOT, "tests", "elastic_train.py"), str(tmp_path), "--steps", str(steps), "--step-sleep", "0.5",
+            os.path.join(ROOT, "tests", "support", "elastic_train.py"), str(tmp_path), "--steps", str(steps), "--step-sleep", "0.5",
         ]
         return subprocess.Popen(cmd, env=env, stdout=open(tmp_path / f"{name}.txt", "w"), stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -575,6 +575,7 @@ def test_torchelastic_resumes_with_fewer_workers_after_one_is_killed(tmp_path: P
 
 
 # --------------------------------------------------------------------------- zerofx train
+@pytest.mark.slow
 def test_train_resumes_from_its_output_dir(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     """2 steps on 2 ranks, saving every step; then --steps 3 on 1 rank trains only step 3."""
     out = tmp_path / "run"

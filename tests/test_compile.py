@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 import zerofx
-from tests.dist_utils import run_ranks
-from tests.meta_workers import eager_vs_inductor
-from tests.models import BATCH, SEQ, dna_lm
+from tests.support.dist_utils import run_ranks
+from tests.support.meta_workers import eager_vs_inductor
+from tests.support.models import BATCH, SEQ, dna_lm
 from zerofx.models import DNADecoderLM
 
 # Inductor fuses elementwise chains and reductions (RMSNorm, softmax, SwiGLU), which reorders

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import zerofx
 from zerofx.passes import meta
-from tests.models import BATCH, SEQ, TINY, llama
+from tests.support.models import BATCH, SEQ, TINY, llama
 from zerofx.models import DNADecoderLM
 
 IDS = torch.zeros(BATCH, SEQ, dtype=torch.long)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_ranks
-from tests.models import reference
-from tests.workers import backward_without_forward, diverging_plans, train_zerofx, wrong_world_size, zerofx_and_ddp
+from tests.support.dist_utils import run_ranks
+from tests.support.models import reference
+from tests.support.workers import backward_without_forward, diverging_plans, train_zerofx, wrong_world_size, zerofx_and_ddp
 
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
 # Several buckets of each kind, prefetch and late waits: the schedule's moving parts are on.

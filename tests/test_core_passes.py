@@ -18,7 +18,7 @@ from zerofx.passes.plan_buckets import choose_prefetch_distance, plan_buckets
 from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
 from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 from zerofx.pipeline import lower
-from tests.models import BATCH, SEQ, TINY
+from tests.support.models import BATCH, SEQ, TINY
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig
 
 
@@ -365,7 +365,7 @@ def test_cse_merges_what_the_partitioners_cse_merges(kind: str) -> None:
     from torch._functorch.compile_utils import fx_graph_cse
 
     from zerofx.passes.cse import eliminate_common_subexpressions
-    from tests.models import llama
+    from tests.support.models import llama
 
     if kind == "llama_stage3":
         ids = torch.zeros(BATCH, SEQ, dtype=torch.long)

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import zerofx
-from tests.dist_utils import free_port
-from tests.models import BUILDERS, VOCAB, batches, loss_of, make_optimizer
+from tests.support.dist_utils import free_port
+from tests.support.models import BUILDERS, VOCAB, batches, loss_of, make_optimizer
 
 SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
 

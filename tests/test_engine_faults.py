@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests import fault_workers
-from tests.dist_utils import run_ranks
+from tests.support import fault_workers
+from tests.support.dist_utils import run_ranks
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_other_models_or_graphs_with_the_same_parameters_are_refused(divergence:
 
 
 def test_a_stalled_peer_is_an_error_within_the_collective_timeout() -> None:
-    first, second = run_ranks(2, fault_workers.stalled_peer, 2.0, 12.0, fresh=True)
+    first, second = run_ranks(2, fault_workers.stalled_peer, 2.0, 6.0, fresh=True)
     assert second == {"stalled": True}
     assert first["error"] == "CollectiveTimeoutError", first
     assert first["elapsed_s"] < 10.0, first

@@ -155,6 +155,7 @@ def test_cli_plan_1b_at_world_size_1024(capsys: pytest.CaptureFixture[str]) -> N
     assert "budget 4 GiB: fits" in out and "estimated step" in out
 
 
+@pytest.mark.slow
 def test_cli_plan_spec_json_plot_and_solve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "timeline.png"
     argv = ["plan", "tiny", "--seq-len", "512", "--world-size", "4", "--stage", "3", "--format", "json",

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.dist_utils import run_ranks
-from tests.meta_workers import init_peak_rss, initialize_error, meta_vs_materialized
+from tests.support.dist_utils import run_ranks
+from tests.support.meta_workers import init_peak_rss, initialize_error, meta_vs_materialized
 from zerofx.errors import ZeroFXError
 from zerofx.materialize import init_weights_, iter_initial_state
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM

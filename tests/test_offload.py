@@ -18,9 +18,9 @@ import torch
 import zerofx
 from zerofx.cost_models.offload import OffloadItem, Tier, TierSpec, estimate_offload_timeline
 from zerofx.passes.plan_offload import OffloadPlan, plan_offload
-from tests.dist_utils import run_ranks
-from tests.models import reference
-from tests.offload_workers import config, fault_runs, param_config, reference_late, run_many
+from tests.support.dist_utils import run_ranks
+from tests.support.models import reference
+from tests.support.offload_workers import config, fault_runs, param_config, reference_late, run_many
 from zerofx.cli import main
 from zerofx.offload.files import DIRECT_ALIGN, NvmeFiles, OffloadError, aligned_empty
 
@@ -339,7 +339,7 @@ def test_param_placement_and_plan_round_trip() -> None:
 
 
 def _stage3_graphs() -> tuple[dict, object]:
-    from tests.models import batches, dna_lm
+    from tests.support.models import batches, dna_lm
 
     ids = batches(2, 1)[0, 0]
     program = zerofx.compile(dna_lm(), world_size=2, stage=3, example_inputs=(ids,), example_kwargs={"labels": ids},

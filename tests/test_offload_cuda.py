@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 import zerofx
-from tests.dist_utils import free_port
-from tests.models import BUILDERS, VOCAB, batches
-from tests.offload_workers import config, param_config
+from tests.support.dist_utils import free_port
+from tests.support.models import BUILDERS, VOCAB, batches
+from tests.support.offload_workers import config, param_config
 
 SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}}

@@ -47,6 +47,7 @@ def test_exact_polynomial_fit_and_solve() -> None:
     assert longest_fitting([T + 10], 5, upper=100) == 0
 
 
+@pytest.mark.slow
 def test_longest_sequence_that_fits_is_checked_by_capture() -> None:
     model, args, kwargs = _dna_spec("tiny", 512)
     spec = ModelSpec(model, args, kwargs, "tiny")
@@ -95,6 +96,7 @@ def test_plot_and_json(tmp_path: Path) -> None:
     assert len(data["schedule"]) == len(report.rows) > 0
 
 
+@pytest.mark.slow
 def test_profiles_builtin_file_and_calibration(tmp_path: Path) -> None:
     from zerofx.cost_models.profiles import load_profile, save_profile
     from zerofx.calibrate import calibrate
@@ -128,6 +130,7 @@ def _dna_spec(size: str, seq_len: int) -> tuple[torch.nn.Module, tuple, dict]:
     return model, (ids,), {"labels": ids}
 
 
+@pytest.mark.slow
 def test_folded_plan_matches_the_full_capture() -> None:
     from zerofx.folding import find_repeated_blocks, plan_folded, with_num_blocks
 
@@ -194,6 +197,7 @@ def test_plan_20b_at_512_ranks_folds_in_little_memory() -> None:
     assert maxrss_kib < 2 * 2**20, f"planning used {maxrss_kib / 2**20:.2f} GiB"
 
 
+@pytest.mark.slow
 def test_prefetch_distance_is_lowered_to_fit_the_memory_budget() -> None:
     model, args, kwargs = _dna_spec("small", 128)
 
@@ -216,6 +220,7 @@ def test_prefetch_distance_is_lowered_to_fit_the_memory_budget() -> None:
         program(memory_budget="lots")
 
 
+@pytest.mark.slow
 def test_memory_model_is_symbolic_in_batch_and_sequence() -> None:
     from zerofx.cost_models.symbolic import B, fit_timeline_batch_seq
     from zerofx.planning import solve_memory

@@ -16,10 +16,10 @@ import zerofx
 from zerofx.passes import partition_joint, tiled_kernels  # noqa: F401  (registers zerofx:: ops)
 from zerofx.passes.plan import Plan
 from zerofx.passes.plan_tiling import TilingOptions
-from tests.dist_utils import run_ranks
+from tests.support.dist_utils import run_ranks
 from tests.test_core_passes import collectives
-from tests.tiling_models import BATCH, SEQ, dna_lm, llama, padding_mask, softmax_lm, tokens
-from tests.tiling_workers import tiled_vs_untiled
+from tests.support.tiling_models import BATCH, SEQ, dna_lm, llama, padding_mask, softmax_lm, tokens
+from tests.support.tiling_workers import tiled_vs_untiled
 from zerofx.capture import capture_step, flatten_call
 from zerofx.config import parse_bytes
 from zerofx.errors import ConfigError
@@ -206,6 +206,7 @@ def test_auto_tiles_only_over_budget() -> None:
     assert chosen.ops[0].kind in ("attention", "region") and "loss" not in [o.kind for o in chosen.ops]
 
 
+@pytest.mark.slow
 def test_auto_tiling_is_checked_against_the_memory_timeline() -> None:
     """The per-op estimates alone over-tile; ``auto`` keeps the fewest tiles whose lowered
     graphs' memory timeline fits the budget (NOTE [Tiling checked against the memory timeline])."""
@@ -364,6 +365,7 @@ def test_stage3_gathers_and_reduces_one_weight_tile_at_a_time() -> None:
     assert [n.meta[WEIGHT_TILE][1] for n in mods["backward"].graph.nodes if meta.is_reduce_scatter(n) and WEIGHT_TILE in n.meta] == [0, 1, 2] * 8
 
 
+@pytest.mark.slow
 def test_weight_tiles_that_cannot_split_fall_back_with_a_decision() -> None:
     # 3 ranks: qkv's 96 rows split, the MLP's 88 and 32 do not; those are gathered whole.
     program = weight_tiled_program(3)
@@ -379,6 +381,7 @@ def test_weight_tiles_that_cannot_split_fall_back_with_a_decision() -> None:
     assert_schedule_is_issued(lowered)
 
 
+@pytest.mark.slow
 def test_auto_keeps_weight_tiles_whatever_the_activation_budget() -> None:
     """Weights follow weight_tile_bytes, not the activation budget: with the activations well
     inside it, ``auto`` tiles no attention or region but still every weight over 4 KiB."""

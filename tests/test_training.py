@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import zerofx
-from tests.dist_utils import run_ranks
-from tests.train_workers import reference_clipped, saved_tensors_freed_in_backward, train
+from tests.support.dist_utils import run_ranks
+from tests.support.train_workers import reference_clipped, saved_tensors_freed_in_backward, train
 from zerofx.schedulers import lr_at
 
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3}}

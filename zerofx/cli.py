@@ -67,11 +67,11 @@ from zerofx.training import (
     MAX_SEED,
     RankFailedError,
     TrainOptions,
+    check_positive,
+    check_stage,
     model_config,
     train,
 )
-from zerofx.training import check_positive as _check_positive  # the names plan and estimate call
-from zerofx.training import check_stage as _check_stage
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,7 +84,7 @@ class _Parser(argparse.ArgumentParser):
 def _meta_example(cfg: DNALMConfig, batch_size: int, seq_len: int | None) -> tuple[DNADecoderLM, torch.Tensor]:
     """The model and a (B, T) batch of input ids on the meta device: shapes only, no memory."""
     t = min(512, cfg.max_seq_len) if seq_len is None else seq_len
-    _check_positive("--batch-size", batch_size)
+    check_positive("--batch-size", batch_size)
     if not 2 <= t <= cfg.max_seq_len:
         raise UsageError(f"--seq-len {t} is invalid for this model; accepted: 2..{cfg.max_seq_len}")
     with torch.device("meta"):
@@ -137,8 +137,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if ":" not in args.model:
         model_config(args.model)
     if args.world_size is not None:
-        _check_positive("--world-size", args.world_size)
-    _check_stage(args.stage)
+        check_positive("--world-size", args.world_size)
+    check_stage(args.stage)
     if args.world_size is None and args.config is None:
         raise UsageError("--world-size is required (or give --config with zerofx.world_size or batch sizes)")
     budget = parse_bytes(args.budget) if args.budget is not None else None
@@ -267,8 +267,8 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """Model-state memory per device with the ZeRO paper's accounting, for each stage."""
-    _check_positive("--world-size", args.world_size)
-    _check_stage(args.stage)
+    check_positive("--world-size", args.world_size)
+    check_stage(args.stage)
     if (args.params is None) == (args.model is None):
         raise UsageError("give exactly one of --params P and --model MODEL")
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
@@ -332,8 +332,8 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure collectives and compute on local gloo ranks; write a profile for ``plan --profile``."""
-    _check_positive("--world-size", args.world_size)
-    _check_positive("--repeats", args.repeats)
+    check_positive("--world-size", args.world_size)
+    check_positive("--repeats", args.repeats)
     _check_output_file("--out", args.out)  # before about 11 s of measuring, not after
     from zerofx.calibrate import calibrate
 

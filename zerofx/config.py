@@ -371,6 +371,16 @@ class ZeroConfig:
         return float(self.raw.get("zerofx", {}).get("collective_timeout_s", DEFAULT_COLLECTIVE_TIMEOUT_S))
 
     @property
+    def train_batch_size(self) -> int | None:
+        """The global batch (``train_batch_size``); None when the config leaves it out."""
+        return self.raw.get("train_batch_size")
+
+    @property
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        """The batch per rank per micro-step (``train_micro_batch_size_per_gpu``); None when left out."""
+        return self.raw.get("train_micro_batch_size_per_gpu")
+
+    @property
     def program_cache_size(self) -> int:
         """Compiled programs (one per input signature) kept at once, least recently used dropped
         first (``zerofx.program_cache_size``)."""
@@ -449,8 +459,8 @@ class ZeroConfig:
         fields = {
             "stage": self.stage,
             "world_size": self.world_size,
-            "train_batch_size": self.raw.get("train_batch_size"),
-            "train_micro_batch_size_per_gpu": self.raw.get("train_micro_batch_size_per_gpu"),
+            "train_batch_size": self.train_batch_size,
+            "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "gradient_clipping": self.gradient_clipping,
             "optimizer": {"type": self.optimizer.type, "params": self.optimizer.resolved_params(), "fused": self.fused_optimizer},

@@ -135,8 +135,7 @@ def _config_micro_batch(opts: TrainOptions) -> tuple[int, str] | None:
     if opts.config is None:
         return None
     cfg = parse_config(opts.config)
-    # ZeroConfig has no typed batch sizes yet: these two are read from the validated raw dict.
-    total, micro = cfg.raw.get("train_batch_size"), cfg.raw.get("train_micro_batch_size_per_gpu")
+    total, micro = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu
     accumulate, world = cfg.gradient_accumulation_steps, opts.world_size
     if total is None:
         return None if micro is None else (micro, f"train_micro_batch_size_per_gpu={micro}")

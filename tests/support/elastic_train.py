@@ -1,7 +1,7 @@
 """A training script for torchrun (torchelastic), run by tests/test_checkpoint.py.
 
     python -m torch.distributed.run --nnodes=1:2 --nproc-per-node=1 --max-restarts=1 \\
-        --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT tests/elastic_train.py OUT --steps 6
+        --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT tests/support/elastic_train.py OUT --steps 6
 
 Each worker resumes from the newest complete checkpoint in OUT/ckpt, whatever world size saved
 it, trains the tests' "dna" model with SGD at ZeRO stage 3 on data that depends only on
@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 import torch
 import torch.distributed as dist
 
-from tests.checkpoint_workers import SGD, make_engine, train
+from tests.support.checkpoint_workers import SGD, make_engine, train
 from zerofx.checkpoint import latest_complete_tag
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import zerofx
-from tests.models import BUILDERS, VOCAB, batches, loss_of, make_optimizer
+from tests.support.models import BUILDERS, VOCAB, batches, loss_of, make_optimizer
 
 
 def config(stage: int, opt: dict, offload: dict | None = None, *, zerofx_offload: dict | None = None, bf16: bool = False) -> dict:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 TIMEOUT_S = 900.0  # a call's ranks, all together
 AFTER_ERROR_S = 20.0  # once one rank failed, the others may hang in a collective
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import zerofx
-from tests.models import BUILDERS, VOCAB, batches, loss_of, make_optimizer
+from tests.support.models import BUILDERS, VOCAB, batches, loss_of, make_optimizer
 
 
 def train_zerofx(rank: int, world_size: int, kind: str, stages: list[int], steps: int, opt: dict, zero: dict | None = None) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 import zerofx
-from tests.tiling_models import dna_lm, tokens
+from tests.support.tiling_models import dna_lm, tokens
 
 TILING = {"enabled": True, "block_size": 16, "attention_block_size": 16}
 # Attention tiled, regions not, and every linear weight over 4 KiB (qkv, the MLP) in tiles of at

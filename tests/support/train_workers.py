@@ -8,7 +8,7 @@ import weakref
 import torch
 
 import zerofx
-from tests.models import BUILDERS, VOCAB, batches
+from tests.support.models import BUILDERS, VOCAB, batches
 
 
 def train(rank: int, world_size: int, config: dict, steps: int, micro: int = 1) -> dict:

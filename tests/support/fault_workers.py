@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import zerofx
-from tests.models import TINY, batches, dna_lm
+from tests.support.models import TINY, batches, dna_lm
 from zerofx.models import DNADecoderLM
 
 SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}

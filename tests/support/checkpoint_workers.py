@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 import zerofx
 import zerofx.checkpoint
 from zerofx.passes import _compat
-from tests.models import BATCH, BUILDERS, SEQ, VOCAB, loss_of, make_optimizer
+from tests.support.models import BATCH, BUILDERS, SEQ, VOCAB, loss_of, make_optimizer
 
 SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}

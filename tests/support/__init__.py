@@ -1,0 +1,1 @@
+"""What the tests share: rank processes, models, and the functions ranks run. Not tests."""
