@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from zerofx.checkpoint import load_checkpoint, save_checkpoint
 from zerofx.cost_models.offload import Tier
 from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
 from zerofx.passes._compat import pytree
@@ -597,16 +598,12 @@ class Engine:
         """Save this rank's shards under ``save_dir/tag`` (default ``step-<global_steps>``),
         atomically; a collective, call on every rank. With ``keep_last=K``, then delete the
         oldest ``step-<N>`` checkpoints beyond the newest K. See ``zerofx.checkpoint``."""
-        from zerofx.checkpoint import save_checkpoint  # the checkpoint module imports engine types
-
         self.flush()
         save_checkpoint(self, save_dir, tag=tag, client_state=client_state, keep_last=keep_last)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True) -> dict[str, Any]:
         """Load a checkpoint saved at any world size and stage (default: the newest complete one);
         return this rank's ``client_state``. A collective, call on every rank. See ``zerofx.checkpoint``."""
-        from zerofx.checkpoint import load_checkpoint
-
         self.flush()  # an update in flight must not land on the loaded parameters
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states)
 
