@@ -6,13 +6,13 @@ Run it from the repository root:
 
 It spawns 2 local processes joined by a gloo process group, shards the model's parameters,
 gradients and AdamW states across them (ZeRO stage 3), and trains for 20 steps on windows of
-the bundled lambda phage genome (48,502 bp). Before training, rank 0 prints its forward graph:
+the bundled lambda phage genome (48,502 bp). Before training, rank 0 prints its graphs:
 every parameter enters as this rank's shard (``primals_*``) and is all-gathered
 (``all_gather_into_tensor`` + ``wait_tensor``) just before its first use. Then rank 0 prints
 each step's loss, averaged over both ranks; it starts near ln(5) = 1.61, the loss of a uniform
 guess over A, C, G, T, N, and falls as the model learns the genome's base composition.
 
-The same run from the command line: ``zerofx train --world-size 2 --stage 3 --print-graph``.
+The same run from the command line: ``zerofx train --world-size 2 --stage 3 --print-graph-code``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main() -> None:
         seq_len=128,
         batch_size=2,  # per rank, so 4 windows of 128 bases per step
         lr=3e-3,
-        print_graph=True,
+        print_graph_code=True,  # the graphs' code, after their collective counts
     )
     train(options)
 

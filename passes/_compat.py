@@ -20,6 +20,10 @@ these, this is the only file to touch.
 - ``torch.fx.graph.CodeGen`` with ``Graph.set_codegen``: FX's hook for the Python a graph
   compiles to (documented on ``Graph.set_codegen``; marked not backward-compatible). We use it
   for a boxed calling convention (``boxed_graph_module``); FX's own ``_BoxedCodeGen`` is private.
+- ``torch.fx._lazy_graph_module``: ``_LazyGraphModule``, the GraphModule torch's own
+  compilers build (``torch._dynamo.config.use_lazy_graph_module``), which writes its Python
+  code on first call or first read of ``.code`` instead of at every ``recompile()`` (NOTE [Code
+  written on first use]).
 - ``torch._inductor.compile``: Inductor's documented entry point for an FX graph captured
   without Dynamo ("Compile a given FX graph with TorchInductor"), imported on first use.
 """
@@ -37,10 +41,27 @@ from functorch.compile import (  # noqa: F401  (re-exported)
 )
 from torch._guards import detect_fake_mode  # noqa: F401  (re-exported)
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401  (re-exported)
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401  (re-exported)
 from torch.fx.traceback import preserve_node_meta  # noqa: F401  (re-exported)
 import torch.utils._pytree as pytree  # noqa: F401  (re-exported: torch's pytree utilities are private)
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: F401  (re-exported)
+
+
+# NOTE [Code written on first use]
+# Lowering runs about a dozen passes, each ending in
+# ``recompile()``, and planning (``zerofx plan``, the budget searches, ``--solve``) never runs
+# the result. A GraphModule writes and compiles its whole Python source at every recompile
+# (about a fifth of a compile's time on the 25m model); a lazy one only marks it stale, and
+# writes it when called or when ``.code`` is read, so what runs is always the current graph.
+def make_graph_module(root: torch.nn.Module | dict[str, Any], graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule over ``graph`` whose Python code is written on first use."""
+    return _LazyGraphModule(root, graph)
+
+
+def lazy_graph_modules() -> Any:
+    """A context in which torch's tracers and partitioners build lazy GraphModules too."""
+    return _use_lazy_graph_module(True)
 
 
 def min_cut_partition_without_cse(joint: torch.fx.GraphModule, inputs: Any, *, num_fwd_outputs: int) -> Any:

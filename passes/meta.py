@@ -115,4 +115,4 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule with a copy of ``gm``'s graph; node metadata dicts are copied."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # node_copy copies each node's meta dict
-    return fx.GraphModule(gm, graph)
+    return _compat.make_graph_module(gm, graph)  # NOTE [Code written on first use] in passes/_compat.py

@@ -60,4 +60,4 @@ def build_param_sync(plan: Plan, *, group_name: str) -> fx.GraphModule | None:
             offset += s
     graph.output(outputs)
     graph.lint()
-    return fx.GraphModule(torch.nn.Module(), graph)
+    return _compat.make_graph_module(torch.nn.Module(), graph)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from zerofx.passes.plan_tiling import TilingPlan
+from zerofx.units import format_bytes  # the one formatter of sizes; passes import it from here too
 
 
 class ZeroStage(enum.IntEnum):
@@ -33,15 +34,6 @@ class CommKind(str, enum.Enum):
 
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)}
-
-
-def format_bytes(n: float) -> str:
-    """Bytes with a binary unit that keeps three significant digits: 12.4 KiB, 1.91 GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -198,8 +190,9 @@ class Plan:
         counts: dict[tuple[str, str], list[int]] = {}
         for c in self.schedule:
             counts.setdefault((c.graph, c.kind.value), []).append(c.bytes_per_rank)
-        rows = [(g, k, len(v), sum(v)) for (g, k), v in counts.items()]
-        lines.append(tabulate(rows, headers=["graph", "collective", "count", "bytes in per rank"], tablefmt="simple"))
+        rows = [(g, k, len(v), format_bytes(sum(v))) for (g, k), v in counts.items()]
+        lines.append(tabulate(rows, headers=["graph", "collective", "count", "sent in per rank"], tablefmt="simple",
+                              colalign=("left", "left", "right", "right")))
         if self.stage is ZeroStage.THREE:
             lines.append(f"prefetch distance {self.prefetch_distance} bucket(s) ahead")
         lines += [f"decision: {d}" for d in self.decisions]

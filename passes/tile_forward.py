@@ -204,7 +204,7 @@ def _chunk_regions(gm: fx.GraphModule, a: seq_regions.SeqAnalysis, blocks: dict[
         else:
             env[u] = new.node_copy(u, lambda x: env[x])
     new.output(fx.map_arg(meta.output_node(old).args[0], lambda x: env[x]))
-    out = fx.GraphModule(gm, new)
+    out = _compat.make_graph_module(gm, new)
     return out
 
 

@@ -460,6 +460,9 @@ MUST_AGREE: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "zerofx.offload.delayed_update": (False, True, BASE),
     "zerofx.collective_timeout_s": (300, 60, BASE),
     "zerofx.program_cache_size": (8, 2, BASE),
+    "tensorboard.enabled": (False, True, BASE),  # a monitor on adds the gradient norm's all-reduce
+    "csv_monitor.enabled": (False, True, BASE),
+    "wandb.enabled": (False, True, BASE),
 }
 # Keys ranks may set differently: where or how fast a rank keeps its own state, and logging.
 MAY_DIFFER: dict[str, tuple[Any, Any]] = {
@@ -476,6 +479,13 @@ MAY_DIFFER: dict[str, tuple[Any, Any]] = {
     "zerofx.offload.nvme_write_bytes_per_s": (1e9, 2e9),
     "steps_per_print": (10, 100),
     "wall_clock_breakdown": (False, True),
+    "tensorboard.output_path": ("/tmp/a", "/mnt/b"),
+    "tensorboard.job_name": ("a", "b"),
+    "csv_monitor.output_path": ("/tmp/a", "/mnt/b"),
+    "csv_monitor.job_name": ("a", "b"),
+    "wandb.project": ("a", "b"),
+    "wandb.group": ("a", "b"),
+    "wandb.team": ("a", "b"),
 }
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.support.fasta import write_fasta
 
 from zerofx.cli import main
 from zerofx.data.genome import (
@@ -25,14 +26,6 @@ from zerofx.models.dna_lm import DNA_VOCAB
 
 LAMBDA_BP = 48_502
 
-
-def _write_fasta(path: Path, text: str, *, gz: bool = False) -> Path:
-    if gz:
-        with gzip.open(path, "wt") as f:
-            f.write(text)
-    else:
-        path.write_text(text)
-    return path
 
 
 def _windows(path: Path, seq_len: int, **kw: object) -> list[torch.Tensor]:
@@ -53,7 +46,7 @@ def test_bundled_genome_reads_whole_and_only_acgt() -> None:
 def test_read_fasta_multi_record_lowercase_wrapping(tmp_path: Path) -> None:
     text = ">chr1 first record\nacgt\nNNAC\n\n>chr2\nGGTT\nca\n"
     for gz in (False, True):
-        path = _write_fasta(tmp_path / ("x.fa.gz" if gz else "x.fa"), text, gz=gz)
+        path = write_fasta(tmp_path / ("x.fa.gz" if gz else "x.fa"), text, gz=gz)
         records: dict[str, str] = {}
         for name, chunk in read_fasta(path, chunk_chars=3):
             records[name] = records.get(name, "") + chunk
@@ -110,7 +103,7 @@ def test_reverse_complement_augmentation_every_other_window() -> None:
 
 
 def test_windows_do_not_span_records(tmp_path: Path) -> None:
-    path = _write_fasta(tmp_path / "two.fa", ">a\nAAAAAC\n>b\nGGGGGT\n")
+    path = write_fasta(tmp_path / "two.fa", ">a\nAAAAAC\n>b\nGGGGGT\n")
     assert [detokenize(w) for w in _windows(path, 4, shuffle_windows=0)] == ["AAAA", "GGGG"]
 
 
@@ -132,14 +125,14 @@ def test_bad_files(tmp_path: Path) -> None:
     with pytest.raises(GenomeError, match="does not exist"):
         read_fasta(tmp_path / "missing.fa")
     with pytest.raises(GenomeError, match="not FASTA"):
-        genome_windows(_write_fasta(tmp_path / "x.csv", "a,b\n1,2\n"), 64)
+        genome_windows(write_fasta(tmp_path / "x.csv", "a,b\n1,2\n"), 64)
     (tmp_path / "bin.fa").write_bytes(bytes(range(256)))
     with pytest.raises(GenomeError, match="not FASTA"):
         read_fasta(tmp_path / "bin.fa")
     with pytest.raises(GenomeError, match="line 2"):
-        list(read_fasta(_write_fasta(tmp_path / "bad.fa", ">x\nAC1GT\n")))
+        list(read_fasta(write_fasta(tmp_path / "bad.fa", ">x\nAC1GT\n")))
     with pytest.raises(GenomeError, match="too short"):
-        list(genome_windows(_write_fasta(tmp_path / "short.fa", ">x\nACGT\n"), 8))
+        list(genome_windows(write_fasta(tmp_path / "short.fa", ">x\nACGT\n"), 8))
     assert issubclass(GenomeError, ZeroFXError) and issubclass(GenomeError, ValueError)
 
 
@@ -176,10 +169,10 @@ def test_cli_estimate_matches_the_paper(capsys: pytest.CaptureFixture[str]) -> N
     assert gb == [120.0, 31.4, 16.6, 1.9]  # ZeRO paper, Figure 1
     assert main(["estimate", "--params", "20e9", "--world-size", "8", "--stage", "3"]) == 0
     out = capsys.readouterr().out
-    assert "40" in out.splitlines()[-1]  # 320 GB -> 40 GB per device
+    assert out.splitlines()[-1].split()[-2:] == ["37.3", "GiB"]  # 320e9 bytes -> 40e9 (37.3 GiB) per device
     assert main(["estimate", "small", "--world-size", "8", "--offload", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "on cpu GB" in out and "activation peak GB" in out
+    assert "on cpu" in out and "activation peak" in out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["0", "1", "2", "3"]
 

@@ -67,7 +67,7 @@ def test_protein_fasta_is_refused_with_count_fraction_and_first_position(tmp_pat
         read_fasta(path)  # refused when called: within the first FOREIGN_CHECK_MIN_SYMBOLS symbols
     message = str(info.value)
     assert "proteins.fa" in message and "not nucleotide codes" in message and "%" in message
-    assert f"record 'sp|P00000|PROT' at line 2, column {first_foreign + 1}" in message
+    assert f"record 'sp|P00000|PROT' at offset {first_foreign} (line 2, column {first_foreign + 1})" in message
     count, total = message.split(" are not")[0].split(": ")[-1].split(" of its first ")
     assert int(total.split()[0].replace(",", "")) >= FOREIGN_CHECK_MIN_SYMBOLS
     assert 0.25 < int(count.replace(",", "")) / int(total.split()[0].replace(",", "")) < 0.45
@@ -80,7 +80,7 @@ def test_mostly_foreign_symbols_are_refused_but_a_few_become_n(tmp_path: Path) -
     # 5% of X, Q, Z, '*', '-' scattered through DNA: refused, with the first one's position.
     rng = random.Random(1)
     seq = "".join(rng.choice("XQZ*-") if i % 20 == 7 else c for i, c in enumerate(_dna(20_000)))
-    with pytest.raises(GenomeError, match=r"are not nucleotide codes.*record 'chr1' at line 2, column 8"):
+    with pytest.raises(GenomeError, match=r"are not nucleotide codes.*record 'chr1' at offset 7 \(line 2, column 8\)"):
         read_fasta(_fasta(tmp_path / "noisy.fa", {"chr1": seq}))
     # A short file is judged at its end: 1 gap in 50 symbols is 2%.
     with pytest.raises(GenomeError, match="1 of its first 50 sequence symbols"):
@@ -93,7 +93,7 @@ def test_mostly_foreign_symbols_are_refused_but_a_few_become_n(tmp_path: Path) -
     assert int((tokens == 4).sum()) == num_foreign
     stats = genome_stats(path)
     assert (stats.num_bases, stats.num_n, stats.num_foreign) == (20_000, num_foreign, num_foreign)
-    assert f"{num_foreign} of them not nucleotide codes, the first 'X' in record 'chr1' at line 2, column 4" in stats.summary()
+    assert f"{num_foreign} of them not nucleotide codes, the first 'X' in record 'chr1' at offset 3 (line 2, column 4)" in stats.summary()
 
 
 def test_iupac_nucleotide_codes_are_accepted_u_reads_as_t(tmp_path: Path) -> None:

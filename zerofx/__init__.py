@@ -4,16 +4,57 @@
     engine = zerofx.initialize(model, config="ds_config.json", example_inputs=(batch,))
 """
 
-from zerofx.passes import Plan, ZeroStage
-from zerofx.capture import CapturedStep, capture_step
-from zerofx.checkpoint import CheckpointError, consolidate
-from zerofx.config import ZeroConfig, parse_config
-from zerofx.engine import Engine, initialize
-from zerofx.errors import CaptureError, ConfigError, MissingExampleInputsError, RankDivergenceError, ZeroFXError
-from zerofx.materialize import init_weights_
-from zerofx.program import Program, compile
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# First: a checkout folder that shadows the installed package raises a clear ImportError here
+# (NOTE [A checkout that shadows the package]), before a missing zerofx.passes would.
+import zerofx._checkout  # noqa: F401
 from zerofx._version import __version__
+from zerofx.errors import CaptureError, ConfigError, MissingExampleInputsError, RankDivergenceError, ZeroFXError
+
+if TYPE_CHECKING:
+    from zerofx.passes import Plan, ZeroStage
+    from zerofx.capture import CapturedStep, capture_step
+    from zerofx.checkpoint import CheckpointError, consolidate
+    from zerofx.config import ZeroConfig, parse_config
+    from zerofx.engine import Engine, initialize
+    from zerofx.materialize import init_weights_
+    from zerofx.program import Program, compile
+
+# The names that need torch load their module when first used (PEP 562), so that `import zerofx`
+# (and with it `zerofx --help`) stays light: NOTE [A command line that answers at once] in
+# zerofx/cli.py. `zerofx.compile`, `from zerofx import Engine` and the rest work as before.
+_LAZY = {
+    "Plan": "zerofx.passes",
+    "ZeroStage": "zerofx.passes",
+    "CapturedStep": "zerofx.capture",
+    "capture_step": "zerofx.capture",
+    "CheckpointError": "zerofx.checkpoint",
+    "consolidate": "zerofx.checkpoint",
+    "ZeroConfig": "zerofx.config",
+    "parse_config": "zerofx.config",
+    "Engine": "zerofx.engine",
+    "initialize": "zerofx.engine",
+    "init_weights_": "zerofx.materialize",
+    "Program": "zerofx.program",
+    "compile": "zerofx.program",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zerofx' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(module), name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "CaptureError",

@@ -235,7 +235,8 @@ def capture_step(
         partition_fn=partition_hook,
     )
     try:
-        out = traced(*flat_fakes)
+        with _compat.lazy_graph_modules():  # NOTE [Code written on first use] in passes/_compat.py
+            out = traced(*flat_fakes)
     except _CaptureDone as done:
         joint, num_fwd_outputs = done.joint, done.num_fwd_outputs
     except CaptureError:

@@ -22,56 +22,40 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
-from tabulate import tabulate
-
-import zerofx
-from zerofx.cost_models.memory import paper_breakdown
-from zerofx.cost_models.profiles import load_profile
-from zerofx.passes.analyze_schedule import format_report
-from zerofx.passes.plan import format_bytes
-from zerofx.checkpoint import (
-    consolidate,
-    read_metadata,
-    resolve_tag,
-)
-from zerofx.config import load_config, parse_bytes
-from zerofx.data.genome import MAX_FOREIGN_FRACTION
-from zerofx.errors import UsageError, ZeroFXError
-from zerofx.folding import (
+# NOTE [A command line that answers at once]
+# `zerofx --help`, every subcommand's --help and `zerofx estimate --params` answer in a fraction
+# of a second because nothing here imports torch and the compiler (5-6 s of CPU on a 2-core
+# machine; docs/benchmarks.md, CLI start-up) before the arguments are parsed: the module level
+# imports only torch-free modules (zerofx.limits for the bounds the validators check,
+# zerofx.models.sizes for the size names, zerofx.units for --budget), `import zerofx` itself is
+# light (PEP 562 lazy names in zerofx/__init__.py), and each command imports what it runs inside
+# its function.
+# tests/test_plan_output.py checks that `zerofx estimate --params` leaves torch unimported;
+# benchmarks/cli_startup.py times the commands.
+from zerofx._version import __version__
+from zerofx.errors import RankFailedError, UsageError, ZeroFXError
+from zerofx.limits import (
     AUTO_FOLD_MIN_BLOCKS,
-    FOLD_BLOCKS,
-    FoldedReport,
-    RepeatedBlocks,
-    find_repeated_blocks,
-    folded_json,
-    format_folded,
-    plan_folded,
-)
-from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig
-from zerofx.offload import plan_for_program
-from zerofx.planning import (
-    ModelSpec,
-    load_model_spec,
-    plot_report,
-    report_json,
-    running_model_code,
-    solve_memory,
-)
-from zerofx.program import MAX_WORLD_SIZE, Program, plan_program, resolve
-from zerofx.search import lower_prefetch_distance
-from zerofx.training import (
     DEFAULT_TRAIN_STAGE,
+    MAX_FOREIGN_FRACTION,
     MAX_SEED,
-    RankFailedError,
-    TrainOptions,
+    MAX_WORLD_SIZE,
     check_positive,
     check_stage,
     model_config,
-    train,
 )
+from zerofx.models.sizes import DNA_LM_SIZES, DNALMConfig
+from zerofx.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from zerofx.folding import FoldedReport, RepeatedBlocks
+    from zerofx.models import DNADecoderLM
+    from zerofx.planning import ModelSpec
+    from zerofx.program import Program
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,6 +67,10 @@ class _Parser(argparse.ArgumentParser):
 
 def _meta_example(cfg: DNALMConfig, batch_size: int, seq_len: int | None) -> tuple[DNADecoderLM, torch.Tensor]:
     """The model and a (B, T) batch of input ids on the meta device: shapes only, no memory."""
+    import torch
+
+    from zerofx.models import DNADecoderLM
+
     t = min(512, cfg.max_seq_len) if seq_len is None else seq_len
     check_positive("--batch-size", batch_size)
     if not 2 <= t <= cfg.max_seq_len:
@@ -93,9 +81,27 @@ def _meta_example(cfg: DNALMConfig, batch_size: int, seq_len: int | None) -> tup
     return model, ids
 
 
+# NOTE [Freezing the imports]
+# Importing torch and the Dynamo stack leaves about 320,000 GC-tracked objects. gc.freeze
+# (Python's documented API for this) moves them out of the cyclic collector's reach, so the full
+# collections that capture's allocations trigger, and the interpreter's exit, stop rescanning
+# them: 1.5-2.5 s of `zerofx plan`'s 10 s budget on the 20B model. It also keeps the forked
+# 2-block capture (NOTE [Planning the two captures in parallel]) from touching, and so copying,
+# their pages. The commands import torch after parsing (NOTE [A command line that answers at
+# once]), so the freeze comes where a command has made its imports, not at start-up. Only as the
+# program (argv from sys.argv): a caller that runs main() in its own process, as the tests do,
+# keeps its collector as it was.
+def _freeze_imports(args: argparse.Namespace) -> None:
+    """Freeze the collector's view of what a command imported, when running as the program."""
+    if getattr(args, "as_program", False):
+        gc.freeze()
+
+
 # --------------------------------------------------------------------------- plan, estimate
 def _load_model(args: argparse.Namespace) -> ModelSpec:
     """A bundled DNA LM size (built on the meta device) or a FILE.py:CALLABLE / MODULE:CALLABLE spec."""
+    from zerofx.planning import ModelSpec, load_model_spec
+
     if ":" in args.model:
         return load_model_spec(args.model)
     cfg = model_config(args.model)
@@ -126,10 +132,37 @@ def _check_output_file(flag: str, path: Path) -> None:
 
 
 def _profile(args: argparse.Namespace) -> tuple[Any, Any]:
+    from zerofx.cost_models.profiles import load_profile
+
     try:
         return load_profile(args.profile)
     except ValueError as exc:
         raise UsageError(f"--profile: {exc}") from exc
+
+
+# The hardware a plan's times are for, after "estimated step N ms". The default profile models
+# one CPU core per rank over gloo, which a reader planning for GPUs would not guess.
+DEFAULT_PROFILE = "cpu"
+
+
+def step_note(profile: str, comm: Any, device: Any) -> str:
+    """What follows the summary's step time: the hardware it is for, and, for the default CPU
+    profile, how to pick another."""
+    if profile == DEFAULT_PROFILE:
+        return (f" for CPU gloo, one core per rank (the default profile, {comm.name} / {device.name}; "
+                "--profile h100 or a file from zerofx calibrate estimates other hardware)")
+    return f" for profile {comm.name} / {device.name}"
+
+
+def _shapes(spec: ModelSpec) -> str:
+    import torch
+
+    return ", ".join(str(tuple(t.shape)) for t in [*spec.args, *spec.kwargs.values()] if isinstance(t, torch.Tensor))
+
+
+def plot_title(label: str, *, world_size: int, stage: int, profile: str) -> str:
+    """The plot's title: what was planned, for how many ranks, at which stage, on which hardware."""
+    return f"zerofx plan {label}: ZeRO stage {stage}, world size {world_size}, profile {profile}"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -149,6 +182,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--solve {args.solve} needs --budget, the memory per rank to fit in (e.g. 80GiB)")
     if args.plot is not None:
         _check_output_file("--plot", args.plot)
+    # What planning runs, loaded before the freeze (NOTE [Freezing the imports]).
+    import zerofx.folding  # noqa: F401
+    import zerofx.offload  # noqa: F401
+    from zerofx.planning import running_model_code
+
+    _freeze_imports(args)
     comm, device = _profile(args)
     spec = _load_model(args)
     with running_model_code(spec.label):  # a sys.exit in the spec's forward is an error, not exit 0
@@ -158,6 +197,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, user_config: Path | None, comm: Any,
                device: Any) -> int:
     """``cmd_plan`` once the arguments are checked and the model is loaded: capture, plan, print."""
+    import zerofx
+    from zerofx.folding import FOLD_BLOCKS, find_repeated_blocks
+    from zerofx.offload import plan_for_program
+    from zerofx.passes.analyze_schedule import format_report
+    from zerofx.planning import plot_report, report_json, solve_memory
+    from zerofx.program import resolve
+
     blocks = find_repeated_blocks(spec.model)
     fold = args.fold == "on" or (args.fold == "auto" and blocks is not None and blocks.count >= AUTO_FOLD_MIN_BLOCKS)
     if args.fold == "on" and blocks is None:
@@ -180,7 +226,8 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
         solved = solve_memory(spec, args.solve, world_size=program.world_size, stage=int(program.stage), config=user_config,
                               budget_bytes=budget, upper=upper, rank=args.rank)
     if args.plot is not None:
-        plot_report(report, args.plot, title=spec.label, budget_bytes=budget)
+        title = plot_title(spec.label, world_size=program.world_size, stage=int(program.stage), profile=f"{comm.name} / {device.name}")
+        plot_report(report, args.plot, title=title, budget_bytes=budget)
     cfg = resolve(args.config, stage=args.stage, world_size=args.world_size)
     offload = plan_for_program(program.plan, cfg.offload, cfg.param_offload, mixed_precision=cfg.compute_dtype is not None,
                                device_is_cpu=device.name.startswith("cpu"), compute_s=report.compute_s)
@@ -193,12 +240,11 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
                              "samples": [list(x) for x in solved.samples]}
         print(json.dumps(data, indent=1))
         return 0
-    shapes = ", ".join(str(tuple(t.shape)) for t in [*spec.args, *spec.kwargs.values()] if isinstance(t, torch.Tensor))
-    print(f"model {spec.label}: {type(spec.model).__name__}, example inputs {shapes}; profile {comm.name} / {device.name}")
+    print(f"model {spec.label}: {type(spec.model).__name__}, example inputs {_shapes(spec)}; profile {comm.name} / {device.name}")
     print(program.plan)
     if offload is not None:
         print(offload)
-    print(format_report(report, budget_bytes=budget))
+    print(format_report(report, budget_bytes=budget, verbose=args.verbose, step_note=step_note(args.profile, comm, device)))
     if solved is not None:
         what = "longest sequence" if solved.variable == "seq_len" else "largest batch"
         print(f"{what} that fits {format_bytes(budget)} per rank: {solved.variable} = {solved.value} "
@@ -210,22 +256,41 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
 
 
 def _with_memory_budget(config: Path | Mapping[str, Any] | None, budget_bytes: float) -> dict[str, Any]:
+    from zerofx.config import load_config
+
     raw = dict(load_config(config)) if config is not None else {}
     raw["zerofx"] = {**raw.get("zerofx", {}), "memory_budget": budget_bytes}
     return raw
 
 
+def folded_explanation(blocks: RepeatedBlocks, *, block_params: int, num_params: int) -> str:
+    """One line saying what folding did, so that the whole model's parameter count and the smaller
+    one of the plan printed after it (the 3-block copy's) read together."""
+    from zerofx.folding import FOLD_BLOCKS
+
+    low, high = FOLD_BLOCKS
+    return (f"folded: {blocks.path!r} holds {blocks.count} identical blocks of {block_params:,} parameters; zerofx planned "
+            f"copies of the model cut to {low} and {high} blocks, and the whole model's figures are the {high}-block copy's "
+            f"plus {blocks.count - high} times what one more block adds (--fold off plans all {blocks.count}). "
+            f"The plan below is the {high}-block copy's:")
+
+
 def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBlocks, comm: Any, device: Any,
                  budget: float | None) -> int:
     """``zerofx plan`` from captures of the model cut to 2 and 3 blocks (``zerofx.folding``)."""
+    import zerofx
+    from zerofx.config import load_config
+    from zerofx.folding import FOLD_BLOCKS, folded_json, format_folded, plan_folded
+    from zerofx.search import lower_prefetch_distance
+
     if args.solve is not None or args.plot is not None:
         raise UsageError("--solve and --plot need the whole model's timeline: add --fold off")
-    programs: list[Program] = []
+    programs: dict[int, Program] = {}  # by the number of blocks of the cut model
 
     def report_for(model: torch.nn.Module, config: Mapping[str, Any]) -> Any:
         program = zerofx.compile(model, world_size=args.world_size, stage=args.stage, config=config,
                                  example_inputs=spec.args, example_kwargs=spec.kwargs)
-        programs.append(program)
+        programs[len(model.get_submodule(blocks.path))] = program
         return program.report(args.rank, comm=comm, device=device)
 
     # The cut models' peaks are smaller than the whole model's, so the planner cannot fit the
@@ -233,9 +298,12 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     # does it here, on the extrapolated peak.
     config = dict(load_config(args.config)) if args.config is not None else {}
     own = {k: v for k, v in config.get("zerofx", {}).items() if k != "memory_budget"}
+
     def fold(zerofx_section: Mapping[str, Any]) -> tuple[FoldedReport, Program]:
         folded = plan_folded(spec.model, blocks, lambda m: report_for(m, {**config, "zerofx": zerofx_section}), parallel=True)
-        return folded, programs[-1]
+        # The 2-block capture may run in a forked child (NOTE [Planning the two captures in
+        # parallel]); the 3-block one always runs here, so its plan is the one printed.
+        return folded, programs[FOLD_BLOCKS[1]]
 
     def fold_at(distance: int) -> tuple[tuple[FoldedReport, Program], int, float]:
         folded, sample = fold({**own, "prefetch_distance": distance})
@@ -253,20 +321,24 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
         plan_json["decisions"] = [*plan_json.get("decisions", []), *decisions]
         print(json.dumps(folded_json(folded, plan_json, budget), indent=1, default=list))
         return 0
-    shapes = ", ".join(str(tuple(t.shape)) for t in [*spec.args, *spec.kwargs.values()] if isinstance(t, torch.Tensor))
     num_params = sum(p.numel() for p in spec.model.parameters())
-    print(f"model {spec.label}: {type(spec.model).__name__}, {num_params:,} parameters, example inputs {shapes}; "
+    block_params = sum(p.numel() for p in spec.model.get_submodule(blocks.path)[0].parameters())
+    print(f"model {spec.label}: {type(spec.model).__name__}, {num_params:,} parameters, example inputs {_shapes(spec)}; "
           f"profile {comm.name} / {device.name}")
-    print(f"plan of the 2-block capture (the whole model's {blocks.count} blocks plan the same way block by block):")
+    print(folded_explanation(blocks, block_params=block_params, num_params=num_params))
     print(sample.plan)
     for d in decisions:
         print(f"decision: {d}")
-    print(format_folded(folded, budget_bytes=budget))
+    print(format_folded(folded, budget_bytes=budget, verbose=args.verbose, step_note=step_note(args.profile, comm, device)))
     return 0
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """Model-state memory per device with the ZeRO paper's accounting, for each stage."""
+    from tabulate import tabulate
+
+    from zerofx.cost_models.memory import paper_breakdown
+
     check_positive("--world-size", args.world_size)
     check_stage(args.stage)
     if (args.params is None) == (args.model is None):
@@ -278,6 +350,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             raise UsageError(f"--params {args.params} is invalid; accepted: a number > 0 (e.g. 7.5e9)")
         num_params, label = float(args.params), f"{args.params:g} parameters"
     else:
+        import zerofx
+        from zerofx.planning import running_model_code
+        from zerofx.program import plan_program, resolve
+
+        _freeze_imports(args)
         spec = _load_model(args)
         # Capture does not depend on the stage, only planning does: one capture serves every stage.
         with running_model_code(spec.label):
@@ -292,34 +369,36 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     for s in stages:
         b = paper_breakdown(num_params, stage=s, world_size=args.world_size, offload=args.offload, offload_param=args.offload_param)
         per_stage[s] = {**b, **({"activation_peak_bytes": activations[s]} if s in activations else {})}
-        row = [s, b["params_bytes"] / 1e9, b["grads_bytes"] / 1e9, b["optimizer_states_bytes"] / 1e9, b["per_device_bytes"] / 1e9]
+        row = [s, b["params_bytes"], b["grads_bytes"], b["optimizer_states_bytes"], b["per_device_bytes"]]
         if args.offload != "none":
-            row.append(b["offloaded_bytes"] / 1e9)
+            row.append(b["offloaded_bytes"])
         if args.offload_param != "none":
-            row.append(b["offloaded_param_bytes"] / 1e9)
+            row.append(b["offloaded_param_bytes"])
         if activations:
-            row.append(activations[s] / 1e9)
-        rows.append(row)
+            row.append(activations[s])
+        rows.append([row[0], *map(format_bytes, row[1:])])
     if args.format == "json":
         print(json.dumps({"params": num_params, "world_size": args.world_size, "offload": args.offload,
                           "per_device_bytes": {str(s): per_stage[s]["per_device_bytes"] for s in stages},
                           "stages": {str(s): v for s, v in per_stage.items()}}, indent=1))
         return 0
-    headers = ["stage", "params GB", "grads GB", "optimizer states GB", "per device GB"]
+    headers = ["stage", "params", "grads", "optimizer states", "per device"]
     if args.offload != "none":
-        headers.append(f"on {args.offload} GB")
+        headers.append(f"on {args.offload}")
     if args.offload_param != "none":
-        headers.append(f"params on {args.offload_param} GB (stage 3)")
+        headers.append(f"params on {args.offload_param} (stage 3)")
     if activations:
-        headers.append("activation peak GB (fp32, memory model)")
+        headers.append("activation peak (fp32, memory model)")
     print(f"{label}, world size {args.world_size}, mixed-precision Adam (ZeRO paper: 2 + 2 + 12 bytes per parameter)"
-          + (f", optimizer states offloaded to {args.offload}" if args.offload != "none" else ""))
-    print(tabulate(rows, headers=headers, tablefmt="simple", floatfmt=".4g"))
+          + (f", optimizer states offloaded to {args.offload}" if args.offload != "none" else "") + "; sizes per device")
+    print(tabulate(rows, headers=headers, tablefmt="simple", colalign=("right",) * len(headers), disable_numparse=True))
     return 0
 
 
 def cmd_config_schema(args: argparse.Namespace) -> int:
     """Print every config key zerofx knows, generated from ``zerofx.config.SCHEMA``."""
+    from tabulate import tabulate
+
     from zerofx.config import schema_rows
 
     rows = schema_rows()
@@ -347,12 +426,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- train
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a DNA LM with the parsed flags (``zerofx.training.train``)."""
+    from zerofx.training import Objective, TrainOptions, train
+
+    _freeze_imports(args)  # under torchrun this process is a rank (NOTE [Freezing the imports])
     train(
         TrainOptions(
             model=args.model, fasta=args.fasta, world_size=args.world_size, stage=args.stage, config=args.config,
             steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-            print_graph=args.print_graph, output_dir=args.output_dir, save_every=args.save_every,
+            print_graph=args.print_graph, print_graph_code=args.print_graph_code, output_dir=args.output_dir, save_every=args.save_every,
             keep_last=args.keep_last, collective_timeout_s=args.collective_timeout_s,
+            objective=Objective(args.objective), kmer=args.kmer,
         )
     )
     return 0
@@ -361,6 +444,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- consolidate
 def cmd_consolidate(args: argparse.Namespace) -> int:
     """Write a sharded checkpoint as one safetensors file, streaming tensor by tensor."""
+    from zerofx.checkpoint import consolidate, read_metadata, resolve_tag
+
     tag = resolve_tag(args.ckpt_dir, args.tag).name  # one tag for the metadata and the data, even if a save lands now
     meta = read_metadata(args.ckpt_dir, tag)
     out = consolidate(args.ckpt_dir, args.out, tag=tag, dtype=args.dtype)
@@ -372,7 +457,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parser
-# The largest world size zerofx plans for is zerofx.program.MAX_WORLD_SIZE (2**20 ranks), far
+# The largest world size zerofx plans for is zerofx.limits.MAX_WORLD_SIZE (2**20 ranks), far
 # beyond today's largest clusters and far inside the int64 group size the functional
 # collectives take (2**63 fails in C++); a bound that catches a typo (an extra 0) costs nothing.
 # Local ranks (train, calibrate) are processes on this machine, each with torch loaded (a few
@@ -432,7 +517,7 @@ def _bytes_arg(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     sizes = ", ".join(DNA_LM_SIZES)
     parser = _Parser(prog="zerofx", description="ZeRO-style sharded training as torch.fx compiler passes.")
-    parser.add_argument("--version", action="version", version=f"zerofx {zerofx.__version__}")
+    parser.add_argument("--version", action="version", version=f"zerofx {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                 help="one of these; zerofx COMMAND --help lists its options")
 
@@ -457,9 +542,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=_int_arg(1), default=1 << 20,
                    help="upper bound for --solve seq_len when the model states none, >= 1 (default: 1048576)")
     p.add_argument("--max-batch-size", type=_int_arg(1), default=1 << 16, help="upper bound for --solve batch_size, >= 1 (default: 65536)")
-    p.add_argument("--plot", type=Path, help="draw the memory timeline and a compute/communication Gantt chart to this PNG "
-                        "(its folder must exist and be writable; checked before planning)")
-    p.add_argument("--profile", default="cpu", help="hardware profile: cpu, h100, or a file from zerofx calibrate (default: cpu)")
+    p.add_argument("--plot", type=Path, help="draw the memory timeline and a compute/communication Gantt chart, on one time "
+                        "axis, to this PNG (its folder must exist and be writable; checked before planning; needs matplotlib "
+                        "and --fold off for models that fold)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help="hardware the times are estimated for: cpu (one core per rank, gloo), h100 (8 H100 per node, NVLink "
+                        f"and 400 Gb/s InfiniBand), or a file from zerofx calibrate (default: {DEFAULT_PROFILE})")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the FX node names the schedule rows and the peak refer to (issued after, waited at)")
     p.add_argument("--rank", type=_int_arg(0), default=0,
                    help="the rank to report, 0..world size - 1 (every rank runs the same graphs; default: 0)")
     p.add_argument("--fold", choices=("auto", "on", "off"), default="auto",
@@ -501,26 +591,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a DNA LM on local gloo (CPU) ranks",
                        description="Spawn local gloo ranks and train a DNA LM with zerofx on a FASTA genome.")
-    p.add_argument("--model", default="tiny", help=f"DNA LM size: {sizes} (default: tiny)")
+    p.add_argument("--model", default="tiny", metavar="MODEL_SPEC",
+                   help=f"a bundled DNA LM size ({sizes}), or FILE.py:CALLABLE / MODULE:CALLABLE returning (model, "
+                        "example_inputs) as for zerofx plan: any nn.Module called as model(input_ids, labels=labels) that "
+                        "returns the loss or an output with .loss (a Hugging Face model from a local config works); its "
+                        "input embedding needs at least the vocabulary's rows (default: tiny; docs/training.md)")
     p.add_argument("--fasta", type=Path,
-                   help="FASTA genome, plain or .gz (default: the bundled lambda phage genome): IUPAC nucleotide codes, "
-                        f"ambiguity codes read as N; refused when over {MAX_FOREIGN_FRACTION * 100:g}%% of its symbols are not "
-                        "nucleotide codes (a protein FASTA)")
+                   help="FASTA genome, plain or .gz, one or more records (default: the bundled lambda phage genome): IUPAC "
+                        f"nucleotide codes; refused when empty, headers only, corrupt, or over {MAX_FOREIGN_FRACTION * 100:g}%% "
+                        "of its symbols are not nucleotide codes (a protein FASTA; the error names the first one's record and "
+                        "offset)")
+    p.add_argument("--objective", choices=("clm", "mlm"), default="clm",
+                   help="clm: next-token prediction, model(ids, labels=ids); mlm: masked LM, 15%% of tokens chosen, 80/10/10 "
+                        "<mask>/random/unchanged, model(masked_ids, labels=labels) with labels -100 where nothing was masked, "
+                        "masks reproducible from --seed; needs a --model spec (default: clm)")
+    p.add_argument("--kmer", type=_int_arg(1), metavar="K",
+                   help="tokenize into non-overlapping K-mers, 1..8, in the Nucleotide Transformer's vocabulary (<unk> <pad> "
+                        "<mask> <cls> <eos> <bos>, the 4**K K-mers, A T C G N: 4,107 ids for K=6); --seq-len counts K-mers "
+                        "(default: single bases A C G T N for clm, K=1 in that vocabulary for mlm)")
     p.add_argument("--world-size", type=_int_arg(1, MAX_LOCAL_RANKS), default=2,
                    help=f"number of local ranks to spawn, 1..{MAX_LOCAL_RANKS} (default: 2; under torchrun, torchrun's)")
     p.add_argument("--stage", type=int, help=f"ZeRO stage 0-3 (default: the config's, else {DEFAULT_TRAIN_STAGE})")
     p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config; replaces the default AdamW and --lr")
     p.add_argument("--steps", type=_int_arg(1), default=20,
                    help="optimizer steps, >= 1; each takes the config's gradient_accumulation_steps micro-batches (default: 20)")
-    p.add_argument("--seq-len", type=_int_arg(2), default=128, help="tokens per window, 2..the model's max_seq_len (default: 128)")
+    p.add_argument("--seq-len", type=_int_arg(2), default=128,
+                   help="tokens per window (K-mers with --kmer), 2..a bundled model's max_seq_len, >= 2 for a spec (default: 128)")
     p.add_argument("--batch-size", type=_int_arg(1),
                    help="windows per rank per micro-step, >= 1 (default: the config's train_micro_batch_size_per_gpu, or "
                         "train_batch_size / (gradient_accumulation_steps x world size), else 2); with a config, it must agree")
     p.add_argument("--lr", type=_float_arg(0), default=3e-3,
                    help="AdamW learning rate when no --config, a finite number >= 0 (default: 3e-3)")
     p.add_argument("--seed", type=_int_arg(0, MAX_SEED), default=0,
-                   help="seed for the model init and the data shuffle, 0..2**64-1 (default: 0)")
-    p.add_argument("--print-graph", action="store_true", help="print rank 0's forward graph and its all-gather counts")
+                   help="seed for the model init, the data shuffle and the mlm masks, 0..2**64-1 (default: 0)")
+    p.add_argument("--print-graph", action="store_true",
+                   help="before training, print rank 0's graphs with their counts of all-gathers, reduce-scatters, all-reduces and waits")
+    p.add_argument("--print-graph-code", action="store_true", help="as --print-graph, and print each graph's code too (long)")
     p.add_argument("--output-dir", type=Path,
                    help="save sharded checkpoints here, and resume from its newest complete one (default: no checkpoints)")
     p.add_argument("--save-every", type=_int_arg(1), help="save every K >= 1 training steps (default: only after the last step)")
@@ -544,18 +650,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``zerofx`` command line; return the exit code (see the module docstring)."""
-    # The imports leave about 320,000 GC-tracked objects (torch, the Dynamo stack). gc.freeze
-    # (Python's documented API for this) moves them out of the cyclic collector's reach, so the
-    # full collections that capture's allocations trigger, and the interpreter's exit, stop
-    # rescanning them: 1.5-2.5 s of `zerofx plan`'s 10 s budget on the 20B model. It also keeps
-    # the forked 2-block capture (NOTE [Planning the two captures in parallel]) from touching,
-    # and so copying, their pages. Only as the program (argv from sys.argv): a caller that runs
-    # main() in its own process, as the tests do, keeps its collector as it was.
-    if argv is None:
-        gc.freeze()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        args.as_program = argv is None  # NOTE [Freezing the imports]
         return args.func(args)
     except SystemExit as exc:  # --help and --version exit through argparse
         return exc.code if isinstance(exc.code, int) else 0

@@ -20,7 +20,6 @@ import hashlib
 import inspect
 import json
 import math
-import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ from zerofx.passes.plan_tiling import KINDS, TilingOptions
 from zerofx.errors import ConfigError, did_you_mean
 from zerofx.offload.options import OffloadOptions, ParamOffloadOptions
 from zerofx.schedulers import SCHEDULER_TYPES, SchedulerSpec, is_finite_number
+from zerofx.units import parse_bytes
 
 OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
 # The optimizer.params keys each type takes (torch's argument names).
@@ -90,6 +90,69 @@ class LossScaleOptions:
         )
 
 
+# The defaults of DeepSpeed's monitor sections (deepspeed/monitor/config.py), so a ds_config.json
+# writes where it did under DeepSpeed.
+DEFAULT_MONITOR_JOB_NAME = "DeepSpeedJobName"
+DEFAULT_WANDB_PROJECT = "deepspeed"
+
+
+@dataclass(frozen=True)
+class LogDirOptions:
+    """Where a file monitor (``tensorboard`` or ``csv_monitor``) writes: ``output_path/job_name``,
+    relative to the working directory unless ``output_path`` is absolute (DeepSpeed's keys)."""
+
+    output_path: str = ""
+    job_name: str = DEFAULT_MONITOR_JOB_NAME
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.output_path) / self.job_name
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any]) -> LogDirOptions:
+        return cls(output_path=section.get("output_path", ""), job_name=section.get("job_name", DEFAULT_MONITOR_JOB_NAME))
+
+
+@dataclass(frozen=True)
+class WandbOptions:
+    """The ``wandb`` section: ``wandb.init(project=project, group=group, entity=team)``."""
+
+    project: str = DEFAULT_WANDB_PROJECT
+    group: str | None = None
+    team: str | None = None  # wandb's entity
+
+
+@dataclass(frozen=True)
+class MonitorOptions:
+    """DeepSpeed's monitor sections (``tensorboard``, ``csv_monitor``, ``wandb``), each None when
+    it is absent or not enabled; ``zerofx.monitors`` writes them on rank 0."""
+
+    tensorboard: LogDirOptions | None = None
+    csv_monitor: LogDirOptions | None = None
+    wandb: WandbOptions | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Any monitor on: then every rank computes the gradient norm each step (a collective)."""
+        return self.tensorboard is not None or self.csv_monitor is not None or self.wandb is not None
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any]) -> MonitorOptions:
+        """From the schema-checked config; a section counts only with ``"enabled": true``, as in DeepSpeed."""
+        def on(name: str) -> Mapping[str, Any] | None:
+            section = raw.get(name, {})
+            return section if section.get("enabled", False) else None
+
+        tensorboard, csv_monitor, wandb = on("tensorboard"), on("csv_monitor"), on("wandb")
+        return cls(
+            tensorboard=None if tensorboard is None else LogDirOptions.from_config(tensorboard),
+            csv_monitor=None if csv_monitor is None else LogDirOptions.from_config(csv_monitor),
+            wandb=None if wandb is None else WandbOptions(
+                project=wandb.get("project", DEFAULT_WANDB_PROJECT), group=wandb.get("group"), team=wandb.get("team"),
+            ),
+        )
+
+
 class GraphCompiler(Enum):
     """What runs each rank's forward and backward graphs (config key ``zerofx.compile``)."""
 
@@ -142,22 +205,8 @@ def _bytes_pos(v: Any) -> bool:
 
 _NUM = (int, float)
 
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_bytes(text: str | float) -> float:
-    """'80GiB', '1.5 TB', '123' or a number -> bytes."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if not is_finite_number(text):
-            raise ConfigError(f"cannot read {text!r} as a size: it is not finite; accepted: a finite number of bytes")
-        return float(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ConfigError(f"cannot read {text!r} as a size; accepted: a number with an optional unit among B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    size = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    if not math.isfinite(size):
-        raise ConfigError(f"cannot read {text!r} as a size: it is not finite; accepted: a finite number of bytes")
-    return size
+# parse_bytes ('80GiB', '1.5 TB', '123' or a number -> bytes) lives in zerofx.units, torch-free
+# for the command line's --budget; config imports it from there (and keeps the name).
 
 
 def _size(v: Any) -> bool:
@@ -195,6 +244,21 @@ _ZEROFX_OFFLOAD = {
     "nvme_read_bytes_per_s": Key(_NUM, "measured NVMe read bandwidth, for the placement plan", lambda v: v > 0, "a number > 0", per_rank=True),
     "nvme_write_bytes_per_s": Key(_NUM, "measured NVMe write bandwidth, for the placement plan", lambda v: v > 0, "a number > 0", per_rank=True),
 }
+
+
+def _non_empty(v: Any) -> bool:
+    return v != ""
+
+
+def _log_dir_monitor(what: str) -> dict[str, Key]:
+    """The keys of DeepSpeed's ``tensorboard`` and ``csv_monitor`` sections."""
+    return {
+        "enabled": Key((bool,), f"write {what} of each optimizer step's metrics (every rank then computes the gradient norm: a collective)"),
+        "output_path": Key((str,), "folder the job's folder goes in (default: the working directory)", per_rank=True),
+        "job_name": Key((str,), f"the job's folder inside output_path (default {DEFAULT_MONITOR_JOB_NAME!r})", _non_empty, "a non-empty string",
+                        per_rank=True),
+    }
+
 
 _FP16 = LossScaleOptions()  # the defaults, for the docs below
 
@@ -266,6 +330,15 @@ SCHEMA: dict[str, Key] = {
         "consecutive_hysteresis": Key((bool,), "refill hysteresis after a good step", acted_on=False),
     }),
     "wall_clock_breakdown": Key((bool,), "timing breakdown", acted_on=False, per_rank=True),
+    "tensorboard": Key((dict,), "TensorBoard event file of the training metrics, written by rank 0 (needs the tensorboard package)",
+                       children=_log_dir_monitor("TensorBoard events")),
+    "csv_monitor": Key((dict,), "CSV files of the training metrics, one per metric, written by rank 0", children=_log_dir_monitor("CSV files")),
+    "wandb": Key((dict,), "Weights & Biases run of the training metrics, logged by rank 0 (needs the wandb package)", children={
+        "enabled": Key((bool,), "log each optimizer step's metrics to wandb (every rank then computes the gradient norm: a collective)"),
+        "project": Key((str,), f"wandb project (default {DEFAULT_WANDB_PROJECT!r})", _non_empty, "a non-empty string", per_rank=True),
+        "group": Key((str,), "wandb group, to group runs together", per_rank=True),
+        "team": Key((str,), "wandb team (wandb.init's entity)", per_rank=True),
+    }),
     "zerofx": Key((dict,), "zerofx's own settings (DeepSpeed ignores this section)", children={
         "world_size": Key((int,), "number of ranks to plan for", _pos_int, "an integer >= 1"),
         "prefetch_distance": Key((int,), "stage-3 all-gather buckets issued ahead of use", _nonneg_int, "an integer >= 0"),
@@ -363,6 +436,7 @@ class ZeroConfig:
     param_offload: ParamOffloadOptions | None = None  # ``offload_param``; None when off
     loss_scaling: LossScaleOptions | None = None  # the ``fp16`` section's loss scaling; None unless fp16 is enabled
     steps_per_print: int | None = None  # rank 0 logs every this many optimizer steps; None: never
+    monitors: MonitorOptions = MonitorOptions()  # tensorboard, csv_monitor, wandb; all None when off
 
     @property
     def collective_timeout_s(self) -> float:
@@ -437,7 +511,8 @@ class ZeroConfig:
 
     # NOTE [What ranks must agree on]
     # A setting that changes the collectives a rank issues (stage, buckets, prefetch, overlap,
-    # clipping, accumulation, offload and tiling choices, the program cache) or the numbers it
+    # clipping, accumulation, offload and tiling choices, the program cache, whether a monitor is
+    # on: then every rank joins the gradient norm's all-reduce) or the numbers it
     # computes (the optimizer and every argument, the schedule, precision and loss scaling, the
     # compiler) must be the same on every rank: otherwise ranks hang in a collective or train
     # silently apart. ``fingerprint_fields`` is those settings, resolved (defaults filled in, so
@@ -479,6 +554,9 @@ class ZeroConfig:
             "compile": self.graph_compiler.value,
             "program_cache_size": self.program_cache_size,
             "collective_timeout_s": self.collective_timeout_s,
+            # A monitor on adds the gradient norm's all-reduce to every step (zerofx.monitors).
+            "monitors": {"tensorboard": self.monitors.tensorboard is not None, "csv_monitor": self.monitors.csv_monitor is not None,
+                         "wandb": self.monitors.wandb is not None},
         }
         return _jsonable(fields)
 
@@ -695,6 +773,7 @@ def parse_config(
         param_offload=param_offload,
         loss_scaling=LossScaleOptions.from_config(raw["fp16"]) if raw.get("fp16", {}).get("enabled") else None,
         steps_per_print=raw.get("steps_per_print"),
+        monitors=MonitorOptions.from_config(raw),
     )
 
 

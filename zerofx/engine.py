@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import time
 import traceback
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -70,6 +71,7 @@ from zerofx.errors import (
 from zerofx.engine_storage import EngineStorage, storage_bytes
 from zerofx.loss_scaling import LossScaler
 from zerofx.materialize import InitFn, check_all_meta_or_none
+from zerofx.monitors import Monitor, check_monitor_packages
 from zerofx.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, ParamOffloadOptions, ParamStore
 from zerofx.program import Program, capture_and_plan, check_example_inputs, resolve
 from zerofx.schedulers import lr_at
@@ -102,6 +104,10 @@ class WaitTimer:
     def reset(self) -> dict[str, float]:
         out, self.blocked_s = self.blocked_s, {}
         return out
+
+
+class ScheduleEndWarning(UserWarning):
+    """Training went past the learning-rate scheduler's ``total_num_steps``."""
 
 
 def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor], *, fused: bool = False) -> torch.optim.Optimizer:
@@ -155,6 +161,9 @@ class Engine:
         self.stage = ZeroStage(cfg.stage)
         self.loss_fn = loss_fn
         self.group_name = self.group.group_name
+        # On every rank and before any collective, so a missing package fails every rank alike
+        # (NOTE [Monitors: rank 0 writes, every rank joins the norm] in zerofx/monitors.py).
+        check_monitor_packages(cfg.monitors)
         # Every setting that changes the collective sequence or the numerics must agree across
         # ranks before anything else runs (NOTE [Ranks agree before any collective]).
         _check_same_config(cfg, model, self.group, self.world_size)
@@ -212,6 +221,9 @@ class Engine:
             self._program_for(example_args, dict(example_kwargs or {}))
         except MissingLossError:
             pass  # the example may omit what the loss needs (e.g. labels); capture waits for the first call
+        # DeepSpeed's tensorboard / csv_monitor / wandb: rank 0 writes each optimizer step's
+        # metrics; built last, so a failed initialize leaves no files or wandb run behind.
+        self.monitor: Monitor | None = Monitor(cfg.monitors, world_size=self.world_size) if cfg.monitors.enabled and self.rank == 0 else None
 
     # ----------------------------------------------------------------- storage (zerofx.engine_storage)
     @property
@@ -287,12 +299,34 @@ class Engine:
     def _signature(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         model_kw, loss_kw = split_loss_kwargs(self.model, kwargs, self.loss_fn)
         leaves, spec = pytree.tree_flatten((tuple(args), model_kw, loss_kw))
-        key = tuple((tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else ("const", repr(x)) for x in leaves)
+        # A tensor on the engine's device, or on meta (an example input, captured on the engine's
+        # device), counts as "engine": ranks on cuda:0 and cuda:1 have the same signature.
+        key = tuple((tuple(x.shape), x.dtype, "engine" if x.is_meta or x.device == self.device else str(x.device))
+                    if isinstance(x, torch.Tensor) else ("const", repr(x)) for x in leaves)
         return (repr(spec), key)
 
-    def _program_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Program:
+    def _misplaced_input(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+        """What is wrong with the first tensor argument not on the engine's device (a meta tensor
+        has no data to run on), naming it by position or keyword; None when all are there."""
+        named = [(f"positional argument {i}", a) for i, a in enumerate(args)] + [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+        for name, value in named:
+            for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+                if not isinstance(leaf, torch.Tensor) or (leaf.device == self.device and not leaf.is_meta):
+                    continue
+                where = f"{name}{pytree.keystr(path)}"
+                if leaf.is_meta:
+                    return (f"{where} is on device meta, which holds no data; the engine runs on {self.device}: pass real tensors "
+                            "(meta tensors are for zerofx.compile and for initialize's example_inputs)")
+                return f"{where} is on device {leaf.device}, but the engine runs on {self.device}: move it there first (.to({str(self.device)!r}))"
+        return None
+
+    def _program_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, misplaced: str | None = None) -> Program:
+        """The program for this call's input signature, captured now if new. ``misplaced`` (from
+        ``_misplaced_input``) is raised as a ``ZeroFXError`` once ranks agree on it, before any graph runs."""
         sig = self._signature(args, kwargs)
-        self._agree_on_inputs(sig)
+        self._agree_on_inputs(sig, misplaced)
+        if misplaced is not None:
+            raise ZeroFXError(misplaced)
         program = self._programs.get(sig)
         if program is not None:
             self._programs.move_to_end(sig)
@@ -314,9 +348,10 @@ class Engine:
             self._scheduled = program
         return program
 
-    def _agree_on_inputs(self, sig: Any) -> None:
+    def _agree_on_inputs(self, sig: Any, misplaced: str | None = None) -> None:
         """Check, with one small all-reduce, that every rank calls with the same input signature
-        (shapes, dtypes, structure), before any other collective of this call.
+        (shapes, dtypes, structure, and the same misplaced input if any), before any other
+        collective of this call.
 
         NOTE [Ranks agree before any collective]
         A rank that captures a new program runs collectives (the plan check below) that peers
@@ -327,9 +362,12 @@ class Engine:
         signatures mean every rank finds the same program in its cache (the caches see the same
         sequence of signatures) or captures together. Otherwise every rank raises
         ``RankDivergenceError`` naming each rank's shapes, before the first collective of the
-        graphs. At initialize, ``_check_same_config`` does the same for the config.
+        graphs. At initialize, ``_check_same_config`` does the same for the config. An input
+        on the wrong device (meta, or not the engine's) enters the hash too: when every rank
+        passes the same one, each raises ``ZeroFXError`` naming it; when only some do, every
+        rank raises ``RankDivergenceError``. No rank is left waiting in a graph's collective.
         """
-        digest = int.from_bytes(hashlib.blake2b(repr(sig).encode(), digest_size=7).digest(), "little")  # < 2**56
+        digest = int.from_bytes(hashlib.blake2b(repr((sig, misplaced)).encode(), digest_size=7).digest(), "little")  # < 2**56
         both = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
         try:
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
@@ -341,7 +379,8 @@ class Engine:
         if high == digest and neg_low == -digest:
             return
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, _describe_signature(sig), group=self.group)
+        mine = _describe_signature(sig) + (f" ({misplaced})" if misplaced is not None else "")
+        dist.all_gather_object(everyone, mine, group=self.group)
         by_rank = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
         raise RankDivergenceError(
             f"ranks called the engine with different inputs ({by_rank}); every rank must pass the same shapes "
@@ -380,8 +419,10 @@ class Engine:
 
     # ----------------------------------------------------------------- training
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Run the forward graph on this rank's batch; return the loss (a scalar tensor)."""
-        program = self._program_for(args, kwargs)
+        """Run the forward graph on this rank's batch; return the loss (a scalar tensor). Every
+        tensor argument must be on the engine's device (``ZeroFXError`` naming the one that is not)."""
+        program = self._program_for(args, kwargs, misplaced=self._misplaced_input(args, kwargs))
+        self._warn_past_schedule()
         captured: CapturedStep = program.captured
         inputs = flatten_call(captured, self.model, args, kwargs, self.loss_fn)
         primals = [self.storage.param_input(p.fqn) for p in captured.params]
@@ -394,6 +435,21 @@ class Engine:
         return loss
 
     forward = __call__
+
+    _schedule_end_warned = False  # set on the instance by its first warning
+
+    def _warn_past_schedule(self) -> None:
+        """Warn once when the coming optimizer step is past the scheduler's ``total_num_steps``:
+        from there on the learning rate stays at its final value."""
+        schedule = self.cfg.scheduler
+        total = None if schedule is None else schedule.total_num_steps
+        if schedule is None or total is None or self.global_steps < total or self._schedule_end_warned:
+            return
+        self._schedule_end_warned = True
+        final = lr_at(schedule, total, self._base_lrs[0])
+        warnings.warn(ScheduleEndWarning(
+            f"optimizer step {self.global_steps + 1} is past the scheduler's total_num_steps {total}: lr stays at its final "
+            f"value {final:.3g} from here on; raise scheduler.params.total_num_steps to decay over more steps"), stacklevel=3)
 
     def _run(self, program: Program, name: str, args_list: list[torch.Tensor]) -> Any:
         """Run graph ``name`` of ``program`` on ``args_list``, which it empties, freeing each input
@@ -415,6 +471,14 @@ class Engine:
             f"zerofx.collective_timeout_s): a peer is dead, stalled or issuing a different collective. "
             f"{str(exc).strip().splitlines()[0]}"
         )
+
+    @property
+    def setup_times(self) -> dict[str, float]:
+        """Seconds the most recent program took to set up, by phase: ``capture`` (the joint graph
+        on fake tensors), ``plan`` (sharding, buckets, and any budget search) and ``lower`` (the
+        rewrite passes and the split into this rank's graphs). Empty before the first capture."""
+        program = self.program
+        return {} if program is None else {k: program.setup_times[k] for k in ("capture", "plan", "lower") if k in program.setup_times}
 
     @property
     def compile_s(self) -> float:
@@ -443,6 +507,8 @@ class Engine:
         grads = self._run(program, "backward", args_list)
         self._backward_since_step = True
         self.storage.accumulate_grads([info.fqn for info in program.captured.params], grads)
+        if self.monitor is not None:
+            self.monitor.record_micro_batch(loss, program.captured.inputs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -469,8 +535,12 @@ class Engine:
             return
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
+        grad_norm: float | torch.Tensor | None = None
         if self.cfg.gradient_clipping > 0:
-            self._clip(grads, self.cfg.gradient_clipping)
+            grad_norm = self._clip(grads, self.cfg.gradient_clipping)
+        elif self.cfg.monitors.enabled:
+            # On every rank: a collective (NOTE [Monitors: rank 0 writes, every rank joins the norm]).
+            grad_norm = self._grad_norm(grads)
         schedule = self.cfg.scheduler
         if schedule is not None:
             for group, base in zip(self.optimizer.param_groups, self._base_lrs):
@@ -478,10 +548,10 @@ class Engine:
         if isinstance(self.optimizer, OffloadedOptimizer):
             applied = self.optimizer.finish()  # delayed update: the previous step's, now
             self.optimizer.step(grads=grads)
-            self._after_step(updated=applied or not self.optimizer.delayed)
+            self._after_step(updated=applied or not self.optimizer.delayed, grad_norm=grad_norm)
             return
         self.optimizer.step()
-        self._after_step(updated=True)
+        self._after_step(updated=True, grad_norm=grad_norm)
 
     def _finite(self, grads: dict[str, torch.Tensor]) -> bool:
         bad = torch.zeros(1, device=self.device)
@@ -492,20 +562,26 @@ class Engine:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)  # every rank skips together
         return bad.item() == 0
 
-    def _clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> float:
-        """Scale gradients so their global L2 norm (over all ranks' shards) is at most ``max_norm``."""
+    def _grad_norm(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of the gradients over all ranks' shards, in fp64 (shape (1,)): each
+        element read once, then one 8-byte all-reduce (a collective)."""
         squares = torch.zeros(1, dtype=torch.float64, device=self.device)
         for f, g in grads.items():
             squares += self.storage.owned(f, g).double().pow(2).sum()
         dist.all_reduce(squares, group=self.group)
-        norm = squares.sqrt().item()
+        return squares.sqrt()
+
+    def _clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> float:
+        """Scale gradients so their global L2 norm (over all ranks' shards) is at most ``max_norm``;
+        return the norm before clipping."""
+        norm = self._grad_norm(grads).item()
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
             for g in grads.values():
                 g.mul_(coef)
         return norm
 
-    def _after_step(self, *, updated: bool) -> None:
+    def _after_step(self, *, updated: bool, grad_norm: float | torch.Tensor | None = None) -> None:
         self.storage.end_step(updated=updated)
         self.global_steps += 1
         every = self.cfg.steps_per_print
@@ -515,6 +591,10 @@ class Engine:
             print(f"[zerofx] step {self.global_steps}: loss {loss}, lr {self.optimizer.param_groups[0]['lr']:.3g}{scale}", flush=True)
         if updated:
             self._sync_params()
+        if self.monitor is not None:
+            self.monitor.record_step(step=self.global_steps, lr=self.optimizer.param_groups[0]["lr"],
+                                     loss_scale=self.loss_scaler.scale if self.loss_scaler else None, grad_norm=grad_norm,
+                                     model_state_bytes=sum(self.memory().values()))
 
     def _sync_params(self) -> None:
         """Where the stage keeps parameters whole, all-gather the updated shards (a collective)."""
@@ -527,8 +607,10 @@ class Engine:
     # ----------------------------------------------------------------- state
     def flush(self) -> None:
         """With the one-step delayed update, apply the update still in flight (a collective at
-        stages 1-2, which re-gather the parameters), and wait for offloaded state's write-backs.
-        Reading state calls it first."""
+        stages 1-2, which re-gather the parameters), wait for offloaded state's write-backs, and
+        write the monitors' waiting records. Reading state and saving a checkpoint call it first."""
+        if self.monitor is not None:
+            self.monitor.flush()  # the curves on disk reach at least the last checkpoint
         if isinstance(self.optimizer, OffloadedOptimizer):
             if self.optimizer.finish():
                 self._sync_params()
@@ -537,8 +619,11 @@ class Engine:
                 self.param_store.drain()
 
     def close(self) -> None:
-        """Finish offloaded transfers and delete the offload files (NOTE [Offload files live as
-        long as the engine]). The engine cannot train after this. Not a collective."""
+        """Write the monitors' last records and close their files and wandb run; finish offloaded
+        transfers and delete the offload files (NOTE [Offload files live as long as the engine]).
+        The engine cannot train after this. Not a collective."""
+        if self.monitor is not None:
+            self.monitor.close()
         if self._closer is not None:
             self._closer()
 

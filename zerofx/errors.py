@@ -5,6 +5,8 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+import zerofx._checkout  # noqa: F401  (NOTE [A checkout that shadows the package]: a zerofx imported from the wrong folder)
+
 
 class ZeroFXError(ValueError):
     """Base class for every error zerofx raises on bad user input."""
@@ -41,6 +43,15 @@ class CollectiveTimeoutError(ZeroFXError, RuntimeError):
 
 class EngineStateError(ZeroFXError, RuntimeError):
     """An engine method was called out of order (``forward`` -> ``backward`` -> ``step``)."""
+
+
+class RankFailedError(RuntimeError):
+    """A training rank exited with an error; ``exit_code`` is what the CLI returns. Here, not in
+    zerofx.training, so the command line catches it without importing torch."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

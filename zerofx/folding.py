@@ -41,14 +41,14 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from zerofx.passes.analyze_schedule import CollectiveRow, ScheduleReport, format_summary, summary_json
-from zerofx.passes.plan import format_bytes
+from zerofx.passes.analyze_schedule import CollectiveRow, ScheduleReport, format_summary, schedule_table, summary_json
+from zerofx.limits import AUTO_FOLD_MIN_BLOCKS  # noqa: F401  (re-exported: zerofx.folding names it)
+from zerofx.units import format_bytes
 
 log = logging.getLogger("zerofx.folding")
 
-# ``zerofx plan --fold auto`` folds models with at least this many repeated blocks: below it a
-# full capture takes seconds anyway, and its rows are exact.
-AUTO_FOLD_MIN_BLOCKS = 12
+# AUTO_FOLD_MIN_BLOCKS (zerofx.limits, where the command line's help reads it without torch):
+# ``zerofx plan --fold auto`` folds models with at least that many repeated blocks.
 
 
 @dataclass(frozen=True)
@@ -245,33 +245,24 @@ def _in_forked_child(fn: Callable[[nn.Module], ScheduleReport], arg: nn.Module) 
     return result
 
 
-def format_folded(report: FoldedReport, *, budget_bytes: float | None = None) -> str:
-    from tabulate import tabulate
-
+def format_folded(report: FoldedReport, *, budget_bytes: float | None = None, verbose: bool = False, step_note: str = "") -> str:
+    """The 2-block capture's schedule, with how often each row repeats in the whole model, then
+    the whole model's memory and summary (extrapolated); as ``format_report``, with the same
+    ``verbose`` and ``step_note``."""
     b = report.blocks
-    table = [
-        (r.order, r.graph, r.op.replace("_into_tensor", "").replace("_tensor", ""),
-         f"{len(r.bucket)}: {r.bucket[0] if r.bucket else ''}{' ...' if len(r.bucket) > 1 else ''}",
-         format_bytes(r.bytes_per_rank), r.issued_after, r.waited_at, f"{r.overlap_compute_s * 1e3:.2f}",
-         f"{r.comm_s * 1e3:.2f}", f"{r.exposed_s * 1e3:.2f}", f"x{report.repeats.get(r.order, 1)}")
-        for r in report.sample.rows
-    ]
     lines = [
-        f"folded: {b.path!r} holds {b.count} identical blocks; planned from captures with 2 and 3 of them "
-        f"(--fold off plans all {b.count}).",
-        f"communication schedule of the 2-block capture (one row per collective; times in ms, estimated). "
-        f"Rows marked x{b.count - 1} are block 1's: blocks 1..{b.count - 1} each issue them; "
-        f"the whole model issues {report.num_collectives} collectives.",
-        tabulate(table, headers=["#", "graph", "op", "bucket (params: first)", "bytes/rank", "issued after", "waited at",
-                                 "overlaps compute", "comm", "exposed", "repeats"]),
+        f"communication schedule of the 2-block copy (one row per collective, in issue order; sizes per rank, times in ms, "
+        f"estimated{'' if verbose else '; --verbose adds the FX node names'}). Rows marked x{b.count - 1} are block 1's: "
+        f"blocks 1..{b.count - 1} each issue them; the whole model issues {report.num_collectives} collectives.",
+        schedule_table(report.sample.rows, verbose=verbose, repeats=report.repeats),
         "",
         f"memory per rank ({b.count} blocks, extrapolated): persistent model state {format_bytes(report.persistent_bytes)}, "
-        f"peak {format_bytes(report.peak_bytes)} at {report.peak_at}",
+        f"peak {format_bytes(report.peak_bytes)} in {report.peak_at}",
     ]
     if budget_bytes is not None:
         verdict = "fits" if report.peak_bytes <= budget_bytes else "does NOT fit"
         lines.append(f"budget {format_bytes(budget_bytes)}: {verdict}")
-    lines.append(format_summary(report, f"summary ({b.count} blocks, extrapolated)"))
+    lines.append(format_summary(report, f"summary ({b.count} blocks, extrapolated)", step_note=step_note))
     return "\n".join(lines)
 
 
@@ -280,7 +271,7 @@ def folded_json(report: FoldedReport, plan_json: Mapping, budget_bytes: float | 
     b = report.blocks
     return {
         "folded": {"path": b.path, "num_blocks": b.count, "captured_blocks": list(FOLD_BLOCKS), "num_collectives": report.num_collectives},
-        "plan": plan_json,  # of the 2-block capture
+        "plan": plan_json,  # of the 3-block capture (zerofx plan prints that one)
         "schedule": [{**r.__dict__, "repeats": report.repeats.get(r.order, 1)} for r in report.sample.rows],
         "memory": {
             "persistent_bytes": report.persistent_bytes,

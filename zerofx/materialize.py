@@ -95,14 +95,16 @@ def _stand_in(module: nn.Module, params: dict[str, nn.Parameter], buffers: dict[
     """A shallow copy of ``module`` whose direct parameters and buffers are fresh CPU tensors
     (NaN where floating); its children are the original's."""
     clone = copy.copy(module)
-    fresh = {}
+    # A parameter or buffer slot set to None (Linear(bias=False)'s bias) stays, as None: init
+    # functions test it (Hugging Face's ``if module.bias is not None``).
+    fresh: dict[str, nn.Parameter | None] = {n: None for n, p in module._parameters.items() if p is None}
     for name, p in params.items():
         t = torch.empty(p.shape, dtype=p.dtype, device="cpu")
         if t.is_floating_point():
             t.fill_(float("nan"))
         fresh[name] = nn.Parameter(t, requires_grad=p.requires_grad)
     clone.__dict__["_parameters"] = fresh
-    new_buffers: dict[str, torch.Tensor | None] = {}
+    new_buffers: dict[str, torch.Tensor | None] = {n: None for n, b in module._buffers.items() if b is None}
     for name, b in buffers.items():
         t = torch.empty(b.shape, dtype=b.dtype, device="cpu")
         if t.is_floating_point():

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 
-from zerofx.passes import Plan, build_param_sync, meta, partition_joint, reduce_grads_pass, shard_params_pass
+from zerofx.passes import Plan, _compat, build_param_sync, meta, partition_joint, reduce_grads_pass, shard_params_pass
 from zerofx.passes.fetch_params import fetch_params_pass
 from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
 from zerofx.passes.plan_offload import ParamOffloadPlan
@@ -76,7 +76,8 @@ def lower(joint: fx.GraphModule, plan: Plan, *, group_name: str, disabled: Seque
     """Rewrite a copy of the captured joint graph for ``plan`` (and ``param_offload``'s shard
     placement) and split it into the graph modules one rank runs. ``joint`` itself is left alone."""
     rewritten = run_passes(meta.clone_graph_module(joint), joint_passes(plan, group_name=group_name), disabled=disabled)
-    forward, backward = partition_joint(rewritten)
+    with _compat.lazy_graph_modules():  # NOTE [Code written on first use] in passes/_compat.py
+        forward, backward = partition_joint(rewritten)
     modules = {
         "forward": run_passes(forward, graph_passes(plan, param_offload), disabled=disabled),
         "backward": run_passes(backward, graph_passes(plan, param_offload), disabled=disabled),

@@ -23,6 +23,7 @@ from zerofx.cost_models.symbolic import B, T, fit_timeline_batch_seq, longest_fi
 from zerofx.passes.analyze_schedule import ScheduleReport, summary_json
 from zerofx.errors import ZeroFXError
 from zerofx.program import Program, compile
+from zerofx.units import binary_unit, format_bytes
 
 
 @dataclass(frozen=True)
@@ -251,37 +252,73 @@ def solve_seq_len(
                         upper=max_seq_len, rank=rank)
 
 
-def plot_report(report: ScheduleReport, path: Path, *, title: str, budget_bytes: float | None = None) -> None:
-    """Two panels: live memory over the step's nodes, and a Gantt chart of compute and
-    communication (estimated), written as an image (matplotlib)."""
+# The Gantt chart's colours: one per graph on the compute lane, one per collective kind.
+_GRAPH_COLORS = {"forward": "tab:green", "backward": "tab:olive", "param_sync": "tab:cyan"}
+_COMM_COLORS = {"all_gather_into_tensor": ("tab:blue", "all-gather"), "reduce_scatter_tensor": ("tab:orange", "reduce-scatter"),
+                "all_reduce": ("tab:purple", "all-reduce")}
+
+
+def plot_report(report: ScheduleReport, path: Path, *, title: str, budget_bytes: float | None = None) -> Any:
+    """Two panels on one time axis (ms from the step's start, estimated): live memory per rank,
+    with the peak marked and labelled, and a Gantt chart of compute (each graph, and the time
+    compute waits on communication) and of the collectives. ``title`` heads the figure (the
+    CLI's names the model, world size, stage and profile). Writes a PNG to ``path`` and returns
+    the matplotlib Figure (closed: for reading, not showing)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    fig, (mem_ax, gantt_ax) = plt.subplots(2, 1, figsize=(11, 7))
-    gib = 2**30
-    xs = range(len(report.timeline))
-    mem_ax.plot(xs, [p.live_bytes / gib for p in report.timeline], lw=1)
-    mem_ax.axhline(report.persistent_bytes / gib, color="gray", ls=":", label="persistent model state")
+    fig, (mem_ax, gantt_ax) = plt.subplots(2, 1, figsize=(12, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+    ms = 1e3
+    top = max([report.peak.live_bytes, *([budget_bytes] if budget_bytes is not None else [])])
+    unit, scale = binary_unit(top)
+    # Memory: the live bytes after each node, held until the next one (a step function of time).
+    times = [x * ms for x in report.timeline_s] if report.timeline_s else list(range(len(report.timeline)))
+    live = [p.live_bytes / scale for p in report.timeline]
+    mem_ax.step(times, live, where="post", lw=1, color="tab:blue", label="live memory per rank")
+    mem_ax.axhline(report.persistent_bytes / scale, color="gray", ls=":", label=f"persistent model state ({format_bytes(report.persistent_bytes)})")
     if budget_bytes is not None:
-        mem_ax.axhline(budget_bytes / gib, color="red", ls="--", label="budget")
-    boundary = sum(1 for p in report.timeline if p.graph == "forward")
-    mem_ax.axvline(boundary, color="black", lw=0.5)
-    mem_ax.set(xlabel="node (forward | backward)", ylabel="live GiB per rank", title=f"{title}: memory timeline")
-    mem_ax.legend(loc="upper left")
-    colors = {"all_gather_into_tensor": "tab:blue", "reduce_scatter_tensor": "tab:orange", "all_reduce": "tab:purple"}
+        mem_ax.axhline(budget_bytes / scale, color="red", ls="--", label=f"budget ({format_bytes(budget_bytes)})")
+    at = report.timeline.index(report.peak)
+    peak_x, peak_y = times[at], report.peak.live_bytes / scale
+    where = f"{report.peak.graph}" + (f", {report.peak_module}" if report.peak_module else "")
+    mem_ax.plot([peak_x], [peak_y], "o", color="red", ms=6, zorder=3)
+    mem_ax.annotate(f"peak {format_bytes(report.peak.live_bytes)} ({where})", (peak_x, peak_y), xytext=(10, 10),
+                    textcoords="offset points", va="bottom", fontsize=9, color="red",
+                    bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "red", "alpha": 0.9})
+    mem_ax.set_ylim(0, max(live + [top / scale]) * 1.3)
+    mem_ax.set_ylabel(f"live memory per rank ({unit})")
+    mem_ax.legend(loc="lower center", fontsize=8)
+    mem_ax.grid(alpha=0.3)
+    # Gantt: each graph's compute, the time it waits on a collective (exposed), the collectives.
     for span in report.spans:
-        gantt_ax.barh("compute", (span.end_s - span.start_s) * 1e3, left=span.start_s * 1e3, color="tab:green", edgecolor="white")
-        gantt_ax.text(span.start_s * 1e3, 0.3, span.graph, fontsize=7)
+        gantt_ax.barh("compute", (span.end_s - span.start_s) * ms, left=span.start_s * ms, color=_GRAPH_COLORS.get(span.graph, "tab:gray"),
+                      edgecolor="white", height=0.6)
+        gantt_ax.text((span.start_s + span.end_s) / 2 * ms, 0, span.graph, ha="center", va="center", fontsize=8)
+        mem_ax.text((span.start_s + span.end_s) / 2 * ms, 0.97, span.graph, transform=mem_ax.get_xaxis_transform(), ha="center",
+                    va="top", fontsize=9, color="dimgray")
+        for ax in (mem_ax, gantt_ax):
+            ax.axvline(span.start_s * ms, color="black", lw=0.5)
     for row in report.rows:
-        gantt_ax.barh("communication", (row.end_s - row.start_s) * 1e3, left=row.start_s * 1e3, color=colors.get(row.op, "gray"), edgecolor="white")
-    gantt_ax.set(xlabel="ms from step start (estimated)",
-                 title=f"step {report.step_s * 1e3:.1f} ms; communication {report.comm_s * 1e3:.1f} ms, exposed {report.exposed_s * 1e3:.1f} ms "
-                       "(blue all-gather, orange reduce-scatter, purple all-reduce)")
+        if row.exposed_s > 0:
+            gantt_ax.barh("compute", row.exposed_s * ms, left=(row.end_s - row.exposed_s) * ms, color="red", height=0.6)
+        gantt_ax.barh("communication", (row.end_s - row.start_s) * ms, left=row.start_s * ms, color=_COMM_COLORS.get(row.op, ("gray", ""))[0],
+                      linewidth=0, height=0.6)
+    ops = {row.op for row in report.rows}
+    handles = [Patch(color=c, label=label) for op, (c, label) in _COMM_COLORS.items() if op in ops]
+    handles.append(Patch(color="red", label="compute waiting (exposed communication)"))
+    gantt_ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=len(handles), fontsize=8, frameon=False)
+    gantt_ax.set_xlabel("time from the step's start (ms, estimated)" if report.timeline_s else "node")
+    gantt_ax.set_xlim(0, report.step_s * ms)
+    gantt_ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"{title}\nstep {report.step_s * ms:.1f} ms; communication {report.comm_s * ms:.1f} ms, of which exposed "
+                 f"{report.exposed_s * ms:.1f} ms; peak {format_bytes(report.peak.live_bytes)} per rank", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return fig
 
 
 def report_json(program: Program, report: ScheduleReport, budget_bytes: float | None) -> str:
@@ -294,6 +331,7 @@ def report_json(program: Program, report: ScheduleReport, budget_bytes: float | 
                 "persistent_bytes": report.persistent_bytes,
                 "peak_bytes": report.peak.live_bytes,
                 "peak_at": f"{report.peak.graph}:{report.peak.node}",
+                "peak_module": report.peak_module,
                 "budget_bytes": budget_bytes,
                 "fits": None if budget_bytes is None else report.peak.live_bytes <= budget_bytes,
             },

@@ -30,6 +30,7 @@ from zerofx.passes.plan_tiling import TilingOptions
 from zerofx.capture import CapturedStep, LossFn, capture_step, flatten_call, traced_param_infos
 from zerofx.config import GraphCompiler, ZeroConfig, parse_config
 from zerofx.errors import MissingExampleInputsError, ZeroFXError
+from zerofx.limits import MAX_WORLD_SIZE
 from zerofx.pipeline import lower
 from zerofx.search import fit_prefetch, fit_tiling
 
@@ -65,6 +66,9 @@ class Program:
         self._runners: dict[tuple[int, str], Callable[[list[torch.Tensor]], Any]] = {}
         self.compiled_graphs: set[str] = set()  # names of the graphs Inductor compiled
         self.compile_s = 0.0  # seconds spent compiling this program's graphs (GraphCompiler.INDUCTOR)
+        # Seconds per setup phase, measured where each runs: "capture" and "plan" by
+        # capture_and_plan, "lower" by graph_modules the first time it lowers.
+        self.setup_times: dict[str, float] = {}
 
     @property
     def plan(self) -> Plan:
@@ -115,6 +119,7 @@ class Program:
                 source.cfg, self.world_size, group_name=self.group_name, param_offload=self.param_offload,
             )
             self._captured, self._plan, self._modules = captured._captured, captured._plan, captured._modules
+            self.setup_times = dict(captured.setup_times)
             return
         try:
             flatten_call(self._captured, source.model, args, kwargs or {}, source.loss_fn)
@@ -136,7 +141,9 @@ class Program:
             self._take_inputs(check_example_inputs(example_inputs), example_kwargs)
         if self._modules is None:
             joint = self._require_capture("program.graph_modules(rank)").joint
+            start = time.perf_counter()
             self._modules = lower(joint, self._plan, group_name=self.group_name, param_offload=self.param_offload)
+            self.setup_times["lower"] = time.perf_counter() - start
         return dict(self._modules)
 
     def run(self, rank: int, name: str, args_list: list[torch.Tensor], compiler: GraphCompiler) -> Any:
@@ -167,6 +174,7 @@ class Program:
         program = Program(self._captured, replace(self._plan, decisions=(*self._plan.decisions, why)), group_name=self.group_name,
                           param_offload=self.param_offload, source=self._source, plan_waits_for=self._plan_waits_for)
         program._modules = self._modules
+        program.setup_times = dict(self.setup_times)
         return program
 
     def report(self, rank: int, *, comm: CommSpec = CPU_GLOO, device: DeviceSpec = CPU_CORE) -> ScheduleReport:
@@ -223,9 +231,7 @@ def check_stage(stage: Any) -> ZeroStage:
     return ZeroStage(stage)
 
 
-# The largest world size planned: far beyond any cluster, small enough that per-rank sizes and
-# the planner's tables stay exact.
-MAX_WORLD_SIZE = 2**20
+# MAX_WORLD_SIZE (zerofx.limits): the largest world size planned.
 
 
 def check_world_size(world_size: Any) -> int:
@@ -284,11 +290,22 @@ def capture_and_plan(capture: Callable[[TilingOptions | None], CapturedStep], cf
     the tiling is checked against the memory timeline (NOTE [Tiling checked against the memory
     timeline] in zerofx/search.py), which may capture again."""
     options = cfg.tiling_options()
+    capture_s = 0.0
 
     def build(opts: TilingOptions | None) -> Program:
-        return plan_program(capture(opts), cfg, world_size, group_name=group_name, param_offload=param_offload)
+        nonlocal capture_s
+        start = time.perf_counter()
+        captured = capture(opts)
+        capture_s += time.perf_counter() - start
+        return plan_program(captured, cfg, world_size, group_name=group_name, param_offload=param_offload)
 
-    return fit_tiling(build(options), build, options)
+    start = time.perf_counter()
+    program = fit_tiling(build(options), build, options)
+    # Planning is everything else, the searches included (they may lower candidates); the chosen
+    # program's own lowering, when a search did it, stays under "lower".
+    total_s = time.perf_counter() - start
+    program.setup_times.update(capture=capture_s, plan=total_s - capture_s - program.setup_times.get("lower", 0.0))
+    return program
 
 
 def plan_from_shapes(model: nn.Module, cfg: ZeroConfig, world_size: int) -> Plan:

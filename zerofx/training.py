@@ -4,10 +4,11 @@
 
 ``train`` checks the options in the calling process, before any process starts, then spawns
 ``world_size`` local gloo ranks (or, under torchrun, runs as one of torchrun's ranks). Each rank
-builds the DNA LM, initializes a zerofx ``Engine`` from its first batch, resumes from the newest
-complete checkpoint in ``output_dir`` if there is one, trains, saves, and evaluates on the
-held-out slice of the genome. Rank 0 prints each step's loss averaged over ranks and appends it
-to ``output_dir/train_log.jsonl``.
+builds the model (a bundled DNA LM, or a model spec's: docs/training.md), tokenizes its windows
+of the genome (masking them for ``Objective.MLM``), initializes a zerofx ``Engine`` from its
+first batch, resumes from the newest complete checkpoint in ``output_dir`` if there is one,
+trains, saves, and evaluates on the held-out slice of the genome. Rank 0 prints each step's
+loss averaged over ranks and appends it to ``output_dir/train_log.jsonl``.
 
 Errors: ``UsageError`` (a ``ZeroFXError``) for bad options, naming the ``zerofx train`` flag;
 ``RankFailedError`` when a spawned rank fails. ``zerofx.cli`` turns both into exit codes.
@@ -23,68 +24,51 @@ import os
 import socket
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn as nn
 from tqdm import tqdm
 
-from zerofx.passes.meta import is_all_gather
+from zerofx.passes.meta import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait
 from zerofx.passes.plan import format_bytes
 from zerofx.checkpoint import latest_complete_tag, read_metadata
 from zerofx.config import load_config, parse_config
 from zerofx.data.genome import bundled_genome, genome_stats, genome_windows
-from zerofx.engine import Engine, initialize
-from zerofx.errors import UsageError, ZeroFXError, did_you_mean
-from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig
+from zerofx.data.mlm import MlmMasking, mask_seed, mask_tokens
+from zerofx.data.tokenizers import MAX_KMER, KmerTokenizer
+from zerofx.engine import Engine, ScheduleEndWarning, initialize
+from zerofx.errors import RankFailedError, UsageError, ZeroFXError
+from zerofx.limits import DEFAULT_TRAIN_STAGE, MAX_SEED, check_positive, check_stage, model_config
+from zerofx.models import DNA_LM_SIZES, DNADecoderLM
+from zerofx.models.dna_lm import DNA_VOCAB
 from zerofx.program import resolve
 from zerofx.rss import peak_rss_bytes
+from zerofx.schedulers import lr_at
 
-DEFAULT_TRAIN_STAGE = 3
 DEFAULT_TRAIN_BATCH = 2
-# torch.manual_seed takes a 64-bit unsigned seed.
-MAX_SEED = 2**64 - 1
 
 
-class RankFailedError(RuntimeError):
-    """A training rank exited with an error; ``exit_code`` is what the CLI returns."""
+class Objective(str, Enum):
+    """What the model learns; how the batch reaches it is in docs/training.md."""
 
-    def __init__(self, message: str, exit_code: int = 1) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def model_config(name: str) -> DNALMConfig:
-    """The DNA LM config for a size name; ``UsageError`` naming the accepted sizes otherwise."""
-    if name not in DNA_LM_SIZES:
-        raise UsageError(
-            f"unknown model size {name!r}{did_you_mean(name, DNA_LM_SIZES)}; accepted: {', '.join(DNA_LM_SIZES)}"
-        )
-    return DNA_LM_SIZES[name]
-
-
-def check_positive(name: str, value: int) -> int:
-    if value < 1:
-        raise UsageError(f"{name} {value} is invalid; accepted: an integer >= 1")
-    return value
-
-
-def check_stage(stage: int | None) -> int | None:
-    if stage is not None and stage not in (0, 1, 2, 3):
-        raise UsageError(f"--stage {stage} is not a ZeRO stage; accepted: 0, 1, 2 or 3")
-    return stage
+    CLM = "clm"  # causal LM: model(ids, labels=ids), the model shifts the labels by one
+    MLM = "mlm"  # masked LM: model(masked_ids, labels=labels), labels -100 where nothing was masked
 
 
 @dataclass(frozen=True)
 class TrainOptions:
     """Everything a training run needs; picklable, so each spawned rank gets a copy."""
 
-    model: str = "tiny"
+    model: str = "tiny"  # a bundled DNA LM size, or a model spec FILE.py:CALLABLE / MODULE:CALLABLE
     fasta: Path | None = None  # None: the bundled lambda phage genome
     world_size: int = 2
     stage: int | None = None  # None: the config's stage, else DEFAULT_TRAIN_STAGE
@@ -94,12 +78,15 @@ class TrainOptions:
     batch_size: int | None = None  # None: the config's train_micro_batch_size_per_gpu, else 2
     lr: float = 3e-3
     seed: int = 0
-    print_graph: bool = False
+    print_graph: bool = False  # rank 0 prints each graph's collectives before training
+    print_graph_code: bool = False  # ... and each graph's code
     output_dir: Path | None = None  # checkpoints and train_log.jsonl go here; a run resumes from its newest complete one
     eval_batches: int = 8  # held-out batches per rank evaluated after training
     save_every: int | None = None  # None: save only after the last step (when output_dir is set)
     keep_last: int | None = None  # None: keep every checkpoint; K: delete the oldest beyond the newest K
     collective_timeout_s: float | None = None  # None: the config's zerofx.collective_timeout_s (default 300)
+    objective: Objective = Objective.CLM
+    kmer: int | None = None  # None: the bundled 5-token vocabulary for clm, 1-mers in NT's layout for mlm
 
 
 def _free_port() -> int:
@@ -159,7 +146,7 @@ def _config_micro_batch(opts: TrainOptions) -> tuple[int, str] | None:
 def check_train_options(opts: TrainOptions) -> TrainOptions:
     """Validate in the parent, before any process starts; return the options with stage, batch
     size and genome resolved. Raises ``ZeroFXError`` subclasses naming the bad value."""
-    cfg = model_config(opts.model)
+    opts = _check_model_and_objective(opts)
     check_stage(opts.stage)
     for name, value in (("--world-size", opts.world_size), ("--steps", opts.steps)):
         check_positive(name, value)
@@ -174,8 +161,10 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
             f"--batch-size {opts.batch_size} disagrees with the config's micro-batch per rank, {from_config[1]}; "
             "leave out --batch-size or make them equal"
         )
-    if not 2 <= opts.seq_len <= cfg.max_seq_len:
-        raise UsageError(f"--seq-len {opts.seq_len} is invalid for model {opts.model}; accepted: 2..{cfg.max_seq_len}")
+    max_seq_len = None if is_model_spec(opts.model) else model_config(opts.model).max_seq_len
+    if opts.seq_len < 2 or (max_seq_len is not None and opts.seq_len > max_seq_len):
+        accepted = "an integer >= 2" if max_seq_len is None else f"2..{max_seq_len}"
+        raise UsageError(f"--seq-len {opts.seq_len} is invalid for model {opts.model}; accepted: {accepted}")
     if not (isinstance(opts.lr, (int, float)) and math.isfinite(opts.lr) and opts.lr >= 0):
         raise UsageError(f"--lr {opts.lr} is invalid; accepted: a finite number >= 0")
     if not 0 <= opts.seed <= MAX_SEED:
@@ -201,30 +190,212 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
     # The last rank's first batch needs batch_size whole groups of windows: reading that far
     # (unshuffled, so no buffer fills) checks the file and its length before any process starts.
     next(genome_windows(fasta, opts.seq_len, rank=opts.world_size - 1, world_size=opts.world_size,
-                        batch_size=opts.batch_size, shuffle_windows=0))
+                        batch_size=opts.batch_size, shuffle_windows=0, tokenizer=train_tokenizer(opts)))
+    if is_model_spec(opts.model):  # last: it runs the user's code and builds the model
+        check_vocabulary(load_spec_model(opts.model), opts)
     opts = replace(opts, stage=stage, fasta=fasta)
     resolve(opts.config, stage=stage, world_size=opts.world_size)  # the config, and that it agrees
     return opts
 
 
-def _cycle_batches(opts: TrainOptions, rank: int) -> Iterator[torch.Tensor]:
-    """This rank's batches forever: each pass over the genome reshuffles with the next seed."""
-    epoch = 0
-    while True:
-        assert opts.fasta is not None
-        yield from genome_windows(
-            opts.fasta, opts.seq_len, rank=rank, world_size=opts.world_size, batch_size=opts.batch_size,
-            seed=opts.seed + epoch, split="train",
+def is_model_spec(model: str) -> bool:
+    """True for FILE.py:CALLABLE / MODULE:CALLABLE, False for a bundled size name."""
+    return ":" in model
+
+
+def _check_model_and_objective(opts: TrainOptions) -> TrainOptions:
+    """The checks of --model, --objective and --kmer that need no model built; the options with
+    ``objective`` as an ``Objective``."""
+    try:
+        objective = Objective(opts.objective)
+    except ValueError:
+        raise UsageError(f"--objective {opts.objective!r} is invalid; accepted: {', '.join(o.value for o in Objective)}") from None
+    if opts.kmer is not None and (isinstance(opts.kmer, bool) or not isinstance(opts.kmer, int) or not 1 <= opts.kmer <= MAX_KMER):
+        raise UsageError(f"--kmer {opts.kmer!r} is invalid; accepted: an integer in 1..{MAX_KMER} (the Nucleotide Transformer uses 6)")
+    if not is_model_spec(opts.model):
+        model_config(opts.model)
+        if objective is Objective.MLM:
+            raise UsageError(
+                f"--objective mlm needs a bidirectional model with a masked-LM head; the bundled {opts.model} is a causal "
+                "decoder. Pass --model FILE.py:CALLABLE, e.g. examples/own_models.py:esm_mlm (docs/training.md)"
+            )
+    return replace(opts, objective=objective)
+
+
+def train_tokenizer(opts: TrainOptions) -> KmerTokenizer | None:
+    """The Nucleotide Transformer's k-mer tokenizer when --kmer is given or the objective is mlm
+    (k = --kmer, else 1); None for the bundled 5-token vocabulary (A C G T N), clm's default.
+    The bundled vocabulary has no <mask>, and existing runs and checkpoints use it."""
+    if opts.kmer is None and Objective(opts.objective) is Objective.CLM:
+        return None
+    return KmerTokenizer(1 if opts.kmer is None else opts.kmer)
+
+
+def vocabulary_size(opts: TrainOptions) -> int:
+    tokenizer = train_tokenizer(opts)
+    return len(DNA_VOCAB) if tokenizer is None else tokenizer.vocab_size
+
+
+def describe_vocabulary(opts: TrainOptions) -> str:
+    """One phrase for the run's first line, e.g. "6-mers in the Nucleotide Transformer's vocabulary (4,107 ids)"."""
+    tokenizer = train_tokenizer(opts)
+    if tokenizer is None:
+        return f"single bases ({' '.join(DNA_VOCAB)}, {len(DNA_VOCAB)} ids)"
+    return f"{tokenizer.k}-mers in the Nucleotide Transformer's vocabulary ({tokenizer.vocab_size:,} ids)"
+
+
+def load_spec_model(spec: str) -> nn.Module:
+    """The model of a model spec (``zerofx.planning.load_model_spec``; its example inputs are
+    not used: training captures on its first real batch)."""
+    from zerofx.planning import load_model_spec  # sympy and the planner's imports, for specs only
+
+    return load_model_spec(spec).model
+
+
+def input_embedding_rows(model: nn.Module) -> int | None:
+    """Rows of the model's token embedding: Hugging Face's ``get_input_embeddings()``, else the
+    first ``nn.Embedding`` in ``named_modules`` order; None when it has none."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = get() if callable(get) else None
+    except NotImplementedError:  # transformers' default for models without one
+        embedding = None
+    if not isinstance(embedding, nn.Embedding):
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return None if embedding is None else embedding.num_embeddings
+
+
+def check_vocabulary(model: nn.Module, opts: TrainOptions) -> None:
+    """``UsageError`` when the model's token embedding has fewer rows than the run's vocabulary:
+    an id past its end would fail inside the first step (or read garbage on a GPU)."""
+    rows, needed = input_embedding_rows(model), vocabulary_size(opts)
+    if rows is not None and rows < needed:
+        raise UsageError(
+            f"model {opts.model}: its input embedding has {rows:,} rows, but the run's vocabulary, "
+            f"{describe_vocabulary(opts)}, has ids up to {needed - 1:,}; build the model with vocab_size >= {needed:,} "
+            "(docs/training.md, the vocabulary)"
         )
-        epoch += 1
 
 
-def _print_graph(engine: Engine) -> None:
+def build_model(opts: TrainOptions, device: torch.device) -> nn.Module:
+    """This rank's model: a bundled size with the run's vocabulary size, or the spec's model.
+    A model built on the meta device stays there (``initialize`` materializes it from the seed);
+    any other moves to ``device``."""
+    if is_model_spec(opts.model):
+        model = load_spec_model(opts.model)
+        check_vocabulary(model, opts)
+    else:
+        model = DNADecoderLM(replace(DNA_LM_SIZES[opts.model], vocab_size=vocabulary_size(opts)))
+    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    return model if on_meta else model.to(device)
+
+
+def _objective_batches(opts: TrainOptions, rank: int, batches: Iterator[torch.Tensor], split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(inputs, labels)`` per batch of token ids: the ids twice for clm, masked ids and their
+    labels for mlm, masked as a function of (seed, rank, split, batch index) (NOTE [Masking is a
+    function of the seed, the rank and the batch] in ``zerofx.data.mlm``)."""
+    if Objective(opts.objective) is Objective.CLM:
+        for batch in batches:
+            yield batch, batch
+        return
+    tokenizer = train_tokenizer(opts)
+    assert tokenizer is not None
+    masking = MlmMasking(mask_id=tokenizer.mask_id, random_ids=tokenizer.sequence_ids)
+    for index, batch in enumerate(batches):
+        yield mask_tokens(batch, masking, seed=mask_seed(opts.seed, rank, index, split=split))
+
+
+def _cycle_batches(opts: TrainOptions, rank: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's ``(inputs, labels)`` batches forever: each pass over the genome reshuffles
+    with the next seed. The n-th batch is the same whenever it is drawn, so a resumed run, which
+    skips the batches its checkpoint trained on, goes on with the uninterrupted run's data."""
+    def token_batches() -> Iterator[torch.Tensor]:
+        epoch = 0
+        while True:
+            assert opts.fasta is not None
+            yield from genome_windows(
+                opts.fasta, opts.seq_len, rank=rank, world_size=opts.world_size, batch_size=opts.batch_size,
+                seed=opts.seed + epoch, split="train", tokenizer=train_tokenizer(opts),
+            )
+            epoch += 1
+
+    return _objective_batches(opts, rank, token_batches(), "train")
+
+
+def _collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """How many of each collective, and of their waits, a graph issues."""
+    nodes = list(gm.graph.nodes)
+    return {what: sum(1 for n in nodes if is_kind(n)) for what, is_kind in
+            (("all-gathers", is_all_gather), ("reduce-scatters", is_reduce_scatter), ("all-reduces", is_all_reduce), ("waits", is_wait))}
+
+
+def _print_graph(engine: Engine, *, code: bool) -> None:
+    """Rank ``engine.rank``'s collectives per graph; with ``code``, each graph's Python as well."""
     modules = engine.graph_modules()
-    print(f"# rank {engine.rank} ZeRO stage {int(engine.stage)} forward graph")
-    print(modules["forward"].code.strip())
-    counts = {g: sum(1 for n in modules[g].graph.nodes if is_all_gather(n)) for g in ("forward", "backward")}
-    print(f"all_gather_into_tensor nodes: forward {counts['forward']}, backward {counts['backward']}", flush=True)
+    print(f"rank {engine.rank} graphs at ZeRO stage {int(engine.stage)} (collectives per graph; --print-graph-code prints the code):")
+    for name, gm in modules.items():
+        counts = ", ".join(f"{count} {what}" for what, count in _collective_counts(gm).items())
+        print(f"  {name:<10} {len(gm.graph.nodes):>5} nodes: {counts}")
+    if code:
+        for name, gm in modules.items():
+            print(f"# rank {engine.rank} ZeRO stage {int(engine.stage)} {name} graph")
+            print(gm.code.strip())
+    sys.stdout.flush()
+
+
+def _print_setup(engine: Engine, opts: TrainOptions) -> None:
+    """Rank 0's lines before the first step: each setup phase with its time (``engine.setup_times``),
+    then where the log and the checkpoints go."""
+    program, times = engine.program, engine.setup_times
+    assert program is not None
+    plan, modules = program.plan, engine.graph_modules()
+    ops = ", ".join(f"{name} {len(gm.graph.nodes):,}" for name, gm in modules.items())
+    phases = {
+        "capture": f"the joint forward+backward ATen graph, {len(program.captured.joint.graph.nodes):,} nodes, traced on fake tensors",
+        "plan": f"{len(plan.params)} parameter tensors sharded over {plan.world_size} ranks; {len(plan.gather_buckets)} gather, "
+                f"{len(plan.reduce_buckets)} reduce buckets; prefetch {plan.prefetch_distance} ahead",
+        "lower": f"rewrite passes and the split into this rank's graphs (nodes: {ops})",
+    }
+    for phase, what in phases.items():
+        print(f"{phase:<11} {times.get(phase, 0.0):6.2f} s  {what}")
+    if opts.output_dir is None:
+        print("no --output-dir: no train_log.jsonl and no checkpoints")
+    else:
+        out = Path(opts.output_dir)
+        when = f"every {opts.save_every} steps and after step {opts.steps}" if opts.save_every else f"after step {opts.steps}"
+        keep = f", keeping the newest {opts.keep_last}" if opts.keep_last else ""
+        print(f"{'log':<11} {out / 'train_log.jsonl'} (one JSON object per step, then the eval)")
+        print(f"{'checkpoints':<11} {out}/step-NNNNNNNN, {when}{keep}; the same command again resumes from the newest")
+    sys.stdout.flush()
+
+
+def _schedule_end_warning(engine: Engine, steps: int) -> str | None:
+    """A warning when ``--steps`` goes past the scheduler's ``total_num_steps``, naming both."""
+    schedule = engine.cfg.scheduler
+    total = None if schedule is None else schedule.total_num_steps
+    if schedule is None or total is None or steps <= total:
+        return None
+    final = lr_at(schedule, total, float(engine.cfg.optimizer.resolved_params()["lr"]))
+    return f"warning: --steps {steps} is past the scheduler's total_num_steps {total}: lr stays at its final value {final:.3g} after step {total}"
+
+
+def _finished_message(opts: TrainOptions) -> str | None:
+    """What to change when ``opts.output_dir``'s newest complete checkpoint is already at
+    ``--steps`` or beyond (nothing to train); None otherwise. Read before any rank starts."""
+    if opts.output_dir is None:
+        return None
+    tag = latest_complete_tag(opts.output_dir)
+    if tag is None:
+        return None
+    return _finished_line(opts, int(read_metadata(opts.output_dir, tag)["step"]))
+
+
+def _finished_line(opts: TrainOptions, step: int) -> str | None:
+    if step < opts.steps:
+        return None
+    where = "=" if step == opts.steps else "past"
+    return (f"{opts.output_dir} is at step {step} {where} --steps {opts.steps}: nothing to train. Pass --steps {step + opts.steps} "
+            f"to train {opts.steps} more, or a new --output-dir to start over")
 
 
 def _resume(engine: Engine, opts: TrainOptions, rank: int) -> tuple[int, int]:
@@ -251,42 +422,56 @@ def _resume(engine: Engine, opts: TrainOptions, rank: int) -> tuple[int, int]:
     return step, int(client.get("batches_consumed", step))
 
 
+_OBJECTIVE_PHRASES = {Objective.CLM: "next-token prediction (clm)", Objective.MLM: "masked-token prediction (mlm, 15% masked, 80/10/10)"}
+
+
 def _train_rank(rank: int, opts: TrainOptions) -> None:
     """One rank's training loop; runs inside an initialized process group."""
     world_size = dist.get_world_size()
     torch.manual_seed(opts.seed)
     device = _device()
-    model = DNADecoderLM(DNA_LM_SIZES[opts.model]).to(device)
-    batches = (b.to(device) for b in _cycle_batches(opts, rank))
-    first = next(batches)  # (B, T)
+    model = build_model(opts, device)
+    batches = ((x.to(device), y.to(device)) for x, y in _cycle_batches(opts, rank))
+    first = next(batches)  # (inputs, labels), each (B, T)
     engine = initialize(
-        model, config=_engine_config(opts), stage=opts.stage, example_inputs=(first,), example_kwargs={"labels": first}
+        model, config=_engine_config(opts), stage=opts.stage, example_inputs=(first[0],), example_kwargs={"labels": first[1]},
+        init_seed=opts.seed,
     )
     if rank == 0:
         print(
             f"training {opts.model} ({engine.program.plan.num_params:,} parameters) at ZeRO stage {opts.stage} on "
-            f"{world_size} gloo ranks, batch {opts.batch_size}x{opts.seq_len} per rank, genome {Path(opts.fasta).name}",
+            f"{world_size} {dist.get_backend()} ranks: {_OBJECTIVE_PHRASES[Objective(opts.objective)]} on genome "
+            f"{Path(opts.fasta).name}, batch {opts.batch_size}x{opts.seq_len} tokens per rank, {describe_vocabulary(opts)}",
             flush=True,
         )
-        if opts.print_graph:
-            _print_graph(engine)
+        _print_setup(engine, opts)
+        if opts.print_graph or opts.print_graph_code:
+            _print_graph(engine, code=opts.print_graph_code)
     stream = itertools.chain([first], batches)
     start, consumed = _resume(engine, opts, rank) if opts.output_dir is not None else (0, 0)
+    finished = _finished_line(opts, start)
+    if finished is not None:  # train() checks before starting ranks; a checkpoint saved since lands here
+        if rank == 0:
+            print(finished, flush=True)
+        return
     for _ in range(consumed):  # the data position: skip what the checkpointed steps trained on
         next(stream)
-    if start >= opts.steps and rank == 0:
-        print(f"the checkpoint is at step {start}: --steps {opts.steps} already reached, nothing to train", flush=True)
+    warning = _schedule_end_warning(engine, opts.steps)
+    if warning is not None and rank == 0:
+        print(warning, flush=True)
     log = _JsonlLog(Path(opts.output_dir) / "train_log.jsonl" if opts.output_dir is not None and rank == 0 else None)
     tokens_per_step = opts.batch_size * opts.seq_len * world_size
     bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", disable=rank != 0 or not sys.stderr.isatty())
     accumulate = engine.gradient_accumulation_steps  # micro-batches per optimizer step
     tokens_per_step *= accumulate
+    # The warning above said it once, with the flag's name; the engine's own would repeat it per rank.
+    warnings.filterwarnings("ignore", category=ScheduleEndWarning)
     for step in range(start + 1, opts.steps + 1):
         t0 = time.perf_counter()
         micro_losses = []
         for _ in range(accumulate):
-            batch = next(stream)
-            loss = engine(batch, labels=batch)
+            inputs, labels = next(stream)
+            loss = engine(inputs, labels=labels)
             engine.backward(loss)
             engine.step()  # steps the optimizer at the accumulation boundary only
             micro_losses.append(loss.detach().float())
@@ -328,13 +513,15 @@ class _JsonlLog:
 
 
 def _evaluate(engine: Engine, opts: TrainOptions, rank: int, log: _JsonlLog) -> None:
-    """Perplexity on the held-out slice of the genome (every 10th group of windows, never trained on)."""
+    """Perplexity on the held-out slice of the genome (every 10th group of windows, never
+    trained on); for mlm, on the masked tokens of those windows, masked with their own seeds."""
     assert opts.fasta is not None
     total, count = torch.zeros(2), 0
     try:
-        for batch in itertools.islice(genome_windows(opts.fasta, opts.seq_len, rank=rank, world_size=opts.world_size,
-                                                     batch_size=opts.batch_size, split="eval", shuffle_windows=0), opts.eval_batches):
-            total[0] += engine(batch, labels=batch).detach().float().item()
+        windows = genome_windows(opts.fasta, opts.seq_len, rank=rank, world_size=opts.world_size, batch_size=opts.batch_size,
+                                 split="eval", shuffle_windows=0, tokenizer=train_tokenizer(opts))
+        for inputs, labels in itertools.islice(_objective_batches(opts, rank, windows, "eval"), opts.eval_batches):
+            total[0] += engine(inputs.to(engine.device), labels=labels.to(engine.device)).detach().float().item()
             count += 1
     except ZeroFXError:  # a genome too short to hold out one batch per rank: nothing to evaluate
         count = 0
@@ -346,7 +533,8 @@ def _evaluate(engine: Engine, opts: TrainOptions, rank: int, log: _JsonlLog) -> 
         return
     loss = (total[0] / total[1]).item()
     if rank == 0:
-        print(f"eval on held-out windows ({int(total[1])} batches over {opts.world_size} ranks): loss {loss:.4f}, "
+        tokens = "masked tokens of held-out windows" if Objective(opts.objective) is Objective.MLM else "held-out windows"
+        print(f"eval on {tokens} ({int(total[1])} batches over {opts.world_size} ranks): loss {loss:.4f}, "
               f"perplexity {math.exp(loss):.3f}, {loss / math.log(2):.3f} bits per token", flush=True)
         log.write(eval_loss=loss, eval_perplexity=math.exp(loss), eval_batches=int(total[1]))
 
@@ -383,6 +571,11 @@ def _train_under_torchrun(opts: TrainOptions) -> None:
     """torchrun is the launcher (single- or multi-node): join its process group and train this rank."""
     world_size = int(os.environ["WORLD_SIZE"])
     opts = check_train_options(replace(opts, world_size=world_size))
+    finished = _finished_message(opts)
+    if finished is not None:  # every rank reads the same checkpoint, so every rank stops here
+        if int(os.environ["RANK"]) == 0:
+            print(finished, flush=True)
+        return
     if torch.cuda.is_available():
         torch.cuda.set_device(_device())
     if int(os.environ["RANK"]) == 0:
@@ -406,6 +599,10 @@ def train(opts: TrainOptions) -> None:
         _train_under_torchrun(opts)
         return
     opts = check_train_options(opts)
+    finished = _finished_message(opts)
+    if finished is not None:  # before any rank starts: nothing to set up for
+        print(finished, flush=True)
+        return
     print(genome_stats(opts.fasta).summary(), flush=True)
     try:
         mp.spawn(_train_worker, args=(opts, _free_port()), nprocs=opts.world_size, join=True)

@@ -61,6 +61,7 @@ def init_peak_rss(rank: int, world_size: int, size: str, on_meta: bool) -> dict:
     no labels), so this is the parameters' memory alone."""
     cfg = DNA_LM_SIZES[size]
     ids = torch.zeros(1, 16, dtype=torch.long)
+    initialize = zerofx.initialize  # imports the engine's modules (lazy in zerofx) before the baseline
     before = _peak_rss_bytes()
     if on_meta:
         with torch.device("meta"):
@@ -68,7 +69,7 @@ def init_peak_rss(rank: int, world_size: int, size: str, on_meta: bool) -> dict:
     else:
         torch.manual_seed(0)
         model = DNADecoderLM(cfg)
-    engine = zerofx.initialize(model, _config(3), example_inputs=(ids,))
+    engine = initialize(model, _config(3), example_inputs=(ids,))
     after = _peak_rss_bytes()
     num_params = sum(p.numel for p in engine.placements.values())
     held = engine.memory()

@@ -5,7 +5,19 @@ Nothing here holds a whole genome: ``read_fasta`` yields bounded chunks, and
 so a 3 Gbp human assembly streams in the same memory as the bundled 48,502 bp lambda phage.
 
 Tokens follow ``zerofx.models.dna_lm.DNA_VOCAB``: A, C, G, T are 0..3, U (RNA) reads as T, and
-every other symbol is 4, N. Lowercase (soft-masked repeats) reads as uppercase.
+every other symbol is 4, N. Lowercase (soft-masked repeats) reads as uppercase. With a
+``KmerTokenizer`` (``zerofx.data.tokenizers``), windows hold the Nucleotide Transformer's k-mer
+ids instead, cut from each record's token stream.
+
+NOTE [What a FASTA file must hold]
+A file, plain or gzipped (the content decides, not the name), holds one or more records: a
+'>name' header line, then sequence lines; blank lines and ';' comments are skipped. Refused,
+each with a ``GenomeError`` naming the file: a missing or empty file (or one that decompresses
+to nothing), a first line that is not a header, a file of headers with no sequence line, a
+corrupt or truncated gzip stream (named with the line reached), a symbol that is not a
+sequence symbol, and too many symbols that are not nucleotide codes (NOTE [Which symbols a
+genome may hold]). Positions name the record and the 0-based offset of the symbol in the
+record's sequence, with the line and column in the file.
 
 NOTE [Which symbols a genome may hold]
 A sequence line holds letters, '-', '*' and '.'; anything else (a digit, a space, a byte that is
@@ -14,9 +26,9 @@ IUPAC nucleotide codes (A C G T U, and the ambiguity codes R Y S W K M B D H V N
 are DNA; the ambiguity codes read as N. The rest (E F I J L O P Q X Z, gaps '-' and '.', stop
 '*') are "foreign": a few read as N, but when they exceed ``MAX_FOREIGN_FRACTION`` of the
 sequence symbols read so far, the file is refused with the count, the fraction and the first
-one's record, line and column. A protein FASTA has about 35% foreign letters (E, F, I, L, P, Q),
-so it is refused within its first ``FOREIGN_CHECK_MIN_SYMBOLS`` symbols, which every reader scans
-when it is called. Before that many symbols the fraction is too noisy to judge (a short first
+one's record, offset, line and column. A protein FASTA has about 35% foreign letters (E, F, I,
+L, P, Q), so it is refused within its first ``FOREIGN_CHECK_MIN_SYMBOLS`` symbols, which every
+reader scans when it is called. Before that many symbols the fraction is too noisy to judge (a short first
 contig with one gap), so it is checked only from there on, and at the end of the file whatever
 its length. A file that crosses the fraction later raises while it is read, at the same line
 on every rank, since every rank reads the whole file. X is foreign although RepeatMasker -x masks
@@ -45,7 +57,9 @@ from typing import IO
 
 import torch
 
+from zerofx.data.tokenizers import KmerTokenizer
 from zerofx.errors import ZeroFXError
+from zerofx.limits import MAX_FOREIGN_FRACTION
 from zerofx.models.dna_lm import DNA_VOCAB
 
 N_TOKEN = DNA_VOCAB.index("N")
@@ -60,9 +74,8 @@ _SEQUENCE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxy
 # IUPAC nucleotide codes (NC-IUB 1984): bases, U, and the ambiguity codes, which read as N.
 NUCLEOTIDE_CODES = "ACGTURYSWKMBDHVN"
 _NUCLEOTIDE_CHARS = frozenset(NUCLEOTIDE_CODES + NUCLEOTIDE_CODES.lower())
-# NOTE [Which symbols a genome may hold]: at most 1% of the symbols may be foreign (not
-# nucleotide codes). Assembled genomes have none; a protein FASTA has about 35%.
-MAX_FOREIGN_FRACTION = 0.01
+# MAX_FOREIGN_FRACTION (zerofx.limits, beside the command line's other bounds): NOTE [Which
+# symbols a genome may hold].
 FOREIGN_CHECK_MIN_SYMBOLS = 10_000
 _GZIP_MAGIC = b"\x1f\x8b"
 DEFAULT_CHUNK_CHARS = 1 << 16
@@ -116,10 +129,12 @@ def _open_text(path: Path) -> IO[str]:
 class _Tally:
     """What one pass over a file has read so far; ``_sequence_lines`` updates it as it goes."""
 
+    num_lines: int = 0  # lines that are not blank
     num_records: int = 0
     num_symbols: int = 0
+    record_symbols: int = 0  # sequence symbols of the current record read so far
     num_foreign: int = 0  # symbols that are not nucleotide codes (NOTE [Which symbols a genome may hold])
-    first_foreign: str = ""  # where the first one is, e.g. "'Q' in record 'sp|P1|X' at line 2, column 5"
+    first_foreign: str = ""  # where the first one is, e.g. "'Q' in record 'sp|P1|X' at offset 4 (line 2, column 5)"
 
 
 def _foreign_error(path: Path, tally: _Tally) -> GenomeError:
@@ -136,35 +151,44 @@ def _sequence_lines(path: Path, tally: _Tally) -> Iterator[tuple[str, str]]:
 
     Raises ``GenomeError`` for a sequence line before the first header, a symbol that is not a
     sequence symbol, too many foreign symbols (NOTE [Which symbols a genome may hold]), and a
-    corrupt or truncated gzip stream; each names the file."""
+    corrupt or truncated gzip stream; each names the file (NOTE [What a FASTA file must hold])."""
     name: str | None = None
+    lineno = 0
     try:
         with _open_text(path) as f:
             for lineno, raw in enumerate(f, start=1):
                 line = raw.strip()
-                if not line or line.startswith(";"):
+                if not line:
+                    continue
+                tally.num_lines += 1
+                if line.startswith(";"):
                     continue
                 if line.startswith(">"):
                     words = line[1:].split()
                     name = words[0] if words else f"record@{lineno}"
                     tally.num_records += 1
+                    tally.record_symbols = 0
                     continue
                 if name is None:
                     raise GenomeError(
                         f"genome file {str(path)!r} is not FASTA: its first line should be a '>name' header, got {line[:40]!r}"
                     )
                 if not _NUCLEOTIDE_CHARS.issuperset(line):  # rare: the common line is all nucleotide codes
+                    indent = len(raw) - len(raw.lstrip())
                     if not _SEQUENCE_CHARS.issuperset(line):
-                        bad = next(c for c in line if c not in _SEQUENCE_CHARS)
+                        bad = [i for i, c in enumerate(line) if c not in _SEQUENCE_CHARS]
                         raise GenomeError(
-                            f"{str(path)!r} line {lineno}: {bad!r} is not a sequence symbol; accepted: IUPAC letters, '-', '.', '*'"
+                            f"{str(path)!r} line {lineno}: {line[bad[0]]!r} in record {name!r} at offset "
+                            f"{tally.record_symbols + bad[0]} (column {indent + bad[0] + 1}) is not a sequence symbol "
+                            f"({len(bad)} such on this line); accepted: IUPAC letters, '-', '.', '*'"
                         )
                     foreign = [i for i, c in enumerate(line) if c not in _NUCLEOTIDE_CHARS]
                     if not tally.num_foreign:
-                        column = len(raw) - len(raw.lstrip()) + foreign[0] + 1
-                        tally.first_foreign = f"{line[foreign[0]]!r} in record {name!r} at line {lineno}, column {column}"
+                        tally.first_foreign = (f"{line[foreign[0]]!r} in record {name!r} at offset {tally.record_symbols + foreign[0]} "
+                                               f"(line {lineno}, column {indent + foreign[0] + 1})")
                     tally.num_foreign += len(foreign)
                 tally.num_symbols += len(line)
+                tally.record_symbols += len(line)
                 if (
                     tally.num_foreign > MAX_FOREIGN_FRACTION * tally.num_symbols
                     and tally.num_symbols >= FOREIGN_CHECK_MIN_SYMBOLS
@@ -172,7 +196,7 @@ def _sequence_lines(path: Path, tally: _Tally) -> Iterator[tuple[str, str]]:
                     raise _foreign_error(path, tally)
                 yield name, line.upper()
     except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # truncated, corrupt deflate data, bad header or CRC
-        raise GenomeError(f"genome file {str(path)!r} is corrupt (gzip) or not text: {exc}") from exc
+        raise GenomeError(f"genome file {str(path)!r} is corrupt (gzip) after line {lineno}: {exc}") from exc
     except OSError as exc:
         raise GenomeError(f"genome file {str(path)!r} cannot be read: {exc}") from exc
     if tally.num_foreign > MAX_FOREIGN_FRACTION * tally.num_symbols:
@@ -181,7 +205,8 @@ def _sequence_lines(path: Path, tally: _Tally) -> Iterator[tuple[str, str]]:
 
 def _check_fasta_file(path: str | Path) -> Path:
     """Raise ``GenomeError`` unless ``path`` is a readable FASTA file whose first
-    ``FOREIGN_CHECK_MIN_SYMBOLS`` sequence symbols (or all, if fewer) are DNA."""
+    ``FOREIGN_CHECK_MIN_SYMBOLS`` sequence symbols (or all, if fewer) are DNA
+    (NOTE [What a FASTA file must hold])."""
     p = Path(path)
     if not p.is_file():
         raise GenomeError(f"genome file {str(p)!r} does not exist; pass a FASTA file (.fa, .fasta, optionally .gz)")
@@ -193,8 +218,13 @@ def _check_fasta_file(path: str | Path) -> Path:
                 break
     finally:
         lines.close()
+    if tally.num_lines == 0:
+        raise GenomeError(f"genome file {str(p)!r} is empty; pass a FASTA file with '>name' header lines and sequence lines")
     if tally.num_records == 0:
         raise GenomeError(f"genome file {str(p)!r} is not FASTA: it has no '>name' header line")
+    if tally.num_symbols == 0:  # fewer than FOREIGN_CHECK_MIN_SYMBOLS: the whole file was read
+        records = f"{tally.num_records:,} header line{'' if tally.num_records == 1 else 's'}"
+        raise GenomeError(f"genome file {str(p)!r} has {records} but no sequence lines; each '>name' line is followed by its sequence")
     return p
 
 
@@ -265,14 +295,35 @@ def genome_stats(path: str | Path) -> GenomeStats:
                        tally.first_foreign)
 
 
-def _record_windows(path: Path, seq_len: int) -> Iterator[torch.Tensor]:
-    """Every full window of ``seq_len`` tokens, record by record, in file order (uint8, (T,))."""
+def _record_tokens(path: Path, chunk_chars: int, tokenizer: KmerTokenizer | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(record_name, tokens)`` pieces in file order; a record's pieces concatenate to its
+    tokens: ``tokenize`` of each chunk, or the tokenizer's stream over the record's chunks."""
+    if tokenizer is None:
+        for name, chunk in _read_fasta(path, chunk_chars):
+            yield name, tokenize(chunk)
+        return
     current: str | None = None
-    carry = torch.empty(0, dtype=torch.uint8)
-    for name, chunk in _read_fasta(path, max(DEFAULT_CHUNK_CHARS, seq_len)):
+    encoder = tokenizer.encoder()
+    for name, chunk in _read_fasta(path, chunk_chars):
+        if name != current:
+            if current is not None:
+                yield current, encoder.finish()  # the last record's tail k-mer, as single nucleotides
+            current, encoder = name, tokenizer.encoder()
+        yield name, encoder.feed(chunk)
+    if current is not None:
+        yield current, encoder.finish()
+
+
+def _record_windows(path: Path, seq_len: int, tokenizer: KmerTokenizer | None = None) -> Iterator[torch.Tensor]:
+    """Every full window of ``seq_len`` tokens, record by record, in file order ((T,): uint8,
+    or the tokenizer's ``token_dtype``)."""
+    current: str | None = None
+    dtype = torch.uint8 if tokenizer is None else tokenizer.token_dtype
+    carry = torch.empty(0, dtype=dtype)
+    for name, piece in _record_tokens(path, max(DEFAULT_CHUNK_CHARS, seq_len), tokenizer):
         if name != current:  # a new record: the last record's short tail is dropped
-            current, carry = name, torch.empty(0, dtype=torch.uint8)
-        tokens = torch.cat((carry, tokenize(chunk)))
+            current, carry = name, torch.empty(0, dtype=dtype)
+        tokens = torch.cat((carry, piece))
         num_full = tokens.numel() // seq_len
         for i in range(num_full):
             # A copy, not a view: a view would keep the whole chunk alive in the shuffle buffer.
@@ -285,11 +336,12 @@ HOLDOUT_EVERY = 10
 SPLITS = ("all", "train", "eval")
 
 
-def _rank_windows(path: Path, seq_len: int, rank: int, world_size: int, split: str = "all") -> Iterator[torch.Tensor]:
+def _rank_windows(path: Path, seq_len: int, rank: int, world_size: int, split: str = "all",
+                  tokenizer: KmerTokenizer | None = None) -> Iterator[torch.Tensor]:
     """This rank's windows: window i goes to rank i % world_size, whole groups only; with a
     ``split``, group g is held out for evaluation when g % HOLDOUT_EVERY == HOLDOUT_EVERY - 1."""
     mine: torch.Tensor | None = None
-    for i, window in enumerate(_record_windows(path, seq_len)):
+    for i, window in enumerate(_record_windows(path, seq_len, tokenizer)):
         if i % world_size == rank:
             mine = window
         if i % world_size == world_size - 1:  # group complete: every rank gets one window
@@ -332,6 +384,7 @@ def genome_windows(
     shuffle_windows: int = DEFAULT_SHUFFLE_WINDOWS,
     kmer: int = 1,
     split: str = "all",
+    tokenizer: KmerTokenizer | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield this rank's training batches: int64 tensors of shape (batch_size, seq_len).
 
@@ -340,6 +393,10 @@ def genome_windows(
 
     With ``kmer`` = k > 1, each token is a non-overlapping k-mer (``kmer_tokens``): a window
     covers ``seq_len * k`` bases and the vocabulary has ``kmer_vocab_size(k)`` tokens.
+
+    With a ``tokenizer`` (the Nucleotide Transformer's layout, ``zerofx.data.tokenizers``), each
+    record is tokenized whole, as a stream, and cut into windows of ``seq_len`` of its tokens; a
+    window then covers about ``seq_len * k`` bases (fewer where N or <unk> breaks the k-mers).
 
     Contract (see NOTE [How windows are assigned to ranks]): ranks of one ``world_size`` get
     disjoint windows and the same number of batches; the same arguments give the same batches
@@ -364,8 +421,12 @@ def genome_windows(
     _check_int("kmer", kmer, 1)
     if split not in SPLITS:
         raise GenomeError(f"split={split!r} is invalid; accepted: {', '.join(SPLITS)}")
+    if tokenizer is not None and (kmer != 1 or reverse_complement):
+        raise GenomeError("a tokenizer takes neither kmer (it has its own k) nor reverse_complement (k-mer ids have no "
+                          "token-wise complement); accepted: tokenizer alone, or kmer and reverse_complement without one")
     p = _check_fasta_file(path)
-    batches = _batches(p, seq_len * kmer, rank, world_size, batch_size, seed, reverse_complement, shuffle_windows, split)
+    batches = _batches(p, seq_len * kmer, rank, world_size, batch_size, seed, reverse_complement, shuffle_windows, split,
+                       tokenizer)
     return batches if kmer == 1 else (kmer_tokens(b, kmer) for b in batches)
 
 
@@ -397,8 +458,9 @@ def _batches(
     rc: bool,
     shuffle_windows: int,
     split: str = "all",
+    tokenizer: KmerTokenizer | None = None,
 ) -> Iterator[torch.Tensor]:
-    windows = _rank_windows(path, seq_len, rank, world_size, split)
+    windows = _rank_windows(path, seq_len, rank, world_size, split, tokenizer)
     if rc:
         windows = (reverse_complement(w) if k % 2 else w for k, w in enumerate(windows))
     if shuffle_windows:
