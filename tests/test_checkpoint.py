@@ -572,20 +572,3 @@ def test_torchelastic_resumes_with_fewer_workers_after_one_is_killed(tmp_path: P
     final = torch.load(tmp_path / "final.pt")
     for key, value in expected.items():
         torch.testing.assert_close(final[key], value, rtol=0, atol=SGD_TOL, msg=key)
-
-
-# --------------------------------------------------------------------------- zerofx train
-@pytest.mark.slow
-def test_train_resumes_from_its_output_dir(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
-    """2 steps on 2 ranks, saving every step; then --steps 3 on 1 rank trains only step 3."""
-    out = tmp_path / "run"
-    common = ["train", "--model", "tiny", "--stage", "3", "--seq-len", "32", "--output-dir", str(out)]
-    assert main([*common, "--world-size", "2", "--steps", "2", "--save-every", "1"]) == 0
-    first = capfd.readouterr().out
-    assert "resuming" not in first and "saved checkpoint" in first and "step 2/2" in first
-    assert latest_complete_tag(out) == "step-00000002"
-    assert main([*common, "--world-size", "1", "--steps", "3"]) == 0
-    second = capfd.readouterr().out
-    assert f"resuming from checkpoint {out / 'step-00000002'}: step 2, saved at world size 2" in second
-    assert "step 1/3" not in second and "step 3/3" in second
-    assert read_metadata(out)["step"] == 3 and read_metadata(out)["world_size"] == 1

@@ -26,7 +26,6 @@ from tests.support import monitor_workers
 from tests.support.dist_utils import run_ranks
 from tests.support.models import BATCH, SEQ, batches, dna_lm, loss_of
 from zerofx.capture import TensorInfo
-from zerofx.cli import main
 from zerofx.config import LogDirOptions, MonitorOptions, WandbOptions, first_config_difference, parse_config, schema_rows
 from zerofx.errors import ConfigError
 from zerofx.monitors import (
@@ -260,20 +259,6 @@ def test_two_ranks_only_rank_0_writes(tmp_path: Path) -> None:
     assert read_csv(log_dir, GRAD_NORM)[1][0][1] == pytest.approx(eager_norm, rel=1e-4)
 
 
-def test_zerofx_train_writes_the_csv(tmp_path: Path) -> None:
-    """``zerofx train --config`` with a csv_monitor section: the training loop's engine writes it,
-    and the records reach the files when the ranks exit (no explicit close in the loop)."""
-    cfg = tmp_path / "ds_config.json"
-    out = tmp_path / "logs"
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "csv_monitor": {"enabled": True, "output_path": str(out), "job_name": "dna"}}))
-    steps = 2
-    assert main(["train", "--config", str(cfg), "--world-size", "2", "--steps", str(steps), "--seq-len", "64"]) == 0
-    loss_rows = read_csv(out / "dna", TRAIN_LOSS)[1]
-    assert [x for x, _ in loss_rows] == [2 * 2 * (k + 1) for k in range(steps)]  # batch 2 x 2 ranks per step
-    assert all(math.isfinite(v) for _, v in loss_rows)
-    assert [v for _, v in read_csv(out / "dna", LR)[1]] == [1e-3] * steps  # AdamW's default lr, no scheduler
-
-
 # --------------------------------------------------------------------------- the Monitor alone
 
 
@@ -283,7 +268,8 @@ def _csv_monitor(tmp_path: Path, flush_interval_s: float, world_size: int = 2) -
 
 def _step(monitor: Monitor, step: int, loss: float = 2.0) -> None:
     monitor.record_micro_batch(torch.tensor(loss), [IDS_INFO])
-    monitor.record_step(step=step, lr=0.5, loss_scale=None, grad_norm=torch.tensor([3.0], dtype=torch.float64), model_state_bytes=123)
+    monitor.record_step(samples=step * BATCH * monitor.world_size, lr=0.5, loss_scale=None,
+                        grad_norm=torch.tensor([3.0], dtype=torch.float64), model_state_bytes=123)
 
 
 def test_records_wait_for_the_flush_interval_then_reach_the_files(tmp_path: Path) -> None:

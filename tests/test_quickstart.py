@@ -4,6 +4,7 @@ device, stepping past the scheduler, and a checkout folder that shadows the inst
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
@@ -17,6 +18,7 @@ import pytest
 
 from tests.support.dist_utils import run_ranks
 from tests.support.quickstart_workers import misplaced_inputs_and_schedule_end
+from zerofx.checkpoint import read_metadata
 from zerofx.cli import build_parser, main
 from zerofx.config import parse_config
 
@@ -81,6 +83,7 @@ def test_train_prints_its_setup_resumes_and_warns_past_the_schedule(tmp_path: Pa
         "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
         "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 1, "total_num_steps": 2}},
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "logs"), "job_name": "dna"},
     }))
     out = tmp_path / "run"
     common = ["train", "--config", str(config), "--seq-len", "32", "--output-dir", str(out)]
@@ -107,16 +110,27 @@ def test_train_prints_its_setup_resumes_and_warns_past_the_schedule(tmp_path: Pa
                                           "or a new --output-dir to start over")
     assert again.out.strip().count("\n") == 0 and again.err == ""
 
-    # Past the scheduler's total_num_steps: one warning naming both numbers, then step 3 only.
-    assert main([*common, "--steps", "3", "--print-graph-code"]) == 0
+    # Past the scheduler's total_num_steps: one warning naming both numbers, then step 3 only,
+    # resumed at another world size (the checkpoint was saved by 2 ranks, 1 rank loads it).
+    assert main([*common, "--steps", "3", "--world-size", "1", "--print-graph-code"]) == 0
     third = capfd.readouterr()
     warning = ("warning: --steps 3 is past the scheduler's total_num_steps 2: lr stays at its final value 3e-07 after step 2")
     assert third.out.count(warning) == 1 and "past the scheduler" not in third.err, third.err[-2000:]
     for graph in ("forward", "backward"):  # each graph's code, under a header naming it
         assert re.search(rf"^# rank 0 ZeRO stage 3 {graph} graph\ndef forward\(", third.out, flags=re.M), third.out[:3000]
-    assert "step 3/3 loss" in third.out and "step 2/3" not in third.out and "resuming from checkpoint" in third.out
+    assert "step 3/3 loss" in third.out and "step 2/3" not in third.out
+    assert f"resuming from checkpoint {out / 'step-00000002'}: step 2, saved at world size 2" in third.out
+    assert read_metadata(out)["step"] == 3 and read_metadata(out)["world_size"] == 1
     lrs = [r["lr"] for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if "lr" in r]
     assert lrs[-1] == pytest.approx(3e-7) and len(lrs) == 3
+    # The csv_monitor section: the training loop's engine wrote one row per step, on the samples
+    # axis (2 sequences x 2 ranks per step, then 2 x 1), and the resumed run appended to it.
+    with (tmp_path / "logs" / "dna" / "Train_Samples_train_loss.csv").open(newline="") as f:
+        header, *rows = list(csv.reader(f))
+    assert header == ["step", "train_loss"] and [int(x) for x, _ in rows] == [4, 8, 10]
+    assert all(math.isfinite(float(v)) for _, v in rows)
+    with (tmp_path / "logs" / "dna" / "Train_Samples_lr.csv").open(newline="") as f:
+        assert [float(v) for _, v in list(csv.reader(f))[1:]] == pytest.approx(lrs)
 
 
 # --------------------------------------------------------------------------- the engine

@@ -253,7 +253,7 @@ def engine_structure(engine: Engine) -> dict[str, Any]:
 
 def _engine_counters(engine: Engine) -> dict[str, Any]:
     """Step counters and the fp16 loss scaler's numbers, for the engines that have them."""
-    out = {k: getattr(engine, k) for k in ("micro_steps", "skipped_steps") if hasattr(engine, k)}
+    out = {k: getattr(engine, k) for k in ("micro_steps", "skipped_steps", "global_samples") if hasattr(engine, k)}
     scaler = getattr(engine, "loss_scaler", None)
     if scaler is not None:
         out["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
@@ -552,7 +552,7 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
             _load_optimizer(engine, files, meta)
     engine.global_steps = meta["step"]
     counters = meta.get("counters", {})
-    for name in ("micro_steps", "skipped_steps"):
+    for name in ("micro_steps", "skipped_steps", "global_samples"):
         if name in counters and hasattr(engine, name):
             setattr(engine, name, counters[name])
     scaler = getattr(engine, "loss_scaler", None)

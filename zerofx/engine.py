@@ -71,7 +71,7 @@ from zerofx.errors import (
 from zerofx.engine_storage import EngineStorage, storage_bytes
 from zerofx.loss_scaling import LossScaler
 from zerofx.materialize import InitFn, check_all_meta_or_none
-from zerofx.monitors import Monitor, check_monitor_packages
+from zerofx.monitors import Monitor, check_monitor_packages, samples_and_tokens
 from zerofx.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, ParamOffloadOptions, ParamStore
 from zerofx.program import Program, capture_and_plan, check_example_inputs, resolve
 from zerofx.schedulers import lr_at
@@ -215,6 +215,10 @@ class Engine:
         # gradient-accumulation boundary). Out of order is an EngineStateError that changes nothing.
         self._backward_since_step = False
         self.global_steps = 0
+        # Sequences trained on by all ranks (DeepSpeed's global_samples): the monitors' x-axis,
+        # kept in checkpoints so that a resume at another world size continues it.
+        self.global_samples = 0
+        self._step_samples = 0
         # Set to a WaitTimer to measure exposed communication (time blocked in waits).
         self.wait_timer: WaitTimer | None = None
         try:
@@ -507,6 +511,7 @@ class Engine:
         grads = self._run(program, "backward", args_list)
         self._backward_since_step = True
         self.storage.accumulate_grads([info.fqn for info in program.captured.params], grads)
+        self._step_samples += samples_and_tokens(program.captured.inputs)[0]
         if self.monitor is not None:
             self.monitor.record_micro_batch(loss, program.captured.inputs)
 
@@ -584,6 +589,8 @@ class Engine:
     def _after_step(self, *, updated: bool, grad_norm: float | torch.Tensor | None = None) -> None:
         self.storage.end_step(updated=updated)
         self.global_steps += 1
+        self.global_samples += self._step_samples * self.world_size  # ranks agree on input shapes
+        self._step_samples = 0
         every = self.cfg.steps_per_print
         if every and self.global_steps % every == 0 and self.rank == 0:
             loss = f"{self._last_loss.item():.4f}" if self._last_loss is not None else "n/a"
@@ -592,7 +599,7 @@ class Engine:
         if updated:
             self._sync_params()
         if self.monitor is not None:
-            self.monitor.record_step(step=self.global_steps, lr=self.optimizer.param_groups[0]["lr"],
+            self.monitor.record_step(samples=self.global_samples, lr=self.optimizer.param_groups[0]["lr"],
                                      loss_scale=self.loss_scaler.scale if self.loss_scaler else None, grad_norm=grad_norm,
                                      model_state_bytes=sum(self.memory().values()))
 

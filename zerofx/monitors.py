@@ -15,8 +15,10 @@ the loss there too) and ``record_step`` at the end of each optimizer step. Per s
 | ``Train/Samples/model_state_bytes`` | ``sum(engine.memory().values())`` on rank 0 after the step |
 
 The x-axis is samples, as DeepSpeed's ``Train/Samples/`` names say: every metric of a step is
-written at the samples of all ranks trained on through that step. A step's samples are the
-first input's batch dimension summed over the micro-batches, times the world size; its tokens
+written at the samples of all ranks trained on through that step (``engine.global_samples``,
+kept in checkpoints, so a run resumed at another world size continues the axis). A step's
+samples are the first input's batch dimension summed over the micro-batches, times the world
+size; its tokens
 count the first integer input (token ids, ``(B, T)``) the same way, or one token per sample
 when no input is integer. The wall time runs from the end of the previous step (the first: from
 the end of ``initialize``) to the end of this one, so it includes loading the batch.
@@ -279,15 +281,12 @@ class Monitor:
         self._step_samples += samples
         self._step_tokens += tokens
 
-    def record_step(self, *, step: int, lr: float, loss_scale: float | None, grad_norm: float | torch.Tensor | None,
+    def record_step(self, *, samples: int, lr: float, loss_scale: float | None, grad_norm: float | torch.Tensor | None,
                     model_state_bytes: int) -> None:
-        """The end of optimizer step ``step`` (1-based, ``engine.global_steps``)."""
+        """The end of an optimizer step, at ``samples`` (``engine.global_samples``: all ranks'
+        sequences through this step, restored from a checkpoint on resume)."""
         now = time.perf_counter()
-        step_samples = self._step_samples * self.world_size
-        if self._samples is None:
-            # A resumed run continues the axis from the checkpoint's step, at this step's batch.
-            self._samples = (step - 1) * step_samples
-        self._samples += step_samples
+        self._samples = samples
         values: dict[str, float | int | torch.Tensor] = {}
         if self._loss_sum is not None:
             values[TRAIN_LOSS] = self._loss_sum / self._micro_batches
