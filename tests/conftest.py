@@ -6,8 +6,9 @@ marked ``slow``:
     python -m pytest -q -n 2 --dist loadfile tests -m "not multiprocess and not inductor and not slow"
 
 A test is marked ``multiprocess`` here, at collection, when its body or a fixture of its module
-that it requests starts processes (``run_ranks``, ``subprocess``, ``mp.spawn``, ``zerofx train``,
-torchrun). The full suite, ``python -m pytest -q -n 2 --dist loadfile tests``, runs everything.
+that it requests starts processes (``run_ranks``, ``subprocess``, ``mp.spawn``, a ``["train", ...]``
+argument list for ``zerofx train``, torchrun), or when it carries the mark itself (a test whose
+helper starts them). The full suite, ``python -m pytest -q -n 2 --dist loadfile tests``, runs everything.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ if ROOT not in sys.path:
 # One thread per rank: the multi-process tests run several ranks on two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-_STARTS_PROCESSES = re.compile(r"run_ranks\(|subprocess\.|mp\.spawn|main\(\s*\[\s*\"train\"|torchrun|\.ci/")
+_STARTS_PROCESSES = re.compile(r"run_ranks\(|subprocess\.|mp\.spawn|\[\s*\"train\"|torchrun|\.ci/")
 
 
 def _source(obj: object) -> str:

@@ -8,6 +8,8 @@ import sys
 import venv
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = """
@@ -29,6 +31,7 @@ def _check(python: str, cwd: Path) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.multiprocess  # _check runs a subprocess
 def test_editable_install_exposes_only_zerofx_names(tmp_path: Path) -> None:
     # Outside the repository, so the current folder does not put passes/ on sys.path.
     assert Path(_check(sys.executable, tmp_path)) == ROOT / "passes" / "__init__.py"

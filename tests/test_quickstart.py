@@ -167,6 +167,7 @@ def _python(code: str, cwd: Path, *flags: str) -> subprocess.CompletedProcess[st
     return subprocess.run([sys.executable, *flags, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.multiprocess  # _python runs subprocesses
 def test_a_checkout_that_is_not_installed_is_refused_from_its_folder(tmp_path: Path) -> None:
     checkout = _checkout(tmp_path / "other")
     # -S: no site-packages, so no installed zerofx; the check runs before torch would be imported.
@@ -184,6 +185,7 @@ def _installed_zerofx(cwd: Path) -> Path:
     return Path(done.stdout.strip()).parent
 
 
+@pytest.mark.multiprocess  # _python and _installed_zerofx run subprocesses
 def test_a_second_checkout_is_refused_beside_an_editable_install(tmp_path: Path) -> None:
     installed = _installed_zerofx(tmp_path)
     checkout = _checkout(tmp_path / "other")
@@ -196,6 +198,7 @@ def test_a_second_checkout_is_refused_beside_an_editable_install(tmp_path: Path)
     assert _installed_zerofx(installed.parent) == installed
 
 
+@pytest.mark.multiprocess  # _python and _installed_zerofx run subprocesses
 def test_the_folder_above_a_clone_named_zerofx(tmp_path: Path) -> None:
     installed = _installed_zerofx(tmp_path)
     if installed != ROOT / "zerofx":
