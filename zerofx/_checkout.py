@@ -17,6 +17,11 @@ folder) comes before the installed package. Two kinds of folder found there shad
   imported through that empty package (``python -m zerofx.cli``, ``zerofx.training``,
   ``zerofx.engine``: everything that imports ``zerofx.errors``) loads from the install, and
   ``zerofx.errors`` imports this module, which raises ``ImportError`` naming the folder.
+A regular install, and an editable install in setuptools' strict mode (``pip install -e .
+--config-settings editable_mode=strict``), put a folder holding a regular ``zerofx`` package on
+``sys.path``, which Python prefers to a namespace package: from the folder above a clone they
+import the installed package, and nothing is shadowed. The default (lenient) editable install
+adds a finder after the path search instead, which a namespace package found on the way beats.
 A regular install, or an editable install of this checkout, used from any other folder (the
 checkout's own root included) passes both checks; so does the ``zerofx`` console script from
 anywhere, since it puts its own folder, not the working directory, on ``sys.path``.
