@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zerofx
 from tests.support.models import batches, dna_lm
+from tests.support.workers import train_steps
 
 
 def train_with_csv_monitor(rank: int, world_size: int, out: str, steps: int) -> dict:
@@ -16,12 +17,6 @@ def train_with_csv_monitor(rank: int, world_size: int, out: str, steps: int) -> 
     }
     data = batches(world_size, steps)
     engine = zerofx.initialize(dna_lm(), config, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
-    losses = []
-    for step in range(steps):
-        ids = data[step, rank]
-        loss = engine(ids, labels=ids)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_steps(engine, data, rank, steps)
     engine.close()
     return {"losses": losses, "has_monitor": engine.monitor is not None}

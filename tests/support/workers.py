@@ -9,6 +9,18 @@ import zerofx
 from tests.support.models import BUILDERS, VOCAB, batches, loss_of, make_optimizer
 
 
+def train_steps(engine: zerofx.Engine, data: torch.Tensor, rank: int, steps: int) -> list[float]:
+    """``steps`` optimizer steps on ``data[step, rank]`` (next-token labels: the ids); the losses."""
+    losses = []
+    for step in range(steps):
+        ids = data[step, rank]
+        loss = engine(ids, labels=ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def train_zerofx(rank: int, world_size: int, kind: str, stages: list[int], steps: int, opt: dict, zero: dict | None = None) -> dict:
     """Train ``kind`` with zerofx at each of ``stages`` (extra ``zero_optimization`` keys from
     ``zero``); return per stage the full state dict, the memory the engine really holds, and
@@ -22,13 +34,7 @@ def train_zerofx(rank: int, world_size: int, kind: str, stages: list[int], steps
             model, {"zero_optimization": {"stage": stage, **(zero or {})}, "optimizer": opt},
             example_inputs=(example,), example_kwargs={"labels": example},
         )
-        losses = []
-        for step in range(steps):
-            ids = data[step, rank]
-            loss = engine(ids, labels=ids)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_steps(engine, data, rank, steps)
         out[stage] = {
             "state": engine.full_state_dict(),
             "memory": engine.memory(),
