@@ -6,6 +6,13 @@ RSS after training, median step time, and NVMe bytes read and written per step.
     python -m benchmarks.bench_offload                          # 25m, 2 ranks, stage 2, fp32 AdamW
     python -m benchmarks.bench_offload --size small --steps 4   # a quick look
     python -m benchmarks.bench_offload --stage 3 --runs memory,nvme,param-nvme   # parameter offload
+    python -m benchmarks.bench_offload --placement   # shard placement: first-fit vs cost per step
+
+``--placement`` (preset: the 25m model, stage 3, its first half of blocks frozen, ``offload_param``
+on NVMe with ``max_in_cpu`` room for the other half's shards, optimizer state in memory) runs
+``param-first-fit`` and ``param-bandwidth``: the same config with the shards placed by first-fit
+decreasing and by the planner's cost per step (NOTE [Placing shards by their cost per step] in
+``passes/plan_offload.py``), and reports each placement's predicted exposed I/O and measured step.
 
 Peak RSS is ``VmHWM`` from ``/proc/self/status``: ``ru_maxrss`` would carry the spawning
 process's peak over into a spawned rank.
@@ -44,8 +51,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _config(kind: str, stage: int, nvme_path: Path, buffer_count: int, bandwidth: tuple[float, float]) -> dict[str, Any]:
+PLACEMENT_RUNS = ("param-first-fit", "param-bandwidth")
+
+
+def _config(kind: str, stage: int, nvme_path: Path, buffer_count: int, bandwidth: tuple[float, float],
+            max_in_cpu: int = 0) -> dict[str, Any]:
     cfg: dict[str, Any] = {"zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    if kind in PLACEMENT_RUNS:  # shards only; the optimizer state stays in memory
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(nvme_path), "buffer_count": buffer_count,
+                                                     "max_in_cpu": max_in_cpu}
+        cfg["zerofx"] = {"offload": {"nvme_read_bytes_per_s": bandwidth[0], "nvme_write_bytes_per_s": bandwidth[1]}}
+        return cfg
     if kind != "memory":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(nvme_path), "buffer_count": buffer_count}
     if kind == "param-nvme":
@@ -76,6 +92,28 @@ def _io_bytes(engine: Any) -> tuple[int, int]:
     return (sum(s.io_bytes()[0] for s in stores), sum(s.io_bytes()[1] for s in stores))
 
 
+_STORE_WAIT_S = [0.0]
+
+
+def _time_store_waits() -> None:
+    """Count the seconds the step spends in the parameter store's blocking calls (taking a shard,
+    whose NVMe read may not be done; handing one back, which waits for the oldest write-back
+    beyond ``buffer_count``; draining): the shard I/O the step waited for, as measured."""
+    from zerofx.offload.params import ParamStore
+
+    def timed(fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                _STORE_WAIT_S[0] += time.perf_counter() - start
+        return wrapper
+
+    for name in ("_take", "release", "drain"):
+        setattr(ParamStore, name, timed(getattr(ParamStore, name)))
+
+
 def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: Any) -> None:
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
@@ -87,20 +125,36 @@ def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: An
 
         torch.manual_seed(0)
         model = DNADecoderLM(DNA_LM_SIZES[args["size"]])
+        for block in model.blocks[: args.get("freeze_blocks", 0)]:
+            block.requires_grad_(False)
+        if args["kind"] in PLACEMENT_RUNS:
+            # The config has no key for the placement rule: the planner picks the faster of the two
+            # by its own prediction. Here each run forces one, to measure both.
+            import functools
+
+            import zerofx.offload.plan as offload_plan
+            from zerofx.passes.plan_offload import Placement, plan_param_offload
+
+            rule = Placement.FIRST_FIT if args["kind"] == "param-first-fit" else Placement.BANDWIDTH
+            offload_plan.plan_param_offload = functools.partial(plan_param_offload, placement=rule)  # type: ignore[assignment]
+            _time_store_waits()
         g = torch.Generator().manual_seed(1 + rank)
         batches = [torch.randint(0, 5, (args["batch"], args["seq_len"]), generator=g) for _ in range(args["steps"])]
-        cfg = _config(args["kind"], args["stage"], Path(args["nvme_path"]), args["buffer_count"], args["bandwidth"])
+        cfg = _config(args["kind"], args["stage"], Path(args["nvme_path"]), args["buffer_count"], args["bandwidth"],
+                      args.get("max_in_cpu", 0))
         engine = zerofx.initialize(model, cfg, example_inputs=(batches[0],), example_kwargs={"labels": batches[0]})
-        times, reads, writes = [], [], []
+        times, reads, writes, waits = [], [], [], []
         for ids in batches:
             before = _io_bytes(engine)
             dist.barrier()
+            waited = _STORE_WAIT_S[0]
             start = time.perf_counter()
             loss = engine(ids, labels=ids)
             engine.backward(loss)
             engine.step()
             dist.barrier()
             times.append(time.perf_counter() - start)
+            waits.append(_STORE_WAIT_S[0] - waited)
             after = _io_bytes(engine)
             reads.append(after[0] - before[0])
             writes.append(after[1] - before[1])
@@ -118,6 +172,10 @@ def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: An
             "plan_estimates": dict(engine.offload_plan.estimates) if engine.offload_store is not None else None,
             "param_plan_estimates": dict(engine.param_offload_plan.estimates) if engine.param_store is not None else None,
             "param_peak_held_bytes": engine.param_store.peak_held_bytes if engine.param_store is not None else 0,
+            "param_placement": engine.param_offload_plan.placement.value if engine.param_store is not None else None,
+            "step_times_s": times,
+            "store_wait_s": statistics.median(waits[warm:]),
+            "load_average": os.getloadavg(),
         }
         queue.put((rank, "ok", out))
     except BaseException:
@@ -157,13 +215,14 @@ def _mib(n: float) -> str:
 
 
 def render(result: dict[str, Any]) -> str:
-    base = result["runs"]["memory"]
+    base = result["runs"].get("memory") or next(iter(result["runs"].values()))
     lines = [
         f"Model {result['size']} ({result['num_params']:,} parameters), {result['world_size']} gloo ranks, ZeRO stage "
         f"{result['stage']}, fp32 AdamW, batch {result['batch']} x {result['seq_len']} tokens per rank, "
         f"{result['steps']} steps (first {result['warmup']} not timed), NVMe tier: {result['nvme_path']} "
         f"(buffer_count {result['buffer_count']}; measured {result['nvme_read_bytes_per_s'] / 1e9:.2f} GB/s read, "
-        f"{result['nvme_write_bytes_per_s'] / 1e9:.2f} GB/s write with fsync). Machine: {result['machine']}.",
+        f"{result['nvme_write_bytes_per_s'] / 1e9:.2f} GB/s write with fsync). Machine: {result['machine']}."
+        + (f" Run {result['date']}." if "date" in result else ""),
         "",
         "| run | rank | optimizer state in memory MiB | on NVMe MiB | NVMe window MiB | params in memory MiB | "
         "params on NVMe MiB | param shards in host memory at peak MiB | peak RSS MiB | RSS after MiB | "
@@ -175,7 +234,7 @@ def render(result: dict[str, Any]) -> str:
             mem, held = out["memory"], base[r]["memory"]
             left = held["optimizer_states"] + held["params"] - mem["optimizer_states"] - mem["params"]
             saved = "-" if kind == "memory" or left <= 0 else f"{(base[r]['peak_rss_bytes'] - out['peak_rss_bytes']) / left * 100:.0f}"
-            slower = "-" if kind == "memory" else f"{(out['step_s'] / base[r]['step_s'] - 1) * 100:+.0f}%"
+            slower = "-" if out is base[r] else f"{(out['step_s'] / base[r]['step_s'] - 1) * 100:+.0f}%"
             lines.append(
                 f"| {kind} | {r} | {_mib(mem['optimizer_states'])} | {_mib(mem.get('offload_nvme_bytes', 0))} | "
                 f"{_mib(mem.get('offload_window_bytes', 0))} | {_mib(mem['params'])} | {_mib(mem.get('offload_param_nvme_bytes', 0))} | "
@@ -194,6 +253,17 @@ def render(result: dict[str, Any]) -> str:
         lines.append("The engine's parameter-shard plan per step (rank 0), likewise without compute times: " + "; ".join(
             f"{kind}: shard I/O {e['io_s'] * 1e3:.0f} ms (reads {e['read_s'] * 1e3:.0f} ms, write-backs {e['write_s'] * 1e3:.0f} ms), "
             f"hidden {e['hidden_io_s'] * 1e3:.0f} ms, exposed {e['exposed_io_s'] * 1e3:.0f} ms" for kind, e in params))
+    placed = [(kind, ranks[0]) for kind, ranks in result["runs"].items() if kind in PLACEMENT_RUNS]
+    if placed:
+        e = placed[0][1]["param_plan_estimates"]
+        lines += ["", f"Shard placement ({result.get('freeze_blocks', 0)} frozen block(s), max_in_cpu {result.get('max_in_cpu', 0):,} "
+                  "elements per rank): predicted exposed shard I/O per step, rank 0, "
+                  f"first-fit decreasing {e['first_fit_exposed_io_s'] * 1e3:.0f} ms, cost per step {e['bandwidth_exposed_io_s'] * 1e3:.0f} ms; "
+                  "measured median step " + ", ".join(f"{kind} ({out['param_placement']}) {out['step_s']:.2f} s, of which waiting in "
+                                                       f"the shard store {out['store_wait_s'] * 1e3:.0f} ms (load average at the end "
+                                                       f"{out['load_average'][0]:.1f})" for kind, out in placed)
+                  + ". Step times per run (rank 0): " + "; ".join(
+                      f"{kind}: {', '.join(f'{t:.2f}' for t in out['step_times_s'])}" for kind, out in placed)]
     return "\n".join(lines)
 
 
@@ -210,25 +280,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nvme-path", type=Path, default=Path("/tmp/zerofx_bench_nvme"))
     parser.add_argument("--runs", default="memory,nvme,nvme+dpu", help="comma-separated: memory, nvme, nvme+dpu, param-nvme (stage 3)")
     parser.add_argument("--out", default=None, help="results file stem under benchmarks/results (default offload_<size>_w<W>)")
+    parser.add_argument("--freeze-blocks", type=int, default=0, help="freeze the model's first N blocks (no gradient, no update)")
+    parser.add_argument("--placement", action="store_true",
+                        help="preset: compare shard placements (--size, default 25m; stage 3, first half of the blocks frozen, max_in_cpu = the "
+                             "other half's shards, runs param-first-fit,param-bandwidth, batch 1 x 32 tokens, out "
+                             "placement_<size>_w<W>)")
     malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     parser.add_argument("--machine", default=f"{os.cpu_count()}-core CPU, no GPU, torch {torch.__version__}, "
                         + (f"MALLOC_MMAP_THRESHOLD_={malloc}" if malloc else "glibc malloc defaults"))
     args = parser.parse_args(argv)
     from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
+    if args.placement:
+        args.stage, args.runs = 3, ",".join(PLACEMENT_RUNS)
+        args.freeze_blocks = DNA_LM_SIZES[args.size].num_layers // 2
+        args.batch, args.seq_len = 1, 32
+        args.out = args.out or f"placement_{args.size}_w{args.world_size}"
     with torch.device("meta"):
-        num_params = sum(p.numel() for p in DNADecoderLM(DNA_LM_SIZES[args.size]).parameters())
+        meta_model = DNADecoderLM(DNA_LM_SIZES[args.size])
+        num_params = sum(p.numel() for p in meta_model.parameters())
+        # Room in host memory for the shards of the blocks left trainable (elements per rank, padding
+        # included): as many as the frozen blocks hold, so first-fit (largest, then earliest first)
+        # fills it with frozen shards.
+        args.max_in_cpu = sum(-(-p.numel() // args.world_size) for p in meta_model.blocks[args.freeze_blocks:].parameters())
     from zerofx.offload import measure_nvme_bytes_per_s
 
     bandwidth = measure_nvme_bytes_per_s(args.nvme_path)
     stem_name = args.out or f"offload_{args.size}_w{args.world_size}"
     result: dict[str, Any] = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "num_params": num_params,
+                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "nvme_read_bytes_per_s": bandwidth[0], "nvme_write_bytes_per_s": bandwidth[1], "runs": {}}
     for kind in args.runs.split(","):
         shutil.rmtree(args.nvme_path, ignore_errors=True)
         spec = {"kind": kind, "size": args.size, "stage": args.stage, "steps": args.steps, "warmup": args.warmup,
                 "batch": args.batch, "seq_len": args.seq_len, "buffer_count": args.buffer_count, "nvme_path": str(args.nvme_path),
-                "bandwidth": bandwidth}
+                "bandwidth": bandwidth, "freeze_blocks": args.freeze_blocks, "max_in_cpu": args.max_in_cpu}
         print(f"[bench_offload] {kind} ...", file=sys.stderr, flush=True)
         result["runs"][kind] = run_config(spec, args.world_size)
         RESULTS.mkdir(exist_ok=True)

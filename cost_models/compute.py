@@ -19,18 +19,35 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class DeviceSpec:
+    """The rates one rank computes at (what the model assumes it reaches, not the datasheet's
+    peak), and its memory (None: not stated; planners then take the budget from the config)."""
+
     name: str
     matmul_flops_per_s: float
     memory_bytes_per_s: float
+    memory_capacity_bytes: float | None = None
 
 
 # One CPU core of this project's machine, one thread per rank, measured with `zerofx calibrate`:
 # a 512x512 fp32 matmul and a 64 MiB copy.
 CPU_CORE = DeviceSpec("cpu-core", 74e9, 2.2e9)
-# H100 SXM: dense bf16 ~ 990 TFLOP/s peak, ~ 60% reachable; HBM3 3.35 TB/s.
-H100 = DeviceSpec("h100", 600e12, 3.0e12)
 
-DEVICES = {spec.name: spec for spec in (CPU_CORE, H100)}
+# The share of the datasheet's dense bf16 peak a transformer's matrix products reach: ~60%, the
+# model FLOPs utilization large-model training reports on H100 (e.g. ~50-60% MFU in Meta's
+# Llama 3 paper, 400 TFLOP/s per GPU of 989) rounded up for the matmuls alone.
+MATMUL_EFFICIENCY = 0.6
+# The share of the HBM peak a streaming kernel reaches (~90% in STREAM-like copies on H100).
+MEMORY_EFFICIENCY = 0.9
+# H100 SXM5: 989.4 TFLOP/s dense BF16 (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s
+# (NVIDIA H100 Tensor Core GPU datasheet).
+H100_PEAK_BF16_FLOPS = 989.4e12
+H100 = DeviceSpec("h100", H100_PEAK_BF16_FLOPS * MATMUL_EFFICIENCY, 3.35e12 * MEMORY_EFFICIENCY, 80e9)
+# H200 SXM: the same Hopper tensor cores (989.4 TFLOP/s dense BF16), 141 GB HBM3e at 4.8 TB/s
+# (NVIDIA H200 Tensor Core GPU datasheet).
+H200_PEAK_BF16_FLOPS = 989.4e12
+H200 = DeviceSpec("h200", H200_PEAK_BF16_FLOPS * MATMUL_EFFICIENCY, 4.8e12 * MEMORY_EFFICIENCY, 141e9)
+
+DEVICES = {spec.name: spec for spec in (CPU_CORE, H100, H200)}
 
 
 def _numel(val: object) -> int:

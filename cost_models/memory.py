@@ -77,21 +77,24 @@ def zero_paper_bytes(num_params: int, *, stage: int, world_size: int) -> float:
 
 
 def paper_breakdown(num_params: float, *, stage: int, world_size: int, offload: str = "none",
-                    offload_param: str = "none") -> dict[str, float]:
+                    offload_param: str = "none", offload_grad: str = "none") -> dict[str, float]:
     """The ZeRO paper's per-device accounting for mixed-precision Adam: fp16 parameters (2 bytes),
     fp16 gradients (2) and fp32 master weights + momentum + variance (12), sharded per stage.
-    With ``offload`` = "cpu" or "nvme" (ZeRO-Offload/Infinity), the optimizer states leave the
-    device for that tier: they are reported as ``offloaded_bytes``. With ``offload_param`` (stage
-    3 only: the parameter shards) the shards leave it too: ``offloaded_param_bytes``."""
-    for name, value in (("offload", offload), ("offload_param", offload_param)):
-        if value not in ("none", "cpu", "nvme"):
-            raise ValueError(f"{name}={value!r}; accepted: none, cpu, nvme")
+    With ``offload`` = "cpu", "nvme" or "auto" (ZeRO-Offload/Infinity; "auto": the planner picks
+    the tier), the optimizer states leave the device: they are reported as ``offloaded_bytes``.
+    With ``offload_param`` (stage 3 only: the parameter shards) the shards leave it too:
+    ``offloaded_param_bytes``; with ``offload_grad`` (stages 2 and 3: the reduced gradient
+    shards), the gradients: ``offloaded_grad_bytes``."""
+    for name, value in (("offload", offload), ("offload_param", offload_param), ("offload_grad", offload_grad)):
+        if value not in ("none", "cpu", "nvme", "auto"):
+            raise ValueError(f"{name}={value!r}; accepted: none, cpu, nvme, auto")
     p, n = float(num_params), world_size
     params = 2 * p / n if stage >= 3 else 2 * p
     grads = 2 * p / n if stage >= 2 else 2 * p
     states = 12 * p / n if stage >= 1 else 12 * p
     params_away = offload_param != "none" and stage >= 3
-    on_device = (0.0 if params_away else params) + grads + (states if offload == "none" else 0.0)
+    grads_away = offload_grad != "none" and stage >= 2
+    on_device = (0.0 if params_away else params) + (0.0 if grads_away else grads) + (states if offload == "none" else 0.0)
     return {
         "params_bytes": params,
         "grads_bytes": grads,
@@ -99,4 +102,5 @@ def paper_breakdown(num_params: float, *, stage: int, world_size: int, offload: 
         "per_device_bytes": on_device,
         "offloaded_bytes": 0.0 if offload == "none" else states,
         "offloaded_param_bytes": params if params_away else 0.0,
+        "offloaded_grad_bytes": grads if grads_away else 0.0,
     }

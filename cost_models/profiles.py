@@ -12,7 +12,7 @@ from zerofx.cost_models.comm import PROFILES as COMM_PROFILES
 from zerofx.cost_models.comm import CommSpec
 from zerofx.cost_models.compute import DEVICES, DeviceSpec
 
-BUILTIN = {"cpu": ("cpu-gloo", "cpu-core"), "h100": ("8xH100-nvlink-ib400", "h100")}
+BUILTIN = {"cpu": ("cpu-gloo", "cpu-core"), "h100": ("8xH100-nvlink-ib400", "h100"), "h200": ("8xH200-nvlink-ib400", "h200")}
 
 
 def save_profile(path: Path, comm: CommSpec, device: DeviceSpec) -> None:
@@ -20,7 +20,7 @@ def save_profile(path: Path, comm: CommSpec, device: DeviceSpec) -> None:
 
 
 def load_profile(name_or_path: str) -> tuple[CommSpec, DeviceSpec]:
-    """A built-in profile by name (``cpu``, ``h100``) or a JSON file from ``zerofx calibrate``."""
+    """A built-in profile by name (``cpu``, ``h100``, ``h200``) or a JSON file from ``zerofx calibrate``."""
     if name_or_path in BUILTIN:
         comm, device = BUILTIN[name_or_path]
         return COMM_PROFILES[comm], DEVICES[device]

@@ -8,9 +8,13 @@ these, this is the only file to touch.
   with ``aot_autograd`` runs. ``torch._functorch.config``: its documented switches, patched
   for one call (``cse``, NOTE [Our own CSE instead of the partitioner's] in passes/cse.py).
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: fake tensors, so planning a 1B-parameter
-  model at world size 1024 allocates no parameter memory.
+  model at world size 1024 allocates no parameter memory. ``FakeTensor(mode, meta_tensor,
+  device)``, a private constructor, rebuilds a cached graph's fake values (``fake_tensor``).
 - ``torch.ops._c10d_functional``: functional collectives (an op returns a tensor, a separate
-  ``wait_tensor`` op waits for it), the form torch's own overlap tooling reads.
+  ``wait_tensor`` op waits for it), the form torch's own overlap tooling reads;
+  ``torch.ops._c10d_functional_autograd.all_to_all_single``: the all-to-all with its gradient
+  (another all-to-all), for sequence parallelism. ``torch._C._distributed_c10d._register_process_group``:
+  the name a graph's collectives resolve their group by (``register_group_name``).
 - ``torch.utils.checkpoint.CheckpointPolicy``: the recompute tag the min-cut partitioner honours.
 - ``torch.utils._pytree``: flattening of nested call arguments (``tree_flatten`` and friends),
   re-exported as ``pytree`` for capture, the engine and the passes.
@@ -108,7 +112,10 @@ REDUCE_SCATTER = c10d_functional.reduce_scatter_tensor.default
 ALL_REDUCE = c10d_functional.all_reduce.default
 WAIT = c10d_functional.wait_tensor.default
 
-COLLECTIVE_TARGETS = (ALL_GATHER, ALL_GATHER_INTO, REDUCE_SCATTER, ALL_REDUCE)
+ALL_TO_ALL = c10d_functional.all_to_all_single.default
+ALL_TO_ALL_AUTOGRAD = torch.ops._c10d_functional_autograd.all_to_all_single.default  # traced before autograd
+
+COLLECTIVE_TARGETS = (ALL_GATHER, ALL_GATHER_INTO, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALL_AUTOGRAD)
 
 # PyTorch's blocked (flash) attention kernel on CPU and its backward: what
 # scaled_dot_product_attention dispatches to there. Used by zerofx::blocked_attention.
@@ -142,6 +149,56 @@ def set_group_timeout(group: Any, timeout: Any) -> None:
     set_timeout = getattr(c10d, "_set_pg_timeout", None)
     if set_timeout is not None:
         set_timeout(timeout, group)
+
+
+def register_group_name(name: str, group: Any) -> None:
+    """Make ``name`` resolve to ``group`` in functional collectives on this rank. Each rank
+    registers its own sub-group (its sequence group, its shard group) under one name that every
+    rank shares, so every rank's graphs are the same code. torch names groups itself
+    (``group.group_name``, different for each sub-group); the registry is private."""
+    import torch._C._distributed_c10d as c10d_c
+
+    try:
+        c10d_c._unregister_process_group(name)
+    except Exception:  # noqa: BLE001  (not registered yet)
+        pass
+    c10d_c._register_process_group(name, group)
+
+
+def fake_tensor(fake_mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple[int, ...], storage_offset: int, dtype: torch.dtype,
+                device: torch.device) -> FakeTensor:
+    """A fake tensor of ``fake_mode`` with this layout, built directly around a meta tensor: about
+    seven times faster than ``torch.empty_strided`` under the mode, which goes through its
+    dispatch cache (``zerofx.plan_cache`` rebuilds thousands of ``meta['val']``). ``FakeTensor``'s
+    constructor is private."""
+    elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    if storage_offset:
+        elem = elem.as_strided(shape, stride, storage_offset)
+    return FakeTensor(fake_mode, elem, device)
+
+
+def op_address(target: Any) -> tuple[str, str, str | None] | None:
+    """(namespace, name, overload) of an operator overload, (namespace, name, None) of an
+    operator packet, else None: how ``zerofx.plan_cache`` stores a graph's ops (``torch._ops``'
+    classes are private), and finds them again with ``op_at``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return (target.namespace, target._opname, target._overloadname)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        namespace, name = target._qualified_op_name.split("::")
+        return (namespace, name, None)
+    return None
+
+
+def op_at(namespace: str, name: str, overload: str | None) -> Any:
+    """The operator ``op_address`` described (its library must be registered)."""
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
+
+
+def graph_codegen(graph: torch.fx.Graph) -> torch.fx.graph.CodeGen:
+    """The codegen a graph writes its Python with (``Graph.set_codegen`` sets it; reading it back
+    has no public accessor)."""
+    return graph._codegen
 
 
 def fake_process_group(world_size: int, rank: int = 0) -> None:

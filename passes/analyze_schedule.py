@@ -40,7 +40,7 @@ from zerofx.cost_models.compute import DeviceSpec, estimate_node_s
 from zerofx.cost_models.memory_timeline import TimelinePoint, peak, step_timeline
 from zerofx.passes import meta
 from zerofx.passes.check_collectives import GRAPH_ORDER
-from zerofx.passes.plan import Plan
+from zerofx.passes.plan import REPLICATE, Plan
 from zerofx.units import format_bytes
 
 aten = torch.ops.aten
@@ -243,14 +243,17 @@ def sequence_modules(gm: fx.GraphModule, modules: Mapping[fx.Node, str]) -> dict
     return found
 
 
-def _comm_s(node: fx.Node, world_size: int, spec: CommSpec) -> float:
+def _comm_s(node: fx.Node, plan: Plan, spec: CommSpec) -> float:
     val = node.args[0].meta["val"]
     nbytes = val.numel() * val.element_size()
-    if meta.is_all_gather(node):
-        return estimate_all_gather_s(nbytes * world_size, world_size, spec)
+    if meta.is_all_gather(node):  # over the shard group: its size is the op's argument
+        return estimate_all_gather_s(nbytes * int(node.args[1]), int(node.args[1]), spec)
     if meta.is_reduce_scatter(node):
-        return estimate_reduce_scatter_s(nbytes, world_size, spec)
-    return estimate_all_reduce_s(nbytes, world_size, spec)
+        return estimate_reduce_scatter_s(nbytes, int(node.args[2]), spec)
+    if meta.is_all_to_all(node):  # over the sequence group (one split per rank): each rank sends (S-1)/S of it, as in this all-gather
+        return estimate_all_gather_s(nbytes, len(node.args[1]), spec)
+    ranks = plan.num_shard_groups if node.meta.get(meta.COMM_GROUP) == REPLICATE else plan.world_size
+    return estimate_all_reduce_s(nbytes, ranks, spec)
 
 
 def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm: CommSpec, device: DeviceSpec) -> ScheduleReport:
@@ -287,7 +290,7 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
         previous, previous_module = "start", START
         for node in gm.graph.nodes:
             if meta.is_collective(node):
-                dur = _comm_s(node, plan.world_size, comm)
+                dur = _comm_s(node, plan, comm)
                 begin = max(t, channel_free)
                 channel_free = begin + dur
                 pending[node] = (channel_free, dur, start_compute, (previous, previous_module), issued)

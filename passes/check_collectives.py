@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from zerofx.passes import meta
 
-GRAPH_ORDER = ("forward", "backward", "param_sync")
+GRAPH_ORDER = ("forward", "backward", "grad_sync", "param_sync")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ ROLE = "zerofx_role"  # Role
 # On nodes a rewrite inserts:
 COMM_FQNS = "zerofx_comm_fqns"  # tuple[str, ...]: the bucket of parameters a collective moves
 COMM_BYTES = "zerofx_comm_bytes"  # int: bytes this rank contributes to the collective
+COMM_GROUP = "zerofx_comm_group"  # str: plan.SHARD or plan.REPLICATE, the group it runs over (absent: SHARD)
 
 
 class Role(str, enum.Enum):
@@ -48,6 +49,11 @@ def is_reduce_scatter(node: fx.Node) -> bool:
 
 def is_all_reduce(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is _compat.ALL_REDUCE
+
+
+def is_all_to_all(node: fx.Node) -> bool:
+    """Sequence parallelism's exchange (both forms: autograd's, traced before autograd, and the plain one)."""
+    return node.op == "call_function" and node.target in (_compat.ALL_TO_ALL, _compat.ALL_TO_ALL_AUTOGRAD)
 
 
 def is_collective(node: fx.Node) -> bool:

@@ -42,19 +42,19 @@ def build_param_sync(plan: Plan, *, group_name: str) -> fx.GraphModule | None:
             full.meta["val"] = torch.empty(p.padded_numel, dtype=p.torch_dtype)
         full.meta[meta.FQN] = p.fqn
     outputs: list[fx.Node] = []
-    n = plan.world_size
+    n = plan.shard_group_size  # gathered within the shard group: its K ranks hold the K shards
     for bucket in plan.sync_buckets:
         message, _ = bucket_ops.pack(graph, [shards[f] for f in bucket])  # (S,)
-        gathered = meta.add_call(graph, _compat.ALL_GATHER, (message, n, group_name))  # (N * S,)
+        gathered = meta.add_call(graph, _compat.ALL_GATHER, (message, n, group_name))  # (K * S,)
         gathered.meta[meta.COMM_FQNS] = bucket
         gathered.meta[meta.COMM_BYTES] = sum(params[f].shard_numel * params[f].itemsize for f in bucket)
         waited = meta.add_call(graph, _compat.WAIT, (gathered,))
         total = sum(params[f].shard_numel for f in bucket)
-        grid = meta.add_call(graph, aten.view.default, (waited, [n, total]))  # (N, S): rank r's shards in row r
+        grid = meta.add_call(graph, aten.view.default, (waited, [n, total]))  # (K, S): shard i's in row i
         offset = 0
         for f in bucket:
             s = params[f].shard_numel
-            cols = meta.add_call(graph, aten.slice.Tensor, (grid, 1, offset, offset + s))  # (N, s), strided
+            cols = meta.add_call(graph, aten.slice.Tensor, (grid, 1, offset, offset + s))  # (K, s), strided
             target = meta.add_call(graph, aten.view.default, (fulls[f], [n, s]))
             outputs.append(meta.add_call(graph, aten.copy_.default, (target, cols)))
             offset += s

@@ -40,8 +40,9 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, tor
 class ParamPlacement:
     """How one parameter is laid out across ranks.
 
-    The flat parameter is padded to ``padded_numel`` (a multiple of the world size) and rank r
-    owns ``[r * shard_numel, (r + 1) * shard_numel)`` of it.
+    The flat parameter is padded to ``padded_numel`` (a multiple of the shard group size K, the
+    world size when flat) and the rank at shard index i (``Plan.shard_index(rank)``, ``rank % K``)
+    owns ``[i * shard_numel, (i + 1) * shard_numel)`` of it.
     """
 
     fqn: str
@@ -64,21 +65,29 @@ class ParamPlacement:
         """Whether ranks hold only their shard of this parameter between steps."""
         return stage >= 3 and self.fqn not in persistent
 
-    def owned_range(self, rank: int) -> tuple[int, int]:
-        """[start, stop) of the real (unpadded) elements rank ``rank`` owns."""
-        start = min(rank * self.shard_numel, self.numel)
+    def owned_range(self, shard_index: int) -> tuple[int, int]:
+        """[start, stop) of the real (unpadded) elements the rank at ``shard_index`` owns (its rank
+        when sharding is flat)."""
+        start = min(shard_index * self.shard_numel, self.numel)
         return start, min(start + self.shard_numel, self.numel)
+
+
+# The process groups a collective runs over: ``SHARD``, the rank's shard group (every rank when
+# sharding is flat); ``REPLICATE``, the ranks holding the same shard index in every shard group.
+SHARD = "shard"
+REPLICATE = "replicate"
 
 
 @dataclass(frozen=True)
 class Collective:
     """One collective in the schedule: the bucket of parameters it moves, the graph that issues
-    it, and how many bytes each rank sends in."""
+    it, how many bytes each rank sends in, and the group it runs over."""
 
     kind: CommKind
     fqns: tuple[str, ...]
-    graph: str  # "forward", "backward" or "param_sync"
+    graph: str  # "forward", "backward", "grad_sync" or "param_sync"
     bytes_per_rank: int
+    group: str = SHARD
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,24 @@ class Plan:
     # Stage 3: weights gathered, used and reduced one tile at a time inside their linear
     # (``tile_weights_pass``), as (fqn, tiles); they are in no gather or reduce bucket.
     tile_gathered: tuple[tuple[str, int], ...] = ()
+    # Ranks that share one copy of the ZeRO state: groups of K consecutive ranks, each holding a
+    # full sharded copy, replicated across the world_size // K groups (NOTE [Shard groups of
+    # consecutive ranks]). 0 when built means flat: one group of all ranks.
+    shard_group_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.shard_group_size == 0:
+            object.__setattr__(self, "shard_group_size", self.world_size)
+        assert self.shard_group_size >= 1 and self.world_size % self.shard_group_size == 0, (self.world_size, self.shard_group_size)
+
+    @property
+    def num_shard_groups(self) -> int:
+        """How many replicas of the sharded state there are (1 when sharding is flat)."""
+        return self.world_size // self.shard_group_size
+
+    def shard_index(self, rank: int) -> int:
+        """Which shard of every parameter rank ``rank`` owns: its place within its shard group."""
+        return rank % self.shard_group_size
 
     def param(self, fqn: str) -> ParamPlacement:
         for p in self.params:
@@ -167,11 +194,13 @@ class Plan:
             prefetch_distance=d["prefetch_distance"],
             overlap=d["overlap"],
             persistent=tuple(d["persistent"]),
-            schedule=tuple(Collective(CommKind(c["kind"]), tuple(c["fqns"]), c["graph"], c["bytes_per_rank"]) for c in d["schedule"]),
+            schedule=tuple(Collective(CommKind(c["kind"]), tuple(c["fqns"]), c["graph"], c["bytes_per_rank"], c.get("group", SHARD))
+                           for c in d["schedule"]),
             estimates=d["estimates"],
             decisions=tuple(d.get("decisions", ())),
             tiling=TilingPlan.from_dict(d["tiling"]) if d.get("tiling") is not None else None,
             tile_gathered=tuple((f, t) for f, t in d.get("tile_gathered", ())),
+            shard_group_size=d.get("shard_group_size", d["world_size"]),
         )
 
     def fingerprint(self) -> str:
@@ -193,6 +222,9 @@ class Plan:
         rows = [(g, k, len(v), format_bytes(sum(v))) for (g, k), v in counts.items()]
         lines.append(tabulate(rows, headers=["graph", "collective", "count", "sent in per rank"], tablefmt="simple",
                               colalign=("left", "left", "right", "right")))
+        if self.shard_group_size < self.world_size:
+            lines.append(f"shard groups: {self.num_shard_groups} groups of {self.shard_group_size} consecutive ranks, "
+                         "state sharded within a group and replicated across groups")
         if self.stage is ZeroStage.THREE:
             lines.append(f"prefetch distance {self.prefetch_distance} bucket(s) ahead")
         lines += [f"decision: {d}" for d in self.decisions]

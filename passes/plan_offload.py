@@ -20,10 +20,29 @@ than step order would: small records fill the gaps at the end.
 The update order puts device and host records first, then NVMe records in backward order: the
 first ``buffer_count`` NVMe reads are issued as the backward pass starts, so they have the
 whole backward pass and the updates of the in-memory records to complete before they are needed.
+
+NOTE [Placing shards by their cost per step]
+Parameter shards do not all cost the same per byte, so filling the fast tier largest first is
+not always best. A trainable shard is read twice per step (forward and backward gather it) and
+written once (after the update); a frozen one is only read. A read can hide behind the compute
+that runs between its issue and its use: with ``buffer_count`` reads ahead, bucket k of a pass
+hides behind the compute of the ``min(k, buffer_count)`` buckets before it, and the first bucket
+of each pass (forward's first, backward's first: the model's last) behind none. The cost of a
+shard on a tier is then ``exposed reads + writes`` in seconds, from its bytes and the tier's read
+and write bandwidths, and what a byte of the fast tier's budget saves is ``(cost on the slow tier
+- cost on the fast tier) / bytes``. ``plan_param_offload`` builds two placements, first-fit
+decreasing and this one (most saving per byte first onto the fastest tier with room, largest
+first among equals), replays each with ``estimate_param_fetch_s`` and keeps the one whose
+exposed I/O per step is lower; first-fit on a tie, so where every shard costs the same per byte
+the plan is what first-fit gives. The plan records both predicted times. The budgets are the
+user's (``max_in_cpu``, ``device``); only the choice of which shards use them is the planner's.
+Optimizer-state records all move once each way per step, so their cost per byte is the same on
+a tier and first-fit decreasing is already what this rule gives them.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -40,6 +59,14 @@ from zerofx.cost_models.offload import (
 )
 
 _FASTEST_FIRST = (Tier.DEVICE, Tier.CPU, Tier.NVME)
+
+
+class Placement(str, enum.Enum):
+    """How the shards' tiers were chosen (NOTE [Placing shards by their cost per step])."""
+
+    FIRST_FIT = "first_fit"  # largest first onto the fastest tier with room
+    BANDWIDTH = "bandwidth"  # most exposed seconds saved per byte first
+    BEST = "best"  # the planner's choice: whichever of the two the fetch timeline predicts faster
 
 
 class _TierPlacement:
@@ -185,8 +212,11 @@ class ParamOffloadPlan(_TierPlacement):
     tiers: tuple[tuple[str, Tier], ...]  # (fqn, tier), model order
     shard_bytes: tuple[tuple[str, int], ...]
     buffer_count: int
-    # Seconds per step (forward + backward reads, write-backs; exposed = waited for).
+    # Seconds per step (forward + backward reads, write-backs; exposed = waited for), and the
+    # exposed seconds each placement was predicted to cost (``first_fit_exposed_io_s``,
+    # ``bandwidth_exposed_io_s``).
     estimates: Mapping[str, float]
+    placement: Placement = Placement.FIRST_FIT  # which placement ``tiers`` is
     _SIZES = "shard_bytes"
 
     @property
@@ -201,6 +231,7 @@ class ParamOffloadPlan(_TierPlacement):
             shard_bytes=tuple((f, int(b)) for f, b in d["shard_bytes"]),
             buffer_count=d["buffer_count"],
             estimates=d["estimates"],
+            placement=Placement(d.get("placement", Placement.FIRST_FIT.value)),
         )
 
     def __str__(self) -> str:
@@ -210,13 +241,49 @@ class ParamOffloadPlan(_TierPlacement):
 
         e = self.estimates
         rows = [(t.value, len(self.fqns_on(t)), format_bytes(self.bytes_on(t))) for t in _FASTEST_FIRST]
-        return "\n".join([
+        lines = [
             f"offload_param: parameter shards per tier, {self.buffer_count} NVMe reads ahead",
             tabulate(rows, headers=["tier", "shards", "bytes per rank"], tablefmt="simple"),
             f"parameter I/O {e['io_s'] * 1e3:.3g} ms per step (reads {e['read_s'] * 1e3:.3g} ms in forward and backward, "
             f"write-backs {e['write_s'] * 1e3:.3g} ms), of which hidden {e['hidden_io_s'] * 1e3:.3g} ms and exposed "
             f"{e['exposed_io_s'] * 1e3:.3g} ms",
-        ])
+        ]
+        if "first_fit_exposed_io_s" in e:
+            ff, bw = e["first_fit_exposed_io_s"], e["bandwidth_exposed_io_s"]
+            chosen = "cost per step (bandwidth-centric)" if self.placement is Placement.BANDWIDTH else "first-fit decreasing"
+            lines.append(f"placement: {chosen}; predicted exposed parameter I/O {bw * 1e3:.3g} ms per step by cost per step, "
+                         f"{ff * 1e3:.3g} ms by first-fit decreasing")
+        return "\n".join(lines)
+
+
+def _first_fit(
+    sizes: Sequence[tuple[str, int]], budgets: Mapping[Tier, float], key: Mapping[str, float] | None = None
+) -> tuple[dict[str, Tier], str | None]:
+    """Each ``(fqn, bytes)`` onto the fastest tier with room, in order of ``key`` (descending;
+    default: bytes), largest and then earliest first among equals. Also the first fqn that had no
+    room (None when all fit)."""
+    left = dict(budgets)
+    placed: dict[str, Tier] = {}
+    position = {f: i for i, (f, _) in enumerate(sizes)}
+    rank = key if key is not None else {f: 0.0 for f, _ in sizes}
+    for fqn, size in sorted(sizes, key=lambda r: (-rank[r[0]], -r[1], position[r[0]])):
+        tier = next((t for t in _FASTEST_FIRST if size <= left[t]), None)
+        if tier is None:
+            return placed, fqn
+        left[tier] -= size
+        placed[fqn] = tier
+    return placed, None
+
+
+def _tier_cost_s(nbytes: int, tier: Tier, tiers: Mapping[Tier, TierSpec], *, hide_s: Sequence[float], writes: int) -> float:
+    """Exposed seconds per step of a shard on ``tier``: each read (one per pass) beyond the compute
+    it hides behind in that pass (``hide_s``), and its writes."""
+    spec = tiers.get(tier)
+    if tier is Tier.DEVICE or spec is None:
+        return 0.0
+    read = 0.0 if math.isinf(spec.read_bytes_per_s) else nbytes / spec.read_bytes_per_s
+    write = 0.0 if math.isinf(spec.write_bytes_per_s) else writes * nbytes / spec.write_bytes_per_s
+    return sum(max(read - h, 0.0) for h in hide_s) + write
 
 
 def plan_param_offload(
@@ -227,46 +294,67 @@ def plan_param_offload(
     buffer_count: int,
     forward_s: float = 0.0,
     backward_s: float = 0.0,
+    placement: Placement = Placement.BEST,
 ) -> ParamOffloadPlan:
-    """Place each sharded parameter ``(fqn, shard_bytes, trainable)`` (model order) on a tier,
-    first-fit decreasing onto the fastest tier with room, as ``plan_offload`` does (a shard is
-    read twice and, if trainable, written once per step: the fast tiers save the most when full).
-    ``buckets`` are the all-gather buckets in forward order; backward gathers them in reverse.
-    Each bucket is assumed needed at an even share of the pass's compute (``forward_s``,
-    ``backward_s``). ``ValueError`` when the shards do not fit the budgets."""
+    """Place each sharded parameter ``(fqn, shard_bytes, trainable)`` (model order) on a tier:
+    by default the better of first-fit decreasing and the cost-per-step placement (NOTE [Placing
+    shards by their cost per step]); ``placement`` forces one of them. ``buckets`` are the
+    all-gather buckets in forward order; backward gathers them in reverse. Each bucket is assumed
+    needed at an even share of the pass's compute (``forward_s``, ``backward_s``). ``ValueError``
+    when the shards do not fit the budgets."""
     budgets = {t: (tiers[t].budget_bytes if t in tiers else 0.0) for t in _FASTEST_FIRST}
-    left = dict(budgets)
-    placed: dict[str, Tier] = {}
-    position = {f: i for i, (f, _, _) in enumerate(shards)}
-    for fqn, size, _ in sorted(shards, key=lambda r: (-r[1], position[r[0]])):
-        tier = next((t for t in _FASTEST_FIRST if size <= left[t]), None)
-        if tier is None:
-            raise ValueError(
-                f"parameter shards of {sum(b for _, b, _ in shards)} bytes do not fit the offload_param budgets "
-                f"({', '.join(f'{t.value} {b:g}' for t, b in budgets.items())} bytes): {fqn} ({size} bytes) has no room; "
-                "raise max_in_cpu or use device nvme"
-            )
-        left[tier] -= size
-        placed[fqn] = tier
     sizes = {f: b for f, b, _ in shards}
+    trainable = {f: t for f, _, t in shards}
+    first_fit, no_room = _first_fit([(f, b) for f, b, _ in shards], budgets)
+    if no_room is not None:
+        raise ValueError(
+            f"parameter shards of {sum(b for _, b, _ in shards)} bytes do not fit the offload_param budgets "
+            f"({', '.join(f'{t.value} {b:g}' for t, b in budgets.items())} bytes): {no_room} ({sizes[no_room]} bytes) has no room; "
+            "raise max_in_cpu or use device nvme"
+        )
 
-    def one_pass(order: Sequence[Sequence[str]], pass_s: float) -> tuple[float, float]:
+    def one_pass(placed: Mapping[str, Tier], order: Sequence[Sequence[str]], pass_s: float) -> tuple[float, float]:
         items = [
             FetchItem(f, placed[f], sizes[f], pass_s * k / max(len(order), 1))
             for k, bucket in enumerate(order) for f in bucket if f in placed
         ]
         return estimate_param_fetch_s(items, tiers, buffer_count=buffer_count)
 
-    fw_read, fw_exposed = one_pass(buckets, forward_s)
-    bw_read, bw_exposed = one_pass(list(reversed(buckets)), backward_s)
-    write = estimate_param_write_s([(placed[f], b) for f, b, trainable in shards if trainable], tiers)
-    io = fw_read + bw_read + write
-    exposed = fw_exposed + bw_exposed + write
-    estimates = {"read_s": fw_read + bw_read, "write_s": write, "io_s": io, "exposed_io_s": exposed,
-                 "hidden_io_s": max(io - exposed, 0.0)}
+    def estimate(placed: Mapping[str, Tier]) -> dict[str, float]:
+        fw_read, fw_exposed = one_pass(placed, buckets, forward_s)
+        bw_read, bw_exposed = one_pass(placed, list(reversed(buckets)), backward_s)
+        write = estimate_param_write_s([(placed[f], b) for f, b, t in shards if t], tiers)
+        io = fw_read + bw_read + write
+        exposed = fw_exposed + bw_exposed + write
+        return {"read_s": fw_read + bw_read, "write_s": write, "io_s": io, "exposed_io_s": exposed,
+                "hidden_io_s": max(io - exposed, 0.0)}
+
+    # What each byte of a fast tier saves (NOTE [Placing shards by their cost per step]).
+    n = max(len(buckets), 1)
+    hide = {f: (0.0, 0.0) for f in sizes}  # (forward, backward) compute each read hides behind
+    for k, bucket in enumerate(buckets):
+        for f in bucket:
+            if f in hide:  # forward gathers bucket k k-th, backward (n - 1 - k)-th
+                hide[f] = (forward_s * min(k, buffer_count) / n, backward_s * min(n - 1 - k, buffer_count) / n)
+    slow = next(t for t in reversed(_FASTEST_FIRST) if budgets[t] > 0 or t is Tier.DEVICE)
+    saving = {}
+    for f, b in sizes.items():
+        on_slow = _tier_cost_s(b, slow, tiers, hide_s=hide[f], writes=int(trainable[f]))
+        on_fast = min(_tier_cost_s(b, t, tiers, hide_s=hide[f], writes=int(trainable[f])) for t in _FASTEST_FIRST)
+        saving[f] = (on_slow - on_fast) / max(b, 1)
+    by_cost, no_room = _first_fit([(f, b) for f, b, _ in shards], budgets, key=saving)
+    if no_room is not None:  # packing in another order left a gap: keep first-fit
+        by_cost = first_fit
+    first_fit_e, by_cost_e = estimate(first_fit), estimate(by_cost)
+    if placement is Placement.BEST:
+        better = by_cost_e["exposed_io_s"] < first_fit_e["exposed_io_s"] * (1 - 1e-9)
+        placement = Placement.BANDWIDTH if better else Placement.FIRST_FIT
+    placed, estimates = (by_cost, by_cost_e) if placement is Placement.BANDWIDTH else (first_fit, first_fit_e)
+    estimates = {**estimates, "first_fit_exposed_io_s": first_fit_e["exposed_io_s"], "bandwidth_exposed_io_s": by_cost_e["exposed_io_s"]}
     return ParamOffloadPlan(
         tiers=tuple((f, placed[f]) for f, _, _ in shards),
         shard_bytes=tuple((f, b) for f, b, _ in shards),
         buffer_count=buffer_count,
         estimates=estimates,
+        placement=placement,
     )

@@ -26,6 +26,7 @@ from zerofx.cost_models.comm import CPU_GLOO, CommSpec, efficient_bucket_bytes
 from zerofx.cost_models.memory import estimate_model_state_bytes
 from zerofx.passes import meta
 from zerofx.passes.plan import (
+    REPLICATE,
     Collective,
     CommKind,
     ParamPlacement,
@@ -46,11 +47,16 @@ from zerofx.passes.tiled_kernels import tile_bounds
 _tiling_log = logging.getLogger("zerofx.tiling")  # weights gathered whole, with the reason
 
 
-def place_param(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool, world_size: int) -> ParamPlacement:
-    """A parameter's flat layout: padded to a multiple of ``world_size``, 1/N of it per rank."""
+def place_param(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool, world_size: int,
+                shard_group_size: int | None = None) -> ParamPlacement:
+    """A parameter's flat layout: padded to a multiple of the shard group size K (the world size
+    when flat), 1/K of it per rank; rank r holds shard ``r % K`` (NOTE [Shard groups of
+    consecutive ranks])."""
+    k = world_size if shard_group_size is None else shard_group_size
+    assert k >= 1 and world_size % k == 0, (world_size, k)
     numel = math.prod(shape)
-    shard = -(-numel // world_size)
-    return ParamPlacement(fqn, tuple(shape), str(dtype), requires_grad, numel, shard, shard * world_size)
+    shard = -(-numel // k)
+    return ParamPlacement(fqn, tuple(shape), str(dtype), requires_grad, numel, shard, shard * k)
 
 
 DEFAULT_MAX_BUCKET_NUMEL = 50_000_000
@@ -73,8 +79,10 @@ def plan_sharding(
     optimizer: str,
     options: ScheduleOptions = _DEFAULT_OPTIONS,
     comm: CommSpec = CPU_GLOO,
+    shard_group_size: int | None = None,
 ) -> Plan:
     assert world_size >= 1 and stage in ZeroStage
+    k = world_size if shard_group_size is None else shard_group_size
     graph = joint.graph
     primals = [n for n in meta.placeholders(graph) if n.meta[meta.ROLE] is not meta.Role.TANGENT]
     grads = meta.output_node(graph).args[0][1:]
@@ -83,7 +91,7 @@ def plan_sharding(
     position = {n: i for i, n in enumerate(graph.nodes)}
 
     placements = [
-        place_param(ph.meta[meta.FQN], tuple(ph.meta["val"].shape), ph.meta["val"].dtype, grad_of[ph] is not None, world_size)
+        place_param(ph.meta[meta.FQN], tuple(ph.meta["val"].shape), ph.meta["val"].dtype, grad_of[ph] is not None, world_size, k)
         for ph in params
     ]
 
@@ -94,7 +102,7 @@ def plan_sharding(
     tiled, decisions = ({}, [])
     read_in_backward: frozenset[str] = frozenset()
     if stage is ZeroStage.THREE:
-        tiled, decisions = _tile_gathered(params, {p.fqn: p for p in placements}, world_size, persistent)
+        tiled, decisions = _tile_gathered(params, {p.fqn: p for p in placements}, world_size, persistent, k)
         # Backward gathers a bucket again if it reads the full value (or a view or cast) of any member.
         backward = meta.backward_region(graph)
         chains = meta.derived_only_from(graph, [ph for ph in params if ph.users], backward)
@@ -105,7 +113,7 @@ def plan_sharding(
         forward_order=tuple(ph.meta[meta.FQN] for ph in sorted(params, key=first_use) if ph.users),
         reduce_order=tuple(ph.meta[meta.FQN] for ph in sorted(trainable, key=lambda ph: position[grad_of[ph]])),
         read_in_backward=read_in_backward, persistent=persistent, tiled=tiled, decisions=decisions,
-        world_size=world_size, stage=stage, optimizer=optimizer, options=options, comm=comm,
+        world_size=world_size, shard_group_size=k, stage=stage, optimizer=optimizer, options=options, comm=comm,
     )
 
 
@@ -117,6 +125,7 @@ def plan_sharding_from_shapes(
     optimizer: str,
     options: ScheduleOptions = _DEFAULT_OPTIONS,
     comm: CommSpec = CPU_GLOO,
+    shard_group_size: int | None = None,
 ) -> Plan:
     """The plan from the parameters alone, as (fqn, shape, dtype, requires_grad) in registration
     order, each once: what ``zerofx.compile`` gives before any capture.
@@ -132,7 +141,8 @@ def plan_sharding_from_shapes(
     after its linears), the capture's plan orders the same parameters by first use.
     """
     assert world_size >= 1 and stage in ZeroStage
-    placements = [place_param(fqn, tuple(shape), dtype, requires_grad, world_size) for fqn, shape, dtype, requires_grad in params]
+    k = world_size if shard_group_size is None else shard_group_size
+    placements = [place_param(fqn, tuple(shape), dtype, requires_grad, world_size, k) for fqn, shape, dtype, requires_grad in params]
     persistent = persistent_params(placements, stage, options.persistence_threshold)
     return _plan(
         placements,
@@ -140,7 +150,7 @@ def plan_sharding_from_shapes(
         reduce_order=tuple(p.fqn for p in reversed(placements) if p.requires_grad),
         read_in_backward=frozenset(p.fqn for p in placements) if stage is ZeroStage.THREE else frozenset(),
         persistent=persistent, tiled={}, decisions=[],
-        world_size=world_size, stage=stage, optimizer=optimizer, options=options, comm=comm,
+        world_size=world_size, shard_group_size=k, stage=stage, optimizer=optimizer, options=options, comm=comm,
     )
 
 
@@ -154,6 +164,7 @@ def _plan(
     tiled: dict[str, tuple[int, bool, bool]],
     decisions: list[str],
     world_size: int,
+    shard_group_size: int,
     stage: ZeroStage,
     optimizer: str,
     options: ScheduleOptions,
@@ -169,7 +180,8 @@ def _plan(
     itemsize = placements[0].itemsize if placements else 4
     # At large world sizes the efficient message grows with N (N - 1 latencies per ring); bound it
     # by DeepSpeed's default stage3_prefetch_bucket_size (5e7 elements) so gathered memory stays sane.
-    default_cap = min(efficient_bucket_bytes(world_size, comm), DEFAULT_MAX_BUCKET_NUMEL * itemsize)
+    # Gathers and reduce-scatters run over the shard group, so the ring that sets the size has K ranks.
+    default_cap = min(efficient_bucket_bytes(shard_group_size, comm), DEFAULT_MAX_BUCKET_NUMEL * itemsize)
 
     def cap(numel: int | None) -> int:
         return default_cap if numel is None else int(numel) * itemsize
@@ -198,8 +210,16 @@ def _plan(
         schedule += [Collective(CommKind.ALL_GATHER, b, "forward", shard_bytes(b)) for b in gather_buckets]
         needed = read_in_backward - persistent
         schedule += [Collective(CommKind.ALL_GATHER, b, "backward", shard_bytes(b)) for b in gather_buckets if needed & set(b)]
-    grad_kind = CommKind.REDUCE_SCATTER if stage >= ZeroStage.TWO else CommKind.ALL_REDUCE
-    schedule += [Collective(grad_kind, b, "backward", sum(padded_bytes[f] for f in b)) for b in reduce_buckets]
+    # NOTE [Stages 1 and 2 move 2 Psi]: gradients are reduce-scattered (stage 2 in backward,
+    # stage 1 once per optimizer step in grad_sync), then updated shards all-gathered.
+    for b in reduce_buckets:
+        if stage is ZeroStage.ZERO:
+            schedule.append(Collective(CommKind.ALL_REDUCE, b, "backward", sum(padded_bytes[f] for f in b)))
+            continue
+        graph = "grad_sync" if stage is ZeroStage.ONE else "backward"
+        schedule.append(Collective(CommKind.REDUCE_SCATTER, b, graph, sum(padded_bytes[f] for f in b)))
+        if shard_group_size < world_size:  # the shard, averaged across the replicas (NOTE [Shard groups of consecutive ranks])
+            schedule.append(Collective(CommKind.ALL_REDUCE, b, graph, shard_bytes(b), group=REPLICATE))
     schedule += [Collective(CommKind.ALL_GATHER, b, "param_sync", shard_bytes(b)) for b in sync_buckets]
     for fqn, (tiles, gathers_in_backward, reduces) in tiled.items():  # NOTE [One weight tile at a time]
         p = by_fqn[fqn]
@@ -226,11 +246,12 @@ def _plan(
         estimates=estimate_model_state_bytes(placements, stage=int(stage), optimizer=optimizer, persistent=persistent),
         decisions=tuple(decisions),
         tile_gathered=tuple((f, t) for f, (t, _, _) in tiled.items()),
+        shard_group_size=shard_group_size,
     )
 
 
 def _tile_gathered(params: list[fx.Node], by_fqn: dict[str, ParamPlacement], world_size: int,
-                   persistent: set[str] | frozenset[str]) -> tuple[dict[str, tuple[int, bool, bool]], list[str]]:
+                   persistent: set[str] | frozenset[str], shard_group_size: int) -> tuple[dict[str, tuple[int, bool, bool]], list[str]]:
     """Stage 3: the weights of feature-tiled linears that are gathered one tile at a time, as
     fqn -> (tiles, whether backward gathers the tiles again, whether their gradient is reduced),
     and a decision for each such weight gathered whole instead (NOTE [One weight tile at a time])."""
@@ -241,7 +262,12 @@ def _tile_gathered(params: list[fx.Node], by_fqn: dict[str, ParamPlacement], wor
         if forward is None:
             continue
         fqn, tiles = ph.meta[meta.FQN], forward.args[3]
-        reason = "it is below the persistence threshold (kept whole on every rank)" if fqn in persistent else tile_gatherable(ph, world_size)
+        if fqn in persistent:
+            reason = "it is below the persistence threshold (kept whole on every rank)"
+        elif shard_group_size < world_size:
+            reason = f"weight tiles are gathered over all ranks, and shard groups of {shard_group_size} ranks are set"
+        else:
+            reason = tile_gatherable(ph, world_size)
         if reason is not None:
             decisions.append(f"weight {fqn} is gathered whole, not in {tiles} tiles: {reason}")
             continue

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from zerofx.passes import meta
-from zerofx.passes.plan import Plan
+from zerofx.passes.plan import REPLICATE, Plan
 from zerofx.passes.tile_weights import WEIGHT_TILE
 
 
@@ -82,7 +82,10 @@ def prefetch_gathers_pass(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 
 def sink_reduce_waits_pass(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    reductions = [n for n in gm.graph.nodes if (meta.is_reduce_scatter(n) or meta.is_all_reduce(n)) and WEIGHT_TILE not in n.meta]
+    # An all-reduce across shard groups reads its reduce-scatter's wait: it is part of that
+    # reduction's tail and moves with it (NOTE [Shard groups of consecutive ranks]).
+    reductions = [n for n in gm.graph.nodes if (meta.is_reduce_scatter(n) or meta.is_all_reduce(n)) and WEIGHT_TILE not in n.meta
+                  and n.meta.get(meta.COMM_GROUP) != REPLICATE]
     if not plan.overlap or not reductions:
         return gm
     graph = gm.graph

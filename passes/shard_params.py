@@ -53,11 +53,12 @@ def shard_params_pass(gm: fx.GraphModule, plan: Plan, *, group_name: str) -> fx.
         with graph.inserting_before(first_user):
             message, added = bucket_ops.pack(graph, phs)  # (S,)
             packs += added
-            gathered = meta.add_call(graph, _compat.ALL_GATHER, (message, plan.world_size, group_name))  # (N * S,)
+            k = plan.shard_group_size  # gathered within the shard group (NOTE [Shard groups of consecutive ranks])
+            gathered = meta.add_call(graph, _compat.ALL_GATHER, (message, k, group_name))  # (K * S,)
             gathered.meta[meta.COMM_FQNS] = bucket
             gathered.meta[meta.COMM_BYTES] = sum(p.shard_numel * p.itemsize for p in params)
             waited = meta.add_call(graph, _compat.WAIT, (gathered,))
-            flats = bucket_ops.unpack_gathered(graph, waited, [p.shard_numel for p in params], plan.world_size)
+            flats = bucket_ops.unpack_gathered(graph, waited, [p.shard_numel for p in params], k)
             for ph, p, flat in zip(phs, params, flats):
                 if p.padded_numel != p.numel:
                     flat = meta.add_call(graph, aten.slice.Tensor, (flat, 0, 0, p.numel))  # (numel,)

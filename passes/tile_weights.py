@@ -69,6 +69,8 @@ def tile_gatherable(ph: fx.Node, world_size: int) -> str | None:
 def tile_weights_pass(gm: fx.GraphModule, plan: Plan, *, group_name: str) -> fx.GraphModule:
     if plan.stage is not ZeroStage.THREE or not plan.tile_gathered:
         return gm
+    # Tiles are gathered over all ranks; the planner tiles no weight under shard groups.
+    assert plan.shard_group_size == plan.world_size, "weight tiles need flat sharding"
     graph = gm.graph
     ph_of = {ph.meta[meta.FQN]: ph for ph in meta.placeholders(graph, meta.Role.PARAM)}
     changed = False

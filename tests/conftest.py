@@ -25,6 +25,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 # One thread per rank: the multi-process tests run several ranks on two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No plan cache unless a test names a directory (zerofx.plan_cache): tests build their programs
+# from the model and leave nothing in the user's ~/.cache.
+os.environ.setdefault("ZEROFX_PLAN_CACHE", "off")
 
 _STARTS_PROCESSES = re.compile(r"run_ranks\(|subprocess\.|mp\.spawn|\[\s*\"train\"|torchrun|\.ci/")
 

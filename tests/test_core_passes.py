@@ -84,13 +84,16 @@ def test_collectives_per_stage(stage: int) -> None:
         assert all(padded_bytes(b) <= 3000 * 4 or len(b) == 1 for b in plan.gather_buckets)
     else:
         assert fwd == []
-    grad_kind = "reduce_scatter" if stage >= 2 else "all_reduce"
-    reductions = [(f, b) for k, f, b in bwd if k == grad_kind]
+    grad_kind = "reduce_scatter" if stage >= 1 else "all_reduce"
+    # Stage 1 reduce-scatters once per optimizer step, in grad_sync; backward communicates nothing.
+    grad_graph = collectives(mods["grad_sync"]) if stage == 1 else bwd
+    reductions = [(f, b) for k, f, b in grad_graph if k == grad_kind]
     assert len(plan.reduce_buckets) > 2
     assert [f for f, _ in reductions] == list(plan.reduce_buckets)
     assert {x for b in plan.reduce_buckets for x in b} == trainable
     assert all(b == padded_bytes(f) for f, b in reductions)
-    assert {k for k, _, _ in bwd} == ({"all_gather", grad_kind} if stage == 3 else {grad_kind})
+    assert {k for k, _, _ in bwd} == ({"all_gather", grad_kind} if stage == 3 else set() if stage == 1 else {grad_kind})
+    assert ("grad_sync" in mods) == (stage == 1)
     if stage in (1, 2):
         sync = collectives(mods["param_sync"])
         assert [f for _, f, _ in sync] == list(plan.sync_buckets)
@@ -415,8 +418,10 @@ def test_graphs_write_into_no_buffer(stage: int) -> None:
         mutating = [n.format_node() for n in gms[name].graph.nodes
                     if n.op == "call_function" and _mutates(n) and not meta.is_all_gather(n)]
         assert mutating == [], (stage, name, mutating[:3])
-    if "param_sync" in gms:
-        nodes = list(gms["param_sync"].graph.nodes)
+    for sync in ("grad_sync", "param_sync"):  # grad_sync (stage 1) writes the reduced shards into the gradient buffers
+        if sync not in gms:
+            continue
+        nodes = list(gms[sync].graph.nodes)
         for i, n in enumerate(nodes):
             if n.op == "call_function" and _mutates(n) and not meta.is_all_gather(n):
                 assert n.target is torch.ops.aten.copy_.default, n.format_node()

@@ -31,6 +31,8 @@ from torch.func import functional_call
 from zerofx.passes import _compat, meta
 from zerofx.passes._compat import pytree
 from zerofx.passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
+from zerofx.passes.sequence_parallel import (SequenceParallelError, SequenceParallelPlan, SequenceParallelSpec, plan_sequence_parallel,
+                                             sequence_parallel_pass)
 from zerofx.passes.tile_forward import tile_forward_pass
 from zerofx.errors import CaptureError, MissingLossError
 
@@ -72,6 +74,7 @@ class CapturedStep:
     tied: Mapping[str, str]  # alias FQN -> the FQN it shares storage with
     model_class: str
     tiling: TilingPlan | None = None  # what tile_forward_pass did to the forward before autograd
+    sequence_parallel: SequenceParallelPlan | None = None  # what sequence_parallel_pass did to it
 
 class _CaptureDone(Exception):
     """Raised from the partition hook to stop AOTAutograd once the joint graph is in hand."""
@@ -168,6 +171,7 @@ def capture_step(
     device: torch.device | str | None = None,
     compute_dtype: torch.dtype | None = None,
     tiling: TilingOptions | None = None,
+    sequence_parallel: SequenceParallelSpec | None = None,
 ) -> CapturedStep:
     """Trace ``model``'s forward, loss and backward on fake tensors into one joint graph.
 
@@ -177,6 +181,9 @@ def capture_step(
     Fake tensors live on ``device`` (default: the parameters' device, CPU for meta).
     With ``tiling`` (see NOTE [Tiling before autograd]), the forward is first recorded before
     autograd, planned and tiled along the sequence, and the joint graph is traced from that.
+    With ``sequence_parallel`` (size > 1) the forward is recorded before autograd the same way
+    and rewritten to run this rank's slice of the sequence (NOTE [Sequence parallelism as a
+    rewrite] in passes/sequence_parallel.py).
     """
     example_kwargs = dict(example_kwargs or {})
     param_infos = traced_param_infos(model, param_infos, compute_dtype)
@@ -227,6 +234,11 @@ def capture_step(
     tiling_plan = None
     if tiling is not None and tiling.enabled is not False:
         step_fn, tiling_plan = _tiled_step(step_fn, flat_fakes, param_names, buffer_names, tiling, type(model).__name__)
+    sp_plan = None
+    if sequence_parallel is not None and sequence_parallel.size > 1:
+        if tiling_plan is not None:
+            raise CaptureError("zerofx.tiling and zerofx.sequence_parallel together are not supported; choose one")
+        step_fn, sp_plan = _sequence_parallel_step(step_fn, flat_fakes, param_names, buffer_names, sequence_parallel, type(model).__name__)
 
     traced = _compat.aot_function(
         step_fn,
@@ -268,6 +280,7 @@ def capture_step(
         tied=_tied_aliases(model),
         model_class=type(model).__qualname__,
         tiling=tiling_plan,
+        sequence_parallel=sp_plan,
     )
 
 
@@ -292,6 +305,29 @@ def _tiled_step(step_fn: Callable[..., torch.Tensor], flat_fakes: list[torch.Ten
             return fx.Interpreter(forward).run(*flat)
 
     return tiled_step_fn, plan
+
+
+def _sequence_parallel_step(step_fn: Callable[..., torch.Tensor], flat_fakes: list[torch.Tensor], param_names: list[str],
+                            buffer_names: list[str], spec: SequenceParallelSpec,
+                            model_name: str) -> tuple[Callable[..., torch.Tensor], SequenceParallelPlan]:
+    """The step recorded before autograd, planned and rewritten for sequence parallelism, as
+    ``_tiled_step`` does for tiling: autograd then derives the backward, all-to-alls included."""
+    try:
+        forward = _compat.make_fx(step_fn, pre_dispatch=True)(*flat_fakes)
+    except Exception as exc:
+        raise CaptureError(f"cannot capture {model_name} whole: {_explain(exc)}") from exc
+    _tag_placeholders(forward, param_names, buffer_names, len(flat_fakes) - len(param_names) - len(buffer_names), tangent=False)
+    try:
+        plan = plan_sequence_parallel(forward, spec)
+    except SequenceParallelError as exc:
+        raise CaptureError(f"cannot run {model_name} sequence-parallel: {exc}") from exc
+    forward = sequence_parallel_pass(forward, plan)
+
+    def sharded_step_fn(*flat: torch.Tensor) -> torch.Tensor:
+        with _compat.preserve_node_meta():
+            return fx.Interpreter(forward).run(*flat)
+
+    return sharded_step_fn, plan
 
 
 def _tag_placeholders(joint: fx.GraphModule, param_names: list[str], buffer_names: list[str], num_inputs: int, *, tangent: bool = True) -> None:

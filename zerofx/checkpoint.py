@@ -6,6 +6,9 @@
 
 The files are described in ``zerofx.checkpoint_format`` (NOTE [On-disk layout]): safetensors,
 one file per rank holding that rank's 1/N slice of every padded flat, and a JSON metadata file.
+With shard groups of K ranks (NOTE [Shard groups of consecutive ranks] in ``zerofx.engine``)
+every group holds the same K slices, so only group 0's ranks write rank files (``num_shards``
+K in the metadata) while every rank writes its client file; loading reads them as a K-rank save.
 
 NOTE [Why a save is atomic]
 Every file is written under a temporary name, fsynced and renamed; a write that fails removes its
@@ -27,7 +30,8 @@ outcome and on the checkpoint (tag and save id) they found: one rank's damaged f
 on every rank, before the first collective, instead of a peer left waiting in an all-gather.
 
 NOTE [Loading at another world size or stage]
-Rank r' of M owns elements ``[r' * s', (r' + 1) * s')`` of each new padded flat. It reads only
+Rank r' of M owns elements ``[r' * s', (r' + 1) * s')`` of each new padded flat (with shard
+groups of K', r' is the rank's shard index r mod K', and s' the padded numel over K'). It reads only
 the byte ranges of the saved slices that overlap its real elements (``safe_open().get_slice``),
 so no rank reads the whole model. Where the engine keeps full flats (stages 0-2, and stage-3
 parameters kept whole) they are all-gathered from the ranks' new shards. Optimizer states go in
@@ -74,6 +78,7 @@ from zerofx.checkpoint_format import (
     model_class,
     model_structure,
     rank_file,
+    num_shards,
     rank_file_header,
     read_client,
     read_metadata,
@@ -211,12 +216,23 @@ def _param_groups(engine: Engine) -> list[list[str]]:
 
 
 def _my_slice(engine: Engine, fqn: str, t: torch.Tensor) -> torch.Tensor:
-    """This rank's 1/N slice of a parameter-shaped tensor, whether it holds the slice or the flat."""
-    p, r = engine.placements[fqn], engine.rank
+    """This rank's slice of a parameter-shaped tensor, whether it holds the slice or the flat."""
+    p, r = engine.placements[fqn], _shard_index(engine)
     if t.numel() == p.shard_numel:
         return t
     assert t.numel() == p.padded_numel, (fqn, t.shape)
     return t[r * p.shard_numel : (r + 1) * p.shard_numel]
+
+
+def _shard_index(engine: Engine) -> int:
+    """Which slice of each padded flat this rank holds (NOTE [Shard groups of consecutive ranks]
+    in zerofx/engine.py): its rank when sharding is flat."""
+    return getattr(engine, "shard_index", engine.rank)
+
+
+def _num_shards(engine: Engine) -> int:
+    """How many slices each padded flat is cut into: the world size, or the shard group size."""
+    return getattr(engine, "shard_group_size", engine.world_size)
 
 
 def _rank_tensors(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
@@ -285,6 +301,7 @@ def _metadata(
         },
         "config": engine.cfg.raw,
         "world_size": engine.world_size,
+        "num_shards": _num_shards(engine),
         "stage": int(engine.stage),
         "step": engine.global_steps,
         "counters": _engine_counters(engine),
@@ -406,8 +423,10 @@ def save_checkpoint(
     crc = None
     try:
         tensors, scalars = _rank_tensors(engine)
-        header = rank_file_header(rank, n, tag, save_id, tensors)
-        _write_atomically(staging / rank_file(rank, n), lambda p: save_file(tensors, p, metadata=header))
+        shards = _num_shards(engine)
+        if rank < shards:  # with shard groups, group 0 holds every slice once: its ranks write them
+            header = rank_file_header(rank, shards, tag, save_id, tensors)
+            _write_atomically(staging / rank_file(rank, shards), lambda p: save_file(tensors, p, metadata=header))
         data = _client_bytes(client, rank, n, tag, save_id)
         _write_atomically(staging / client_file(rank, n), lambda p: p.write_bytes(data))
         crc = f"{zlib.crc32(data):08x}"
@@ -436,7 +455,7 @@ def _fill(engine: Engine, fqn: str, target: torch.Tensor, mine: torch.Tensor) ->
         target.copy_(mine)
         return
     flat = torch.empty(p.padded_numel, dtype=mine.dtype, device=mine.device)
-    _compat.all_gather_flat(flat, mine, group=engine.group)
+    _compat.all_gather_flat(flat, mine, group=getattr(engine, "shard_group", engine.group))  # the slices of one group
     target.copy_(flat)
 
 
@@ -444,7 +463,7 @@ def _read_shard(engine: Engine, files: RankFiles, meta: Mapping[str, Any], key: 
     """This rank's new shard of saved flat ``key``: its real elements from the saved slices,
     then zeros for the padding."""
     p = engine.placements[fqn]
-    start, stop = p.owned_range(engine.rank)
+    start, stop = p.owned_range(_shard_index(engine))
     mine = torch.zeros(p.shard_numel, dtype=dtype, device=engine.device)
     if stop > start:  # the last ranks may own only padding
         mine[: stop - start].copy_(files.read_range(key, meta["placements"][fqn]["shard_numel"], start, stop))
@@ -459,7 +478,7 @@ def _planned_reads(engine: Engine, meta: Mapping[str, Any], load_optimizer_state
         keys = [f"{'master' if fqn in meta['masters'] else 'param'}/{fqn}"]
         if load_optimizer_states and p.requires_grad:
             keys += [f"state/{fqn}/{name}" for name in meta["optimizer"]["tensor_states"].get(fqn, [])]
-        start, stop = p.owned_range(engine.rank)
+        start, stop = p.owned_range(_shard_index(engine))
         shard_numel = meta["placements"][fqn]["shard_numel"]
         if stop > start:
             reads += [(k, key, shard_numel) for key in keys for k in saved_ranks(shard_numel, start, stop)]
@@ -485,7 +504,7 @@ def _prepare_load(
             f"checkpoint {str(path)!r}: optimizer param groups {opt['param_groups']} differ from the engine's {_param_groups(engine)}"
         )
     n = meta["world_size"]
-    files = RankFiles(check_rank_files(path, n), meta)
+    files = RankFiles(check_rank_files(path, num_shards(meta)), meta)
     try:
         for k, key, shard_numel in _planned_reads(engine, meta, load_optimizer_states):
             files.verify(k, key, shard_numel)

@@ -149,13 +149,22 @@ def rank_file_header(rank: int, world_size: int, tag: str, save_id: str, tensors
     return header
 
 
-def _identity_mismatch(found: Mapping[str, Any], rank: int, meta: Mapping[str, Any]) -> str | None:
+def num_shards(meta: Mapping[str, Any]) -> int:
+    """How many slices each saved padded flat is cut into, one rank file each: the world size,
+    or with shard groups the group size (NOTE [Shard groups of consecutive ranks] in
+    zerofx/engine.py; checkpoints from before shard groups record none)."""
+    return meta.get("num_shards", meta["world_size"])
+
+
+def _identity_mismatch(found: Mapping[str, Any], rank: int, meta: Mapping[str, Any], world_size: int | None = None) -> str | None:
     """What in a file's identity (rank, world size, tag, save id) differs from rank ``rank`` of
-    the checkpoint ``meta`` describes; None when it matches. Format 1 records no tag or save id."""
+    the checkpoint ``meta`` describes (of ``world_size`` files, default the world size); None
+    when it matches. Format 1 records no tag or save id."""
+    n = meta["world_size"] if world_size is None else world_size
     if str(found.get("rank")) != str(rank):
         return f"it holds rank {found.get('rank')}'s data, not rank {rank}'s (files swapped or renamed?)"
-    if str(found.get("world_size")) != str(meta["world_size"]):
-        return f"it was saved at world size {found.get('world_size')}, not {meta['world_size']}"
+    if str(found.get("world_size")) != str(n):
+        return f"it was saved at world size {found.get('world_size')}, not {n}"
     if meta["format_version"] < 2:
         return None
     if found.get("tag") != meta["tag"]:
@@ -191,8 +200,9 @@ def missing_files(path: Path) -> str | None:
     """Why complete-marked checkpoint ``path`` cannot load (unreadable metadata, missing rank or
     client files), or None."""
     try:
-        n = read_metadata_file(path)["world_size"]
-        check_rank_files(path, n)
+        saved = read_metadata_file(path)
+        n = saved["world_size"]
+        check_rank_files(path, num_shards(saved))
     except (CheckpointError, KeyError, TypeError) as exc:
         return str(exc) if isinstance(exc, CheckpointError) else f"checkpoint {str(path)!r} has a malformed {METADATA}"
     missing = [client_file(r, n) for r in range(n) if not (path / client_file(r, n)).is_file()]
@@ -281,9 +291,12 @@ def _check_metadata(meta: Mapping[str, Any], path: Path) -> None:
     """The slice layout in ``meta`` is self-consistent: every placement has numel = the product of
     its shape and padded_numel = shard_numel * world_size >= numel."""
     where = f"checkpoint {str(path)!r}: {METADATA}"
-    n = meta["world_size"]
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise CheckpointError(f"{where} gives world_size {n!r}; accepted: an integer >= 1")
+    world = meta["world_size"]
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise CheckpointError(f"{where} gives world_size {world!r}; accepted: an integer >= 1")
+    n = num_shards(meta)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or world % n:
+        raise CheckpointError(f"{where} gives num_shards {n!r}; accepted: an integer >= 1 that divides world_size {world}")
     shapes = {fqn: shape for fqn, shape, _, _ in meta["params"]}
     for fqn, p in meta["placements"].items():
         numel, shard, padded = p["numel"], p["shard_numel"], p["padded_numel"]
@@ -394,7 +407,7 @@ class RankFiles:
         meta = self._meta
         assert meta is not None
         found = {k: header.get(key) for k, key in _IDENTITY_KEYS.items()}
-        mismatch = _identity_mismatch(found, rank, meta)
+        mismatch = _identity_mismatch(found, rank, meta, num_shards(meta))
         if mismatch is not None:
             raise CheckpointError(
                 f"{self._where(rank)} does not belong to checkpoint {str(self._paths[rank].parent)!r}: {mismatch}; "

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 # benchmarks/cli_startup.py times the commands.
 from zerofx._version import __version__
 from zerofx.errors import RankFailedError, UsageError, ZeroFXError
+from zerofx.estimate import add_infinity_arguments
 from zerofx.limits import (
     AUTO_FOLD_MIN_BLOCKS,
     DEFAULT_TRAIN_STAGE,
@@ -169,6 +170,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print the ZeRO plan, the communication schedule, memory per rank and a summary."""
     if ":" not in args.model:
         model_config(args.model)
+    if args.sweep is not None:
+        return _plan_sweep(args)
     if args.world_size is not None:
         check_positive("--world-size", args.world_size)
     check_stage(args.stage)
@@ -178,6 +181,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     user_config = args.config
     if budget is not None:  # the planner fits the prefetch distance to it (zerofx.memory_budget)
         args.config = _with_memory_budget(args.config, budget)
+    if args.profile != DEFAULT_PROFILE:  # the plan's buckets and prefetch are sized for it (zerofx.profile)
+        args.config = _with_zerofx_key(args.config, "profile", args.profile)
     if args.solve is not None and budget is None:
         raise UsageError(f"--solve {args.solve} needs --budget, the memory per rank to fit in (e.g. 80GiB)")
     if args.plot is not None:
@@ -194,11 +199,55 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_spec(args, spec, budget, user_config, comm, device)
 
 
+def _plan_sweep(args: argparse.Namespace) -> int:
+    """``zerofx plan MODEL --sweep world-size=...``: the chosen and the flat plan at each world
+    size, from one capture (``zerofx.sweep``)."""
+    from zerofx.sweep import parse_sweep
+
+    try:
+        sizes = parse_sweep(args.sweep)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if max(sizes) > MAX_WORLD_SIZE:
+        raise UsageError(f"--sweep {args.sweep!r}: world sizes must be at most {MAX_WORLD_SIZE}")
+    if args.world_size is not None or args.solve is not None or args.fold == "on":
+        raise UsageError("--sweep plans its own world sizes and folds nothing: leave out --world-size, --solve and --fold on")
+    check_stage(args.stage)
+    budget = parse_bytes(args.budget) if args.budget is not None else None
+    if budget is not None:
+        args.config = _with_memory_budget(args.config, budget)
+    if args.plot is not None:
+        _check_output_file("--plot", args.plot)
+    from zerofx.planning import running_model_code
+
+    _freeze_imports(args)
+    comm, device = _profile(args)
+    spec = _load_model(args)
+    from zerofx.program import resolve
+    from zerofx.sweep import format_sweep, plot_sweep, sweep_world_sizes
+
+    stage = 3 if args.stage is None and args.config is None else args.stage
+    cfg = resolve(args.config, stage=stage, world_size=sizes[0])
+    with running_model_code(spec.label):
+        sweep = sweep_world_sizes(spec.model, spec.args, spec.kwargs, label=spec.label, cfg=cfg, world_sizes=sizes, comm=comm,
+                                  device=device, profile=args.profile)
+    if args.plot is not None:
+        plot_sweep(sweep, args.plot)
+    if args.format == "json":
+        print(sweep.to_json())
+        return 0
+    print(format_sweep(sweep))
+    if args.plot is not None:
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, user_config: Path | None, comm: Any,
                device: Any) -> int:
     """``cmd_plan`` once the arguments are checked and the model is loaded: capture, plan, print."""
     import zerofx
     from zerofx.folding import FOLD_BLOCKS, find_repeated_blocks
+    from zerofx.estimate import format_plan_tiers, plan_tier_bytes
     from zerofx.offload import plan_for_program
     from zerofx.passes.analyze_schedule import format_report
     from zerofx.planning import plot_report, report_json, solve_memory
@@ -235,6 +284,7 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
         data = json.loads(report_json(program, report, budget))
         if offload is not None:
             data["offload"] = json.loads(offload.to_json())
+            data["tiers_per_rank_bytes"] = plan_tier_bytes(report.peak.live_bytes, offload)
         if solved is not None:
             data["solve"] = {solved.variable: solved.value, "peak_bytes_expr": str(solved.peak_expr), "peak_at": solved.peak_node,
                              "samples": [list(x) for x in solved.samples]}
@@ -244,6 +294,7 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
     print(program.plan)
     if offload is not None:
         print(offload)
+        print(format_plan_tiers(plan_tier_bytes(report.peak.live_bytes, offload)))
     print(format_report(report, budget_bytes=budget, verbose=args.verbose, step_note=step_note(args.profile, comm, device)))
     if solved is not None:
         what = "longest sequence" if solved.variable == "seq_len" else "largest batch"
@@ -253,6 +304,14 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
     if args.plot is not None:
         print(f"wrote {args.plot}")
     return 0
+
+
+def _with_zerofx_key(config: Path | Mapping[str, Any] | None, key: str, value: Any) -> dict[str, Any]:
+    from zerofx.config import load_config
+
+    raw = dict(load_config(config)) if config is not None else {}
+    raw["zerofx"] = {**raw.get("zerofx", {}), key: value}
+    return raw
 
 
 def _with_memory_budget(config: Path | Mapping[str, Any] | None, budget_bytes: float) -> dict[str, Any]:
@@ -338,6 +397,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
     from zerofx.cost_models.memory import paper_breakdown
+    from zerofx.estimate import infinity_section, wants_infinity
 
     check_positive("--world-size", args.world_size)
     check_stage(args.stage)
@@ -367,31 +427,40 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         label = f"{spec.label}: {int(num_params):,} parameters"
     rows, per_stage = [], {}
     for s in stages:
-        b = paper_breakdown(num_params, stage=s, world_size=args.world_size, offload=args.offload, offload_param=args.offload_param)
+        b = paper_breakdown(num_params, stage=s, world_size=args.world_size, offload=args.offload, offload_param=args.offload_param,
+                            offload_grad=args.offload_grad)
         per_stage[s] = {**b, **({"activation_peak_bytes": activations[s]} if s in activations else {})}
         row = [s, b["params_bytes"], b["grads_bytes"], b["optimizer_states_bytes"], b["per_device_bytes"]]
         if args.offload != "none":
             row.append(b["offloaded_bytes"])
         if args.offload_param != "none":
             row.append(b["offloaded_param_bytes"])
+        if args.offload_grad != "none":
+            row.append(b["offloaded_grad_bytes"])
         if activations:
             row.append(activations[s])
         rows.append([row[0], *map(format_bytes, row[1:])])
+    tiers = infinity_section(args, num_params) if wants_infinity(args, stages) else None
     if args.format == "json":
         print(json.dumps({"params": num_params, "world_size": args.world_size, "offload": args.offload,
                           "per_device_bytes": {str(s): per_stage[s]["per_device_bytes"] for s in stages},
-                          "stages": {str(s): v for s, v in per_stage.items()}}, indent=1))
+                          "stages": {str(s): v for s, v in per_stage.items()},
+                          **({"tiers": tiers[1]} if tiers is not None else {})}, indent=1))
         return 0
     headers = ["stage", "params", "grads", "optimizer states", "per device"]
     if args.offload != "none":
         headers.append(f"on {args.offload}")
     if args.offload_param != "none":
         headers.append(f"params on {args.offload_param} (stage 3)")
+    if args.offload_grad != "none":
+        headers.append(f"grads on {args.offload_grad} (stages 2-3)")
     if activations:
         headers.append("activation peak (fp32, memory model)")
     print(f"{label}, world size {args.world_size}, mixed-precision Adam (ZeRO paper: 2 + 2 + 12 bytes per parameter)"
           + (f", optimizer states offloaded to {args.offload}" if args.offload != "none" else "") + "; sizes per device")
     print(tabulate(rows, headers=headers, tablefmt="simple", colalign=("right",) * len(headers), disable_numparse=True))
+    if tiers is not None:
+        print(tiers[0])
     return 0
 
 
@@ -414,8 +483,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_positive("--world-size", args.world_size)
     check_positive("--repeats", args.repeats)
     _check_output_file("--out", args.out)  # before about 11 s of measuring, not after
-    from zerofx.calibrate import calibrate
+    from zerofx.calibrate import calibrate, calibrate_across_nodes, is_multi_node
 
+    if is_multi_node(os.environ):  # under torchrun across nodes: the two links measured apart
+        result = calibrate_across_nodes(args.out, repeats=args.repeats)
+        if result is None:  # not rank 0: rank 0 writes and reports
+            return 0
+        comm, device = result
+        print(f"wrote {args.out}: within a node {comm.intra_alpha_s * 1e6:.1f} us per ring step, {comm.intra_bandwidth / 1e9:.3g} GB/s; "
+              f"across nodes {comm.inter_alpha_s * 1e6:.1f} us, {comm.inter_bandwidth / 1e9:.3g} GB/s ({comm.ranks_per_node} ranks per node)")
+        return 0
     comm, device = calibrate(args.out, world_size=args.world_size, repeats=args.repeats)
     print(f"wrote {args.out}: all-gather latency {comm.intra_alpha_s * 1e6:.0f} us per ring step, bus bandwidth "
           f"{comm.intra_bandwidth / 1e9:.3g} GB/s; matmul {device.matmul_flops_per_s / 1e9:.3g} GFLOP/s, "
@@ -429,9 +506,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from zerofx.training import Objective, TrainOptions, train
 
     _freeze_imports(args)  # under torchrun this process is a rank (NOTE [Freezing the imports])
+    world_size = args.world_size
+    if world_size is None:  # the config may state it (a sequence-parallel example needs its 4 ranks)
+        from zerofx.config import parse_config
+
+        world_size = (parse_config(args.config).world_size if args.config is not None else None) or 2
     train(
         TrainOptions(
-            model=args.model, fasta=args.fasta, world_size=args.world_size, stage=args.stage, config=args.config,
+            model=args.model, fasta=args.fasta, world_size=world_size, stage=args.stage, config=args.config,
             steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
             print_graph=args.print_graph, print_graph_code=args.print_graph_code, output_dir=args.output_dir, save_every=args.save_every,
             keep_last=args.keep_last, collective_timeout_s=args.collective_timeout_s,
@@ -546,8 +628,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "axis, to this PNG (its folder must exist and be writable; checked before planning; needs matplotlib "
                         "and --fold off for models that fold)")
     p.add_argument("--profile", default=DEFAULT_PROFILE,
-                   help="hardware the times are estimated for: cpu (one core per rank, gloo), h100 (8 H100 per node, NVLink "
-                        f"and 400 Gb/s InfiniBand), or a file from zerofx calibrate (default: {DEFAULT_PROFILE})")
+                   help="hardware the times are estimated for: cpu (one core per rank, gloo), h100 or h200 (DGX: 8 GPUs per node, "
+                        f"NVLink and 8 x 400 Gb/s InfiniBand), or a file from zerofx calibrate (default: {DEFAULT_PROFILE})")
     p.add_argument("--verbose", action="store_true",
                    help="also print the FX node names the schedule rows and the peak refer to (issued after, waited at)")
     p.add_argument("--rank", type=_int_arg(0), default=0,
@@ -555,6 +637,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fold", choices=("auto", "on", "off"), default="auto",
                    help="plan a model of N identical blocks from captures of 2 and 3 of them and extrapolate (fast; "
                         f"auto: when N >= {AUTO_FOLD_MIN_BLOCKS}); off plans every block (exact rows)")
+    p.add_argument("--sweep", metavar="world-size=N1,N2,...",
+                   help="weak scaling: at each world size, the plan the planner chooses (shard group size, prefetch, buckets) "
+                        "and the flat stage-3 plan side by side, with predicted step time, efficiency relative to the smallest "
+                        "size and memory per rank, for --profile (default stage 3; --plot draws it; docs/scaling.md)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("estimate", help="model-state memory per device per ZeRO stage (the ZeRO paper's accounting)",
@@ -566,11 +652,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"number of parameters, e.g. 7.5e9, above 0 and at most {MAX_PARAMS:g} (instead of MODEL_SPEC)")
     p.add_argument("--world-size", type=_int_arg(1, MAX_WORLD_SIZE), required=True, help=f"number of ranks, 1..{MAX_WORLD_SIZE}")
     p.add_argument("--stage", type=int, help="only this ZeRO stage (default: all of 0, 1, 2, 3)")
-    p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none", help="where optimizer states live (default: none)")
-    p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="none",
-                   help="where stage-3 parameter shards live (default: none)")
+    p.add_argument("--offload", choices=("none", "cpu", "nvme", "auto"), default="none",
+                   help="where optimizer states live (default: none); auto: the planner places them by bandwidth")
+    p.add_argument("--offload-param", choices=("none", "cpu", "nvme", "auto"), default="none",
+                   help="where stage-3 parameter shards live (default: none); auto: the planner places them by bandwidth")
     p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config, for the --model activation estimate")
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
+    add_infinity_arguments(p, int_arg=_int_arg, float_arg=_float_arg, bytes_arg=_bytes_arg)
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("config-schema", help="list every DeepSpeed/zerofx config key, its type and accepted values",
@@ -579,8 +667,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config_schema)
 
     p = sub.add_parser("calibrate", help="measure this machine's collectives and compute into a planner profile",
-                       description="Time all-gathers on local gloo ranks and a matmul and a copy on one core; fit the "
-                                   "alpha-beta model; write a profile for zerofx plan --profile.")
+                       description="Time all-gather, reduce-scatter, all-reduce and all-to-all on local gloo ranks and a "
+                                   "matmul and a copy on one core; fit the alpha-beta model; write a profile for zerofx plan "
+                                   "--profile. Under torchrun across nodes, the intra- and inter-node links are measured apart.")
     p.add_argument("--world-size", type=_int_arg(1, MAX_LOCAL_RANKS), default=2,
                    help=f"local ranks to measure with, 1..{MAX_LOCAL_RANKS} (default: 2)")
     p.add_argument("--out", type=Path, default=Path("zerofx_profile.json"),
@@ -589,8 +678,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_int_arg(1), default=5, help="timed repeats per measurement, >= 1 (default: 5)")
     p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("train", help="train a DNA LM on local gloo (CPU) ranks",
-                       description="Spawn local gloo ranks and train a DNA LM with zerofx on a FASTA genome.")
+    p = sub.add_parser("train", help="train a DNA LM on local gloo (CPU) ranks, or as torchrun's ranks (NCCL on GPUs)",
+                       description="Spawn local gloo ranks and train a DNA LM with zerofx on a FASTA genome; under torchrun (one or "
+                                   "many nodes), run as one of its ranks instead, over NCCL where there are GPUs.")
     p.add_argument("--model", default="tiny", metavar="MODEL_SPEC",
                    help=f"a bundled DNA LM size ({sizes}), or FILE.py:CALLABLE / MODULE:CALLABLE returning (model, "
                         "example_inputs) as for zerofx plan: any nn.Module called as model(input_ids, labels=labels) that "
@@ -609,8 +699,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokenize into non-overlapping K-mers, 1..8, in the Nucleotide Transformer's vocabulary (<unk> <pad> "
                         "<mask> <cls> <eos> <bos>, the 4**K K-mers, A T C G N: 4,107 ids for K=6); --seq-len counts K-mers "
                         "(default: single bases A C G T N for clm, K=1 in that vocabulary for mlm)")
-    p.add_argument("--world-size", type=_int_arg(1, MAX_LOCAL_RANKS), default=2,
-                   help=f"number of local ranks to spawn, 1..{MAX_LOCAL_RANKS} (default: 2; under torchrun, torchrun's)")
+    p.add_argument("--world-size", type=_int_arg(1, MAX_LOCAL_RANKS),
+                   help=f"number of local ranks to spawn, 1..{MAX_LOCAL_RANKS} (default: the config's zerofx.world_size, else 2; "
+                        "under torchrun, torchrun's)")
     p.add_argument("--stage", type=int, help=f"ZeRO stage 0-3 (default: the config's, else {DEFAULT_TRAIN_STAGE})")
     p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config; replaces the default AdamW and --lr")
     p.add_argument("--steps", type=_int_arg(1), default=20,

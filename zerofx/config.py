@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -29,10 +30,12 @@ from typing import Any
 
 import torch
 
+from zerofx.cost_models.profiles import BUILTIN as BUILTIN_PROFILES
 from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_tiling import KINDS, TilingOptions
+from zerofx.passes.sequence_parallel import SequenceAttention, SequenceParallelSpec
 from zerofx.errors import ConfigError, did_you_mean
-from zerofx.offload.options import OffloadOptions, ParamOffloadOptions
+from zerofx.offload.options import GradOffloadOptions, OffloadOptions, ParamOffloadOptions
 from zerofx.schedulers import SCHEDULER_TYPES, SchedulerSpec, is_finite_number
 from zerofx.units import parse_bytes
 
@@ -60,6 +63,9 @@ MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600.0
 # 2 s to build and a few MiB to keep (the tiny DNA LM), and 8 covers a training length, an
 # evaluation length and a ragged last batch of each with room to spare.
 DEFAULT_PROGRAM_CACHE_SIZE = 8
+# The plan cache's directory when the config names none (zerofx.plan_cache): this variable's
+# value ("off", "0" or "false" turns the cache off), else under the user's cache directory.
+PLAN_CACHE_ENV = "ZEROFX_PLAN_CACHE"
 # fp16.initial_scale_power: the scale 2**p multiplies an fp32 loss, and 2**128 is inf in fp32.
 MAX_INITIAL_SCALE_POWER = 127
 # fp16.loss_scale and fp16.min_loss_scale: the same bound for a static scale and the dynamic floor.
@@ -232,6 +238,14 @@ _OFFLOAD_PARAM = {
     "max_in_cpu": Key(_NUM, "with device nvme, parameter elements per rank kept in host memory (zerofx default 0)", lambda v: v >= 0, "a number >= 0"),
     "buffer_size": Key(_NUM, "elements per NVMe buffer (zerofx sizes each read to its shard)", lambda v: v > 0, "a number > 0", False),
 }
+_OFFLOAD_GRADIENTS = {
+    "device": Key((str,), "where reduced gradient shards live until the optimizer step", lambda v: v in ("none", "cpu", "nvme"),
+                  "none, cpu or nvme"),
+    "nvme_path": Key((str,), "folder for NVMe gradient files (one subfolder per rank)", per_rank=True),
+    "pin_memory": Key((bool,), "pin host memory for offloaded gradients (CUDA)", per_rank=True),
+    "buffer_count": Key((int,), "NVMe gradient reads ahead of the update, and accumulations in flight", _pos_int, "an integer >= 1",
+                        per_rank=True),
+}
 _BYTES = lambda v: v >= 0  # noqa: E731  (a validator, written like the inline lambdas it sits among)
 _ZEROFX_OFFLOAD = {
     "delayed_update": Key((bool,), "one-step delayed parameter update (DPU): the optimizer step runs during the next forward/backward; changes the numerics"),
@@ -362,11 +376,31 @@ SCHEMA: dict[str, Key] = {
                        lambda v: v in {c.value for c in GraphCompiler}, ", ".join(c.value for c in GraphCompiler)),
         "fused_optimizer": Key((bool,), "Adam/AdamW with fused=True (one kernel over all of a rank's shards)"),
         "offload": Key((dict,), "offload planning and the delayed update (with zero_optimization.offload_optimizer)", children=_ZEROFX_OFFLOAD),
+        "offload_gradients": Key((dict,), "gradient offload (stages 2-3): each reduced gradient shard goes to host memory or NVMe "
+                                 "as the backward returns it, and the optimizer reads it there", children=_OFFLOAD_GRADIENTS),
         "collective_timeout_s": Key(_NUM, f"seconds a collective may wait for its peers before the process group raises (default "
                                     f"{DEFAULT_COLLECTIVE_TIMEOUT_S:g}; torch's own is 1800)", lambda v: 0 < v <= MAX_COLLECTIVE_TIMEOUT_S,
                                     f"a number of seconds in (0, {MAX_COLLECTIVE_TIMEOUT_S:g}]"),
         "program_cache_size": Key((int,), f"compiled programs (one per input shape) kept, least recently used dropped first (default "
                                   f"{DEFAULT_PROGRAM_CACHE_SIZE})", _pos_int, "an integer >= 1"),
+        "shard_group_size": Key((int, str), "ranks that share one sharded copy of the ZeRO state: groups of this many consecutive "
+                                "ranks, replicated across groups (default: the world size, flat; \"auto\": the planner chooses)",
+                                lambda v: v == "auto" or _pos_int(v), "an integer >= 1 that divides the world size, or \"auto\""),
+        "sequence_parallel": Key((dict,), "sequence parallelism: groups of `size` consecutive ranks share each sequence, each rank "
+                                 "running 1/size of it (NOTE [Sequence parallelism as a rewrite])", children={
+            "size": Key((int,), "ranks per sequence group; data-parallel size = world size / size", _pos_int,
+                        "an integer >= 1 that divides the world size"),
+            "attention": Key((str,), "how attention exchanges data: \"ulysses\" (all-to-all to head sharding), \"ring\" (not "
+                             "implemented yet) or \"auto\"", lambda v: v in {a.value for a in SequenceAttention},
+                             ", ".join(f'"{a.value}"' for a in SequenceAttention)),
+        }),
+        "profile": Key((str,), "hardware the planner sizes buckets, prefetch and shard groups for: a built-in profile "
+                       f"({', '.join(BUILTIN_PROFILES)}) or a JSON file from zerofx calibrate (default: cpu, gloo on CPU cores)",
+                       lambda v: v in BUILTIN_PROFILES or Path(v).is_file(), f"{', '.join(BUILTIN_PROFILES)}, or a profile file that exists"),
+        "plan_cache": Key((str, bool), "directory of the plan cache: each rank's captured and lowered graphs, loaded again by the next "
+                          f"launch with the same model, inputs, config and world layout (default: ${PLAN_CACHE_ENV}, else "
+                          "~/.cache/zerofx/plans); false turns it off", lambda v: v is False or (isinstance(v, str) and v != ""),
+                          "a directory path, or false", per_rank=True),
     }),
 }
 
@@ -434,9 +468,13 @@ class ZeroConfig:
     scheduler: SchedulerSpec | None = None  # the ``scheduler`` section; None without one
     offload: OffloadOptions | None = None  # ``offload_optimizer`` with ``zerofx.offload``; None when off
     param_offload: ParamOffloadOptions | None = None  # ``offload_param``; None when off
+    grad_offload: GradOffloadOptions | None = None  # ``zerofx.offload_gradients``; None when off
     loss_scaling: LossScaleOptions | None = None  # the ``fp16`` section's loss scaling; None unless fp16 is enabled
     steps_per_print: int | None = None  # rank 0 logs every this many optimizer steps; None: never
     monitors: MonitorOptions = MonitorOptions()  # tensorboard, csv_monitor, wandb; all None when off
+    # ``zerofx.shard_group_size``: an int dividing the world size, "auto" (the planner chooses),
+    # or None (flat: one group of all ranks). NOTE [Shard groups of consecutive ranks].
+    shard_group_size: int | str | None = None
 
     @property
     def collective_timeout_s(self) -> float:
@@ -455,10 +493,32 @@ class ZeroConfig:
         return self.raw.get("train_micro_batch_size_per_gpu")
 
     @property
+    def profile(self) -> str:
+        """The hardware profile the planner plans for (``zerofx.profile``): a built-in name or a
+        file from ``zerofx calibrate``."""
+        return str(self.raw.get("zerofx", {}).get("profile", "cpu"))
+
+    @property
     def program_cache_size(self) -> int:
         """Compiled programs (one per input signature) kept at once, least recently used dropped
         first (``zerofx.program_cache_size``)."""
         return int(self.raw.get("zerofx", {}).get("program_cache_size", DEFAULT_PROGRAM_CACHE_SIZE))
+
+    @property
+    def plan_cache_dir(self) -> Path | None:
+        """Where the plan cache keeps its entries (``zerofx.plan_cache``, else ``$ZEROFX_PLAN_CACHE``,
+        else ``$XDG_CACHE_HOME/zerofx/plans`` or ``~/.cache/zerofx/plans``); None when it is off."""
+        value = self.raw.get("zerofx", {}).get("plan_cache")
+        if value is None:
+            value = os.environ.get(PLAN_CACHE_ENV)
+            if value is not None and value.strip().lower() in ("", "off", "0", "false", "no"):
+                return None
+        if value is False:
+            return None
+        if value is None:
+            base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+            return Path(base) / "zerofx" / "plans"
+        return Path(os.path.expanduser(str(value)))
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -484,6 +544,14 @@ class ZeroConfig:
     @property
     def gradient_clipping(self) -> float:
         return float(self.raw.get("gradient_clipping", 0.0))
+
+    def sequence_parallel(self) -> SequenceParallelSpec | None:
+        """``zerofx.sequence_parallel`` as a spec without its group (the engine names it); None
+        when the section is absent or its size is 1."""
+        section = self.raw.get("zerofx", {}).get("sequence_parallel")
+        if section is None or section.get("size", 1) == 1:
+            return None
+        return SequenceParallelSpec(size=section["size"], attention=SequenceAttention(section.get("attention", "ulysses")))
 
     def tiling_options(self) -> TilingOptions | None:
         """The ``zerofx.tiling`` section as ``TilingOptions``; None when the section is absent."""
@@ -548,12 +616,16 @@ class ZeroConfig:
             "offload": {
                 "optimizer": _canonical(zero.get("offload_optimizer", {}), zero_keys["offload_optimizer"].children),
                 "param": _canonical(zero.get("offload_param", {}), zero_keys["offload_param"].children),
+                "gradients": _canonical(own.get("offload_gradients", {}), own_keys["offload_gradients"].children),
                 "zerofx": _canonical(own.get("offload", {}), own_keys["offload"].children),
             },
             "tiling": None if tiling is None else asdict(tiling),
             "compile": self.graph_compiler.value,
             "program_cache_size": self.program_cache_size,
             "collective_timeout_s": self.collective_timeout_s,
+            "shard_group_size": self.shard_group_size,
+            "profile": self.profile,  # sizes buckets and prefetch: the collectives every rank issues
+            "sequence_parallel": _canonical(own.get("sequence_parallel", {}), own_keys["sequence_parallel"].children),
             # A monitor on adds the gradient norm's all-reduce to every step (zerofx.monitors).
             "monitors": {"tensorboard": self.monitors.tensorboard is not None, "csv_monitor": self.monitors.csv_monitor is not None,
                          "wandb": self.monitors.wandb is not None},
@@ -763,18 +835,70 @@ def parse_config(
     if param_offload is not None and offload is None and raw.get("zerofx", {}).get("offload", {}).get("delayed_update"):
         raise ConfigError("zerofx.offload.delayed_update needs zero_optimization.offload_optimizer; "
                           "it is not supported with offload_param alone")
+    resolved_stage = stage if stage is not None else cfg_stage
+    resolved_world = world_size if world_size is not None else cfg_world
+    shard_group_size = raw.get("zerofx", {}).get("shard_group_size")
+    check_shard_group_size(shard_group_size, stage=resolved_stage, world_size=resolved_world)
+    check_sequence_parallel(raw, world_size=resolved_world)
     return ZeroConfig(
-        stage=stage if stage is not None else cfg_stage,
-        world_size=world_size if world_size is not None else cfg_world,
+        stage=resolved_stage,
+        world_size=resolved_world,
+        shard_group_size=shard_group_size,
         optimizer=OptimizerSpec(type=kind, params=params),
         raw=raw,
         scheduler=scheduler,
         offload=offload,
         param_offload=param_offload,
+        grad_offload=GradOffloadOptions.from_config(raw, stage=stage if stage is not None else cfg_stage),
         loss_scaling=LossScaleOptions.from_config(raw["fp16"]) if raw.get("fp16", {}).get("enabled") else None,
         steps_per_print=raw.get("steps_per_print"),
         monitors=MonitorOptions.from_config(raw),
     )
+
+
+def check_shard_group_size(value: int | str | None, *, stage: int | None, world_size: int | None) -> None:
+    """``zerofx.shard_group_size`` against what is known of the stage and world size: K must
+    divide the world size, and stage 0 (nothing sharded) takes no K below the world size. Called
+    at parse time and again at initialize, once the process group's size is known."""
+    if value is None or value == "auto":
+        return
+    if world_size is not None and world_size % value:
+        raise ConfigError(f"config key 'zerofx.shard_group_size' got {value}, which does not divide the world size {world_size}; "
+                          f"accepted: a divisor of {world_size} ({', '.join(str(k) for k in range(1, world_size + 1) if world_size % k == 0)}) "
+                          "or \"auto\"")
+    if stage == 0 and (world_size is None or value < world_size):
+        raise ConfigError(f"config key 'zerofx.shard_group_size' got {value} at ZeRO stage 0, which shards nothing; accepted at "
+                          "stage 0: leave it out (or the world size); shard groups apply at stages 1-3")
+
+
+def check_sequence_parallel(raw: Mapping[str, Any], *, world_size: int | None) -> None:
+    """``zerofx.sequence_parallel`` against the world size and the features it does not compose
+    with yet. Called at parse time and again at initialize, once the process group's size is known."""
+    section = raw.get("zerofx", {}).get("sequence_parallel")
+    if section is None:
+        return
+    if "size" not in section:
+        raise ConfigError("config key 'zerofx.sequence_parallel.size' is missing; accepted: an integer >= 1 that divides the world size")
+    size = section["size"]
+    if world_size is not None and world_size % size:
+        raise ConfigError(f"config key 'zerofx.sequence_parallel.size' got {size}, which does not divide the world size {world_size}; "
+                          f"accepted: a divisor of {world_size} ({', '.join(str(k) for k in range(1, world_size + 1) if world_size % k == 0)})")
+    if size == 1:
+        return
+    if section.get("attention") == SequenceAttention.RING.value:
+        raise ConfigError("config key 'zerofx.sequence_parallel.attention' got \"ring\", which is not implemented yet; accepted: "
+                          "\"ulysses\" or \"auto\"")
+    own, zero = raw.get("zerofx", {}), raw.get("zero_optimization", {})
+    refused = [("zerofx.tiling", "tiling" in own), ("zero_optimization.offload_optimizer", "offload_optimizer" in zero),
+               ("zero_optimization.offload_param", "offload_param" in zero), ("zerofx.offload_gradients", "offload_gradients" in own),
+               ("bf16.enabled", bool(raw.get("bf16", {}).get("enabled"))), ("fp16.enabled", bool(raw.get("fp16", {}).get("enabled"))),
+               ("zerofx.shard_group_size", own.get("shard_group_size") not in (None, world_size)),
+               ("zerofx.compile", own.get("compile", "none") != "none")]
+    for key, present in refused:
+        if present:
+            raise ConfigError(f"config key 'zerofx.sequence_parallel' (size {size}) is not supported together with {key!r} yet; "
+                              "accepted with sequence parallelism: fp32, ZeRO stages 0-3 without offload, tiling or shard groups, "
+                              "and zerofx.compile \"none\"")
 
 
 def _config_world_size(raw: Mapping[str, Any]) -> int | None:
@@ -789,6 +913,8 @@ def _config_world_size(raw: Mapping[str, Any]) -> int | None:
                 f"train_batch_size={tbs} is not train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x world size"
             )
         implied = tbs // (micro * gas)
+        # The ranks of a sequence group share their batch: the rule counts data-parallel groups.
+        implied *= raw.get("zerofx", {}).get("sequence_parallel", {}).get("size", 1)
     if explicit is not None and implied is not None and explicit != implied:
         raise ConfigError(f"zerofx.world_size={explicit} disagrees with the batch sizes, which imply {implied}")
     return explicit if explicit is not None else implied

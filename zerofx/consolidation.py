@@ -46,6 +46,7 @@ from zerofx.checkpoint_format import (
     CheckpointError,
     RankFiles,
     check_rank_files,
+    num_shards,
     read_metadata,
     resolve_tag,
     torch_dtype,
@@ -175,7 +176,7 @@ def consolidate(
     assert sys.byteorder == "little", "safetensors stores little-endian bytes"
     path = resolve_tag(ckpt_dir, tag)
     meta = read_metadata(ckpt_dir, path.name)
-    paths = check_rank_files(path, meta["world_size"])
+    paths = check_rank_files(path, num_shards(meta))
     out = Path(out_path)
     _check_output(out, Path(ckpt_dir), [path / METADATA, *paths])
     entries = _entries(meta, dtype)

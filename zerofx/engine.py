@@ -22,11 +22,16 @@ until a named point, and nothing writes into it or frees it before then:
   reuses can be a buffer in flight.
 - The engine's own flats (shards, gradient buffers, masters) are written only between graphs:
   ``backward`` adds the graph's outputs once the graph has returned (every wait done), the
-  optimizer steps after it, and ``param_sync`` copies each gathered bucket after its wait.
+  optimizer steps after it, and ``param_sync`` copies each gathered bucket after its wait;
+  ``grad_sync`` (stage 1) copies each reduced shard into the gradient buffer that fed its
+  reduce-scatter, after that collective's waits.
 - Offload: an NVMe transfer's host buffer belongs to the store's I/O thread from ``submit``
   until its future is taken (``acquire``, ``drain``); the delayed update's snapshot belongs to
   the update thread until ``finish`` (NOTE [One-step delayed update] in zerofx.offload); a
-  parameter shard read ahead belongs to the store until ``fetch`` hands the graph a copy.
+  parameter shard read ahead belongs to the store until ``fetch`` hands the graph a copy;
+  an offloaded gradient shard belongs to the gradient store once ``backward`` has handed it
+  over, and with the delayed update the generation being read belongs to the update thread
+  until ``finish`` (NOTE [Offloaded gradients] in zerofx.offload.grads).
 - Inside torch, gloo's two worker threads share one unguarded string (the name of the last
   completed collective); NOTE [gloo's completion race] in passes/gather_into_buffers.py says
   why every collective zerofx issues has a name short enough to keep that string off the heap.
@@ -41,6 +46,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -59,8 +65,9 @@ from zerofx.passes.check_collectives import collective_sequence, first_divergenc
 from zerofx.passes.fetch_params import fetch_order
 from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_sharding import place_param
+from zerofx.passes.sequence_parallel import SequenceParallelSpec
 from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, cast_info, flatten_call, split_loss_kwargs
-from zerofx.config import OptimizerSpec, ZeroConfig, first_config_difference
+from zerofx.config import OptimizerSpec, ZeroConfig, check_sequence_parallel, first_config_difference
 from zerofx.errors import (
     CollectiveTimeoutError,
     EngineStateError,
@@ -73,7 +80,17 @@ from zerofx.loss_scaling import LossScaler
 from zerofx.materialize import InitFn, check_all_meta_or_none
 from zerofx.monitors import Monitor, check_monitor_packages, samples_and_tokens
 from zerofx.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, ParamOffloadOptions, ParamStore
-from zerofx.program import Program, capture_and_plan, check_example_inputs, resolve
+from zerofx.offload.grads import OffloadedGrads
+from zerofx import plan_cache
+from zerofx.program import (
+    PLANNING_REPLICATE_GROUP,
+    Program,
+    capture_and_plan,
+    check_example_inputs,
+    plan_program,
+    resolve,
+    resolve_shard_group_size,
+)
 from zerofx.schedulers import lr_at
 
 
@@ -169,6 +186,9 @@ class Engine:
         _check_same_config(cfg, model, self.group, self.world_size)
         self.collective_timeout_s = cfg.collective_timeout_s
         _compat.set_group_timeout(self.group, timedelta(seconds=self.collective_timeout_s))
+        # NOTE [Sequence groups] (at ``_sequence_group``): the name its all-to-alls run over.
+        self.sequence_parallel, self._sequence_group = _sequence_parallel(cfg, self.group, self.world_size,
+                                                                          timedelta(seconds=self.collective_timeout_s))
         _check_has_trainable_params(model)
         self.device = _meta_init_device(self.group) if self._from_meta else next(model.parameters()).device
         self.compute_dtype = cfg.compute_dtype
@@ -176,8 +196,20 @@ class Engine:
         if self.compute_dtype is not None:
             infos = [cast_info(i, self.compute_dtype) for i in infos]
         self.param_infos = tuple(infos)
+        # NOTE [Shard groups of consecutive ranks] (at ``_shard_groups``): the shard group's name
+        # goes into the graphs' gathers and reduce-scatters, the replicate group's into the
+        # all-reduces across groups. Flat: the shard group is the engine's group.
+        self.shard_group_size, self.shard_group_decision = self._choose_shard_group_size(cfg, example_args, example_kwargs)
+        if cfg.shard_group_size == "auto":  # the storage is laid out for this K: every later plan keeps it
+            cfg = self.cfg = replace(cfg, shard_group_size=self.shard_group_size)
+        self.shard_group, self.replicate_group = _shard_groups(self.group, self.world_size, self.shard_group_size,
+                                                               timedelta(seconds=self.collective_timeout_s))
+        k, n = self.shard_group_size, self.world_size
+        self.group_name = self.group.group_name if k == n else f"zerofx_shard_{k}of{n}"
+        self.replicate_group_name = PLANNING_REPLICATE_GROUP if k == n else f"zerofx_replicate_{k}of{n}"
+        self.shard_index = self.rank % self.shard_group_size
         self.placements: dict[str, ParamPlacement] = {
-            i.fqn: place_param(i.fqn, i.shape, i.dtype, i.requires_grad, self.world_size) for i in self.param_infos
+            i.fqn: place_param(i.fqn, i.shape, i.dtype, i.requires_grad, self.world_size, self.shard_group_size) for i in self.param_infos
         }
         owner_of = {id(p): fqn for fqn, p in model.named_parameters()}
         param_aliases = {name: owner_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
@@ -185,12 +217,12 @@ class Engine:
             (key, param_aliases.get(key)) for key in model.state_dict().keys()
         ]
         self.storage = EngineStorage(model, cfg, self.placements, group=self.group, device=self.device, from_meta=self._from_meta,
-                                     init_fn=init_fn, init_seed=init_seed)
+                                     init_fn=init_fn, init_seed=init_seed, shard_index=self.shard_index)
         self._scheduled: Program | None = None  # the program whose fetch order the store reads ahead along
         self.optimizer: torch.optim.Optimizer
         if self.offload_store is not None:
             self.optimizer = OffloadedOptimizer(self.optimizer_params, self.offload_store, cfg.optimizer.type, cfg.optimizer.params,
-                                                param_store=self.param_store)
+                                                param_store=self.param_store, grad_store=self.storage.grad_store)
         else:
             self.optimizer = build_optimizer(cfg.optimizer, list(self.optimizer_params.values()), fused=cfg.fused_optimizer)
         # NOTE [Offload files live as long as the engine]
@@ -209,6 +241,7 @@ class Engine:
         # ``program_cache_size`` of them (each holds its graphs, about 5 MiB for a small model).
         self._programs: OrderedDict[Any, Program] = OrderedDict()
         self._pending: tuple[Program, list[torch.Tensor], torch.Tensor] | None = None
+        self._plan_cache_dir = cfg.plan_cache_dir  # None: the plan cache is off
         # NOTE [The engine's call order]
         # step() needs a backward() since the last step, and a second backward() needs a step()
         # in between (step runs every micro-step; it updates the parameters only at the
@@ -228,6 +261,24 @@ class Engine:
         # DeepSpeed's tensorboard / csv_monitor / wandb: rank 0 writes each optimizer step's
         # metrics; built last, so a failed initialize leaves no files or wandb run behind.
         self.monitor: Monitor | None = Monitor(cfg.monitors, world_size=self.world_size) if cfg.monitors.enabled and self.rank == 0 else None
+
+    def _choose_shard_group_size(self, cfg: ZeroConfig, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> tuple[int, str | None]:
+        """K, and with ``"auto"`` the planner's decision line. The storage and the groups are laid
+        out before the first program, so ``"auto"`` captures the example step once here and lets
+        the planner choose from it; every rank captures the same step and chooses the same K."""
+        if cfg.shard_group_size != "auto":
+            return resolve_shard_group_size(cfg, self.world_size)
+        try:
+            captured = capture_step(self.model, args, dict(kwargs or {}), loss_fn=self.loss_fn, param_infos=self.param_infos,
+                                    device=self.device, compute_dtype=self.compute_dtype, sequence_parallel=self.sequence_parallel)
+        except MissingLossError:
+            return self.world_size, (f"shard group size {self.world_size} (flat): zerofx.shard_group_size \"auto\" chooses from the "
+                                     "captured step, and the example inputs give no loss")
+        plan = plan_program(captured, cfg, self.world_size).plan
+        decision = next((d for d in plan.decisions if "shard group" in d), None)
+        if decision is not None and self.rank == 0:
+            print(f"[zerofx] decision: {decision}", flush=True)
+        return plan.shard_group_size, decision
 
     # ----------------------------------------------------------------- storage (zerofx.engine_storage)
     @property
@@ -335,11 +386,13 @@ class Engine:
         if program is not None:
             self._programs.move_to_end(sig)
         else:
-            program = capture_and_plan(
+            # A second launch with the same key loads the lowered graphs (zerofx.plan_cache).
+            program = plan_cache.load_or_build(self._plan_cache_dir, self._plan_cache_key(sig), lambda: capture_and_plan(
                 lambda tiling: capture_step(self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos,
-                                            device=self.device, compute_dtype=self.compute_dtype, tiling=tiling),
-                self.cfg, self.world_size, group_name=self.group_name, param_offload=self.param_offload_plan,
-            )
+                                            device=self.device, compute_dtype=self.compute_dtype, tiling=tiling,
+                                            sequence_parallel=self.sequence_parallel),
+                self.cfg, self.world_size, **self._program_options,
+            ), rank=self.rank, program_options=self._program_options)
             self._check_same_plan(program)
             self._programs[sig] = program
             while len(self._programs) > self.cfg.program_cache_size:
@@ -351,6 +404,21 @@ class Engine:
             self.param_store.set_schedule(fetch_order(gms["forward"]) + fetch_order(gms["backward"]) + updates)
             self._scheduled = program
         return program
+
+    def _plan_cache_key(self, sig: Any) -> dict[str, Any]:
+        """What this rank's program for input signature ``sig`` depends on (NOTE [What a
+        plan-cache key covers] in zerofx/plan_cache.py); empty when the cache is off."""
+        if self._plan_cache_dir is None:
+            return {}
+        return plan_cache.cache_key(model=self.model, input_signature=sig, loss_fn=self.loss_fn, cfg=self.cfg, world_size=self.world_size,
+                                    rank=self.rank, backend=str(dist.get_backend(self.group)), device=self.device,
+                                    program_options=self._program_options)
+
+    @property
+    def _program_options(self) -> dict[str, Any]:
+        """The keyword arguments this rank's programs are built with (``capture_and_plan``,
+        ``Program``): the groups their collectives name and the parameter-offload placement."""
+        return {"group_name": self.group_name, "param_offload": self.param_offload_plan, "replicate_group_name": self.replicate_group_name}
 
     def _agree_on_inputs(self, sig: Any, misplaced: str | None = None) -> None:
         """Check, with one small all-reduce, that every rank calls with the same input signature
@@ -429,6 +497,8 @@ class Engine:
         self._warn_past_schedule()
         captured: CapturedStep = program.captured
         inputs = flatten_call(captured, self.model, args, kwargs, self.loss_fn)
+        if self._sequence_group is not None:
+            self._check_same_batch_in_group(inputs)
         primals = [self.storage.param_input(p.fqn) for p in captured.params]
         primals += [self.buffers[b.fqn] for b in captured.buffers]
         primals += inputs
@@ -439,6 +509,22 @@ class Engine:
         return loss
 
     forward = __call__
+
+    def _check_same_batch_in_group(self, inputs: list[torch.Tensor]) -> None:
+        """The ranks of a sequence group must pass the same batch (each takes its own slice of
+        it): a checksum of the inputs, compared with one small all-reduce over the group."""
+        sums = []
+        for t in inputs:
+            flat = t.detach().flatten().double()
+            sums += [flat.sum(), (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)).sum()]
+        both = torch.stack(sums + [-x for x in sums]) if sums else torch.zeros(2, dtype=torch.float64, device=self.device)
+        mine = both.clone()
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._sequence_group)
+        if not torch.equal(both, mine):
+            raise RankDivergenceError(
+                f"rank {self.rank}: the ranks of its sequence group (zerofx.sequence_parallel.size {self.sequence_parallel.size}: "
+                "ranks r with the same r // size) passed different batches; every rank of a group must pass the same whole "
+                "batch, and zerofx takes each rank's slice of the sequence itself")
 
     _schedule_end_warned = False  # set on the instance by its first warning
 
@@ -480,9 +566,11 @@ class Engine:
     def setup_times(self) -> dict[str, float]:
         """Seconds the most recent program took to set up, by phase: ``capture`` (the joint graph
         on fake tensors), ``plan`` (sharding, buckets, and any budget search) and ``lower`` (the
-        rewrite passes and the split into this rank's graphs). Empty before the first capture."""
+        rewrite passes and the split into this rank's graphs); or, when the plan cache had them,
+        ``cache`` alone (reading and rebuilding the lowered graphs). Empty before the first capture."""
         program = self.program
-        return {} if program is None else {k: program.setup_times[k] for k in ("capture", "plan", "lower") if k in program.setup_times}
+        phases = ("capture", "plan", "lower", "cache")
+        return {} if program is None else {k: program.setup_times[k] for k in phases if k in program.setup_times}
 
     @property
     def compile_s(self) -> float:
@@ -531,6 +619,7 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        self._sync_grads()
         # Gradients of what the optimizer steps, unscaled (in mixed precision fp32 copies).
         grads = self.storage.optimizer_grads(1.0 / self.loss_scaler.scale if self.loss_scaler else 1.0)
         if self.loss_scaler is not None and not self._finite(grads):
@@ -574,7 +663,9 @@ class Engine:
         for f, g in grads.items():
             squares += self.storage.owned(f, g).double().pow(2).sum()
         dist.all_reduce(squares, group=self.group)
-        return squares.sqrt()
+        # Every shard group holds the same shards (NOTE [Shard groups of consecutive ranks]): each
+        # element was counted once per group.
+        return (squares / (self.world_size // self.shard_group_size)).sqrt()
 
     def _clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> float:
         """Scale gradients so their global L2 norm (over all ranks' shards) is at most ``max_norm``;
@@ -582,14 +673,18 @@ class Engine:
         norm = self._grad_norm(grads).item()
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
-            for g in grads.values():
-                g.mul_(coef)
+            if isinstance(grads, OffloadedGrads):
+                grads.scale_(coef)  # applied as each is read from its tier (NOTE [Offloaded gradients])
+            else:
+                for g in grads.values():
+                    g.mul_(coef)
         return norm
 
     def _after_step(self, *, updated: bool, grad_norm: float | torch.Tensor | None = None) -> None:
         self.storage.end_step(updated=updated)
         self.global_steps += 1
-        self.global_samples += self._step_samples * self.world_size  # ranks agree on input shapes
+        # Ranks agree on input shapes; the ranks of a sequence group share their sequences.
+        self.global_samples += self._step_samples * self.world_size // (self.sequence_parallel.size if self.sequence_parallel else 1)
         self._step_samples = 0
         every = self.cfg.steps_per_print
         if every and self.global_steps % every == 0 and self.rank == 0:
@@ -602,6 +697,15 @@ class Engine:
             self.monitor.record_step(samples=self.global_samples, lr=self.optimizer.param_groups[0]["lr"],
                                      loss_scale=self.loss_scaler.scale if self.loss_scaler else None, grad_norm=grad_norm,
                                      model_state_bytes=sum(self.memory().values()))
+
+    def _sync_grads(self) -> None:
+        """Stage 1, at the accumulation boundary: reduce-scatter the accumulated local gradients
+        into this rank's shard of each buffer (a collective; NOTE [Stages 1 and 2 move 2 Psi] in
+        passes/grad_sync.py)."""
+        program = self.program
+        if program is not None and "grad_sync" in program.graph_modules(self.rank):
+            order = [f for bucket in program.plan.reduce_buckets for f in bucket]
+            self._run(program, "grad_sync", [self.storage.grads[f] for f in order] + [self.storage.grad_shard(f) for f in order])
 
     def _sync_params(self) -> None:
         """Where the stage keeps parameters whole, all-gather the updated shards (a collective)."""
@@ -624,6 +728,8 @@ class Engine:
             self.optimizer.store.drain()  # the write-backs still going on; raises their errors
             if self.param_store is not None:
                 self.param_store.drain()
+            if self.storage.grad_store is not None:
+                self.storage.grad_store.drain()
 
     def close(self) -> None:
         """Write the monitors' last records and close their files and wandb run; finish offloaded
@@ -648,7 +754,7 @@ class Engine:
                 p = self.placements[owner]
                 if owner not in self.full:
                     flat = torch.empty(p.padded_numel, dtype=p.torch_dtype, device=self.device)
-                    _compat.all_gather_flat(flat, self.param_shard(owner), group=self.group)
+                    _compat.all_gather_flat(flat, self.param_shard(owner), group=self.shard_group)
                 else:
                     flat = self.full[owner].clone()
                 gathered[owner] = flat[: p.numel].view(p.shape)
@@ -678,6 +784,11 @@ class Engine:
                 out["offload_param_cpu_bytes"] = ps.cpu_bytes()
                 out["offload_param_nvme_bytes"] = ps.nvme_bytes()
                 out["offload_param_window_bytes"] = ps.window_bytes()
+            gs = self.storage.grad_store
+            if gs is not None:  # NOTE [Offloaded gradients]: ``grads`` (on the device) is 0
+                out["offload_grad_cpu_bytes"] = gs.cpu_bytes()
+                out["offload_grad_nvme_bytes"] = gs.nvme_bytes()
+                out["offload_grad_window_bytes"] = gs.window_bytes()
             return out
         states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         states += list(self.master.values())  # the fp32 master copy counts with the optimizer states, as in ZeRO
@@ -762,6 +873,95 @@ def _failing_collective(exc: BaseException) -> str:
         if frame.filename.startswith("<eval_with_key>") and frame.line:
             return f"`{frame.line.strip()}`"
     return "a collective"
+
+
+_SEQUENCE_GROUPS: dict[tuple[Any, int, int], tuple[str, dist.ProcessGroup]] = {}
+
+
+def _sequence_parallel(cfg: ZeroConfig, group: dist.ProcessGroup, world_size: int,
+                       timeout: timedelta) -> tuple[SequenceParallelSpec | None, dist.ProcessGroup | None]:
+    """The config's sequence parallelism with this rank's sequence group named, and that group;
+    (None, None) without it. A collective when set: every rank creates every group.
+
+    NOTE [Sequence groups]
+    With ``zerofx.sequence_parallel.size`` S, ranks r with the same r // S form one sequence
+    group: consecutive ranks, as a node's ranks usually are, since its all-to-alls move
+    activations every layer. There are D = N / S groups, data-parallel to each other. Every
+    rank of a group is given the same batch and runs its 1/S of each sequence (NOTE [Sequence
+    parallelism as a rewrite] in passes/sequence_parallel.py). ZeRO is unchanged: model state is
+    sharded over all N ranks and gradients are reduced over all N of them. Each rank registers
+    its own group under the shared name ``zerofx_sequence_SofN``, so every rank lowers the same
+    graph code. Each forward first compares a checksum of the inputs over the group (one small
+    all-reduce): ranks of a group that pass different batches raise ``RankDivergenceError``
+    instead of training on a mix of slices.
+    """
+    spec = cfg.sequence_parallel()
+    check_sequence_parallel(cfg.raw, world_size=world_size)
+    if spec is None:
+        return None, None
+    if group is not dist.group.WORLD and dist.get_world_size() != world_size:
+        raise ZeroFXError("zerofx.sequence_parallel needs the engine to run on the default process group; drop group= or "
+                          "the sequence_parallel section")
+    size, name = spec.size, f"zerofx_sequence_{spec.size}of{world_size}"
+    key = (dist.group.WORLD, world_size, size)
+    for stale in [k for k in _SEQUENCE_GROUPS if k[0] is not dist.group.WORLD]:  # of a process group since destroyed
+        del _SEQUENCE_GROUPS[stale]
+    if key not in _SEQUENCE_GROUPS:
+        rank = dist.get_rank()
+        for first in range(0, world_size, size):
+            members = list(range(first, first + size))
+            g = dist.new_group(members, timeout=timeout)
+            if rank in members:
+                _compat.register_group_name(name, g)
+                _SEQUENCE_GROUPS[key] = name, g
+    name, mine = _SEQUENCE_GROUPS[key]
+    return replace(spec, group_name=name), mine
+
+
+def _shard_groups(group: dist.ProcessGroup, world_size: int, shard_group_size: int,
+                  timeout: timedelta) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(this rank's shard group, its replicate group or None when sharding is flat). A collective
+    when shard groups are set: every rank builds the device mesh.
+
+    NOTE [Shard groups of consecutive ranks]
+    With ``zerofx.shard_group_size`` K below the world size N, the ranks form a 2-D device mesh
+    of shape (N / K, K), dims ("replicate", "shard"), laid out row by row: row g is ranks
+    gK .. gK + K - 1, one shard group of consecutive ranks (on a cluster, ranks of one node), and
+    column i is the ranks at shard index i = rank % K in every group. Every parameter is padded
+    to a multiple of K and the rank at shard index i owns elements [i S, (i + 1) S), S = padded
+    / K (``place_param``, ``Plan.shard_index``), so each group holds one whole sharded copy of
+    the ZeRO state (16P/K bytes per rank in fp32 with Adam) and the N / K groups hold the same
+    copy. Gathers (stage-3 parameters, ``param_sync``) and reduce-scatters run over the shard
+    group; each reduce-scatter's shard is then all-reduced over the replicate group, the ranks
+    that own the same shard, so every replica steps with the mean over all N ranks. torch names
+    each sub-group differently; each rank registers its own two groups under two shared names
+    (``zerofx_shard_KofN``, ``zerofx_replicate_KofN``), so every rank lowers the same graph code
+    and the engine's check that ranks lowered the same graphs holds. Checkpoints store each shard
+    once (group 0 writes the tensors), as a flat K-rank layout.
+    """
+    if shard_group_size == world_size:
+        return group, None
+    key = (dist.group.WORLD, world_size, shard_group_size)
+    for stale in [k for k in _SHARD_GROUPS if k[0] is not dist.group.WORLD]:  # of a process group since destroyed
+        del _SHARD_GROUPS[stale]
+    if key in _SHARD_GROUPS:  # one mesh per layout and process: engines built later reuse its groups
+        return _SHARD_GROUPS[key]
+    if group is not dist.group.WORLD and dist.get_world_size() != world_size:
+        raise ZeroFXError(f"zerofx.shard_group_size {shard_group_size} needs the engine to run on the default process group "
+                          "(the device mesh spans every rank); drop group= or the shard group size")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (world_size // shard_group_size, shard_group_size), mesh_dim_names=("replicate", "shard"))
+    shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
+    for g, role in ((shard, "shard"), (replicate, "replicate")):
+        _compat.set_group_timeout(g, timeout)
+        _compat.register_group_name(f"zerofx_{role}_{shard_group_size}of{world_size}", g)
+    _SHARD_GROUPS[key] = shard, replicate
+    return shard, replicate
+
+
+_SHARD_GROUPS: dict[tuple[Any, int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 def _meta_init_device(group: dist.ProcessGroup) -> torch.device:

@@ -23,6 +23,10 @@ tensors are alive beyond the stage's own storage. No broadcast is needed: every 
 the same values, at any world size. The model's own tensors stay on the meta device, and the
 engine's storage lives on the CPU (gloo) or the current CUDA device (NCCL).
 
+With ``zerofx.offload_gradients`` (stages 2-3) there are no gradient buffers either: a
+``GradStore`` keeps the reduced gradient shards in host memory or on NVMe (NOTE [Offloaded
+gradients] in ``zerofx.offload.grads``), and ``optimizer_grads`` reads them from there.
+
 With ``offload_optimizer`` the fp32 masters and optimizer states are not laid out here: each
 parameter's record goes to the tier ``plan_offload`` chose (device, host memory or NVMe), and the
 optimizer is an ``OffloadedOptimizer`` over the shards themselves (see ``zerofx.offload``).
@@ -55,6 +59,7 @@ from zerofx.config import OptimizerSpec, ZeroConfig
 from zerofx.errors import ZeroFXError
 from zerofx.materialize import InitFn, iter_initial_state
 from zerofx.offload import OffloadOptions, OffloadStore, ParamStore, plan_engine_offload, plan_engine_param_offload
+from zerofx.offload.grads import GradStore
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -83,10 +88,14 @@ class EngineStorage:
         from_meta: bool,
         init_fn: InitFn | None = None,
         init_seed: int = 0,
+        shard_index: int | None = None,
     ) -> None:
         self.placements = placements
         self.group = group
         self.rank = dist.get_rank(group)
+        # Which shard of each parameter this rank owns: its rank, or with shard groups its place
+        # in its group (NOTE [Shard groups of consecutive ranks] in zerofx/engine.py).
+        self.shard_index = self.rank if shard_index is None else shard_index
         self.stage = ZeroStage(cfg.stage)
         self.device = device
         self.compute_dtype = cfg.compute_dtype
@@ -105,16 +114,33 @@ class EngineStorage:
                 )
             if self.offload_options is None:  # NOTE [offload_param]: one optimizer streams the shards
                 self.offload_options = OffloadOptions.on_device()
+        self.grad_offload_options = cfg.grad_offload
+        if self.grad_offload_options is not None:
+            if self.stage < ZeroStage.TWO:
+                raise ZeroFXError(
+                    f"zerofx.offload_gradients applies at ZeRO stages 2-3 (gradients are sharded only there), got "
+                    f"zero_optimization.stage {int(self.stage)}; set stage 2 or 3, or offload_gradients.device none"
+                )
+            if self.offload_options is None:  # NOTE [Offloaded gradients]: the offloaded optimizer reads them
+                self.offload_options = OffloadOptions.on_device()
         self.offload_store: OffloadStore | None = None
         self.offload_plan: OffloadPlan | None = None
         self.param_store: ParamStore | None = None
         self.param_offload_plan: ParamOffloadPlan | None = None
+        self.grad_store: GradStore | None = None
         self._init_storage(model, cfg.schedule_options().persistence_threshold, from_meta=from_meta, init_fn=init_fn, init_seed=init_seed)
         trainable = [f for f, p in self.placements.items() if p.requires_grad]
         # The tensors the optimizer steps: fp32 master copies of this rank's shards in mixed
         # precision, else the shards themselves (their gradients are the persistent buffers).
         # Offloaded, the masters live in the store and the optimizer steps the shards.
         self.optimizer_params = {f: self.master[f] if self.master else self._shard_or_handle(f) for f in trainable}
+        if self.grad_offload_options is not None:
+            assert self.offload_plan is not None and self.offload_options is not None
+            self.grad_store = GradStore(
+                self.grad_offload_options, {f: self.placements[f].shard_numel for f in trainable},
+                {f: self.placements[f].torch_dtype for f in trainable}, order=list(self.offload_plan.update_order),
+                generations=2 if self.offload_options.delayed_update else 1, device=self.device, rank=self.rank,
+            )
 
     def _init_storage(self, model: nn.Module, persistence_threshold: int, *, from_meta: bool, init_fn: InitFn | None,
                       init_seed: int) -> None:
@@ -181,7 +207,7 @@ class EngineStorage:
         padded full flat where the stage keeps it whole, else only this rank's shard (and, in
         mixed precision, the fp32 master of what this rank owns). At most this one full
         parameter is alive beyond what the stage keeps."""
-        p, r = self.placements[fqn], self.rank
+        p, r = self.placements[fqn], self.shard_index
         flat = torch.zeros(p.padded_numel, dtype=source.dtype, device=self.device)
         flat[: p.numel].copy_(source.reshape(-1))
         if broadcast:
@@ -266,8 +292,8 @@ class EngineStorage:
     def _allocate_grads(self) -> None:
         """The gradient buffers, zeroed (NOTE [Gradient buffers come with the first backward]).
         In fp32 they are the ``.grad`` of what the optimizer steps."""
-        if self.grads:
-            return
+        if self.grads or self.grad_store is not None:
+            return  # offloaded gradients have no device buffer (NOTE [Offloaded gradients])
         for fqn, p in self.placements.items():
             if p.requires_grad:
                 size = p.padded_numel if self.stage <= ZeroStage.ONE else p.shard_numel
@@ -281,19 +307,29 @@ class EngineStorage:
         gradient), into the persistent buffers, allocating them on the first call."""
         self._allocate_grads()
         for fqn, g in zip(fqns, grads):
-            if g is not None:
+            if g is None:
+                continue
+            if self.grad_store is not None:
+                self.grad_store.add(fqn, g)  # NOTE [Offloaded gradients]
+            else:
                 self.grads[fqn].add_(g)
 
     def _grad_shard(self, fqn: str) -> torch.Tensor:
-        g, p = self.grads[fqn], self.placements[fqn]
+        """This rank's shard of ``fqn``'s gradient buffer: a view into the full buffer at stage 1
+        (where ``grad_sync`` writes the reduced mean), the buffer itself at stages 2-3."""
+        g, i, p = self.grads[fqn], self.shard_index, self.placements[fqn]
         if self.stage is ZeroStage.ONE:
-            return g[self.rank * p.shard_numel : (self.rank + 1) * p.shard_numel]
+            return g[i * p.shard_numel : (i + 1) * p.shard_numel]
         return g
 
-    def optimizer_grads(self, inv_scale: float) -> dict[str, torch.Tensor]:
+    grad_shard = _grad_shard  # the engine hands these views to grad_sync
+
+    def optimizer_grads(self, inv_scale: float) -> Mapping[str, torch.Tensor]:
         """Gradients of what the optimizer steps. In mixed precision, fp32 copies of this rank's
         16-bit gradient shards times ``inv_scale`` (1 over the loss scale); they live only
-        through the step."""
+        through the step. Offloaded, a view that reads each from its tier when asked."""
+        if self.grad_store is not None:
+            return self.grad_store.view(to_fp32=self.compute_dtype is not None, inv_scale=inv_scale)
         if self.compute_dtype is None:
             return {f: t.grad for f, t in self.optimizer_params.items()}
         out = {}
@@ -316,6 +352,8 @@ class EngineStorage:
         into the 16-bit shards the graphs read."""
         for g in self.grads.values():
             g.zero_()
+        if self.grad_store is not None:
+            self.grad_store.end_step()
         if self.master:
             for f, t in self.optimizer_params.items():
                 t.grad = None

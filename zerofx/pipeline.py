@@ -3,6 +3,7 @@
     captured joint --tile_weights_pass--> --shard_params_pass--> --reduce_grads_pass--> partition_joint --> forward, backward
     forward, backward --prefetch_gathers_pass--> --sink_reduce_waits_pass--> (overlap)
         --fetch_params_pass--> (stage 3 with offload_param)
+    plan --build_grad_sync--> grad_sync (stage 1: NOTE [Stages 1 and 2 move 2 Psi])
     plan --build_param_sync--> param_sync (stages 1 and 2)
     every graph --gather_into_buffers_pass--> (last: NOTE [gloo's completion race])
 """
@@ -18,6 +19,7 @@ import torch.fx as fx
 
 from zerofx.passes import Plan, _compat, build_param_sync, meta, partition_joint, reduce_grads_pass, shard_params_pass
 from zerofx.passes.fetch_params import fetch_params_pass
+from zerofx.passes.grad_sync import build_grad_sync
 from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
 from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
@@ -28,12 +30,15 @@ log = logging.getLogger("zerofx.pipeline")
 Pass = Callable[[fx.GraphModule], fx.GraphModule]
 
 
-def joint_passes(plan: Plan, *, group_name: str) -> list[tuple[str, Pass]]:
-    """The rewrites applied to the captured joint graph, in order."""
+def joint_passes(plan: Plan, *, group_name: str, replicate_group_name: str | None = None) -> list[tuple[str, Pass]]:
+    """The rewrites applied to the captured joint graph, in order. ``group_name`` is the shard
+    group's (the world's when sharding is flat), ``replicate_group_name`` the group across shard
+    groups (NOTE [Shard groups of consecutive ranks])."""
     return [
         ("tile_weights_pass", functools.partial(tile_weights_pass, plan=plan, group_name=group_name)),
         ("shard_params_pass", functools.partial(shard_params_pass, plan=plan, group_name=group_name)),
-        ("reduce_grads_pass", functools.partial(reduce_grads_pass, plan=plan, group_name=group_name)),
+        ("reduce_grads_pass", functools.partial(reduce_grads_pass, plan=plan, group_name=group_name,
+                                                replicate_group_name=replicate_group_name)),
     ]
 
 
@@ -72,16 +77,20 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[tuple[str, Pass]], *, disabl
 
 
 def lower(joint: fx.GraphModule, plan: Plan, *, group_name: str, disabled: Sequence[str] = (),
-          param_offload: ParamOffloadPlan | None = None) -> dict[str, fx.GraphModule]:
+          param_offload: ParamOffloadPlan | None = None, replicate_group_name: str | None = None) -> dict[str, fx.GraphModule]:
     """Rewrite a copy of the captured joint graph for ``plan`` (and ``param_offload``'s shard
     placement) and split it into the graph modules one rank runs. ``joint`` itself is left alone."""
-    rewritten = run_passes(meta.clone_graph_module(joint), joint_passes(plan, group_name=group_name), disabled=disabled)
+    rewritten = run_passes(meta.clone_graph_module(joint), joint_passes(plan, group_name=group_name, replicate_group_name=replicate_group_name),
+                           disabled=disabled)
     with _compat.lazy_graph_modules():  # NOTE [Code written on first use] in passes/_compat.py
         forward, backward = partition_joint(rewritten)
     modules = {
         "forward": run_passes(forward, graph_passes(plan, param_offload), disabled=disabled),
         "backward": run_passes(backward, graph_passes(plan, param_offload), disabled=disabled),
     }
+    grad_sync = build_grad_sync(plan, group_name=group_name, replicate_group_name=replicate_group_name)
+    if grad_sync is not None:
+        modules["grad_sync"] = run_passes(grad_sync, [("gather_into_buffers_pass", gather_into_buffers_pass)], disabled=disabled)
     sync = build_param_sync(plan, group_name=group_name)
     if sync is not None:
         modules["param_sync"] = run_passes(sync, [("gather_into_buffers_pass", gather_into_buffers_pass)], disabled=disabled)

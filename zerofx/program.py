@@ -21,14 +21,17 @@ import torch.nn as nn
 from zerofx.cost_models.comm import CPU_GLOO, CommSpec
 from zerofx.cost_models.compute import CPU_CORE, DeviceSpec
 from zerofx.cost_models.memory import optimizer_kind
+from zerofx.cost_models.profiles import load_profile
 from zerofx.passes import Plan, ZeroStage, _compat, plan_sharding
 from zerofx.passes.analyze_schedule import ScheduleReport, analyze_schedule
 from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
 from zerofx.passes.plan_sharding import plan_sharding_from_shapes
 from zerofx.passes.plan_tiling import TilingOptions
+from zerofx.passes.sequence_parallel import SequenceParallelSpec
 from zerofx.capture import CapturedStep, LossFn, capture_step, flatten_call, traced_param_infos
-from zerofx.config import GraphCompiler, ZeroConfig, parse_config
+from zerofx.config import GraphCompiler, ZeroConfig, check_shard_group_size, parse_config
 from zerofx.errors import MissingExampleInputsError, ZeroFXError
 from zerofx.limits import MAX_WORLD_SIZE
 from zerofx.pipeline import lower
@@ -37,6 +40,8 @@ from zerofx.search import fit_prefetch, fit_tiling
 # The group name planned graphs carry when no process group exists; the engine lowers again
 # with the real group's name.
 PLANNING_GROUP = "zerofx_planning_group"
+# The group across shard groups that planned graphs carry (NOTE [Shard groups of consecutive ranks]).
+PLANNING_REPLICATE_GROUP = "zerofx_planning_replicate"
 
 
 @dataclass(frozen=True)
@@ -54,13 +59,14 @@ class Program:
 
     def __init__(self, captured: CapturedStep | None, plan: Plan, *, group_name: str = PLANNING_GROUP,
                  param_offload: ParamOffloadPlan | None = None, source: Source | None = None,
-                 plan_waits_for: str | None = None) -> None:
+                 plan_waits_for: str | None = None, replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> None:
         assert captured is not None or source is not None, "a program captures, or has what to capture from"
         self._captured = captured
         self._plan = plan
         self._source = source  # what zerofx.compile was given; None for a program planned from a capture (the engine's)
         self._plan_waits_for = plan_waits_for  # why the plan itself needs the capture, when it does
-        self.group_name = group_name
+        self.group_name = group_name  # the shard group's (the world's when sharding is flat)
+        self.replicate_group_name = replicate_group_name  # across shard groups; unused when flat
         self.param_offload = param_offload  # stage 3 offload_param: which shards the graphs fetch
         self._modules: dict[str, fx.GraphModule] | None = None
         self._runners: dict[tuple[int, str], Callable[[list[torch.Tensor]], Any]] = {}
@@ -69,6 +75,15 @@ class Program:
         # Seconds per setup phase, measured where each runs: "capture" and "plan" by
         # capture_and_plan, "lower" by graph_modules the first time it lowers.
         self.setup_times: dict[str, float] = {}
+        self.cache_entry: Path | None = None  # the plan-cache file this program was loaded from or written to
+
+    @classmethod
+    def from_lowered(cls, captured: CapturedStep, plan: Plan, modules: Mapping[str, fx.GraphModule], **options: Any) -> Program:
+        """A program whose graphs were lowered already (``zerofx.plan_cache`` loads them);
+        ``options`` are ``__init__``'s keyword arguments (group names, ``param_offload``)."""
+        program = cls(captured, plan, **options)
+        program._modules = dict(modules)
+        return program
 
     @property
     def plan(self) -> Plan:
@@ -115,8 +130,9 @@ class Program:
         if self._captured is None:
             captured = capture_and_plan(
                 lambda tiling: capture_step(source.model, args, kwargs, loss_fn=source.loss_fn, compute_dtype=source.cfg.compute_dtype,
-                                            tiling=tiling),
+                                            tiling=tiling, sequence_parallel=planning_sequence_parallel(source.cfg, self.world_size)),
                 source.cfg, self.world_size, group_name=self.group_name, param_offload=self.param_offload,
+                replicate_group_name=self.replicate_group_name,
             )
             self._captured, self._plan, self._modules = captured._captured, captured._plan, captured._modules
             self.setup_times = dict(captured.setup_times)
@@ -129,7 +145,8 @@ class Program:
     def graph_modules(self, rank: int, *, example_inputs: Sequence[Any] | None = None,
                       example_kwargs: Mapping[str, Any] | None = None) -> dict[str, fx.GraphModule]:
         """The graph modules rank ``rank`` runs: ``forward``, ``backward`` and, at stages 1 and 2,
-        ``param_sync`` (the all-gather of updated shards after the optimizer step).
+        ``param_sync`` (the all-gather of updated shards after the optimizer step), and at
+        stage 1 ``grad_sync`` (the reduce-scatter of the accumulated gradients before it).
 
         A program compiled without example inputs captures from the first ones given here
         (positional arguments, and keyword arguments such as ``labels``); later ones must match.
@@ -142,14 +159,16 @@ class Program:
         if self._modules is None:
             joint = self._require_capture("program.graph_modules(rank)").joint
             start = time.perf_counter()
-            self._modules = lower(joint, self._plan, group_name=self.group_name, param_offload=self.param_offload)
+            self._modules = lower(joint, self._plan, group_name=self.group_name, param_offload=self.param_offload,
+                                  replicate_group_name=self.replicate_group_name)
             self.setup_times["lower"] = time.perf_counter() - start
         return dict(self._modules)
 
     def run(self, rank: int, name: str, args_list: list[torch.Tensor], compiler: GraphCompiler) -> Any:
         """Run graph ``name`` of rank ``rank`` on ``args_list``, which it empties (NOTE [Boxed
         graphs]). With ``GraphCompiler.INDUCTOR`` the graph is compiled by Inductor for inputs
-        like these on the first call and cached; ``param_sync`` (all-gathers only) never is."""
+        like these on the first call and cached; ``grad_sync`` and ``param_sync`` (collectives
+        and copies) never are."""
         key = (rank, name)
         if key not in self._runners:
             self._runners[key] = self._runner(rank, name, args_list, compiler)
@@ -157,7 +176,7 @@ class Program:
 
     def _runner(self, rank: int, name: str, example: list[torch.Tensor], compiler: GraphCompiler) -> Callable[[list[torch.Tensor]], Any]:
         gm = self.graph_modules(rank)[name]
-        if compiler is GraphCompiler.NONE or name == "param_sync":
+        if compiler is GraphCompiler.NONE or name in ("grad_sync", "param_sync"):
             boxed = _compat.boxed_graph_module(gm)
             if boxed is not None:
                 return boxed
@@ -172,7 +191,8 @@ class Program:
         """This program with ``why`` added to its plan's decision notes. A note changes no graph,
         so the copy keeps the graphs already lowered rather than lowering them again."""
         program = Program(self._captured, replace(self._plan, decisions=(*self._plan.decisions, why)), group_name=self.group_name,
-                          param_offload=self.param_offload, source=self._source, plan_waits_for=self._plan_waits_for)
+                          param_offload=self.param_offload, source=self._source, plan_waits_for=self._plan_waits_for,
+                          replicate_group_name=self.replicate_group_name)
         program._modules = self._modules
         program.setup_times = dict(self.setup_times)
         return program
@@ -269,23 +289,63 @@ def _planner_args(cfg: ZeroConfig) -> tuple[ZeroStage, str, ScheduleOptions]:
     return ZeroStage(cfg.stage), optimizer_kind(cfg.optimizer.type, dict(cfg.optimizer.params)), cfg.schedule_options()
 
 
+def resolve_shard_group_size(cfg: ZeroConfig, world_size: int) -> tuple[int, str | None]:
+    """The shard group size K for ``world_size`` ranks (``zerofx.shard_group_size``; the world
+    size when unset), and the decision line to record when the config left the choice to the
+    planner (``"auto"``)."""
+    value = cfg.shard_group_size
+    if value is None:
+        return world_size, None
+    if value == "auto":
+        # The captured step's planner chooses K (``plan_program``); planned from shapes alone there
+        # is no compute estimate to choose from, so sharding stays flat and the plan says so.
+        return world_size, f"shard group size {world_size} (flat): zerofx.shard_group_size \"auto\" chooses from the captured step"
+    check_shard_group_size(value, stage=cfg.stage, world_size=world_size)
+    return int(value), None
+
+
+def planning_sequence_parallel(cfg: ZeroConfig, world_size: int) -> SequenceParallelSpec | None:
+    """The config's sequence parallelism for a program planned without a process group: its
+    collectives carry the name the engine registers (NOTE [Sequence groups] in zerofx/engine.py)."""
+    spec = cfg.sequence_parallel()
+    return None if spec is None else replace(spec, group_name=f"zerofx_sequence_{spec.size}of{world_size}")
+
+
 def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, group_name: str = PLANNING_GROUP,
-                 param_offload: ParamOffloadPlan | None = None) -> Program:
+                 param_offload: ParamOffloadPlan | None = None, replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> Program:
     """Plan ``captured``; under ``zerofx.memory_budget`` the prefetch distance is lowered until
     the estimated peak fits (NOTE [Prefetch under a memory budget] in zerofx/search.py)."""
     stage, optimizer, options = _planner_args(cfg)
+    comm, device = load_profile(cfg.profile)  # zerofx.profile: buckets, prefetch and K are sized for it
+    shard_group_size, decision = resolve_shard_group_size(cfg, world_size)
+    # NOTE [Hierarchical sharding cost]. A program for real process groups (the engine's) keeps
+    # the K its groups and shards were built with; planning alone chooses.
+    if cfg.shard_group_size == "auto" and group_name == PLANNING_GROUP:
+        shard_group_size, decision = plan_auto_shard_group_size(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer,
+                                                                options=options, comm=comm, device=device)
+    if "profile" in cfg.raw.get("zerofx", {}) and options.prefetch_distance is None and stage is ZeroStage.THREE:
+        planned = plan_sharding(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer, options=options, comm=comm,
+                                shard_group_size=shard_group_size)
+        options = replace(options, prefetch_distance=prefetch_from_profile(planned, compute_s=estimate_compute_s(captured.joint, device),
+                                                                           comm=comm))
 
     def plan_with(opts: ScheduleOptions) -> Program:
-        plan = plan_sharding(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer, options=opts)
+        plan = plan_sharding(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer, options=opts,
+                             shard_group_size=shard_group_size, comm=comm)
+        if decision is not None:
+            plan = replace(plan, decisions=(decision, *plan.decisions))
         if captured.tiling is not None:
             plan = replace(plan, tiling=captured.tiling)
-        return Program(captured, plan, group_name=group_name, param_offload=param_offload)
+        if captured.sequence_parallel is not None:
+            plan = replace(plan, decisions=(*plan.decisions, *captured.sequence_parallel.decisions))
+        return Program(captured, plan, group_name=group_name, param_offload=param_offload, replicate_group_name=replicate_group_name)
 
     return fit_prefetch(plan_with(options), lambda d: plan_with(replace(options, prefetch_distance=d)), options.memory_budget_bytes)
 
 
 def capture_and_plan(capture: Callable[[TilingOptions | None], CapturedStep], cfg: ZeroConfig, world_size: int, *,
-                     group_name: str = PLANNING_GROUP, param_offload: ParamOffloadPlan | None = None) -> Program:
+                     group_name: str = PLANNING_GROUP, param_offload: ParamOffloadPlan | None = None,
+                     replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> Program:
     """``capture(tiling_options)``, then plan and lower it; with ``zerofx.tiling.enabled: auto``
     the tiling is checked against the memory timeline (NOTE [Tiling checked against the memory
     timeline] in zerofx/search.py), which may capture again."""
@@ -297,7 +357,8 @@ def capture_and_plan(capture: Callable[[TilingOptions | None], CapturedStep], cf
         start = time.perf_counter()
         captured = capture(opts)
         capture_s += time.perf_counter() - start
-        return plan_program(captured, cfg, world_size, group_name=group_name, param_offload=param_offload)
+        return plan_program(captured, cfg, world_size, group_name=group_name, param_offload=param_offload,
+                            replicate_group_name=replicate_group_name)
 
     start = time.perf_counter()
     program = fit_tiling(build(options), build, options)
@@ -313,8 +374,11 @@ def plan_from_shapes(model: nn.Module, cfg: ZeroConfig, world_size: int) -> Plan
     shapes alone] in passes/plan_sharding.py)."""
     stage, optimizer, options = _planner_args(cfg)
     infos = traced_param_infos(model, compute_dtype=cfg.compute_dtype)
-    return plan_sharding_from_shapes([(i.fqn, i.shape, i.dtype, i.requires_grad) for i in infos], world_size=world_size,
-                                     stage=stage, optimizer=optimizer, options=options)
+    shard_group_size, decision = resolve_shard_group_size(cfg, world_size)
+    plan = plan_sharding_from_shapes([(i.fqn, i.shape, i.dtype, i.requires_grad) for i in infos], world_size=world_size,
+                                     stage=stage, optimizer=optimizer, options=options, shard_group_size=shard_group_size,
+                                     comm=load_profile(cfg.profile)[0])
+    return plan if decision is None else replace(plan, decisions=(decision, *plan.decisions))
 
 
 def _plan_waits_for(cfg: ZeroConfig, plan: Plan) -> str | None:
@@ -324,6 +388,8 @@ def _plan_waits_for(cfg: ZeroConfig, plan: Plan) -> str | None:
         return "zerofx.tiling chooses what to tile from the graph"
     if cfg.schedule_options().memory_budget_bytes is not None and plan.prefetch_distance > 0:
         return "zerofx.memory_budget fits the prefetch distance to the memory timeline"
+    if cfg.shard_group_size == "auto":
+        return "zerofx.shard_group_size \"auto\" chooses from the step's compute estimate"
     return None
 
 

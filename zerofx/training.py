@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from tqdm import tqdm
 
-from zerofx.passes.meta import is_all_gather, is_all_reduce, is_reduce_scatter, is_wait
+from zerofx.passes.meta import is_all_gather, is_all_reduce, is_all_to_all, is_reduce_scatter, is_wait
 from zerofx.passes.plan import format_bytes
 from zerofx.checkpoint import latest_complete_tag, read_metadata
 from zerofx.config import load_config, parse_config
@@ -114,6 +114,15 @@ def _collective_timeout(opts: TrainOptions) -> timedelta:
     return timedelta(seconds=parse_config(_engine_config(opts)).collective_timeout_s)
 
 
+def data_layout(opts: TrainOptions, rank: int) -> tuple[int, int]:
+    """(this rank's data-parallel index, the number of data-parallel groups). Without sequence
+    parallelism every rank is its own group; with it, the ranks of a sequence group (r // S,
+    NOTE [Sequence groups] in zerofx/engine.py) get the same windows, and the groups different ones."""
+    spec = parse_config(_engine_config(opts)).sequence_parallel() if opts.config is not None else None
+    size = 1 if spec is None else spec.size
+    return rank // size, opts.world_size // size
+
+
 def _config_micro_batch(opts: TrainOptions) -> tuple[int, str] | None:
     """The micro-batch per rank the config states or implies, and where it comes from, after
     checking DeepSpeed's rule train_batch_size = train_micro_batch_size_per_gpu x
@@ -123,7 +132,7 @@ def _config_micro_batch(opts: TrainOptions) -> tuple[int, str] | None:
         return None
     cfg = parse_config(opts.config)
     total, micro = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu
-    accumulate, world = cfg.gradient_accumulation_steps, opts.world_size
+    accumulate, world = cfg.gradient_accumulation_steps, data_layout(opts, 0)[1]  # ranks of a sequence group share a batch
     if total is None:
         return None if micro is None else (micro, f"train_micro_batch_size_per_gpu={micro}")
     if micro is not None:
@@ -309,12 +318,14 @@ def _cycle_batches(opts: TrainOptions, rank: int) -> Iterator[tuple[torch.Tensor
     """This rank's ``(inputs, labels)`` batches forever: each pass over the genome reshuffles
     with the next seed. The n-th batch is the same whenever it is drawn, so a resumed run, which
     skips the batches its checkpoint trained on, goes on with the uninterrupted run's data."""
+    rank, data_groups = data_layout(opts, rank)
+
     def token_batches() -> Iterator[torch.Tensor]:
         epoch = 0
         while True:
             assert opts.fasta is not None
             yield from genome_windows(
-                opts.fasta, opts.seq_len, rank=rank, world_size=opts.world_size, batch_size=opts.batch_size,
+                opts.fasta, opts.seq_len, rank=rank, world_size=data_groups, batch_size=opts.batch_size,
                 seed=opts.seed + epoch, split="train", tokenizer=train_tokenizer(opts),
             )
             epoch += 1
@@ -325,8 +336,12 @@ def _cycle_batches(opts: TrainOptions, rank: int) -> Iterator[tuple[torch.Tensor
 def _collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     """How many of each collective, and of their waits, a graph issues."""
     nodes = list(gm.graph.nodes)
-    return {what: sum(1 for n in nodes if is_kind(n)) for what, is_kind in
-            (("all-gathers", is_all_gather), ("reduce-scatters", is_reduce_scatter), ("all-reduces", is_all_reduce), ("waits", is_wait))}
+    counts = {what: sum(1 for n in nodes if is_kind(n)) for what, is_kind in
+              (("all-gathers", is_all_gather), ("reduce-scatters", is_reduce_scatter), ("all-reduces", is_all_reduce),
+               ("all-to-alls", is_all_to_all), ("waits", is_wait))}
+    if not counts["all-to-alls"]:  # sequence parallelism's only
+        del counts["all-to-alls"]
+    return counts
 
 
 def _print_graph(engine: Engine, *, code: bool) -> None:
@@ -350,12 +365,16 @@ def _print_setup(engine: Engine, opts: TrainOptions) -> None:
     assert program is not None
     plan, modules = program.plan, engine.graph_modules()
     ops = ", ".join(f"{name} {len(gm.graph.nodes):,}" for name, gm in modules.items())
-    phases = {
-        "capture": f"the joint forward+backward ATen graph, {len(program.captured.joint.graph.nodes):,} nodes, traced on fake tensors",
-        "plan": f"{len(plan.params)} parameter tensors sharded over {plan.world_size} ranks; {len(plan.gather_buckets)} gather, "
-                f"{len(plan.reduce_buckets)} reduce buckets; prefetch {plan.prefetch_distance} ahead",
-        "lower": f"rewrite passes and the split into this rank's graphs (nodes: {ops})",
-    }
+    plan_line = (f"{len(plan.params)} parameter tensors sharded over {plan.world_size} ranks; {len(plan.gather_buckets)} gather, "
+                 f"{len(plan.reduce_buckets)} reduce buckets; prefetch {plan.prefetch_distance} ahead")
+    if "cache" in times:  # loaded from the plan cache (zerofx.plan_cache): nothing captured or lowered
+        phases = {"cache": f"this rank's lowered graphs (nodes: {ops}) from {program.cache_entry}; {plan_line}"}
+    else:
+        phases = {
+            "capture": f"the joint forward+backward ATen graph, {len(program.captured.joint.graph.nodes):,} nodes, traced on fake tensors",
+            "plan": plan_line,
+            "lower": f"rewrite passes and the split into this rank's graphs (nodes: {ops})",
+        }
     for phase, what in phases.items():
         print(f"{phase:<11} {times.get(phase, 0.0):6.2f} s  {what}")
     if opts.output_dir is None:
@@ -460,7 +479,7 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
     if warning is not None and rank == 0:
         print(warning, flush=True)
     log = _JsonlLog(Path(opts.output_dir) / "train_log.jsonl" if opts.output_dir is not None and rank == 0 else None)
-    tokens_per_step = opts.batch_size * opts.seq_len * world_size
+    tokens_per_step = opts.batch_size * opts.seq_len * data_layout(opts, rank)[1]
     bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", disable=rank != 0 or not sys.stderr.isatty())
     accumulate = engine.gradient_accumulation_steps  # micro-batches per optimizer step
     tokens_per_step *= accumulate
@@ -517,10 +536,11 @@ def _evaluate(engine: Engine, opts: TrainOptions, rank: int, log: _JsonlLog) -> 
     trained on); for mlm, on the masked tokens of those windows, masked with their own seeds."""
     assert opts.fasta is not None
     total, count = torch.zeros(2), 0
+    data_rank, data_groups = data_layout(opts, rank)
     try:
-        windows = genome_windows(opts.fasta, opts.seq_len, rank=rank, world_size=opts.world_size, batch_size=opts.batch_size,
+        windows = genome_windows(opts.fasta, opts.seq_len, rank=data_rank, world_size=data_groups, batch_size=opts.batch_size,
                                  split="eval", shuffle_windows=0, tokenizer=train_tokenizer(opts))
-        for inputs, labels in itertools.islice(_objective_batches(opts, rank, windows, "eval"), opts.eval_batches):
+        for inputs, labels in itertools.islice(_objective_batches(opts, data_rank, windows, "eval"), opts.eval_batches):
             total[0] += engine(inputs.to(engine.device), labels=labels.to(engine.device)).detach().float().item()
             count += 1
     except ZeroFXError:  # a genome too short to hold out one batch per rank: nothing to evaluate

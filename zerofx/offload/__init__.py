@@ -1,5 +1,5 @@
-"""ZeRO-Offload / ZeRO-Infinity at run time: optimizer-state records and stage-3 parameter
-shards on the device, in host memory or in files on NVMe, stepped and fetched through bounded
+"""ZeRO-Offload / ZeRO-Infinity at run time: optimizer-state records, stage-3 parameter shards
+and stage-2/3 gradient shards on the device, in host memory or in files on NVMe, stepped and fetched through bounded
 windows with the I/O overlapped. One job per module, listed bottom layer first (NOTE [Layers]
 in pyproject.toml):
 
@@ -7,6 +7,7 @@ in pyproject.toml):
 - ``files``: the NVMe tier's files and I/O threads (NOTE [NVMe I/O]);
 - ``store``: the optimizer-state records and their NVMe window (``OffloadStore``);
 - ``copies``: host <-> device copies on a CUDA side stream (``HostCopies``);
+- ``grads``: the stage-2/3 gradient store (``GradStore``) and the view the step reads it through;
 - ``optimizer``: ``OffloadedOptimizer`` and the one-step delayed update;
 - ``params``: the stage-3 parameter store (``ParamStore``) and the ``zerofx::fetch_shard`` kernel;
 - ``plan``: the offload plans the engine and ``zerofx plan`` build from the options.
@@ -16,18 +17,22 @@ The modules inside the package, and the config below it, import a module (``zero
 sees each import where it is.
 """
 
-from zerofx.offload.options import OffloadOptions, ParamOffloadOptions
+from zerofx.offload.options import GradOffloadOptions, OffloadOptions, ParamOffloadOptions
 from zerofx.offload.files import NvmeFiles, OffloadError, measure_nvme_bytes_per_s
 from zerofx.offload.store import OffloadStore
 from zerofx.offload.optimizer import OffloadedOptimizer
 from zerofx.offload.params import ParamStore
+from zerofx.offload.grads import GradStore, OffloadedGrads
 from zerofx.offload.plan import ProgramOffload, plan_engine_offload, plan_engine_param_offload, plan_for_program
 
 __all__ = [
+    "GradOffloadOptions",
+    "GradStore",
     "NvmeFiles",
     "OffloadError",
     "OffloadOptions",
     "OffloadStore",
+    "OffloadedGrads",
     "OffloadedOptimizer",
     "ParamOffloadOptions",
     "ParamStore",

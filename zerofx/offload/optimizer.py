@@ -29,6 +29,8 @@ new parameters go to a staging copy of this rank's shards, which costs one shard
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -41,6 +43,7 @@ from torch.optim.sgd import sgd as sgd_update
 from zerofx.cost_models.offload import Tier
 from zerofx.errors import ConfigError, ZeroFXError
 from zerofx.offload.copies import HostCopies
+from zerofx.offload.grads import GradStore, OffloadedGrads
 from zerofx.offload.store import OffloadStore, Record
 
 if TYPE_CHECKING:
@@ -72,7 +75,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], store: OffloadStore, optimizer_type: str, hyper: Mapping[str, Any],
-        param_store: ParamStore | None = None,
+        param_store: ParamStore | None = None, grad_store: GradStore | None = None,
     ) -> None:
         kw = dict(hyper)
         if "betas" in kw:
@@ -93,6 +96,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # memory per update (plus the reads ahead). In fp32 the record holds no master: the shard
         # itself is what the optimizer steps, so the weights are stored once, in the shard's file.
         self.param_store = param_store
+        self.grad_store = grad_store  # closed with the optimizer (NOTE [Offloaded gradients])
         if param_store is not None and self.delayed:
             raise ConfigError("zerofx.offload.delayed_update is not supported with offload_param (the staging copy would hold every shard)")
         self._staged: dict[str, torch.Tensor] = {}
@@ -101,6 +105,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         on_host = any(r.tier is not Tier.DEVICE for r in store.records.values())
         self._copies = HostCopies(store.device) if store.device.type == "cuda" and on_host else None
         self._compute_stream: Any = None  # the stream the step was called on (CUDA only)
+        # (start, end) ``time.perf_counter()`` of the last updates, on whichever thread ran them:
+        # what benchmarks/bench_delayed_overlap.py lays against the forward and backward.
+        self.update_spans: deque[tuple[float, float]] = deque(maxlen=64)
 
     # ------------------------------------------------------------- stepping
     @torch.no_grad()
@@ -115,7 +122,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._after_copies(self._run(grads, self.params_by_fqn, hyper, self._begin()))
             return
         assert self._pending is None, "finish() the previous delayed update first"
-        snapshot = {f: g.detach().clone() for f, g in grads.items()}  # the next backward reuses the buffers
+        if isinstance(grads, OffloadedGrads):
+            snapshot: Mapping[str, torch.Tensor] = grads  # bound to its generation; the next backward writes the other
+        else:
+            snapshot = {f: g.detach().clone() for f, g in grads.items()}  # the next backward reuses the buffers
         if not self._staged:
             self._staged = {f: torch.empty_like(t) for f, t in self.params_by_fqn.items()}
         for f, t in self.params_by_fqn.items():
@@ -163,9 +173,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         store = self.store
         shards = self.param_store
         end = None
+        start = time.perf_counter()
         try:
             host_side: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event]] = {}
-            if self._copies is not None:
+            if self._copies is not None and not isinstance(grads, OffloadedGrads):  # offloaded ones are on the host already
                 wanted = []
                 for fqn in store.plan.update_order:
                     rec = store.records[fqn]
@@ -194,6 +205,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         except BaseException:
             store.drain_quietly()
             raise
+        self.update_spans.append((start, time.perf_counter()))
         return end
 
     def _update(self, rec: Record, flat: torch.Tensor, target: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any],
@@ -304,3 +316,5 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.store.close()
         if self.param_store is not None:
             self.param_store.close()
+        if self.grad_store is not None:
+            self.grad_store.close()

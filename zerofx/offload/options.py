@@ -141,3 +141,41 @@ class ParamOffloadOptions:
         if self.device is Tier.NVME:
             tiers[Tier.NVME] = TierSpec(math.inf, self.nvme_read_bytes_per_s, self.nvme_write_bytes_per_s)
         return tiers
+
+
+DEFAULT_GRAD_BUFFER_COUNT = 4
+
+
+@dataclass(frozen=True)
+class GradOffloadOptions:
+    """What ``zerofx.offload_gradients`` asks for: where each reduced gradient shard goes once
+    the backward graph returns it (DeepSpeed has no key of its own for this; its gradients follow
+    ``offload_optimizer``). Stages 2-3 only, where a rank's gradients are shards."""
+
+    device: Tier  # CPU or NVME
+    nvme_path: Path | None
+    pin_memory: bool
+    buffer_count: int  # NVMe: gradient reads ahead of the update, and accumulations in flight
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any], *, stage: int | None) -> GradOffloadOptions | None:
+        """None when gradient offload is off. ``ConfigError`` naming both keys for settings that
+        contradict (``stage`` is the resolved ZeRO stage, None when not known yet)."""
+        section = raw.get("zerofx", {}).get("offload_gradients", {})
+        device = section.get("device", "none")
+        if device == "none":
+            return None
+        if stage is not None and stage < 2:
+            raise ConfigError(
+                f"zerofx.offload_gradients.device is {device} but zero_optimization.stage is {stage}; gradients are "
+                "sharded only at stages 2 and 3: set stage 2 or 3, or offload_gradients.device none"
+            )
+        if device == "nvme" and not section.get("nvme_path"):
+            raise ConfigError("zerofx.offload_gradients.device is nvme but zerofx.offload_gradients.nvme_path is missing; "
+                              "accepted: a writable folder")
+        return cls(
+            device=Tier(device),
+            nvme_path=Path(section["nvme_path"]) if section.get("nvme_path") else None,
+            pin_memory=bool(section.get("pin_memory", False)),
+            buffer_count=int(section.get("buffer_count", DEFAULT_GRAD_BUFFER_COUNT)),
+        )

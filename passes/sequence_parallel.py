@@ -1,0 +1,419 @@
+"""Sequence parallelism: each rank of a sequence group runs 1/S of every sequence.
+
+Expects the pre-autograd ATen forward that ``make_fx(..., pre_dispatch=True)`` records
+(``aten.linear``, ``aten.scaled_dot_product_attention`` and ``aten.cross_entropy_loss`` still
+whole), with ``meta['val']`` on every node and placeholders tagged with ``zerofx_role`` and
+``zerofx_fqn``. ``plan_sequence_parallel`` reads it and changes nothing;
+``sequence_parallel_pass`` returns a new pre-autograd forward whose autograd derivative (taken
+by AOTAutograd afterwards) is the sequence-parallel backward. Reads ``zerofx_role`` and
+``zerofx_fqn``; writes the same keys on the new graph's placeholders.
+
+NOTE [Sequence parallelism as a rewrite]
+Every rank of a sequence group is given the same whole batch. The sequence axis is found as
+tiling finds it (NOTE [Sequence dimension propagation] in passes/seq_regions.py), and the graph
+is traced again with three changes:
+
+- Sources of the axis (inputs, ``arange(T)``, prefix slices of rotary tables) are cut to this
+  rank's positions ``[r·T/S, (r+1)·T/S)`` where a token-wise op reads them; token-wise ops
+  (norms, projections, MLP, residuals, rotary products) run on the local slice, their shape
+  arguments with T/S in place of T. Rotary tables and position ids are cut the same way, so
+  each rank applies its own offset.
+- Around each attention core (SDPA), Ulysses: an all-to-all turns q, k and v from
+  sequence-sharded ``(B, H, T/S, D)`` into head-sharded ``(B, H/S, T, D)``, SDPA runs on the
+  whole sequence for H/S heads with its own mask and ``is_causal`` unchanged, and an all-to-all
+  turns the output back. Key/value heads that S does not divide are repeated to H first.
+- The loss ``cross_entropy(logits[..., :T-k, :], labels[..., k:])`` becomes a sum over the
+  local positions against labels shifted on the whole batch, with ``ignore_index`` where the
+  shift runs out, so a shifted label crosses slice boundaries exactly; the token count is
+  summed over the group. The value returned is the global mean (a sum over the group of every
+  rank's share); the gradient flows from ``S · local sum / global count`` only. ZeRO averages
+  gradients over all N = D·S ranks, so each parameter gets (1/D) Σ over data groups of the
+  gradient of that group's loss: the single-process gradient of the same global batch.
+
+The rank's position in its group is not a constant of the graph: every rank's graphs are the
+same code (the engine compares them), so the first op all-to-alls ``arange(S)``, from which
+rank r receives S copies of r. Every collective is ``_c10d_functional.all_to_all_single`` on
+the sequence group (autograd's form where a gradient flows through it); the ZeRO rewrites act on
+all-gathers, reduce-scatters and all-reduces only, and leave these alone.
+
+What is refused: any other op that reads the axis across positions (a cumsum, a convolution or
+scan along the sequence, a shifted slice outside the loss, attention written as matmuls and
+softmax, a mask computed along the sequence) makes ``plan_sequence_parallel`` raise
+``SequenceParallelError`` naming the op and its module (NOTE [Naming a node by its module] in
+passes/analyze_schedule.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from zerofx.passes import _compat, meta
+from zerofx.passes.seq_regions import SeqAnalysis, analyze, is_sdpa, op_packet, sequence_length
+
+aten = torch.ops.aten
+
+_CASTS = {aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias, aten.type_as}
+_FLATTEN = {aten.view, aten.reshape, aten._unsafe_view}
+_SHAPED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
+SUPPORTED = ("token-wise ops (elementwise, norms, linear/matmul with a weight, embedding, views that keep the sequence axis "
+             "whole), scaled_dot_product_attention, and cross_entropy over the sequence (shifted or not)")
+
+
+class SequenceParallelError(ValueError):
+    """The graph has an op the sequence-parallel rewrite cannot shard."""
+
+
+class SequenceAttention(enum.Enum):
+    ULYSSES = "ulysses"
+    RING = "ring"
+    AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class SequenceParallelSpec:
+    """What the config asks for, and the sequence group the collectives run over."""
+
+    size: int
+    attention: SequenceAttention = SequenceAttention.ULYSSES
+    group_name: str = ""
+
+
+@dataclass(frozen=True)
+class LossSite:
+    """``cross_entropy(flatten(casts(slice(base, seq, 0, T-shift))), flatten(target))``, ``target`` of
+    shape (..., T-shift) computed from the inputs (``labels[:, shift:]``, or padded then shifted)."""
+
+    loss: fx.Node
+    base: fx.Node  # the sharded logits, (..., T, V)
+    casts: tuple[fx.Node, ...]  # applied to the local logits, in order
+    target: fx.Node  # the whole labels, (..., T - shift), already shifted
+    target_casts: tuple[fx.Node, ...]  # applied to the local labels, in order
+    shift: int
+    skipped: tuple[fx.Node, ...]  # chain nodes the rewrite replaces
+
+
+@dataclass(frozen=True)
+class SequenceParallelPlan:
+    """What ``plan_sequence_parallel`` decided for one captured forward; ``sequence_parallel_pass``
+    applies it (finding the same ops again by the same analysis) and decides nothing."""
+
+    size: int
+    group_name: str
+    seq_len: int
+    attention: SequenceAttention  # as resolved: ULYSSES
+    num_attention: int
+    loss_shift: int
+    decisions: tuple[str, ...]
+
+    @property
+    def local_len(self) -> int:
+        return self.seq_len // self.size
+
+
+def module_of_nodes(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """Each node's module by the parameters it reads, else the last module before it (NOTE
+    [Naming a node by its module] in passes/analyze_schedule.py), on a pre-autograd graph."""
+    param_of: dict[fx.Node, str] = {}
+    for ph in meta.placeholders(gm.graph, meta.Role.PARAM):
+        param_of[ph] = ph.meta[meta.FQN]
+    out: dict[fx.Node, str] = {}
+    last = "(before any parameter)"
+    for node in gm.graph.nodes:
+        fqns = sorted({param_of[a] for a in node.all_input_nodes if a in param_of})
+        if fqns:
+            parts = [f.split(".")[:-1] for f in fqns]
+            common = []
+            for pieces in zip(*parts):
+                if len(set(pieces)) != 1:
+                    break
+                common.append(pieces[0])
+            last = ".".join(common) or "(the model itself)"
+        out[node] = last
+    return out
+
+
+def _describe(node: fx.Node) -> str:
+    return f"{getattr(node.target, '__name__', node.target)}"
+
+
+def _find_loss(node: fx.Node, an: SeqAnalysis, local: set[fx.Node]) -> LossSite | None:
+    """The shifted-or-not cross-entropy over the sequence, or None when ``node`` is another shape of loss."""
+    if op_packet(node) is not aten.cross_entropy_loss:
+        return None
+    args = list(node.args) + [None] * 6
+    if args[2] is not None or node.kwargs.get("weight") is not None or (args[5] or node.kwargs.get("label_smoothing", 0.0)):
+        return None
+    t, cur, casts, skipped, end_shift = an.seq_len, args[0], [], [], 0
+    while isinstance(cur, fx.Node) and cur not in local:
+        pk = op_packet(cur)
+        if len(cur.users) != 1:
+            return None
+        if pk in _CASTS:
+            casts.append(cur)
+        elif pk is aten.slice:
+            rank = cur.args[0].meta["val"].dim()
+            dim = cur.args[1] % rank
+            start, end = (list(cur.args[2:4]) + [None, None])[:2]
+            if dim != rank - 2 or start not in (0, None) or end_shift or end is None or not -t < end < 0 and not 0 < end < t:
+                return None
+            end_shift = t - (end % t if end > 0 else t + end)
+        elif pk not in _FLATTEN:
+            return None
+        skipped.append(cur)
+        cur = cur.args[0]
+    base = cur
+    if base not in local or an.sdim.get(base) != base.meta["val"].dim() - 2:
+        return None
+    # The target is computed whole on every rank (from the inputs); only its flattening is replaced.
+    cur, target_casts = args[1], []
+    while isinstance(cur, fx.Node) and op_packet(cur) in _FLATTEN | _CASTS and len(cur.users) == 1:
+        if op_packet(cur) in _CASTS:
+            target_casts.append(cur)
+        skipped.append(cur)
+        cur = cur.args[0]
+    target, bv = cur, base.meta["val"]
+    tv = target.meta.get("val") if isinstance(target, fx.Node) else None
+    if target in local or not isinstance(tv, torch.Tensor) or tuple(tv.shape) != (*bv.shape[:-2], t - end_shift):
+        return None
+    return LossSite(node, base, tuple(reversed(casts)), target, tuple(reversed(target_casts)), end_shift, tuple(skipped))
+
+
+def _analyze(gm: fx.GraphModule, size: int) -> tuple[SeqAnalysis, set[fx.Node], list[LossSite]]:
+    t = sequence_length(gm)
+    if t is None:
+        raise SequenceParallelError("sequence parallelism found no integer input (token ids) whose last dimension is the sequence")
+    if t % size:
+        raise SequenceParallelError(f"sequence length {t} is not divisible by sequence_parallel.size={size}; pad the sequence "
+                                    f"to a multiple of {size}")
+    an = analyze(gm, t)
+    # Sharded: token-wise nodes computed from parameters or from other sharded nodes, and attention
+    # outputs. Token-wise nodes computed from the inputs and buffers alone (position ids, rotary
+    # tables, label casts) stay whole on every rank, cut to the rank's positions where a sharded op reads them.
+    params = set(meta.placeholders(gm.graph, meta.Role.PARAM))
+    local: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if is_sdpa(n) and an.sdim.get(n) is not None:
+            local.add(n)
+        elif n in an.tokenwise and any(a in params or a in local for a in n.all_input_nodes):
+            local.add(n)
+    losses = [site for n in gm.graph.nodes if (site := _find_loss(n, an, local)) is not None]
+    return an, local, losses
+
+
+def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> SequenceParallelPlan:
+    """Check every op that reads the sharded sequence can run sharded, and record how."""
+    size = spec.size
+    an, local, losses = _analyze(gm, size)
+    handled = {s.loss for s in losses} | {n for s in losses for n in s.skipped}
+    modules = module_of_nodes(gm)
+    heads = []
+    for node in gm.graph.nodes:
+        if node in local and not is_sdpa(node):
+            continue
+        reads_local = [a for a in node.all_input_nodes if a in local]
+        if is_sdpa(node):
+            _check_attention(node, an, local, size, modules[node])
+            heads.append((node.args[0].meta["val"].shape[1], node.args[1].meta["val"].shape[1]))
+            continue
+        if not reads_local or node in handled:
+            continue
+        where = "the graph's output" if node.op == "output" else f"aten.{_describe(node)}"
+        raise SequenceParallelError(
+            f"sequence parallelism cannot shard {where} in module {modules[node]!r}: it reads the sequence axis across positions "
+            f"(node {node.name}). Supported are {SUPPORTED}; for a model with this op, leave zerofx.sequence_parallel out")
+    if not losses:
+        raise SequenceParallelError("sequence parallelism found no cross_entropy loss over the sequence; the loss must be "
+                                    f"cross_entropy of the sequence's logits (shifted or not) against labels given as input. Supported are {SUPPORTED}")
+    if not heads:
+        raise SequenceParallelError("sequence parallelism found no scaled_dot_product_attention; attention written as matmuls "
+                                    "and softmax is not supported (use F.scaled_dot_product_attention)")
+    attention = spec.attention
+    decisions = []
+    if attention is SequenceAttention.RING:
+        raise SequenceParallelError("sequence_parallel.attention 'ring' is not implemented; accepted: \"ulysses\" or \"auto\"")
+    if attention is SequenceAttention.AUTO:
+        q_heads = min(h for h, _ in heads)
+        decisions.append(f"sequence parallelism: ulysses (all-to-all) chosen for {q_heads} query heads over {size} ranks: "
+                         f"each rank attends for {q_heads // size} heads over the whole sequence; ring attention is not implemented")
+    decisions.append(f"sequence parallelism (ulysses) over {size} ranks: {an.seq_len} tokens -> {an.seq_len // size} per rank, "
+                     f"{len(heads)} attention(s), each an all-to-all to heads before (one per q/k/v shape) and one back after, loss shift {losses[0].shift}")
+    return SequenceParallelPlan(size=size, group_name=spec.group_name, seq_len=an.seq_len, attention=SequenceAttention.ULYSSES,
+                                num_attention=len(heads), loss_shift=losses[0].shift, decisions=tuple(decisions))
+
+
+def _check_attention(node: fx.Node, an: SeqAnalysis, local: set[fx.Node], size: int, module: str) -> None:
+    q, k, v = node.args[:3]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    where = f"scaled_dot_product_attention in module {module!r}"
+    if not all(x in local and an.sdim.get(x) == 2 and x.meta["val"].dim() == 4 for x in (q, k, v)):
+        raise SequenceParallelError(f"sequence parallelism needs q, k and v of {where} as (batch, heads, sequence, head_dim) "
+                                    "computed token by token")
+    h, hkv = q.meta["val"].shape[1], k.meta["val"].shape[1]
+    if h % size:
+        raise SequenceParallelError(f"{where} has {h} query heads, which sequence_parallel.size={size} does not divide; "
+                                    f"accepted: a size that divides {h}")
+    if hkv % size and h % hkv:
+        raise SequenceParallelError(f"{where}: {h} query heads are not a multiple of {hkv} key/value heads")
+    if dropout:
+        raise SequenceParallelError(f"{where} has dropout_p={dropout}; sequence parallelism supports dropout-free attention (0.0)")
+    if isinstance(mask, fx.Node):
+        mv = mask.meta["val"]
+        if mask in local or (mv.dim() >= 3 and mv.shape[-3] != 1):
+            raise SequenceParallelError(f"{where} has a mask computed along the sequence or per head; supported are no mask, "
+                                        "is_causal, or a mask shared by every head and computed from no sequence-sharded tensor")
+
+
+# --------------------------------------------------------------------------- the rewrite
+def _all_to_all(x: torch.Tensor, size: int, group_name: str, *, grad: bool) -> torch.Tensor:
+    """Rank r's chunk j of ``x`` (dim 0, ``size`` equal chunks) goes to rank j, as chunk r."""
+    splits = [x.shape[0] // size] * size
+    return _compat.WAIT((_compat.ALL_TO_ALL_AUTOGRAD if grad else _compat.ALL_TO_ALL)(x, splits, splits, group_name))
+
+
+def _seq_to_heads(xs: list[torch.Tensor], size: int, group_name: str) -> list[torch.Tensor]:
+    """Each of ``xs`` from (B, H, T/S, D) to (B, H/S, T, D); one all-to-all per distinct shape
+    (one for q, k and v; two under grouped-query attention)."""
+    shapes = [tuple(x.shape) for x in xs]
+    if len(set(shapes)) != 1:  # grouped-query attention: q apart, k and v together
+        out: dict[int, torch.Tensor] = {}
+        for shape in dict.fromkeys(shapes):
+            same = [i for i, s in enumerate(shapes) if s == shape]
+            out.update(zip(same, _seq_to_heads([xs[i] for i in same], size, group_name)))
+        return [out[i] for i in range(len(xs))]
+    n = len(xs)
+    b, h, tl, d = xs[0].shape  # (B, H, T/S, D)
+    x = torch.stack(xs).reshape(n, b, size, h // size, tl, d)
+    x = x.permute(2, 0, 1, 3, 4, 5).contiguous()  # (S, n, B, H/S, T/S, D): chunk j to rank j
+    y = _all_to_all(x, size, group_name, grad=True)  # (S, n, B, H/S, T/S, D): chunk j is rank j's positions
+    y = y.permute(1, 2, 3, 0, 4, 5).reshape(n, b, h // size, size * tl, d)  # (n, B, H/S, T, D)
+    return list(y.unbind(0))
+
+
+def _heads_to_seq(y: torch.Tensor, size: int, group_name: str) -> torch.Tensor:
+    b, hs, t, d = y.shape  # (B, H/S, T, D)
+    y = y.reshape(b, hs, size, t // size, d).permute(2, 0, 1, 3, 4).contiguous()  # (S, B, H/S, T/S, D): chunk j to rank j
+    x = _all_to_all(y, size, group_name, grad=True)  # (S, B, H/S, T/S, D): chunk j is rank j's heads
+    return x.permute(1, 0, 2, 3, 4).reshape(b, size * hs, t // size, d)  # (B, H, T/S, D)
+
+
+class _Sharded(fx.Interpreter):
+    """Runs the forward with each sequence-sharded value held as this rank's slice."""
+
+    def __init__(self, gm: fx.GraphModule, plan: SequenceParallelPlan) -> None:
+        super().__init__(gm, garbage_collect_values=False)  # the loss reads values past their last use in ``gm``
+        self.plan = plan
+        self.an, self.local, losses = _analyze(gm, plan.size)
+        self.losses = {s.loss: s for s in losses}
+        self.skipped = {n for s in losses for n in s.skipped}
+        self.positions: torch.Tensor | None = None
+        self.slices: dict[fx.Node, torch.Tensor] = {}
+
+    def _positions(self, like: torch.Tensor) -> torch.Tensor:
+        if self.positions is None:
+            p = self.plan
+            # Rank r receives element r from every rank: S copies of its own rank in the group.
+            ranks = _all_to_all(torch.arange(p.size, dtype=torch.int64, device=like.device), p.size, p.group_name, grad=False)
+            self.positions = torch.arange(p.local_len, dtype=torch.int64, device=like.device) + ranks[0] * p.local_len
+        return self.positions
+
+    def _local(self, node: Any) -> Any:
+        """A node's value as a token-wise op reads it: local for sharded values and sources of
+        the axis (cut here to this rank's positions), whole for everything else."""
+        if not isinstance(node, fx.Node):
+            return node
+        value = self.env[node]
+        if node in self.local or self.an.sdim.get(node) is None:
+            return value
+        if node not in self.slices:
+            self.slices[node] = torch.index_select(value, self.an.sdim[node], self._positions(value))
+        return self.slices[node]
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n in self.skipped:
+            return None
+        if n in self.losses:
+            with self._set_current_node(n):
+                return self._loss(self.losses[n])
+        if n.op != "call_function" or (n not in self.local):
+            return super().run_node(n)
+        with self._set_current_node(n):
+            args = fx.node.map_arg(n.args, self._local)
+            kwargs = fx.node.map_arg(n.kwargs, self._local)
+            if is_sdpa(n):
+                return self._attention(n, args, kwargs)
+            pk, sd, p = op_packet(n), self.an.sdim[n], self.plan
+            if pk in _SHAPED:
+                shape = list(args[1])
+                assert shape[sd] in (p.seq_len, -1), f"{n}: shape {shape} has no sequence entry at {sd}"
+                shape[sd] = p.local_len if shape[sd] == p.seq_len else -1
+                args = (args[0], shape, *args[2:])
+            elif pk in (aten.slice, aten.narrow) and (args[1] % n.args[0].meta["val"].dim()) == self.an.sdim.get(n.args[0]):
+                return args[0]  # a whole slice of the sequence: the local slice itself
+            return n.target(*args, **kwargs)
+
+    def _attention(self, n: fx.Node, args: tuple, kwargs: dict) -> torch.Tensor:
+        size, group = self.plan.size, self.plan.group_name
+        q, k, v, *rest = args
+        kwargs = dict(kwargs)
+        if k.shape[1] % size:  # key/value heads S does not divide: repeat them to the query heads
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            kwargs.pop("enable_gqa", None)
+        q, k, v = _seq_to_heads([q, k, v], size, group)  # each (B, H/S, T, D)
+        y = n.target(q, k, v, *rest, **kwargs)  # the whole sequence for this rank's heads, mask and is_causal unchanged
+        return _heads_to_seq(y, size, group)  # (B, H, T/S, D)
+
+    def _loss(self, site: LossSite) -> torch.Tensor:
+        p, node = self.plan, site.loss
+        args = list(node.args) + [None] * 6
+        reduction = args[3] if args[3] is not None else node.kwargs.get("reduction", 1)
+        ignore = args[4] if args[4] is not None else node.kwargs.get("ignore_index", -100)
+        logits = self.env[site.base]  # (..., T/S, V)
+        for cast in site.casts:
+            logits = cast.target(logits, *fx.node.map_arg(cast.args[1:], self._local), **cast.kwargs)
+        logits = logits.reshape(-1, logits.shape[-1])  # (B·T/S, V)
+        labels = self.env[site.target]  # (..., T - shift), shifted on the whole batch every rank holds
+        if site.shift:  # positions past the end of the shifted labels are ignored
+            pad = torch.full((*labels.shape[:-1], site.shift), ignore, dtype=labels.dtype, device=labels.device)
+            labels = torch.cat([labels, pad], dim=-1)  # (..., T)
+        labels = torch.index_select(labels, labels.dim() - 1, self._positions(labels)).reshape(-1)  # (B·T/S,)
+        for cast in site.target_casts:
+            labels = cast.target(labels, *fx.node.map_arg(cast.args[1:], self._local), **cast.kwargs)
+        local_sum = aten.cross_entropy_loss(logits, labels, None, 2, ignore)
+        count = (labels != ignore).sum().to(local_sum.dtype) if reduction == 1 else torch.ones_like(local_sum)
+        mine = torch.stack([local_sum.detach(), count]).expand(p.size, 2).contiguous()  # one row to each rank
+        total_sum, total_count = _all_to_all(mine, p.size, p.group_name, grad=False).sum(0).unbind(0)
+        carrier = local_sum * p.size / total_count  # the gradient: S x this rank's share
+        return carrier + (total_sum / total_count - carrier).detach()  # the value: the group's mean
+
+
+def sequence_parallel_pass(gm: fx.GraphModule, plan: SequenceParallelPlan | None) -> fx.GraphModule:
+    """A new pre-autograd forward that runs this rank's 1/S of the sequence; ``gm`` is left alone."""
+    if plan is None or plan.size == 1:
+        return gm
+    phs = meta.placeholders(gm.graph)
+    fakes = [ph.meta["val"] for ph in phs]
+    sharded = _Sharded(gm, plan)
+
+    def run(*flat: torch.Tensor) -> Any:
+        return sharded.run(*flat)
+
+    fake_mode = _compat.detect_fake_mode(fakes)
+    assert fake_mode is not None, "the pre-autograd forward's values should be fake tensors"
+    # Under the graph's fake mode, so new tensors (the ranks' arange) are fake and no collective runs.
+    with _compat.preserve_node_meta(), fake_mode:
+        out = _compat.make_fx(run, pre_dispatch=True)(*fakes)
+    for old, new in zip(phs, meta.placeholders(out.graph)):
+        for key in (meta.ROLE, meta.FQN):
+            if key in old.meta:
+                new.meta[key] = old.meta[key]
+    out.graph.lint()
+    out.recompile()
+    return out
+

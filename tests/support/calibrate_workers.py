@@ -1,0 +1,21 @@
+"""Rank functions for tests/test_comm_model.py: ``zerofx calibrate``'s across-nodes path on one
+machine, the ranks split into "nodes" by ``LOCAL_WORLD_SIZE`` as torchrun sets it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+def calibrate_two_nodes(rank: int, world_size: int, out: str, ranks_per_node: int) -> dict[str, Any]:
+    """Run ``calibrate_across_nodes`` with ``ranks_per_node`` ranks per pretend node; return the
+    spec rank 0 wrote (None elsewhere) and the profile file's measurements as rank 0 saw them."""
+    import json
+
+    from zerofx.calibrate import calibrate_across_nodes
+
+    os.environ.update(LOCAL_WORLD_SIZE=str(ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node))
+    result = calibrate_across_nodes(Path(out), repeats=1, sizes=(2**12, 2**16))
+    data = json.loads(Path(out).read_text()) if rank == 0 else None
+    return {"spec": None if result is None else result[0], "file": data}

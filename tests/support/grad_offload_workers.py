@@ -1,0 +1,130 @@
+"""Rank functions for the gradient-offload tests (``zerofx.offload_gradients``): train the tiny DNA
+LM with gradients on the device, in host memory or on NVMe, and inject faults into the gradient
+files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+import zerofx
+from tests.support.models import BUILDERS, VOCAB, batches
+
+
+def grad_config(stage: int, opt: dict, grads: dict | None = None, *, bf16: bool = False, accumulation: int = 1,
+                clipping: float = 0.0, offload: dict | None = None, param: dict | None = None, delayed: bool = False) -> dict:
+    zero: dict = {"stage": stage}
+    if offload is not None:
+        zero["offload_optimizer"] = offload
+    if param is not None:
+        zero["offload_param"] = param
+    cfg: dict = {"zero_optimization": zero, "optimizer": opt, "gradient_accumulation_steps": accumulation}
+    own: dict = {}
+    if grads is not None:
+        own["offload_gradients"] = grads
+    if delayed:
+        own["offload"] = {"delayed_update": True}
+    if own:
+        cfg["zerofx"] = own
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if clipping:
+        cfg["gradient_clipping"] = clipping
+    return cfg
+
+
+def train(rank: int, world_size: int, cfg: dict, steps: int) -> dict:
+    """``steps`` optimizer steps of ``gradient_accumulation_steps`` micro-steps each (rank r's
+    micro-batch k is ``batches()[k, r]``): final state, losses, memory, gradient files and I/O."""
+    accumulation = cfg.get("gradient_accumulation_steps", 1)
+    data = batches(world_size, steps * accumulation, VOCAB["dna"])
+    engine = zerofx.initialize(BUILDERS["dna"](), cfg, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
+    losses = []
+    for micro in range(steps * accumulation):
+        ids = data[micro, rank]
+        loss = engine(ids, labels=ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+    state = {k: v.float() for k, v in engine.full_state_dict().items()}  # also waits for the write-backs
+    grad_store = engine.storage.grad_store
+    out = {
+        "state": state,
+        "losses": losses,
+        "memory": engine.memory(),
+        "device_grad_buffers": len(engine.grads),
+        "owned": sum(p.shard_numel for p in engine.placements.values() if p.requires_grad),
+        "grad_io": grad_store.io_bytes() if grad_store is not None else (0, 0),
+    }
+    root = None
+    if grad_store is not None and grad_store.files is not None:
+        root = grad_store.files.root
+        out["grad_files"] = sorted(p.name for p in root.iterdir() if p.suffix.startswith(".grad"))
+    engine.close()
+    out["left_after_close"] = sorted(str(p) for p in root.rglob("*")) if root is not None and root.exists() else []
+    return out
+
+
+def train_many(rank: int, world_size: int, runs: dict[str, tuple[dict, int]]) -> dict[str, dict]:
+    """Several ``train`` runs in one process group (spawning ranks costs more than a tiny run)."""
+    return {name: train(rank, world_size, cfg, steps) for name, (cfg, steps) in runs.items()}
+
+
+def _engine(rank: int, world_size: int, cfg: dict, micro_steps: int) -> tuple[zerofx.Engine, torch.Tensor]:
+    data = batches(world_size, micro_steps, VOCAB["dna"])
+    return zerofx.initialize(BUILDERS["dna"](), cfg, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]}), data
+
+
+def _micro_step(engine: zerofx.Engine, ids: torch.Tensor) -> None:
+    loss = engine(ids, labels=ids)
+    engine.backward(loss)
+    engine.step()
+
+
+def _error(fn: object) -> str:
+    try:
+        fn()  # type: ignore[operator]
+    except zerofx.ZeroFXError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def grad_faults(rank: int, world_size: int, root: str) -> dict[str, str]:
+    """One rank, gradients on NVMe under ``root``: a full disk (the smallest shard's file is
+    /dev/full, which fails every write with ENOSPC), the rank's folder removed while training,
+    and a gradient file truncated between the backward and the step."""
+    out: dict[str, str] = {}
+    cfg = grad_config(2, {"type": "SGD", "params": {"lr": 0.1}}, {"device": "nvme", "nvme_path": str(Path(root) / "full")}, bf16=True)
+    engine, data = _engine(rank, world_size, cfg, 2)
+    store = engine.storage.grad_store
+    smallest = min(store.numels, key=store.numels.get)
+    os.symlink("/dev/full", store.files.path(smallest))  # under 4 KiB: written through the page cache, as /dev/full needs
+    out["full_disk"] = _error(lambda: _micro_step(engine, data[0, rank]))
+    out["full_disk_fqn"] = smallest
+    _error(engine.close)  # a failed transfer is raised again by close: the step already did
+
+    cfg = grad_config(2, {"type": "SGD", "params": {"lr": 0.1}}, {"device": "nvme", "nvme_path": str(Path(root) / "gone")}, bf16=True)
+    engine, data = _engine(rank, world_size, cfg, 2)
+    _micro_step(engine, data[0, rank])
+    shutil.rmtree(engine.storage.grad_store.files.root)
+    out["removed_folder"] = _error(lambda: _micro_step(engine, data[1, rank]))
+    out["removed_root"] = str(engine.storage.grad_store.files.root)
+    _error(engine.close)  # a failed transfer is raised again by close: the step already did
+
+    cfg = grad_config(2, {"type": "SGD", "params": {"lr": 0.1}}, {"device": "nvme", "nvme_path": str(Path(root) / "cut")}, bf16=True)
+    engine, data = _engine(rank, world_size, cfg, 1)
+    store = engine.storage.grad_store
+    largest = max(store.numels, key=store.numels.get)
+    loss = engine(data[0, rank], labels=data[0, rank])
+    engine.backward(loss)
+    store.drain()  # the accumulation has reached the file
+    os.truncate(store.files.path(largest), 10)
+    out["truncated"] = _error(engine.step)
+    out["truncated_fqn"] = largest
+    out["truncated_bytes"] = str(store.nbytes(largest))
+    out["truncated_path"] = str(store.files.path(largest))
+    _error(engine.close)  # a failed transfer is raised again by close: the step already did
+    return out

@@ -1,0 +1,35 @@
+"""What each rank runs in tests/test_plan_cache.py: the same training built from the model, then
+loaded from the plan cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zerofx
+from tests.support.models import batches, dna_lm
+
+
+def _train(rank: int, world_size: int, config: dict[str, Any], steps: int) -> dict[str, Any]:
+    """``steps`` steps of the tiny DNA LM on ``data[step, rank]``: each step's loss and gradient
+    shards, the final full state, and how the program was set up."""
+    data = batches(world_size, steps)
+    engine = zerofx.initialize(dna_lm(), config, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
+    losses, grads = [], []
+    for step in range(steps):
+        ids = data[step, rank]
+        loss = engine(ids, labels=ids)
+        engine.backward(loss)
+        grads.append({fqn: g.clone() for fqn, g in engine.grads.items()})
+        engine.step()
+        losses.append(loss.detach().clone())
+    return {"phases": sorted(engine.setup_times), "losses": losses, "grads": grads, "state": engine.full_state_dict(),
+            "entry": str(engine.program.cache_entry)}
+
+
+def cold_and_cached(rank: int, world_size: int, cache_dir: str, stages: list[int], steps: int, opt: dict) -> dict:
+    """Per stage: a cold run that writes the cache, then the same run again (a hit)."""
+    out: dict[Any, Any] = {}
+    for stage in stages:
+        config = {"zero_optimization": {"stage": stage}, "optimizer": opt, "zerofx": {"plan_cache": cache_dir}}
+        out[stage] = {"cold": _train(rank, world_size, config, steps), "cached": _train(rank, world_size, config, steps)}
+    return out

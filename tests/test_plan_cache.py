@@ -1,0 +1,182 @@
+"""The plan cache (zerofx.plan_cache): a hit trains bit for bit as the cold build does, every
+part of the key misses when it changes, and a corrupt, truncated or stale entry is rebuilt."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerofx
+from tests.support.dist_utils import run_ranks
+from tests.support.models import TINY, batches, dna_lm, reference
+from tests.support.plan_cache_workers import cold_and_cached
+from zerofx import plan_cache
+from zerofx.config import parse_config
+from zerofx.models import DNADecoderLM
+
+SGD = {"type": "SGD", "params": {"lr": 0.1}}
+CONFIG = {"optimizer": SGD, "zerofx": {"prefetch_distance": 1}}
+
+
+def _key(**changes) -> dict:
+    args = {"model": dna_lm(), "input_signature": ("spec", (((2, 16), torch.int64, "engine"),)), "loss_fn": None,
+            "cfg": parse_config(CONFIG, stage=3), "world_size": 2, "rank": 0, "backend": "gloo",
+            "device": torch.device("cpu"), "program_options": {"group_name": "0", "param_offload": None}}
+    args.update(changes)
+    return plan_cache.cache_key(**args)
+
+
+def test_every_part_of_the_key_misses_when_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = plan_cache.key_digest(_key())
+    assert plan_cache.key_digest(_key()) == base  # a fresh model built the same way: the same key
+    # The same parameter shapes with other heads lower other graphs: the module's attributes are in the key.
+    torch.manual_seed(0)
+    other_heads = DNADecoderLM(replace(TINY, num_heads=5))
+    changed = {
+        "config": _key(cfg=parse_config({**CONFIG, "zerofx": {"prefetch_distance": 2}}, stage=3)),
+        "stage": _key(cfg=parse_config(CONFIG, stage=2)),
+        "input shape": _key(input_signature=("spec", (((2, 32), torch.int64, "engine"),))),
+        "world size": _key(world_size=4),
+        "rank": _key(rank=1),
+        "process group": _key(program_options={"group_name": "1", "param_offload": None}),
+        "model attributes": _key(model=other_heads),
+        "frozen parameter": _key(model=dna_lm(frozen=False)),
+        "loss function": _key(loss_fn=lambda out, labels: out.loss),
+    }
+    for what, key in changed.items():
+        assert plan_cache.key_digest(key) != base, what
+    now = plan_cache.versions()
+    for name, value in (("torch", "0.0.1"), ("zerofx", "0.0.1"), ("zerofx_code", "edited")):
+        monkeypatch.setattr(plan_cache, "versions", lambda name=name, value=value: {**now, name: value})
+        assert plan_cache.key_digest(_key()) != base, name
+        monkeypatch.undo()
+    # the directory is no part of the key: a moved cache still hits
+    assert plan_cache.key_digest(_key(cfg=parse_config({**CONFIG, "zerofx": {"prefetch_distance": 1, "plan_cache": "/x"}}, stage=3))) == base
+
+
+@pytest.fixture(scope="module")
+def program() -> zerofx.Program:
+    ids = batches(2, 1)[0, 0]
+    compiled = zerofx.compile(dna_lm(), world_size=2, stage=3, config=CONFIG, example_inputs=(ids,), example_kwargs={"labels": ids})
+    compiled.graph_modules(0)
+    return compiled
+
+
+def _load(directory: Path, key: dict, program: zerofx.Program) -> tuple[zerofx.Program, int]:
+    builds = []
+
+    def build() -> zerofx.Program:
+        builds.append(1)
+        return program
+
+    loaded = plan_cache.load_or_build(directory, key, build, rank=0, program_options={"group_name": program.group_name})
+    return loaded, len(builds)
+
+
+def test_a_hit_rebuilds_the_lowered_graphs_with_their_meta(tmp_path: Path, program: zerofx.Program) -> None:
+    key = _key()
+    assert _load(tmp_path, key, program)[1] == 1
+    loaded, builds = _load(tmp_path, key, program)
+    assert builds == 0 and loaded is not program and set(loaded.setup_times) == {"cache"}
+    assert loaded.plan == program.plan and loaded.plan.fingerprint() == program.plan.fingerprint()
+    cold, warm = program.graph_modules(0), loaded.graph_modules(0)
+    assert sorted(cold) == sorted(warm) == ["backward", "forward"]
+    for name in cold:
+        assert warm[name].code == cold[name].code, name
+        for a, b in zip(cold[name].graph.nodes, warm[name].graph.nodes):
+            val_a, val_b = a.meta.get("val"), b.meta.get("val")
+            if isinstance(val_a, torch.Tensor):
+                assert (val_b.shape, val_b.stride(), val_b.dtype, val_b.device) == (val_a.shape, val_a.stride(), val_a.dtype, val_a.device)
+                assert type(val_b).__name__ == "FakeTensor"
+            assert {k: v for k, v in b.meta.items() if k.startswith("zerofx_")} == {k: v for k, v in a.meta.items() if k.startswith("zerofx_")}
+    # The schedule report reads the meta of the loaded graphs as of the built ones.
+    assert loaded.report(0) == program.report(0)
+    # The joint graph is rebuilt only when read, with as many nodes.
+    assert len(loaded.captured.joint.graph.nodes) == len(program.captured.joint.graph.nodes)
+    assert loaded.captured.params == program.captured.params and loaded.captured.input_spec == program.captured.input_spec
+
+
+def _damage(path: Path, how: str) -> None:
+    raw = path.read_bytes()
+    if how == "flipped byte":
+        path.write_bytes(raw[:-100] + bytes([raw[-100] ^ 0xFF]) + raw[-99:])
+    elif how == "truncated":
+        path.write_bytes(raw[: len(raw) // 2])
+    elif how == "other versions":
+        head, _, payload = raw.partition(b"\n")
+        path.write_bytes(head.replace(plan_cache.versions()["torch"].encode(), b"0.0.1") + b"\n" + payload)
+    else:
+        path.write_bytes(b"not an entry")
+
+
+@pytest.mark.parametrize("how,why", [("flipped byte", "SHA-256"), ("truncated", "truncated"), ("other versions", "other versions"),
+                                     ("garbage", "no header")])
+def test_a_damaged_entry_is_rebuilt_with_a_warning(tmp_path: Path, program: zerofx.Program, how: str, why: str) -> None:
+    key = _key()
+    _load(tmp_path, key, program)
+    path = plan_cache.entry_path(tmp_path, key)
+    _damage(path, how)
+    with pytest.warns(plan_cache.PlanCacheWarning, match=why):
+        loaded, builds = _load(tmp_path, key, program)
+    assert builds == 1 and loaded is program
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", plan_cache.PlanCacheWarning)
+        assert _load(tmp_path, key, program)[1] == 0  # rewritten whole
+
+
+def test_concurrent_writers_leave_one_whole_entry(tmp_path: Path) -> None:
+    key = _key()
+    path = plan_cache.entry_path(tmp_path, key)
+    payloads = [bytes([i]) * (200_000 + i) for i in range(6)]
+    threads = [threading.Thread(target=lambda p=p: [plan_cache._write_entry(path, key, p) for _ in range(5)]) for p in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    payload, why = plan_cache._read_entry(path, key)
+    assert why is None and payload in payloads
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+
+
+def test_the_config_key_and_its_off_switch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("ZEROFX_PLAN_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert parse_config(CONFIG).plan_cache_dir == tmp_path / "zerofx" / "plans"
+    monkeypatch.setenv("ZEROFX_PLAN_CACHE", str(tmp_path / "env"))
+    assert parse_config(CONFIG).plan_cache_dir == tmp_path / "env"
+    assert parse_config({"zerofx": {"plan_cache": str(tmp_path / "cfg")}}).plan_cache_dir == tmp_path / "cfg"
+    assert parse_config({"zerofx": {"plan_cache": False}}).plan_cache_dir is None
+    monkeypatch.setenv("ZEROFX_PLAN_CACHE", "off")
+    assert parse_config(CONFIG).plan_cache_dir is None
+    with pytest.raises(zerofx.ConfigError, match="plan_cache"):
+        parse_config({"zerofx": {"plan_cache": True}})
+
+
+@pytest.mark.multiprocess
+def test_a_hit_trains_bit_for_bit_as_the_cold_build(tmp_path: Path) -> None:
+    """Two gloo ranks, stages 1 (with its param_sync graph) and 3: the cached run's losses,
+    gradients and parameters equal the cold run's exactly, and both match single-process PyTorch."""
+    steps = 2
+    results = run_ranks(2, cold_and_cached, str(tmp_path), [1, 3], steps, SGD)
+    expected = reference("dna", 2, steps, SGD)
+    entries = set()
+    for rank, by_stage in enumerate(results):
+        for stage, runs in by_stage.items():
+            cold, cached = runs["cold"], runs["cached"]
+            assert cold["phases"] == ["capture", "lower", "plan"] and cached["phases"] == ["cache"], (rank, stage)
+            assert cached["entry"] == cold["entry"]
+            entries.add(cold["entry"])
+            for a, b in zip(cold["losses"], cached["losses"]):
+                assert torch.equal(a, b)
+            for a, b in zip(cold["grads"], cached["grads"]):
+                assert a.keys() == b.keys() and all(torch.equal(a[f], b[f]) for f in a)
+            for name, value in cold["state"].items():
+                assert torch.equal(value, cached["state"][name]), name
+                torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-5)
+    # one entry per rank and stage, and nothing else in the directory
+    assert len(entries) == 4 and sorted(p.name for p in tmp_path.iterdir()) == sorted(Path(e).name for e in entries)
