@@ -14,7 +14,7 @@ import torch
 import zerofx
 from tests.support.dist_utils import run_ranks
 from tests.support.models import TINY, batches, dna_lm, reference
-from tests.support.plan_cache_workers import cold_and_cached
+from tests.support.plan_cache_workers import build_fails, cold_and_cached
 from zerofx import plan_cache
 from zerofx.config import parse_config
 from zerofx.models import DNADecoderLM
@@ -160,7 +160,8 @@ def test_the_config_key_and_its_off_switch(monkeypatch: pytest.MonkeyPatch, tmp_
 @pytest.mark.multiprocess
 def test_a_hit_trains_bit_for_bit_as_the_cold_build(tmp_path: Path) -> None:
     """Two gloo ranks, stages 1 (with its param_sync graph) and 3: the cached run's losses,
-    gradients and parameters equal the cold run's exactly, and both match single-process PyTorch."""
+    gradients and parameters equal the cold run's exactly, and both match single-process PyTorch.
+    Rank 0 builds (or loads) the program and rank 1 receives it (NOTE [One build per job])."""
     steps = 2
     results = run_ranks(2, cold_and_cached, str(tmp_path), [1, 3], steps, SGD)
     expected = reference("dna", 2, steps, SGD)
@@ -168,9 +169,13 @@ def test_a_hit_trains_bit_for_bit_as_the_cold_build(tmp_path: Path) -> None:
     for rank, by_stage in enumerate(results):
         for stage, runs in by_stage.items():
             cold, cached = runs["cold"], runs["cached"]
-            assert cold["phases"] == ["capture", "lower", "plan"] and cached["phases"] == ["cache"], (rank, stage)
-            assert cached["entry"] == cold["entry"]
-            entries.add(cold["entry"])
+            if rank == 0:
+                assert cold["phases"] == ["capture", "lower", "plan"] and cached["phases"] == ["cache"], stage
+                assert cached["entry"] == cold["entry"]
+                entries.add(cold["entry"])
+            else:
+                assert cold["phases"] == cached["phases"] == ["from rank 0"], stage
+                assert cold["entry"] == cached["entry"] == "None"
             for a, b in zip(cold["losses"], cached["losses"]):
                 assert torch.equal(a, b)
             for a, b in zip(cold["grads"], cached["grads"]):
@@ -178,5 +183,13 @@ def test_a_hit_trains_bit_for_bit_as_the_cold_build(tmp_path: Path) -> None:
             for name, value in cold["state"].items():
                 assert torch.equal(value, cached["state"][name]), name
                 torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-5)
-    # one entry per rank and stage, and nothing else in the directory
-    assert len(entries) == 4 and sorted(p.name for p in tmp_path.iterdir()) == sorted(Path(e).name for e in entries)
+    # one entry per stage, written by rank 0, and nothing else in the directory
+    assert len(entries) == 2 and sorted(p.name for p in tmp_path.iterdir()) == sorted(Path(e).name for e in entries)
+
+
+@pytest.mark.multiprocess
+def test_a_build_that_fails_on_rank_0_fails_on_every_rank() -> None:
+    """Rank 0's capture error reaches the rank waiting for its program, instead of a hang."""
+    results = run_ranks(2, build_fails)
+    assert results[0].startswith("CaptureError") and "branch" in results[0].lower()
+    assert results[1].startswith("ZeroFXError: rank 0 could not build the program, so no rank runs: CaptureError")

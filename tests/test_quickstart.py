@@ -137,7 +137,9 @@ def test_train_prints_its_setup_resumes_and_warns_past_the_schedule(tmp_path: Pa
 def test_inputs_on_the_wrong_device_are_named_before_any_graph_runs() -> None:
     results = run_ranks(2, misplaced_inputs_and_schedule_end)
     for rank, r in enumerate(results):
-        assert set(r["setup_times"]) == {"capture", "plan", "lower"} and all(t > 0 for t in r["setup_times"].values())
+        # Rank 0 builds the program and rank 1 rebuilds it from rank 0's bytes (NOTE [One build per job]).
+        phases = {"capture", "plan", "lower"} if rank == 0 else {"from rank 0"}
+        assert set(r["setup_times"]) == phases and all(t > 0 for t in r["setup_times"].values())
         assert r["positional"][0] == "ZeroFXError" and r["positional"][1].startswith("positional argument 0 is on device meta")
         assert "the engine runs on cpu" in r["positional"][1]
         assert r["keyword"][0] == "ZeroFXError" and r["keyword"][1].startswith("keyword argument 'labels' is on device meta")

@@ -45,7 +45,7 @@ import traceback
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -386,13 +386,14 @@ class Engine:
         if program is not None:
             self._programs.move_to_end(sig)
         else:
-            # A second launch with the same key loads the lowered graphs (zerofx.plan_cache).
-            program = plan_cache.load_or_build(self._plan_cache_dir, self._plan_cache_key(sig), lambda: capture_and_plan(
-                lambda tiling: capture_step(self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos,
-                                            device=self.device, compute_dtype=self.compute_dtype, tiling=tiling,
-                                            sequence_parallel=self.sequence_parallel),
-                self.cfg, self.world_size, **self._program_options,
-            ), rank=self.rank, program_options=self._program_options)
+            program = self._build_once(sig, lambda: plan_cache.load_or_build(
+                # A second launch with the same key loads the lowered graphs (zerofx.plan_cache).
+                self._plan_cache_dir, self._plan_cache_key(sig), lambda: capture_and_plan(
+                    lambda tiling: capture_step(self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos,
+                                                device=self.device, compute_dtype=self.compute_dtype, tiling=tiling,
+                                                sequence_parallel=self.sequence_parallel),
+                    self.cfg, self.world_size, **self._program_options,
+                ), rank=self.rank, program_options=self._program_options))
             self._check_same_plan(program)
             self._programs[sig] = program
             while len(self._programs) > self.cfg.program_cache_size:
@@ -403,6 +404,49 @@ class Engine:
             updates = [f for f in self.offload_plan.update_order if f in self.param_store] if self.offload_plan else []
             self.param_store.set_schedule(fetch_order(gms["forward"]) + fetch_order(gms["backward"]) + updates)
             self._scheduled = program
+        return program
+
+    def _build_once(self, sig: Any, build: Callable[[], Program]) -> Program:
+        """``build()`` on rank 0, its program sent to every other rank.
+
+        NOTE [One build per job]
+        Every rank's program is the same (the graphs name groups, not ranks: NOTE [Shard groups
+        of consecutive ranks]), so capturing and lowering it on every rank repeats the same
+        seconds N times, on host cores the ranks of a node share. Rank 0 builds it and
+        broadcasts its bytes (the plan cache's format); the others rebuild the graphs from them.
+        Only when every rank's plan-cache key (model structure and attributes, inputs, loss,
+        config, world, code) is the same: ranks whose models differ each build their own, and
+        ``_check_same_plan`` names the difference. A build that fails on rank 0 fails on every
+        rank, with rank 0's error, rather than leaving the others waiting.
+        """
+        if self.world_size == 1:
+            return build()
+        key = plan_cache.cache_key(model=self.model, input_signature=sig, loss_fn=self.loss_fn, cfg=self.cfg,
+                                   world_size=self.world_size, rank=0, backend=str(dist.get_backend(self.group)),
+                                   device=self.device, program_options=self._program_options)
+        keys: list[Any] = [None] * self.world_size
+        dist.all_gather_object(keys, plan_cache.key_digest(key), group=self.group)
+        if len(set(keys)) > 1:
+            return build()
+        message: list[Any] = [None]
+        program: Program | None = None
+        if self.rank == 0:
+            try:
+                program = build()
+                message = [("program", plan_cache.program_bytes(program, self.rank))]
+            except BaseException as exc:
+                message = [("error", f"{type(exc).__name__}: {exc}")]
+                dist.broadcast_object_list(message, src=dist.get_global_rank(self.group, 0), group=self.group)
+                raise
+        dist.broadcast_object_list(message, src=dist.get_global_rank(self.group, 0), group=self.group)
+        kind, value = message[0]
+        if program is not None:
+            return program
+        if kind == "error":
+            raise ZeroFXError(f"rank 0 could not build the program, so no rank runs: {value}")
+        start = time.perf_counter()
+        program = plan_cache.program_from_bytes(value, self._program_options)
+        program.setup_times = {"from rank 0": time.perf_counter() - start}
         return program
 
     def _plan_cache_key(self, sig: Any) -> dict[str, Any]:
@@ -567,9 +611,11 @@ class Engine:
         """Seconds the most recent program took to set up, by phase: ``capture`` (the joint graph
         on fake tensors), ``plan`` (sharding, buckets, and any budget search) and ``lower`` (the
         rewrite passes and the split into this rank's graphs); or, when the plan cache had them,
-        ``cache`` alone (reading and rebuilding the lowered graphs). Empty before the first capture."""
+        ``cache`` alone (reading and rebuilding the lowered graphs); on ranks other than 0,
+        ``from rank 0`` alone (rebuilding the graphs rank 0 sent, NOTE [One build per job]). Empty
+        before the first capture."""
         program = self.program
-        phases = ("capture", "plan", "lower", "cache")
+        phases = ("capture", "plan", "lower", "cache", "from rank 0")
         return {} if program is None else {k: program.setup_times[k] for k in phases if k in program.setup_times}
 
     @property

@@ -309,7 +309,8 @@ class _CachedCapture(CapturedStep):
             self._joint = value
 
 
-_CAPTURE_FIELDS = ("params", "buffers", "inputs", "input_spec", "input_constants", "tied", "model_class", "tiling")
+_CAPTURE_FIELDS = ("params", "buffers", "inputs", "input_spec", "input_constants", "tied", "model_class", "tiling",
+                   "sequence_parallel")
 
 
 def _payload(program: Program, rank: int) -> bytes:
@@ -323,6 +324,17 @@ def _payload(program: Program, rank: int) -> bytes:
     }
     data["captured"]["tied"] = dict(data["captured"]["tied"])
     return _dumps(data)
+
+
+def program_bytes(program: Program, rank: int) -> bytes:
+    """``program``, lowered for ``rank``, as bytes ``program_from_bytes`` reads back: what a cache
+    entry holds, and what rank 0 sends the other ranks (NOTE [One build per job] in zerofx/engine.py)."""
+    return _payload(program, rank)
+
+
+def program_from_bytes(payload: bytes, program_options: Mapping[str, Any]) -> Program:
+    """The program ``program_bytes`` wrote, made with ``program_options`` (``Program``'s keyword arguments)."""
+    return _program_from_payload(payload, program_options)
 
 
 def _dumps(obj: Any) -> bytes:

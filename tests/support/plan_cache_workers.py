@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 import zerofx
 from tests.support.models import batches, dna_lm
 
@@ -33,3 +35,25 @@ def cold_and_cached(rank: int, world_size: int, cache_dir: str, stages: list[int
         config = {"zero_optimization": {"stage": stage}, "optimizer": opt, "zerofx": {"plan_cache": cache_dir}}
         out[stage] = {"cold": _train(rank, world_size, config, steps), "cached": _train(rank, world_size, config, steps)}
     return out
+
+
+class _BranchOnValue(torch.nn.Module):
+    """A model capture refuses: Python branches on a tensor's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        return y.sum() if bool(y.sum() > 0) else -y.sum()
+
+
+def build_fails(rank: int, world_size: int) -> str:
+    """Each rank's error when the program cannot be built, as ``"Class: message"``."""
+    x = torch.ones(2, 4)
+    try:
+        zerofx.initialize(_BranchOnValue(), {"zero_optimization": {"stage": 3}}, example_inputs=(x,))
+    except zerofx.ZeroFXError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
