@@ -189,7 +189,9 @@ def test_a_hit_trains_bit_for_bit_as_the_cold_build(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_a_build_that_fails_on_rank_0_fails_on_every_rank() -> None:
-    """Rank 0's capture error reaches the rank waiting for its program, instead of a hang."""
-    results = run_ranks(2, build_fails)
-    assert results[0].startswith("CaptureError") and "branch" in results[0].lower()
-    assert results[1].startswith("ZeroFXError: rank 0 could not build the program, so no rank runs: CaptureError")
+    """Rank 0's build error reaches the rank waiting for its program, as the same zerofx error,
+    instead of a hang."""
+    first, second = run_ranks(2, build_fails)
+    assert first == second
+    assert first["capture"].startswith("CaptureError") and "branch" in first["capture"].lower()
+    assert first["loss"].startswith("CaptureError") and "RuntimeError: the loss function is broken" in first["loss"]

@@ -81,7 +81,7 @@ from zerofx.materialize import InitFn, check_all_meta_or_none
 from zerofx.monitors import Monitor, check_monitor_packages, samples_and_tokens
 from zerofx.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, ParamOffloadOptions, ParamStore
 from zerofx.offload.grads import OffloadedGrads
-from zerofx import plan_cache
+from zerofx import errors, plan_cache
 from zerofx.program import (
     PLANNING_REPLICATE_GROUP,
     Program,
@@ -121,6 +121,10 @@ class WaitTimer:
     def reset(self) -> dict[str, float]:
         out, self.blocked_s = self.blocked_s, {}
         return out
+
+
+# How long ranks wait for rank 0 to build the program (NOTE [One build per job]).
+BUILD_WAIT_S = 3600.0
 
 
 class ScheduleEndWarning(UserWarning):
@@ -415,9 +419,10 @@ class Engine:
         seconds N times, on host cores the ranks of a node share. Rank 0 builds it and
         broadcasts its bytes (the plan cache's format); the others rebuild the graphs from them.
         Only when every rank's plan-cache key (model structure and attributes, inputs, loss,
-        config, world, code) is the same: ranks whose models differ each build their own, and
-        ``_check_same_plan`` names the difference. A build that fails on rank 0 fails on every
-        rank, with rank 0's error, rather than leaving the others waiting.
+        config, world, code) is the same, and the loss function captures only plain data: ranks
+        whose models differ each build their own, and ``_check_same_plan`` names the difference. A build that fails on rank 0 fails on every
+        rank rather than leaving the others waiting: a zerofx error as itself (a ``MissingLossError``
+        still defers capture to the first call), anything else as a ``ZeroFXError`` quoting it.
         """
         if self.world_size == 1:
             return build()
@@ -426,24 +431,35 @@ class Engine:
                                    device=self.device, program_options=self._program_options)
         keys: list[Any] = [None] * self.world_size
         dist.all_gather_object(keys, plan_cache.key_digest(key), group=self.group)
-        if len(set(keys)) > 1:
+        if len(set(keys)) > 1 or plan_cache.UNKEYED in str(key["loss_fn"]):
             return build()
         message: list[Any] = [None]
         program: Program | None = None
+        error: BaseException | None = None
         if self.rank == 0:
             try:
                 program = build()
                 message = [("program", plan_cache.program_bytes(program, self.rank))]
             except BaseException as exc:
-                message = [("error", f"{type(exc).__name__}: {exc}")]
-                dist.broadcast_object_list(message, src=dist.get_global_rank(self.group, 0), group=self.group)
-                raise
-        dist.broadcast_object_list(message, src=dist.get_global_rank(self.group, 0), group=self.group)
+                message, error = [("error", (type(exc).__name__, str(exc)))], exc
+        # The other ranks wait for rank 0's build, not for a stalled peer: the collective timeout
+        # (seconds) would cut a build of minutes short. A rank 0 that dies closes its connections.
+        _compat.set_group_timeout(self.group, timedelta(seconds=max(BUILD_WAIT_S, self.collective_timeout_s)))
+        try:
+            dist.broadcast_object_list(message, src=dist.get_global_rank(self.group, 0), group=self.group)
+        finally:
+            _compat.set_group_timeout(self.group, timedelta(seconds=self.collective_timeout_s))
+        if error is not None:
+            raise error
         kind, value = message[0]
         if program is not None:
             return program
         if kind == "error":
-            raise ZeroFXError(f"rank 0 could not build the program, so no rank runs: {value}")
+            name, text = value
+            same = getattr(errors, name, None)
+            if isinstance(same, type) and issubclass(same, ZeroFXError):  # the error every rank would have raised
+                raise same(text)
+            raise ZeroFXError(f"rank 0 could not build the program, so no rank runs: {name}: {text}")
         start = time.perf_counter()
         program = plan_cache.program_from_bytes(value, self._program_options)
         program.setup_times = {"from rank 0": time.perf_counter() - start}

@@ -64,9 +64,10 @@ class PlanCacheWarning(UserWarning):
 # placement, the world size, the rank, the process group's name and backend, the device, and
 # the code that captures and lowers: torch's version, Python's, and a hash of every source file
 # of zerofx (``zerofx``, ``zerofx.passes``, ``zerofx.cost_models``), so an edited pass misses in
-# a development checkout as a new release would. State the key cannot see (a module attribute
-# that is neither plain data nor a data class, a global read in ``forward``, what a loss
-# closure captured) is a reason to turn the cache off for that model (``"plan_cache": false``).
+# a development checkout as a new release would. A loss closure's captured values and defaults
+# count when they are plain data. State the key cannot see (a module attribute that is neither
+# plain data nor a data class, a global read in ``forward``, a captured value that is not plain
+# data) is a reason to turn the cache off for that model (``"plan_cache": false``).
 
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, Enum)
 _MODULE_INTERNALS = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
@@ -114,6 +115,26 @@ def _source_digest(obj: Any) -> str:
     except TypeError:
         path = None
     return _file_digest(path) if path else "no source file"
+
+
+UNKEYED = "<not plain data>"
+
+
+def captured_values(fn: Callable[..., Any]) -> str:
+    """What ``fn`` carries besides its code: the values its closure captured and its default
+    arguments, as plain-data text (``UNKEYED`` for a value that is not plain data), so a loss
+    closing over another scale is another key."""
+    cells = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not bound yet
+            continue
+        if value is not fn:
+            cells.append(value)
+    defaults = list(getattr(fn, "__defaults__", None) or ()) + list((getattr(fn, "__kwdefaults__", None) or {}).values())
+    texts = [_plain(v) for v in cells + defaults]
+    return "(" + ", ".join(UNKEYED if t is None else t for t in texts) + ")"
 
 
 def describe_model(model: nn.Module) -> list[str]:
@@ -168,7 +189,7 @@ def cache_key(*, model: nn.Module, input_signature: Any, loss_fn: Callable[..., 
     programs with (process group names, the parameter-offload placement)."""
     own = {k: v for k, v in dict(cfg.raw.get("zerofx", {})).items() if k != "plan_cache"}
     loss = None if loss_fn is None else f"{getattr(loss_fn, '__module__', '?')}.{getattr(loss_fn, '__qualname__', repr(type(loss_fn)))} " \
-                                        f"[{_source_digest(loss_fn)}]"
+                                        f"[{_source_digest(loss_fn)}] {captured_values(loss_fn)}"
     return {
         "versions": versions(),
         "model": hashlib.sha256("\n".join(describe_model(model)).encode()).hexdigest(),

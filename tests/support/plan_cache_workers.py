@@ -49,11 +49,20 @@ class _BranchOnValue(torch.nn.Module):
         return y.sum() if bool(y.sum() > 0) else -y.sum()
 
 
-def build_fails(rank: int, world_size: int) -> str:
-    """Each rank's error when the program cannot be built, as ``"Class: message"``."""
+def _broken_loss(output: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("the loss function is broken")
+
+
+def build_fails(rank: int, world_size: int) -> dict[str, str]:
+    """Each rank's error, as ``"Class: message"``, when the program cannot be built: capture
+    refuses the model (a zerofx error), or the loss function raises (any other error)."""
     x = torch.ones(2, 4)
-    try:
-        zerofx.initialize(_BranchOnValue(), {"zero_optimization": {"stage": 3}}, example_inputs=(x,))
-    except zerofx.ZeroFXError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+    out = {}
+    for case, model, loss_fn in (("capture", _BranchOnValue(), None), ("loss", torch.nn.Linear(4, 4), _broken_loss)):
+        try:
+            zerofx.initialize(model, {"zero_optimization": {"stage": 3}}, example_inputs=(x,), loss_fn=loss_fn)
+        except Exception as exc:
+            out[case] = f"{type(exc).__name__}: {exc}"
+        else:
+            out[case] = "no error"
+    return out
