@@ -6,7 +6,7 @@
 
 The files are described in ``zerofx.checkpoint_format`` (NOTE [On-disk layout]): safetensors,
 one file per rank holding that rank's 1/N slice of every padded flat, and a JSON metadata file.
-With shard groups of K ranks (NOTE [Shard groups of consecutive ranks] in ``zerofx.engine``)
+With shard groups of K ranks (NOTE [Shard groups of consecutive ranks] in ``zerofx.rank_groups``)
 every group holds the same K slices, so only group 0's ranks write rank files (``num_shards``
 K in the metadata) while every rank writes its client file; loading reads them as a K-rank save.
 

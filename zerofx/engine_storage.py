@@ -94,7 +94,7 @@ class EngineStorage:
         self.group = group
         self.rank = dist.get_rank(group)
         # Which shard of each parameter this rank owns: its rank, or with shard groups its place
-        # in its group (NOTE [Shard groups of consecutive ranks] in zerofx/engine.py).
+        # in its group (NOTE [Shard groups of consecutive ranks] in zerofx/rank_groups.py).
         self.shard_index = self.rank if shard_index is None else shard_index
         self.stage = ZeroStage(cfg.stage)
         self.device = device
