@@ -27,8 +27,6 @@ import argparse
 import datetime
 import json
 import os
-import queue as queue_mod
-import socket
 import statistics
 import sys
 import time
@@ -39,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from benchmarks.bench_offload import run_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,32 +131,6 @@ def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: An
         dist.destroy_process_group()
 
 
-def run_config(args: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, world_size, port, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in procs:
-            rank, status, value = queue.get(timeout=900)
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    except queue_mod.Empty:
-        raise RuntimeError("ranks did not finish") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-    return [results[r] for r in range(world_size)]
-
-
 def render(result: dict[str, Any]) -> str:
     runs = result["runs"]
     base = runs["device"][0]["step_s"]
@@ -208,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     result: dict[str, Any] = {**vars(args), "num_params": num_params, "date": date, "runs": {}}
     spec = {k: getattr(args, k) for k in ("size", "stage", "steps", "warmup", "batch", "seq_len")}
-    by_rank = run_config(spec, args.world_size)
+    by_rank = run_config(spec, args.world_size, target=_rank, timeout_s=900)
     result["runs"] = {kind: [out[kind] for out in by_rank] for kind in RUNS}
     text = render(result)
     RESULTS.mkdir(exist_ok=True)

@@ -39,7 +39,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -184,24 +184,29 @@ def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: An
         dist.destroy_process_group()
 
 
-def run_config(args: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+def run_config(args: dict[str, Any], world_size: int, *, target: Callable[..., None] | None = None,
+               timeout_s: float = 3600) -> list[dict[str, Any]]:
+    """Each rank's result of ``target(rank, world_size, port, args, queue)`` (this module's
+    ``_rank`` by default) on ``world_size`` fresh gloo processes."""
+    target = _rank if target is None else target
+    label = args.get("kind", "run")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, world_size, port, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=target, args=(r, world_size, port, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     try:
         for _ in procs:
-            rank, status, value = queue.get(timeout=3600)
+            rank, status, value = queue.get(timeout=timeout_s)
             if status == "error":
-                raise RuntimeError(f"{args['kind']} rank {rank} failed:\n{value}")
+                raise RuntimeError(f"{label} rank {rank} failed:\n{value}")
             results[rank] = value
     except queue_mod.Empty:
-        raise RuntimeError(f"{args['kind']}: ranks did not finish") from None
+        raise RuntimeError(f"{label}: ranks did not finish") from None
     finally:
         for p in procs:
             p.join(timeout=30)
