@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from benchmarks.bench_offload import run_config
+from benchmarks.report import write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,11 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     by_rank = run_config(spec, args.world_size, target=_rank, timeout_s=900)
     result["runs"] = {kind: [out[kind] for out in by_rank] for kind in RUNS}
     text = render(result)
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / (args.out or f"delayed_overlap_{args.size}_w{args.world_size}_{date}")
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(text + "\n")
-    print(text)
+    write_result(RESULTS / (args.out or f"delayed_overlap_{args.size}_w{args.world_size}_{date}"), result, text)
     return 0
 
 

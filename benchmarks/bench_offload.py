@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.report import write_result
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -326,11 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (RESULTS / f"{stem_name}.json").write_text(json.dumps(result, indent=1))  # partial, so far
     shutil.rmtree(args.nvme_path, ignore_errors=True)
     text = render(result)
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / stem_name
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(text + "\n")
-    print(text)
+    write_result(RESULTS / stem_name, result, text)
     return 0
 
 

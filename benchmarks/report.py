@@ -11,9 +11,11 @@ machine in the same run. The median over steps of the mean over ranks is reporte
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -149,3 +151,12 @@ def machine() -> dict[str, Any]:
     if torch.cuda.is_available():
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return out
+
+
+def write_result(stem: Path, result: dict[str, Any], text: str) -> None:
+    """A benchmark's raw ``result`` as ``<stem>.json`` and its rendered ``text`` as ``<stem>.md``
+    (the dated files beside each other in benchmarks/results/), and the text on stdout."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(text + "\n")
+    print(text)

@@ -17,11 +17,16 @@ At stage 3 the total is 4 + 4 + 8 = 16 bytes per parameter over N: the fp32 equi
 ZeRO paper's 16P/N. In mixed precision (bf16/fp16 parameters and gradients) it is the paper's
 2 + 2 + 12: the optimizer states add an fp32 master copy of the owned elements. ``step`` is the one fp32 scalar torch's Adam keeps per parameter tensor.
 Frozen parameters hold no gradient and no optimizer state.
+
+With gradient offload (``zerofx.offload_gradients``, stages 2-3) the grads column is 0 on the
+device (``device_model_state_bytes``): there is no gradient buffer, and a reduced bucket is on
+the device only from its reduction's wait to its hand-off, a transient that the memory timeline
+counts (NOTE [Gradients leave at their bucket's wait] in passes/offload_grads.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 # torch.optim keeps per-parameter state of this many parameter-sized tensors:
@@ -67,6 +72,15 @@ def estimate_model_state_bytes(
         if p.itemsize < 4:
             out["optimizer_states"] += owned_numel * 4
         out["optimizer_states"] += SCALAR_STATE_BYTES_PER_PARAM[optimizer]
+    return out
+
+
+def device_model_state_bytes(estimates: Mapping[str, int], *, stage: int, grads_offloaded: bool) -> dict[str, int]:
+    """``estimate_model_state_bytes``' result as the device holds it between steps: with
+    ``grads_offloaded`` at stages 2-3 no gradient bytes (see the NOTE above)."""
+    out = dict(estimates)
+    if grads_offloaded and stage >= 2:
+        out["grads"] = 0
     return out
 
 

@@ -12,7 +12,9 @@ are reduced, and collective buffers are all transient and counted; a collective'
 until its ``wait_tensor``, because its work object holds them until then (NOTE [A reduction
 holds its input until its wait] in passes/schedule_overlap.py). The backward graph's outputs
 (this rank's reduced gradients) are counted until the end of backward, when the engine adds them
-into its persistent gradient buffers.
+into its persistent gradient buffers; with gradient offload they are no outputs, and each is
+counted until its hand-off (NOTE [Gradients leave at their bucket's wait] in
+passes/offload_grads.py).
 """
 
 from __future__ import annotations

@@ -165,6 +165,14 @@ def register_group_name(name: str, group: Any) -> None:
     c10d_c._register_process_group(name, group)
 
 
+def resolve_group_name(name: str) -> Any:
+    """The process group registered under ``name`` on this rank (``register_group_name``, or
+    torch's own name for a group), as functional collectives resolve it; the resolver is private."""
+    import torch._C._distributed_c10d as c10d_c
+
+    return c10d_c._resolve_process_group(name)
+
+
 def fake_tensor(fake_mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple[int, ...], storage_offset: int, dtype: torch.dtype,
                 device: torch.device) -> FakeTensor:
     """A fake tensor of ``fake_mode`` with this layout, built directly around a meta tensor: about

@@ -9,7 +9,8 @@ A small discrete-event simulation. Compute runs node by node in graph order, eac
 ``estimate_node_s``. Collectives run one at a time on a communication channel, in the order
 they are issued; each starts when it is issued and the channel is free, and takes its
 alpha-beta time. A ``wait_tensor`` blocks compute until its collective is done: the time it
-blocks is *exposed* communication. The rest is hidden behind compute.
+blocks is *exposed* communication. The rest is hidden behind compute. A ring shift (NOTE [Ring
+attention] in passes/ring_attention.py) is a blocking call: compute waits for all of it.
 
 NOTE [Naming a node by its module]
 The schedule names layers, not FX nodes. Capture (AOTAutograd over ``functional_call``) leaves no
@@ -41,6 +42,7 @@ from zerofx.cost_models.memory_timeline import TimelinePoint, peak, step_timelin
 from zerofx.passes import meta
 from zerofx.passes.check_collectives import GRAPH_ORDER
 from zerofx.passes.plan import REPLICATE, Plan
+from zerofx.passes.ring_attention import is_ring_shift
 from zerofx.units import format_bytes
 
 aten = torch.ops.aten
@@ -313,6 +315,19 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
                         waited_at_module=next_compute[node], bucket_label=bucket_label(bucket, all_fqns),
                     )
                 )
+            elif is_ring_shift(node):  # blocking: issued and waited at once (NOTE [Ring attention])
+                val = node.args[0].meta["val"]
+                nbytes = val.numel() * val.element_size()
+                dur = estimate_all_gather_s(2 * nbytes, 2, comm)  # one send to a neighbour: a 2-rank all-gather's one step
+                begin = max(t, channel_free)
+                channel_free = begin + dur
+                blocked = channel_free - t
+                t, exposed_total = channel_free, exposed_total + blocked
+                rows.append(CollectiveRow(
+                    order=issued, graph=name, op="ring_shift", bucket=(), bytes_per_rank=nbytes, issued_after=previous, waited_at=node.name,
+                    overlap_compute_s=0.0, comm_s=dur, exposed_s=blocked, start_s=begin, end_s=channel_free,
+                    issued_after_module=previous_module, waited_at_module=next_compute[node]))
+                issued += 1
             else:
                 dt = estimate_node_s(node, device)
                 t += dt
@@ -364,7 +379,8 @@ def schedule_table(rows: Sequence[CollectiveRow], *, verbose: bool = False, repe
     return tabulate(table, headers=headers, colalign=align, disable_numparse=True)
 
 
-def format_report(report: ScheduleReport, *, budget_bytes: float | None = None, verbose: bool = False, step_note: str = "") -> str:
+def format_report(report: ScheduleReport, *, budget_bytes: float | None = None, verbose: bool = False, step_note: str = "",
+                  device_peak_bytes: float | None = None) -> str:
     """The schedule table, memory per rank and the summary line, as ``zerofx plan`` prints them.
     ``step_note`` follows the estimated step time (the CLI names the hardware profile there)."""
     where = f"in {report.peak.graph}" + (f" at {report.peak_module}" if report.peak_module else "")
@@ -379,8 +395,12 @@ def format_report(report: ScheduleReport, *, budget_bytes: float | None = None, 
         f"peak {format_bytes(report.peak.live_bytes)} {where}",
     ]
     if budget_bytes is not None:
-        verdict = "fits" if report.peak.live_bytes <= budget_bytes else "does NOT fit"
-        lines.append(f"budget {format_bytes(budget_bytes)}: {verdict}")
+        # With offload the budget is the device's: the peak less what the offload plans hold on
+        # host memory and NVMe (``device_peak_bytes``).
+        held = report.peak.live_bytes if device_peak_bytes is None else device_peak_bytes
+        verdict = "fits" if held <= budget_bytes else "does NOT fit"
+        lines.append(f"budget {format_bytes(budget_bytes)}: {verdict}"
+                     + ("" if device_peak_bytes is None else f" (device {format_bytes(held)} at the peak, with offload)"))
     lines.append(format_summary(report, "summary", step_note=step_note))
     return "\n".join(lines)
 

@@ -18,14 +18,18 @@ is traced again with three changes:
   (norms, projections, MLP, residuals, rotary products) run on the local slice, their shape
   arguments with T/S in place of T. Rotary tables and position ids are cut the same way, so
   each rank applies its own offset.
-- Around each attention core (SDPA), Ulysses: an all-to-all turns q, k and v from
-  sequence-sharded ``(B, H, T/S, D)`` into head-sharded ``(B, H/S, T, D)``, SDPA runs on the
-  whole sequence for H/S heads with its own mask and ``is_causal`` unchanged, and an all-to-all
-  turns the output back. Key/value heads that S does not divide are repeated to H first.
+- Each attention core (SDPA) runs in one of two ways, as ``sequence_parallel.attention`` says
+  (``"auto"``: ``choose_attention`` in passes/ring_attention.py, ring where S does not divide
+  the query heads or where Ulysses sends more bytes, recorded in the plan's decisions).
+  Ulysses: an all-to-all turns q, k and v from sequence-sharded ``(B, H, T/S, D)`` into
+  head-sharded ``(B, H/S, T, D)``, SDPA runs on the whole sequence for H/S heads with its own
+  mask and ``is_causal`` unchanged, and an all-to-all turns the output back. Key/value heads
+  that S does not divide are repeated to H first. Ring: q stays local and the key/value blocks
+  pass around the group (NOTE [Ring attention] in passes/ring_attention.py).
 - The loss ``cross_entropy(logits[..., :T-k, :], labels[..., k:])`` becomes a sum over the
   local positions against labels shifted on the whole batch, with ``ignore_index`` where the
-  shift runs out, so a shifted label crosses slice boundaries exactly; the token count is
-  summed over the group. The value returned is the global mean (a sum over the group of every
+  shift runs out, so a shifted label crosses slice boundaries exactly; the sum and the token
+  count are summed over the group, in fp32 under mixed precision. The value returned is the global mean (a sum over the group of every
   rank's share); the gradient flows from ``S · local sum / global count`` only. ZeRO averages
   gradients over all N = D·S ranks, so each parameter gets (1/D) Σ over data groups of the
   gradient of that group's loss: the single-process gradient of the same global batch.
@@ -33,19 +37,20 @@ is traced again with three changes:
 The rank's position in its group is not a constant of the graph: every rank's graphs are the
 same code (the engine compares them), so the first op all-to-alls ``arange(S)``, from which
 rank r receives S copies of r. Every collective is ``_c10d_functional.all_to_all_single`` on
-the sequence group (autograd's form where a gradient flows through it); the ZeRO rewrites act on
-all-gathers, reduce-scatters and all-reduces only, and leave these alone.
+the sequence group (autograd's form where a gradient flows through it), or ring attention's
+``zerofx::ring_shift``; the ZeRO rewrites act on all-gathers, reduce-scatters and all-reduces
+only, and leave these alone.
 
 What is refused: any other op that reads the axis across positions (a cumsum, a convolution or
 scan along the sequence, a shifted slice outside the loss, attention written as matmuls and
-softmax, a mask computed along the sequence) makes ``plan_sequence_parallel`` raise
+softmax, a mask computed from sequence-sharded values; for Ulysses also query heads S does not
+divide and a mask that differs per head) makes ``plan_sequence_parallel`` raise
 ``SequenceParallelError`` naming the op and its module (NOTE [Naming a node by its module] in
 passes/analyze_schedule.py).
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +58,7 @@ import torch
 import torch.fx as fx
 
 from zerofx.passes import _compat, meta
+from zerofx.passes.ring_attention import AttentionShape, SequenceAttention, choose_attention, ring_attention
 from zerofx.passes.seq_regions import SeqAnalysis, analyze, is_sdpa, op_packet, sequence_length
 
 aten = torch.ops.aten
@@ -66,12 +72,6 @@ SUPPORTED = ("token-wise ops (elementwise, norms, linear/matmul with a weight, e
 
 class SequenceParallelError(ValueError):
     """The graph has an op the sequence-parallel rewrite cannot shard."""
-
-
-class SequenceAttention(enum.Enum):
-    ULYSSES = "ulysses"
-    RING = "ring"
-    AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class SequenceParallelPlan:
     size: int
     group_name: str
     seq_len: int
-    attention: SequenceAttention  # as resolved: ULYSSES
+    attention: SequenceAttention  # as resolved: ULYSSES or RING
     num_attention: int
     loss_shift: int
     decisions: tuple[str, ...]
@@ -217,8 +217,7 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
             continue
         reads_local = [a for a in node.all_input_nodes if a in local]
         if is_sdpa(node):
-            _check_attention(node, an, local, size, modules[node])
-            heads.append((node.args[0].meta["val"].shape[1], node.args[1].meta["val"].shape[1]))
+            heads.append(_check_attention(node, an, local, size, modules[node]))
             continue
         if not reads_local or node in handled:
             continue
@@ -232,21 +231,22 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
     if not heads:
         raise SequenceParallelError("sequence parallelism found no scaled_dot_product_attention; attention written as matmuls "
                                     "and softmax is not supported (use F.scaled_dot_product_attention)")
-    attention = spec.attention
-    decisions = []
-    if attention is SequenceAttention.RING:
-        raise SequenceParallelError("sequence_parallel.attention 'ring' is not implemented; accepted: \"ulysses\" or \"auto\"")
+    attention, decisions = spec.attention, []
     if attention is SequenceAttention.AUTO:
-        q_heads = min(h for h, _ in heads)
-        decisions.append(f"sequence parallelism: ulysses (all-to-all) chosen for {q_heads} query heads over {size} ranks: "
-                         f"each rank attends for {q_heads // size} heads over the whole sequence; ring attention is not implemented")
-    decisions.append(f"sequence parallelism (ulysses) over {size} ranks: {an.seq_len} tokens -> {an.seq_len // size} per rank, "
-                     f"{len(heads)} attention(s), each an all-to-all to heads before (one per q/k/v shape) and one back after, loss shift {losses[0].shift}")
-    return SequenceParallelPlan(size=size, group_name=spec.group_name, seq_len=an.seq_len, attention=SequenceAttention.ULYSSES,
+        attention, why = choose_attention(heads, size)
+        decisions.append(why)
+    for h in heads:
+        if attention is SequenceAttention.ULYSSES and h.ulysses_refusal:
+            raise SequenceParallelError(f"{h.ulysses_refusal}; sequence_parallel.attention \"ring\" or \"auto\" accepts it")
+    how = ("each an all-to-all to heads before (one per q/k/v shape) and one back after" if attention is SequenceAttention.ULYSSES
+           else f"each {size - 1} ring shift(s) of k and v (NOTE [Ring attention] in passes/ring_attention.py)")
+    decisions.append(f"sequence parallelism ({attention.value}) over {size} ranks: {an.seq_len} tokens -> {an.seq_len // size} per rank, "
+                     f"{len(heads)} attention(s), {how}, loss shift {losses[0].shift}")
+    return SequenceParallelPlan(size=size, group_name=spec.group_name, seq_len=an.seq_len, attention=attention,
                                 num_attention=len(heads), loss_shift=losses[0].shift, decisions=tuple(decisions))
 
 
-def _check_attention(node: fx.Node, an: SeqAnalysis, local: set[fx.Node], size: int, module: str) -> None:
+def _check_attention(node: fx.Node, an: SeqAnalysis, local: set[fx.Node], size: int, module: str) -> AttentionShape:
     q, k, v = node.args[:3]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
@@ -254,19 +254,23 @@ def _check_attention(node: fx.Node, an: SeqAnalysis, local: set[fx.Node], size: 
     if not all(x in local and an.sdim.get(x) == 2 and x.meta["val"].dim() == 4 for x in (q, k, v)):
         raise SequenceParallelError(f"sequence parallelism needs q, k and v of {where} as (batch, heads, sequence, head_dim) "
                                     "computed token by token")
-    h, hkv = q.meta["val"].shape[1], k.meta["val"].shape[1]
-    if h % size:
-        raise SequenceParallelError(f"{where} has {h} query heads, which sequence_parallel.size={size} does not divide; "
-                                    f"accepted: a size that divides {h}")
-    if hkv % size and h % hkv:
+    qv, kv, vv = (x.meta["val"] for x in (q, k, v))
+    h, hkv = qv.shape[1], kv.shape[1]
+    if h % hkv:
         raise SequenceParallelError(f"{where}: {h} query heads are not a multiple of {hkv} key/value heads")
     if dropout:
         raise SequenceParallelError(f"{where} has dropout_p={dropout}; sequence parallelism supports dropout-free attention (0.0)")
+    refusal = None if h % size == 0 else (f"{where} has {h} query heads, which sequence_parallel.size={size} does not divide, "
+                                          "as Ulysses needs")
     if isinstance(mask, fx.Node):
         mv = mask.meta["val"]
-        if mask in local or (mv.dim() >= 3 and mv.shape[-3] != 1):
-            raise SequenceParallelError(f"{where} has a mask computed along the sequence or per head; supported are no mask, "
-                                        "is_causal, or a mask shared by every head and computed from no sequence-sharded tensor")
+        if mask in local:
+            raise SequenceParallelError(f"{where} has a mask computed from sequence-sharded values; supported are no mask, is_causal, "
+                                        "or a mask computed from the inputs alone")
+        if mv.dim() >= 3 and mv.shape[-3] != 1:
+            refusal = refusal or f"{where} has a mask that differs per head, which Ulysses cannot split by heads"
+    return AttentionShape(batch=qv.shape[0], seq_len=an.seq_len, q_heads=h, kv_heads=hkv, qk_dim=qv.shape[-1], v_dim=vv.shape[-1],
+                          itemsize=qv.element_size(), ulysses_refusal=refusal)
 
 
 # --------------------------------------------------------------------------- the rewrite
@@ -311,6 +315,7 @@ class _Sharded(fx.Interpreter):
         self.an, self.local, losses = _analyze(gm, plan.size)
         self.losses = {s.loss: s for s in losses}
         self.skipped = {n for s in losses for n in s.skipped}
+        self.rank: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.slices: dict[fx.Node, torch.Tensor] = {}
 
@@ -319,7 +324,8 @@ class _Sharded(fx.Interpreter):
             p = self.plan
             # Rank r receives element r from every rank: S copies of its own rank in the group.
             ranks = _all_to_all(torch.arange(p.size, dtype=torch.int64, device=like.device), p.size, p.group_name, grad=False)
-            self.positions = torch.arange(p.local_len, dtype=torch.int64, device=like.device) + ranks[0] * p.local_len
+            self.rank = ranks[0]  # a 0-d tensor
+            self.positions = torch.arange(p.local_len, dtype=torch.int64, device=like.device) + self.rank * p.local_len
         return self.positions
 
     def _local(self, node: Any) -> Any:
@@ -361,6 +367,18 @@ class _Sharded(fx.Interpreter):
         size, group = self.plan.size, self.plan.group_name
         q, k, v, *rest = args
         kwargs = dict(kwargs)
+        mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+        if isinstance(mask, fx.Node):  # whole, as attention reads it (never sequence-sharded: _check_attention)
+            if len(n.args) > 3:
+                rest[0] = self.env[mask]
+            else:
+                kwargs["attn_mask"] = self.env[mask]
+        if self.plan.attention is SequenceAttention.RING:
+            named = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest)) | kwargs
+            scale = named.get("scale") or q.shape[-1] ** -0.5
+            self._positions(q)
+            return ring_attention(q, k, v, named.get("attn_mask"), is_causal=bool(named.get("is_causal", False)), scale=scale,
+                                  rank=self.rank, size=size, group_name=group)  # (B, H, T/S, D)
         if k.shape[1] % size:  # key/value heads S does not divide: repeat them to the query heads
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -385,12 +403,17 @@ class _Sharded(fx.Interpreter):
         labels = torch.index_select(labels, labels.dim() - 1, self._positions(labels)).reshape(-1)  # (B·T/S,)
         for cast in site.target_casts:
             labels = cast.target(labels, *fx.node.map_arg(cast.args[1:], self._local), **cast.kwargs)
-        local_sum = aten.cross_entropy_loss(logits, labels, None, 2, ignore)
-        count = (labels != ignore).sum().to(local_sum.dtype) if reduction == 1 else torch.ones_like(local_sum)
+        # Per-token losses in the compute dtype, as the whole-sequence loss computes them; their sum,
+        # the count and the exchange in fp32 at least: fp16 overflows above 65504 (a sum of a few
+        # thousand token losses), and bf16 holds integers exactly only up to 256.
+        token_losses = aten.cross_entropy_loss(logits, labels, None, 0, ignore)  # 0 where ignored
+        acc = torch.promote_types(token_losses.dtype, torch.float32)
+        local_sum = token_losses.sum(dtype=acc)
+        count = (labels != ignore).sum().to(acc) if reduction == 1 else torch.ones_like(local_sum)
         mine = torch.stack([local_sum.detach(), count]).expand(p.size, 2).contiguous()  # one row to each rank
         total_sum, total_count = _all_to_all(mine, p.size, p.group_name, grad=False).sum(0).unbind(0)
         carrier = local_sum * p.size / total_count  # the gradient: S x this rank's share
-        return carrier + (total_sum / total_count - carrier).detach()  # the value: the group's mean
+        return (carrier + (total_sum / total_count - carrier).detach()).to(token_losses.dtype)  # the value: the group's mean
 
 
 def sequence_parallel_pass(gm: fx.GraphModule, plan: SequenceParallelPlan | None) -> fx.GraphModule:

@@ -50,10 +50,10 @@ def _starts_processes(item: pytest.Item) -> bool:
     return any(_STARTS_PROCESSES.search(s) for s in sources)
 
 
-# The longest files first (about 140-210 s each on 2 cores): pytest-xdist hands whole files to
+# The longest files first (about 140-200 s each on 2 cores): pytest-xdist hands whole files to
 # its workers in collection order (--dist loadfile), and a long file started last leaves the
 # other worker idle at the end.
-LONGEST_FIRST = ("test_tiling.py", "test_planning.py", "test_checkpoint.py", "test_core_parity.py")
+LONGEST_FIRST = ("test_planning.py", "test_tiling.py", "test_sequence_parallel.py", "test_checkpoint.py", "test_core_parity.py")
 
 
 def _file_rank(item: pytest.Item) -> int:

@@ -1,17 +1,22 @@
 """The benchmark's smoke run, as CI runs it: every system trains the tiny DNA LM for 2 steps on
 2 gloo ranks and must land on the single-process weights; zerofx stage 3 must hold 16P/N bytes
-of model state per rank under AdamW. No timing is asserted: CI machines are too noisy."""
+of model state per rank under AdamW. The ZeRO-Infinity benchmark's tiny size must train exactly
+as without offload. No timing is asserted: CI machines are too noisy."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from benchmarks.bench_step import render, smoke_options
 from benchmarks.report import bytes_per_param
 from benchmarks.rounds import run_benchmark
 from benchmarks.systems import DEFAULT_SYSTEMS
+from tests.support.dist_utils import run_ranks
 from zerofx.models import DNA_LM_SIZES
 
 # SGD's update is lr x gradient, so a parameter error here is lr x a gradient error: 1e-4 at
@@ -73,3 +78,24 @@ def test_stage3_adamw_holds_16p_over_n(smoke: dict[str, Any]) -> None:
     assert row["bound_bytes"] == bound
     assert bound <= row["model_state_bytes"] <= bound * 1.02 + _allowance_bytes(2), row["model_state_breakdown"]
     assert row["model_state_breakdown"]["optimizer_states"] >= 8 * config["num_params"] / 2
+
+
+@pytest.mark.multiprocess
+def test_infinity_benchmark_small_trains_like_no_offload(tmp_path: Path) -> None:
+    """benchmarks/bench_infinity_large.py's path at the tiny size: stage 3 with parameters,
+    gradients and fp32 AdamW states all on NVMe trains exactly as without offload, the loss falls
+    on the fixed batch, and the measured tiers add up."""
+    from benchmarks.bench_infinity_large import SHAPES, run_all
+
+    args = {"size": "tiny", "shape": dataclasses.asdict(SHAPES["tiny"]), "steps": 2, "seq_len": 64, "lr": 1e-2, "buffer_count": 1,
+            "nvme_path": str(tmp_path / "nvme"), "reference": True, "keep_state": True}
+    for out in run_ranks(2, run_all, args):
+        offloaded, plain = out["infinity"], out["no-offload"]
+        assert offloaded["losses"] == plain["losses"] and offloaded["losses"][-1] < offloaded["losses"][0]
+        assert all(torch.equal(offloaded["state"][k], plain["state"][k]) for k in plain["state"])
+        mem = offloaded["memory"]
+        assert mem["params"] == mem["grads"] == 0
+        on_nvme = mem["offload_param_nvme_bytes"] + mem["offload_grad_nvme_bytes"] + mem["offload_nvme_bytes"]
+        assert min(mem["offload_param_nvme_bytes"], mem["offload_grad_nvme_bytes"], mem["offload_nvme_bytes"]) > 0
+        assert offloaded["du_rank_bytes"] >= on_nvme and set(offloaded["param_tiers"]) == set(offloaded["record_tiers"]) == {"nvme"}
+    assert not any(p.is_file() for p in (tmp_path / "nvme").rglob("*"))  # the engine deleted its files at close

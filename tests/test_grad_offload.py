@@ -1,19 +1,27 @@
 """Gradient offload (``zerofx.offload_gradients``, ZeRO-Infinity): the config's cross-key checks;
 parity, bit for bit, with the run that keeps gradients on the device, on real 2-rank gloo groups at
 stages 2 and 3, with gradient accumulation and clipping, with the one-step delayed update and with
-parameter offload; no device gradient buffer left; faults in the gradient files."""
+parameter offload; no device gradient buffer left; each reduced bucket handed off at its wait, so
+the backward holds one reduced bucket at a time (measured in the run and in the memory model);
+faults in the gradient files, and a torn write that is never read as a gradient."""
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.dist_utils import run_ranks
 from tests.support.grad_offload_workers import grad_config, grad_faults, train_many
 from zerofx.config import parse_config
 from zerofx.cost_models.offload import Tier
 from zerofx.errors import ConfigError
+from zerofx.offload.files import TRAILER_BYTES, OffloadError
+from zerofx.offload.grads import GradStore
+from zerofx.offload.options import GradOffloadOptions
 
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}}
 STEPS, ACCUMULATION, CLIP = 2, 2, 0.05
@@ -91,7 +99,9 @@ def test_no_gradient_buffer_stays_on_the_device(trained: list[dict[str, dict]]) 
             assert mem["grads"] == 0 and out["device_grad_buffers"] == 0, name
             generations = 2 if "delayed" in name else 1  # the delayed update's second generation
             tier = "nvme" if "nvme" in name else "cpu"
-            assert mem[f"offload_grad_{tier}_bytes"] == generations * on_device, name
+            # On NVMe each of the 15 files ends in its trailer (NOTE [Gradient files carry their version]).
+            trailers = 15 * TRAILER_BYTES if tier == "nvme" else 0
+            assert mem[f"offload_grad_{tier}_bytes"] == generations * (on_device + trailers), name
         # NVMe: each micro-step writes every shard; each second micro-step (read-add-write) and
         # each step read them; clipping reads them once more for the norm.
         nvme_run = res["s3-clip-param-nvme"]
@@ -103,6 +113,28 @@ def test_no_gradient_buffer_stays_on_the_device(trained: list[dict[str, dict]]) 
         assert sum(f.endswith(".grad1") for f in res["s3-delayed-nvme"]["grad_files"]) == 15
         for name in ("s3-clip-param-nvme", "s3-delayed-nvme"):
             assert res[name]["left_after_close"] == [], name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("offloaded", "on_device"), PAIRS)
+def test_reduced_gradients_leave_the_backward_at_their_bucket_wait(trained: list[dict[str, dict]], offloaded: str,
+                                                                    on_device: str) -> None:
+    for res in trained:
+        a, b = res[offloaded], res[on_device]
+        buckets = b["bucket_bytes"]
+        assert len(buckets) > 1 and a["bucket_bytes"] == buckets and sum(buckets) == b["memory"]["grads"]
+        # NOTE [Gradients leave at their bucket's wait]: every trainable shard is handed off, each
+        # right after its bucket's wait with only that bucket's tail in between, and none is an output.
+        assert len(a["handoffs"]) == 15 and all(strays == [] for _, strays in a["handoffs"]), a["handoffs"]
+        assert a["reduced_outputs"] == 0 and b["reduced_outputs"] == 15 and b["handoffs"] == []
+        # Measured in the run: the graph's reduced storages alive at each hand-off are one bucket's;
+        # on the device every bucket is alive when the backward returns.
+        assert b["reduced_live_peak"] == sum(buckets)
+        assert a["reduced_live_peak"] == max(buckets) < sum(buckets)
+        # The memory model counts the same, and nothing is left when the backward returns.
+        assert (a["reduced_model_peak"], b["reduced_model_peak"]) == (max(buckets), sum(buckets))
+        assert (a["backward_end_bytes"], b["backward_end_bytes"]) == (0, sum(buckets))
+        assert (a["planned_grads"], b["planned_grads"]) == (0, sum(buckets))
 
 
 @pytest.mark.multiprocess
@@ -121,3 +153,48 @@ def _check_fault_messages(out: dict[str, str]) -> None:
     assert out["truncated"].startswith(f"OffloadError: NVMe offload: short read of '{out['truncated_path']}': got ")
     assert out["truncated"].endswith(f" of {out['truncated_bytes']} bytes of {out['truncated_fqn']}'s gradient shard "
                                      "(file truncated or replaced?)")
+
+
+def test_a_torn_gradient_write_is_never_read_as_a_gradient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [Gradient files carry their version], on one store: the second micro-step's
+    # read-add-write stops with an I/O error after half its bytes (40 KiB: the direct blocks and
+    # the tail both tear), as a fault or a killed process would leave the file.
+    numel = 10_000 + 123
+    options = GradOffloadOptions(device=Tier.NVME, nvme_path=tmp_path, pin_memory=False, buffer_count=2)
+    store = GradStore(options, {"w": numel}, {"w": torch.float32}, order=["w"], generations=1, device=torch.device("cpu"), rank=0)
+    path = store.files.path("w")
+    g = torch.arange(numel, dtype=torch.float32)
+    store.add("w", g)
+    store.drain()
+    assert path.stat().st_size == 4 * numel + TRAILER_BYTES
+    real_pwrite = os.pwrite
+
+    def torn_pwrite(fd: int, data: bytes, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+            real_pwrite(fd, memoryview(data)[: len(data) // 2], offset)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", torn_pwrite)
+    store.add("w", g)
+    with pytest.raises(OffloadError, match=rf"writing {4 * numel} bytes of w's gradient shard to '{path}' failed: Input/output error"):
+        store.drain()
+    monkeypatch.undo()
+    # The file has its full size and part new bytes; read, it is an error naming it, not a gradient.
+    assert path.stat().st_size == 4 * numel + TRAILER_BYTES
+    with pytest.raises(OffloadError, match=rf"'{path}' does not hold w's gradient shard: its trailer records write 1 of {4 * numel} "
+                                           rf"bytes, expected write 2 of {4 * numel} bytes \(a write to it stopped part way"):
+        store._read(store.gen, "w")
+    # The next accumulation starts whole, and reads back exactly what it wrote.
+    store.end_step()
+    store.add("w", g)
+    store.add("w", g)
+    assert torch.equal(store._read(store.gen, "w"), 2 * g)
+    # A file another store left (a killed run's, same name and size) is never taken for this one's.
+    other = GradStore(options, {"w": numel}, {"w": torch.float32}, order=["w"], generations=1, device=torch.device("cpu"), rank=0)
+    other._filled[0].add("w")
+    other._versions[(0, "w")] = 3
+    with pytest.raises(OffloadError, match=r"its trailer records another run's write"):
+        other._read(0, "w")
+    other.close()
+    store.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +203,28 @@ def test_plan_tier_line_takes_offloaded_bytes_off_the_peak() -> None:
     got = plan_tier_bytes(2000, SimpleNamespace(optimizer=records, params=shards))
     assert got == {"device": 2000 - 300 - 500 - 140, "cpu": 400, "nvme": 540}
     assert format_plan_tiers(got).startswith("per rank per tier: device 1.04 KiB at the peak")
+    # Offloaded gradient shards join their tier; the memory model already leaves them off the device.
+    with_grads = plan_tier_bytes(2000, SimpleNamespace(optimizer=records, params=shards), grad_bytes=64, grad_tier="nvme")
+    assert with_grads == {**got, "nvme": 540 + 64}
+
+
+def test_plan_budget_verdict_is_the_devices_with_offload(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``zerofx plan --budget`` with everything on NVMe judges the device's bytes (the peak less
+    what the offload plans hold elsewhere), and the NVMe line counts the gradient shards."""
+
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = tmp_path / "all_nvme.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                  "zero_optimization": {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme},
+                                  "zerofx": {"offload_gradients": nvme}}))
+    argv = ["plan", "tiny", "--world-size", "2", "--stage", "3", "--seq-len", "32", "--fold", "off", "--config", str(config)]
+    assert main([*argv, "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    tiers, peak = data["tiers_per_rank_bytes"], data["memory"]["peak_bytes"]
+    grads = sum(p["shard_numel"] for p in data["plan"]["params"] if p["requires_grad"]) * 4
+    assert tiers["nvme"] >= grads > 0 and tiers["device"] < peak
+    between = int(tiers["device"] + peak) // 2  # over the device's bytes, under the peak without offload
+    assert main([*argv, "--budget", f"{between}B"]) == 0
+    assert "fits (device" in capsys.readouterr().out
+    assert main([*argv, "--budget", f"{between}B", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["fits"] is True

@@ -188,6 +188,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
     split = nvme(root / "p3", buffer_count=2, max_in_cpu=2000)
     runs["sgd-3-param-split"] = (param_config(3, SGD, split, nvme(root / "p3", buffer_count=2)), STEPS)
     runs["adamw-3-bf16-param-nvme"] = (param_config(3, ADAMW, nvme(root / "pb", buffer_count=1), bf16=True), STEPS)
+    # ZeRO-Infinity whole (benchmarks/bench_infinity_large.py's config): parameters, gradients and
+    # optimizer states all on NVMe, in one folder.
+    infinity = param_config(3, ADAMW, nvme(root / "inf", buffer_count=1), nvme(root / "inf", buffer_count=1), bf16=True)
+    infinity["zerofx"] = {"offload_gradients": nvme(root / "inf", buffer_count=1)}
+    runs["adamw-3-bf16-all-nvme"] = (infinity, STEPS)
     return run_ranks(2, run_many, runs)
 
 
@@ -508,9 +513,14 @@ def test_offload_param_trains_like_plain_pytorch(trained: list[dict[str, dict]])
         assert whole["peak_held_bytes"] < sum(whole["shard_bytes"].values())
         # Optimizer state and shards share one NVMe folder: SGD momentum is one fp32 per owned element.
         assert mem["offload_nvme_bytes"] == 4 * out["owned"]
-        # bf16 AdamW with every shard on NVMe: the non-offloaded run exactly.
-        assert max_diff(res["adamw-3-bf16-param-nvme"]["state"], res["adamw-3-bf16"]["state"]) == 0.0
-        assert res["adamw-3-bf16-param-nvme"]["losses"] == res["adamw-3-bf16"]["losses"]
+        # bf16 AdamW with every shard on NVMe, and with every state on NVMe: the non-offloaded run exactly.
+        for name in ("adamw-3-bf16-param-nvme", "adamw-3-bf16-all-nvme"):
+            assert max_diff(res[name]["state"], res["adamw-3-bf16"]["state"]) == 0.0, name
+            assert res[name]["losses"] == res["adamw-3-bf16"]["losses"], name
+        infinity = res["adamw-3-bf16-all-nvme"]["memory"]
+        # On the device: nothing but AdamW's 4-byte step per tensor.
+        assert (infinity["params"], infinity["grads"], infinity["optimizer_states"]) == (0, 0, 4 * res["adamw-3-bf16-all-nvme"]["tensors"])
+        assert min(infinity["offload_param_nvme_bytes"], infinity["offload_grad_nvme_bytes"], infinity["offload_nvme_bytes"]) > 0
 
 
 def test_estimate_agrees_with_offloaded_params(trained: list[dict[str, dict]], capsys: pytest.CaptureFixture) -> None:

@@ -13,6 +13,9 @@ import zerofx
 from tests.support import sequence_parallel_workers as workers
 from tests.support.dist_utils import run_ranks
 from zerofx.errors import CaptureError, ConfigError
+from zerofx.passes.analyze_schedule import schedule_table
+from zerofx.passes.meta import is_all_to_all
+from zerofx.passes.ring_attention import AttentionShape, SequenceAttention, choose_attention
 from zerofx.training import TrainOptions, _cycle_batches, check_train_options, data_layout
 
 STEPS = 3
@@ -24,38 +27,103 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def check(results: list[dict], case: tuple[str, int, int], world_size: int) -> None:
-    kind, stage, size = case
+def check(results: list[dict], case: tuple[str, int, int, str, str], world_size: int) -> None:
+    """fp32 parity (offload included) with plain PyTorch on the same global batch, and the exchanges."""
+    kind, stage, size, attention, feature = case
     expected = workers.reference(world_size // size, STEPS, kind)
     for rank, by_case in enumerate(results):
         res = by_case[case]
         assert max_diff(res["state"], expected["state"]) < 1e-5, (rank, case)
         group_losses = [step[rank // size] for step in expected["losses"]]
         assert res["losses"] == pytest.approx(group_losses, abs=1e-5), (rank, case)
-        # Per layer, q, k and v go to head sharding in one all-to-all (k and v apart from q under
-        # grouped-query attention) and come back in one; the forward adds the rank's position in
-        # its group and the loss's sum and count.
-        layers, exchanges = 2, 3 if kind == "llama" else 2
-        assert res["all_to_alls"] == {"forward": exchanges * layers + 2, "backward": exchanges * layers}, (rank, case)
+        check_exchanges(res, case)
+
+
+def check_exchanges(res: dict, case: tuple[str, int, int, str, str]) -> None:
+    kind, stage, size, attention, feature = case
+    # The forward's two small all-to-alls: the rank's position in its group, the loss's sum and count.
+    layers, forward = 2, 2
+    if attention == "ulysses":
+        # Per layer, q, k and v go to head sharding in one all-to-all (k and v apart from q
+        # under grouped-query attention) and come back in one.
+        exchanges = 3 if kind == "llama" else 2
+        assert res["all_to_alls"] == {"forward": exchanges * layers + forward, "backward": exchanges * layers}, case
+        assert res["ring_shifts"] == {"forward": 0, "backward": 0}, case
+    else:  # ring: per layer, S - 1 shifts of k and of v; the backward shifts their gradients back
+        assert attention == "ring", case
+        assert res["all_to_alls"] == {"forward": forward, "backward": 0}, case
+        shifts = 2 * (size - 1) * layers
+        assert res["ring_shifts"] == {"forward": shifts, "backward": shifts}, case
+
+
+# Mixed precision rounds every value the forward and backward compute: bf16 keeps 8 significant
+# bits (epsilon 2^-7, each rounding off by up to 2^-8 of the value), fp16 11 (epsilon 2^-10,
+# rounding 2^-11). A sequence-parallel run rounds other intermediates than a run without it
+# (per-slice partial gradients summed over the group, the ring's block-wise softmax), so after 3
+# steps their fp32 masters differ by a few such roundings of each update. Measured, norm-wise per
+# parameter: bf16 with ring against fp32 at most 1.45% of the update (bf16 without sequence
+# parallelism is 0.5-1.3% from fp32, and the two bf16 runs 0.5-1.2% apart); fp16 with Ulysses
+# against fp32 0.1-0.4%, as far as the fp16 run without it. The bounds, 2^-5 (4 bf16 epsilons)
+# and 2^-6 (16 fp16 epsilons), are 2.1x and 4x the largest measured; a wrong slice, scale or exchange moves an update by tens of
+# percent. Losses (fp32 from rounded logits): within one rounding, 2^-8 and 2^-11 (measured
+# 2.4e-4 and 1.3e-5).
+MIXED_TOLERANCES = {"bf16": (2.0 ** -5, 2.0 ** -8), "fp16": (2.0 ** -6, 2.0 ** -11)}
+
+
+def check_mixed(results: list[dict], case: tuple[str, int, int, str, str]) -> None:
+    """Mixed precision with sequence parallelism against fp32 plain PyTorch on the same global
+    batch: every fp32 master within MIXED_TOLERANCES of the update fp32 makes to it, and the losses."""
+    kind, feature = case[0], case[4]
+    update_tol, loss_tol = MIXED_TOLERANCES[feature]
+    initial, fp32 = workers.model(kind).state_dict(), workers.reference(1, STEPS, kind)
+    for rank, by_case in enumerate(results):
+        sp = by_case[case]
+        assert sp["masters"], rank
+        for fqn, master in sp["masters"].items():
+            update = (fp32["state"][fqn] - initial[fqn]).norm()
+            assert (master - fp32["state"][fqn]).norm() <= update_tol * update, (rank, fqn)
+        assert sp["losses"] == pytest.approx([step[0] for step in fp32["losses"]], rel=loss_tol), rank
+        check_exchanges(sp, case)
 
 
 @pytest.mark.multiprocess
-def test_parity_sequence_2_stages_0_and_3_dna_and_llama(tmp_path: Path) -> None:
-    """World 2, sequence-parallel size 2: the DNA LM at stages 0 and 3, Hugging Face Llama at stage
-    3; the stage-3 engine's checkpoint saves and loads, and refuses ranks of a group passing different batches."""
-    cases = [("dna", 3, 2), ("dna", 0, 2), ("llama", 3, 2)]
-    results = run_ranks(2, workers.train, cases, STEPS, str(tmp_path))
+def test_parity_sequence_2_ulysses_and_ring_dna_llama_esm(tmp_path: Path) -> None:
+    """World 2, sequence-parallel size 2, one launch: the DNA LM with Ulysses at stage 3 and ring
+    at stages 0 and 3 (with optimizer, parameter and gradient offload to CPU), Hugging Face Llama
+    (causal, grouped-query attention) with ring, and Hugging Face ESM (bidirectional masked LM,
+    rotary, a padding attention mask) with both; the DNA LM in bf16 with ring and in fp16 with
+    Ulysses, each against fp32. The first engine's
+    checkpoint saves and loads, and refuses ranks of a group passing different batches."""
+    cases = [("dna", 3, 2, "ulysses", "fp32"), ("dna", 0, 2, "ring", "fp32"), ("dna", 3, 2, "ring", "offload"),
+             ("llama", 3, 2, "ring", "fp32"), ("esm", 0, 2, "ulysses", "fp32"), ("esm", 3, 2, "ring", "fp32")]
+    bf16, fp16 = ("dna", 3, 2, "ring", "bf16"), ("dna", 3, 2, "ulysses", "fp16")
+    results = run_ranks(2, workers.train, [*cases, bf16, fp16], STEPS, str(tmp_path))
     for case in cases:
         check(results, case, 2)
-    assert any("(ulysses)" in d for d in results[0][("dna", 3, 2)]["decisions"])
+    check_mixed(results, bf16)
+    check_mixed(results, fp16)
+    assert any("(ulysses)" in d for d in results[0][cases[0]]["decisions"])
+    assert any("(ring)" in d for d in results[0][cases[1]]["decisions"])
     assert all(r["checkpoint"] == {"moved": True, "restored": True} for r in results)
     for r in results:
         assert r["mismatch"] is not None and "passed different batches" in r["mismatch"]
 
 
 @pytest.mark.multiprocess
+def test_ring_attention_matches_sdpa_in_a_group() -> None:
+    """The ring by itself (NOTE [Ring attention]) on 2 gloo ranks: output and gradients of each
+    rank's slice match SDPA over the whole sequence, causal, bidirectional, masked."""
+    for rank, errors in enumerate(run_ranks(2, workers.ring_attention_errors)):
+        assert set(errors) == {"causal", "gqa", "additive", "boolean"}
+        assert max(errors.values()) < 1e-5, (rank, errors)
+
+
+@pytest.mark.multiprocess
 def test_parity_data_2_x_sequence_2_and_sequence_4() -> None:
-    cases = [("dna", 3, 2), ("dna", 3, 4)]
+    """World 4: Ulysses on Hugging Face Llama (grouped-query attention: k and v exchanged apart
+    from q) over 2 data-parallel groups of 2, and ring on the DNA LM over one group of 4 with
+    shard groups of 2 (each cuts the sequence group in half)."""
+    cases = [("llama", 3, 2, "ulysses", "fp32"), ("dna", 3, 4, "ring", "shard2")]
     results = run_ranks(4, workers.train, cases, STEPS)
     for case in cases:
         check(results, case, 4)
@@ -65,7 +133,6 @@ def test_parity_data_2_x_sequence_2_and_sequence_4() -> None:
     ({"size": 3}, ["'zerofx.sequence_parallel.size'", "does not divide the world size 4", "1, 2, 4"]),
     ({"size": 2, "attention": "sideways"}, ["'zerofx.sequence_parallel.attention'", "'sideways'", '"ulysses"']),
     ({"attention": "auto"}, ["'zerofx.sequence_parallel.size' is missing"]),
-    ({"size": 2, "attention": "ring"}, ["not implemented yet", '"ulysses" or "auto"']),
 ])
 def test_config_errors_name_the_key(section: dict, words: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
@@ -74,16 +141,29 @@ def test_config_errors_name_the_key(section: dict, words: list[str]) -> None:
         assert word in str(err.value)
 
 
-@pytest.mark.parametrize("extra, key", [
-    ({"bf16": {"enabled": True}}, "bf16.enabled"),
-    ({"zerofx": {"tiling": {"enabled": True}}}, "zerofx.tiling"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer"),
+@pytest.mark.parametrize("extra, words", [
+    ({"zerofx": {"tiling": {"enabled": True}}}, ["'zerofx.tiling' got {'enabled': True}", "chunks the forward along the whole sequence",
+                                                 "cuts it to T/2 per rank", "leave zerofx.tiling out"]),
+    ({"zerofx": {"compile": "inductor"}}, ["'zerofx.compile' got 'inductor'", "no parity run has checked Inductor-compiled",
+                                           'accepted with sequence parallelism: "none"']),
 ])
-def test_unsupported_combinations_are_refused(extra: dict, key: str) -> None:
+def test_unsupported_combinations_are_refused_with_the_reason(extra: dict, words: list[str]) -> None:
     config = {"zero_optimization": {"stage": 3}, **extra}
     config["zerofx"] = {**config.get("zerofx", {}), "sequence_parallel": {"size": 2}}
-    with pytest.raises(ConfigError, match=f"not supported together with '{key}'"):
+    with pytest.raises(ConfigError) as err:
         zerofx.compile(workers.model(), world_size=2, config=config)
+    assert "does not compose with" in str(err.value)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_offload_and_mixed_precision_are_accepted() -> None:
+    """Parsing only: the combinations the parity test trains are not refused."""
+    for feature in ("offload", "bf16", "fp16", "shard2"):
+        extra = workers.FEATURES[feature]
+        config = {**extra, "zero_optimization": {"stage": 3, **extra.get("zero_optimization", {})},
+                  "zerofx": {**extra.get("zerofx", {}), "sequence_parallel": {"size": 2}}}
+        assert zerofx.parse_config(config, world_size=4).sequence_parallel().size == 2
 
 
 @pytest.mark.parametrize("model, op, module", [
@@ -98,6 +178,18 @@ def test_ops_mixing_positions_are_refused_by_name(model: type, op: str, module: 
     assert op in text and f"in module {module}" in text and "Supported are" in text and "scaled_dot_product_attention" in text
 
 
+def test_loss_sum_and_count_are_exchanged_in_fp32() -> None:
+    """A loss over fp16 logits (the parity test's models upcast theirs): the rank's sum of token
+    losses and its token count cross the group in fp32, where fp16 overflows above 65504 (bf16,
+    which counts exactly only up to 256, takes the same path)."""
+    ids = torch.randint(0, workers.CONFIG.vocab_size, (2, 16))
+    program = zerofx.compile(workers.TokenLM(), world_size=2, stage=3, example_inputs=(ids, ids),
+                             config={"fp16": {"enabled": True}, "zerofx": {"sequence_parallel": {"size": 2, "attention": "ring"}}})
+    forward = program.graph_modules(0)["forward"]
+    exchanged = [n.args[0].meta["val"].dtype for n in forward.graph.nodes if is_all_to_all(n)]
+    assert exchanged == [torch.int64, torch.float32]  # the rank's position in its group; the loss's sum and count
+
+
 def test_sequence_length_must_divide() -> None:
     ids = torch.randint(0, workers.CONFIG.vocab_size, (2, 15))
     with pytest.raises(CaptureError, match="sequence length 15 is not divisible by sequence_parallel.size=2"):
@@ -105,14 +197,53 @@ def test_sequence_length_must_divide() -> None:
                        config={"zerofx": {"sequence_parallel": {"size": 2}}})
 
 
-def test_planned_without_a_process_group() -> None:
-    """zerofx.compile shows the all-to-alls in the schedule and the choice in the decisions."""
+@pytest.mark.parametrize("attention", ["auto", "ring"])
+def test_planned_without_a_process_group(attention: str) -> None:
+    """zerofx.compile shows the exchanges in the schedule, with their bytes, and the choice in the decisions."""
     ids = torch.randint(0, workers.CONFIG.vocab_size, (2, 16))
     program = zerofx.compile(workers.model(), world_size=4, stage=3, example_inputs=(ids,), example_kwargs={"labels": ids},
-                             config={"zerofx": {"sequence_parallel": {"size": 4, "attention": "auto"}}})
-    assert any(d.startswith("sequence parallelism: ulysses") and "4 query heads over 4 ranks" in d for d in program.plan.decisions)
-    ops = [row.op for row in program.report(0).rows]
-    assert ops.count("all_to_all_single") == 4 * workers.CONFIG.num_layers + 2
+                             config={"zerofx": {"sequence_parallel": {"size": 4, "attention": attention}}})
+    rows, layers = program.report(0).rows, workers.CONFIG.num_layers
+    ops = [row.op for row in rows]
+    if attention == "auto":  # 4 heads over 4 ranks: Ulysses sends (3/4)·4 blocks of q, k, v, o; ring 3·2 blocks of k, v
+        assert any(d.startswith("sequence parallelism: ulysses chosen for 4 query heads (4 key/value) over 4 ranks")
+                   and "6 KiB per forward with ulysses" in d and "12 KiB with ring" in d for d in program.plan.decisions)
+        assert ops.count("all_to_all_single") == 4 * layers + 2 and "ring_shift" not in ops
+        return
+    assert any("(ring) over 4 ranks" in d for d in program.plan.decisions)
+    assert ops.count("all_to_all_single") == 2
+    shifts = [row for row in rows if row.op == "ring_shift"]
+    block_bytes = 2 * workers.CONFIG.num_heads * 4 * workers.CONFIG.head_dim * 4  # (B, H, T/S, D) fp32
+    assert [row.graph for row in shifts] == ["forward"] * (6 * layers) + ["backward"] * (6 * layers)
+    assert all(row.bytes_per_rank == block_bytes and row.comm_s > 0 for row in shifts)
+    assert "ring_shift" in schedule_table(rows)
+
+
+@pytest.mark.parametrize("q_heads, kv_heads, size, expected, words", [
+    (4, 4, 4, SequenceAttention.ULYSSES, ["3 KiB per forward with ulysses", "6 KiB with ring"]),
+    (4, 4, 2, SequenceAttention.ULYSSES, ["4 KiB per forward with ulysses", "4 KiB with ring", "a tie goes to ulysses"]),
+    (4, 2, 2, SequenceAttention.RING, ["3 KiB per forward with ulysses", "2 KiB with ring"]),
+    (8, 2, 4, SequenceAttention.RING, ["key/value heads repeated to 8 since 4 does not divide 2", "6 KiB per forward with ulysses",
+                                       "3 KiB with ring"]),
+    (6, 6, 4, SequenceAttention.RING, ["6 query heads, which sequence_parallel.size=4 does not divide"]),
+])
+def test_auto_chooses_by_bytes_and_heads(q_heads: int, kv_heads: int, size: int, expected: SequenceAttention, words: list[str]) -> None:
+    """One attention, batch 2, 16 tokens, head_dim 8, fp32: per forward one rank sends
+    (S-1)/S · (2·Hq + 2·Hkv') · B·T/S·D·4 bytes with Ulysses (Hkv' = Hq where S does not divide
+    Hkv) and (S-1) · 2·Hkv · B·T/S·D·4 with ring."""
+    refusal = None if q_heads % size == 0 else f"attention has {q_heads} query heads, which sequence_parallel.size={size} does not divide"
+    shape = AttentionShape(batch=2, seq_len=16, q_heads=q_heads, kv_heads=kv_heads, qk_dim=8, v_dim=8, itemsize=4, ulysses_refusal=refusal)
+    kind, why = choose_attention([shape], size)
+    assert kind is expected and why.startswith(f"sequence parallelism: {expected.value} chosen")
+    for word in words:
+        assert word in why
+
+
+def test_ulysses_refuses_heads_the_size_does_not_divide() -> None:
+    ids = torch.randint(0, workers.CONFIG.vocab_size, (2, 18))
+    with pytest.raises(CaptureError, match="4 query heads, which sequence_parallel.size=3 does not divide.*\"ring\" or \"auto\" accepts it"):
+        zerofx.compile(workers.model(), world_size=3, stage=3, example_inputs=(ids,), example_kwargs={"labels": ids},
+                       config={"zerofx": {"sequence_parallel": {"size": 3, "attention": "ulysses"}}})
 
 
 def test_train_hands_a_sequence_group_the_same_windows() -> None:

@@ -280,26 +280,39 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
     cfg = resolve(args.config, stage=args.stage, world_size=args.world_size)
     offload = plan_for_program(program.plan, cfg.offload, cfg.param_offload, mixed_precision=cfg.compute_dtype is not None,
                                device_is_cpu=device.name.startswith("cpu"), compute_s=report.compute_s)
+    tiers = None
+    if offload is not None or cfg.grad_offload is not None:
+        grad_itemsize = cfg.compute_dtype.itemsize if cfg.compute_dtype is not None else 4
+        grad_bytes = sum(p.shard_numel for p in program.plan.params if p.requires_grad) * grad_itemsize
+        tiers = plan_tier_bytes(report.peak.live_bytes, offload, grad_bytes=grad_bytes,
+                                grad_tier=None if cfg.grad_offload is None else cfg.grad_offload.device.value)
     if args.format == "json":
-        data = json.loads(report_json(program, report, budget))
+        data = json.loads(report_json(program, report, budget, device_peak_bytes=None if tiers is None else tiers["device"]))
         if offload is not None:
             data["offload"] = json.loads(offload.to_json())
-            data["tiers_per_rank_bytes"] = plan_tier_bytes(report.peak.live_bytes, offload)
+        if tiers is not None:
+            data["tiers_per_rank_bytes"] = tiers
         if solved is not None:
             data["solve"] = {solved.variable: solved.value, "peak_bytes_expr": str(solved.peak_expr), "peak_at": solved.peak_node,
-                             "samples": [list(x) for x in solved.samples]}
+                             "samples": [list(x) for x in solved.samples], "sequence_parallel_size": solved.sequence_parallel}
         print(json.dumps(data, indent=1))
         return 0
     print(f"model {spec.label}: {type(spec.model).__name__}, example inputs {_shapes(spec)}; profile {comm.name} / {device.name}")
     print(program.plan)
     if offload is not None:
         print(offload)
-        print(format_plan_tiers(plan_tier_bytes(report.peak.live_bytes, offload)))
-    print(format_report(report, budget_bytes=budget, verbose=args.verbose, step_note=step_note(args.profile, comm, device)))
+    if tiers is not None:
+        print(format_plan_tiers(tiers))
+    print(format_report(report, budget_bytes=budget, verbose=args.verbose, step_note=step_note(args.profile, comm, device),
+                        device_peak_bytes=None if tiers is None else tiers["device"]))
     if solved is not None:
         what = "longest sequence" if solved.variable == "seq_len" else "largest batch"
+        if solved.sequence_parallel > 1:  # NOTE [Solving for the context under sequence parallelism]
+            what += f" with sequence parallelism over {solved.sequence_parallel} ranks"
+        symbols = {str(x) for x in solved.peak_expr.free_symbols}
+        exact_in = "B (batch) and T (tokens)" if "B" in symbols else "T (tokens) at the example's batch"
         print(f"{what} that fits {format_bytes(budget)} per rank: {solved.variable} = {solved.value} "
-              f"(peak bytes = {solved.peak_expr} at {solved.peak_node}, exact in B (batch) and T (tokens) "
+              f"(peak bytes = {solved.peak_expr} at {solved.peak_node}, exact in {exact_in} "
               f"from captures at (B, T) = {', '.join(map(str, solved.samples))})")
     if args.plot is not None:
         print(f"wrote {args.plot}")
@@ -620,7 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory per rank to fit in, e.g. 80GiB (units B, KB..TB, KiB..TiB): adds a fits / doesn't-fit verdict")
     p.add_argument("--solve", choices=("seq_len", "batch_size"),
                    help="answer the longest sequence (at the example's batch size) or the largest batch (at its "
-                        "sequence length) that fits --budget, from the memory model symbolic in both")
+                        "sequence length) that fits --budget, from the memory model symbolic in both; with "
+                        "zerofx.sequence_parallel.size S in --config, per rank at that S (a multiple of S)")
     p.add_argument("--max-seq-len", type=_int_arg(1), default=1 << 20,
                    help="upper bound for --solve seq_len when the model states none, >= 1 (default: 1048576)")
     p.add_argument("--max-batch-size", type=_int_arg(1), default=1 << 16, help="upper bound for --solve batch_size, >= 1 (default: 65536)")

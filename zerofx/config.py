@@ -377,7 +377,7 @@ SCHEMA: dict[str, Key] = {
         "fused_optimizer": Key((bool,), "Adam/AdamW with fused=True (one kernel over all of a rank's shards)"),
         "offload": Key((dict,), "offload planning and the delayed update (with zero_optimization.offload_optimizer)", children=_ZEROFX_OFFLOAD),
         "offload_gradients": Key((dict,), "gradient offload (stages 2-3): each reduced gradient shard goes to host memory or NVMe "
-                                 "as the backward returns it, and the optimizer reads it there", children=_OFFLOAD_GRADIENTS),
+                                 "as soon as its bucket's reduction completes, and the optimizer reads it there", children=_OFFLOAD_GRADIENTS),
         "collective_timeout_s": Key(_NUM, f"seconds a collective may wait for its peers before the process group raises (default "
                                     f"{DEFAULT_COLLECTIVE_TIMEOUT_S:g}; torch's own is 1800)", lambda v: 0 < v <= MAX_COLLECTIVE_TIMEOUT_S,
                                     f"a number of seconds in (0, {MAX_COLLECTIVE_TIMEOUT_S:g}]"),
@@ -390,8 +390,9 @@ SCHEMA: dict[str, Key] = {
                                  "running 1/size of it (NOTE [Sequence parallelism as a rewrite])", children={
             "size": Key((int,), "ranks per sequence group; data-parallel size = world size / size", _pos_int,
                         "an integer >= 1 that divides the world size"),
-            "attention": Key((str,), "how attention exchanges data: \"ulysses\" (all-to-all to head sharding), \"ring\" (not "
-                             "implemented yet) or \"auto\"", lambda v: v in {a.value for a in SequenceAttention},
+            "attention": Key((str,), "how attention exchanges data: \"ulysses\" (all-to-all to head sharding, the default), \"ring\" "
+                             "(key/value blocks passed around the group, NOTE [Ring attention]) or \"auto\" (the one that sends fewer "
+                             "bytes, ring where the size does not divide the query heads)", lambda v: v in {a.value for a in SequenceAttention},
                              ", ".join(f'"{a.value}"' for a in SequenceAttention)),
         }),
         "profile": Key((str,), "hardware the planner sizes buckets, prefetch and shard groups for: a built-in profile "
@@ -873,7 +874,13 @@ def check_shard_group_size(value: int | str | None, *, stage: int | None, world_
 
 def check_sequence_parallel(raw: Mapping[str, Any], *, world_size: int | None) -> None:
     """``zerofx.sequence_parallel`` against the world size and the features it does not compose
-    with yet. Called at parse time and again at initialize, once the process group's size is known."""
+    with, each refused with the reason. Called at parse time and again at initialize, once the
+    process group's size is known. Offload (optimizer, parameters, gradients), bf16, fp16 and
+    shard groups compose: the rewrite acts on the forward before autograd and its exchanges run
+    over the sequence group; offload acts on the optimizer step, the stage-3 fetch of shards and
+    the backward's reduced shards; shard groups only change how gradients are averaged over all
+    ranks; the loss's sum and token count are exchanged in fp32 at least (docs/sequence-parallel.md,
+    "What composes with sequence parallelism")."""
     section = raw.get("zerofx", {}).get("sequence_parallel")
     if section is None:
         return
@@ -885,20 +892,21 @@ def check_sequence_parallel(raw: Mapping[str, Any], *, world_size: int | None) -
                           f"accepted: a divisor of {world_size} ({', '.join(str(k) for k in range(1, world_size + 1) if world_size % k == 0)})")
     if size == 1:
         return
-    if section.get("attention") == SequenceAttention.RING.value:
-        raise ConfigError("config key 'zerofx.sequence_parallel.attention' got \"ring\", which is not implemented yet; accepted: "
-                          "\"ulysses\" or \"auto\"")
-    own, zero = raw.get("zerofx", {}), raw.get("zero_optimization", {})
-    refused = [("zerofx.tiling", "tiling" in own), ("zero_optimization.offload_optimizer", "offload_optimizer" in zero),
-               ("zero_optimization.offload_param", "offload_param" in zero), ("zerofx.offload_gradients", "offload_gradients" in own),
-               ("bf16.enabled", bool(raw.get("bf16", {}).get("enabled"))), ("fp16.enabled", bool(raw.get("fp16", {}).get("enabled"))),
-               ("zerofx.shard_group_size", own.get("shard_group_size") not in (None, world_size)),
-               ("zerofx.compile", own.get("compile", "none") != "none")]
-    for key, present in refused:
+    own = raw.get("zerofx", {})
+    refused = [  # (key, the value set, whether refused, why, what is accepted with sequence parallelism)
+        ("zerofx.tiling", own.get("tiling"), "tiling" in own,
+         f"the tiling planner chunks the forward along the whole sequence of T tokens before the sequence-parallel rewrite "
+         f"cuts it to T/{size} per rank, and the two passes have not been made to agree (the rewrite would see the tiles' "
+         "slices along the sequence)", f"leave zerofx.tiling out: each rank's activations already hold 1/{size} of the sequence"),
+        ("zerofx.compile", own.get("compile"), own.get("compile", "none") != "none",
+         "Inductor lowers and runs the rewritten forward (its all-to-alls are functional collectives; the ring's "
+         "zerofx::ring_shift and zerofx::ring_block_attention are custom ops it calls as opaque kernels), but no parity run "
+         "has checked Inductor-compiled sequence-parallel graphs against plain PyTorch yet", '"none" (the graphs run eagerly)'),
+    ]
+    for key, value, present, why, accepted in refused:
         if present:
-            raise ConfigError(f"config key 'zerofx.sequence_parallel' (size {size}) is not supported together with {key!r} yet; "
-                              "accepted with sequence parallelism: fp32, ZeRO stages 0-3 without offload, tiling or shard groups, "
-                              "and zerofx.compile \"none\"")
+            raise ConfigError(f"config key {key!r} got {value!r}, which zerofx.sequence_parallel (size {size}) does not compose "
+                              f"with: {why}; accepted with sequence parallelism: {accepted}")
 
 
 def _config_world_size(raw: Mapping[str, Any]) -> int | None:

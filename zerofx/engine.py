@@ -29,9 +29,10 @@ until a named point, and nothing writes into it or frees it before then:
   until its future is taken (``acquire``, ``drain``); the delayed update's snapshot belongs to
   the update thread until ``finish`` (NOTE [One-step delayed update] in zerofx.offload); a
   parameter shard read ahead belongs to the store until ``fetch`` hands the graph a copy;
-  an offloaded gradient shard belongs to the gradient store once ``backward`` has handed it
-  over, and with the delayed update the generation being read belongs to the update thread
-  until ``finish`` (NOTE [Offloaded gradients] in zerofx.offload.grads).
+  an offloaded gradient shard belongs to the gradient store once the backward graph's hand-off
+  op has passed it (the store copies what it keeps, so the graph may reuse that memory), and
+  with the delayed update the generation being read belongs to the update thread until
+  ``finish`` (NOTE [Offloaded gradients] in zerofx.offload.grads).
 - Inside torch, gloo's two worker threads share one unguarded string (the name of the last
   completed collective); NOTE [gloo's completion race] in passes/gather_into_buffers.py says
   why every collective zerofx issues has a name short enough to keep that string off the heap.
@@ -63,6 +64,7 @@ from zerofx.passes._compat import pytree
 from zerofx.passes.meta import is_wait
 from zerofx.passes.check_collectives import collective_sequence, first_divergence
 from zerofx.passes.fetch_params import fetch_order
+from zerofx.passes.offload_grads import grad_sink
 from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_sharding import place_param
 from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, cast_info, flatten_call, split_loss_kwargs
@@ -658,7 +660,11 @@ class Engine:
         # the fp16 loss scale.
         seed = (self.loss_scaler.scale if self.loss_scaler else 1.0) / self.gradient_accumulation_steps
         args_list.append(torch.full_like(loss, seed))
-        grads = self._run(program, "backward", args_list)
+        # With gradient offload the graph hands each reduced shard to the store at its bucket's
+        # wait and returns None for it (NOTE [Gradients leave at their bucket's wait]).
+        grad_store = self.storage.grad_store
+        with grad_sink(grad_store.add if grad_store is not None else None):
+            grads = self._run(program, "backward", args_list)
         self._backward_since_step = True
         self.storage.accumulate_grads([info.fqn for info in program.captured.params], grads)
         self._step_samples += samples_and_tokens(program.captured.inputs)[0]

@@ -97,16 +97,23 @@ def infinity_section(args: argparse.Namespace, num_params: float) -> tuple[str, 
             infinity_json(e, node, args.device_memory))
 
 
-def plan_tier_bytes(peak_bytes: float, offload: Any) -> dict[str, float]:
+def plan_tier_bytes(peak_bytes: float, offload: Any, *, grad_bytes: float = 0.0, grad_tier: str | None = None) -> dict[str, float]:
     """Bytes per rank per tier for ``zerofx plan`` with offload: host memory and NVMe from the
-    offload plans (optimizer-state records, parameter shards, and gradient shards where the plan
-    has them), the device from the memory model's peak less what those plans take off it."""
+    offload plans (optimizer-state records, parameter shards), the device from the memory
+    model's peak less what those plans take off it. Offloaded gradient shards (``grad_bytes`` on
+    ``grad_tier``, "cpu" or "nvme") add to their tier only: the memory model already leaves them
+    off the device (NOTE [Gradients leave at their bucket's wait])."""
     from zerofx.cost_models.offload import Tier
 
-    plans = [p for p in (getattr(offload, name, None) for name in ("optimizer", "params", "grads")) if p is not None]
+    plans = [p for p in (getattr(offload, name, None) for name in ("optimizer", "params")) if p is not None]
     host = float(sum(p.bytes_on(Tier.CPU) for p in plans))
     nvme = float(sum(p.bytes_on(Tier.NVME) for p in plans))
-    return {"device": max(peak_bytes - host - nvme, 0.0), "cpu": host, "nvme": nvme}
+    device = max(peak_bytes - host - nvme, 0.0)
+    if grad_tier == "cpu":
+        host += grad_bytes
+    elif grad_tier == "nvme":
+        nvme += grad_bytes
+    return {"device": device, "cpu": host, "nvme": nvme}
 
 
 def format_plan_tiers(tiers: dict[str, float]) -> str:

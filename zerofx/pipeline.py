@@ -3,6 +3,7 @@
     captured joint --tile_weights_pass--> --shard_params_pass--> --reduce_grads_pass--> partition_joint --> forward, backward
     forward, backward --prefetch_gathers_pass--> --sink_reduce_waits_pass--> (overlap)
         --fetch_params_pass--> (stage 3 with offload_param)
+        backward --offload_grads_pass--> (stages 2-3 with offload_gradients)
     plan --build_grad_sync--> grad_sync (stage 1: NOTE [Stages 1 and 2 move 2 Psi])
     plan --build_param_sync--> param_sync (stages 1 and 2)
     every graph --gather_into_buffers_pass--> (last: NOTE [gloo's completion race])
@@ -21,6 +22,7 @@ from zerofx.passes import Plan, _compat, build_param_sync, meta, partition_joint
 from zerofx.passes.fetch_params import fetch_params_pass
 from zerofx.passes.grad_sync import build_grad_sync
 from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
+from zerofx.passes.offload_grads import offload_grads_pass
 from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 from zerofx.passes.tile_weights import tile_weights_pass
@@ -42,15 +44,19 @@ def joint_passes(plan: Plan, *, group_name: str, replicate_group_name: str | Non
     ]
 
 
-def graph_passes(plan: Plan, param_offload: ParamOffloadPlan | None = None) -> list[tuple[str, Pass]]:
+def graph_passes(plan: Plan, param_offload: ParamOffloadPlan | None = None, *, offload_grads: bool = False) -> list[tuple[str, Pass]]:
     """The rewrites applied to each partitioned forward and backward graph, in order. The
-    fetches of offloaded shards go in last: they follow the gathers wherever prefetch put them."""
+    fetches of offloaded shards go in last: they follow the gathers wherever prefetch put them.
+    ``offload_grads`` (the backward's, with gradient offload) hands each reduced shard off
+    right after its bucket's wait, wherever ``sink_reduce_waits_pass`` put it."""
     passes: list[tuple[str, Pass]] = [
         ("prefetch_gathers_pass", functools.partial(prefetch_gathers_pass, plan=plan)),
         ("sink_reduce_waits_pass", functools.partial(sink_reduce_waits_pass, plan=plan)),
     ]
     if param_offload is not None:
         passes.append(("fetch_params_pass", functools.partial(fetch_params_pass, plan=param_offload)))
+    if offload_grads:
+        passes.append(("offload_grads_pass", functools.partial(offload_grads_pass, plan=plan)))
     passes.append(("gather_into_buffers_pass", gather_into_buffers_pass))
     return passes
 
@@ -77,16 +83,18 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[tuple[str, Pass]], *, disabl
 
 
 def lower(joint: fx.GraphModule, plan: Plan, *, group_name: str, disabled: Sequence[str] = (),
-          param_offload: ParamOffloadPlan | None = None, replicate_group_name: str | None = None) -> dict[str, fx.GraphModule]:
+          param_offload: ParamOffloadPlan | None = None, replicate_group_name: str | None = None,
+          offload_grads: bool = False) -> dict[str, fx.GraphModule]:
     """Rewrite a copy of the captured joint graph for ``plan`` (and ``param_offload``'s shard
-    placement) and split it into the graph modules one rank runs. ``joint`` itself is left alone."""
+    placement, and with ``offload_grads`` the hand-off of each reduced gradient shard) and split
+    it into the graph modules one rank runs. ``joint`` itself is left alone."""
     rewritten = run_passes(meta.clone_graph_module(joint), joint_passes(plan, group_name=group_name, replicate_group_name=replicate_group_name),
                            disabled=disabled)
     with _compat.lazy_graph_modules():  # NOTE [Code written on first use] in passes/_compat.py
         forward, backward = partition_joint(rewritten)
     modules = {
         "forward": run_passes(forward, graph_passes(plan, param_offload), disabled=disabled),
-        "backward": run_passes(backward, graph_passes(plan, param_offload), disabled=disabled),
+        "backward": run_passes(backward, graph_passes(plan, param_offload, offload_grads=offload_grads), disabled=disabled),
     }
     grad_sync = build_grad_sync(plan, group_name=group_name, replicate_group_name=replicate_group_name)
     if grad_sync is not None:

@@ -19,10 +19,10 @@ import torch
 import torch.nn as nn
 
 from zerofx.cost_models.memory_timeline import TimelinePoint
-from zerofx.cost_models.symbolic import B, T, fit_timeline_batch_seq, longest_fitting
+from zerofx.cost_models.symbolic import B, T, fit_timeline, fit_timeline_batch_seq, longest_fitting
 from zerofx.passes.analyze_schedule import ScheduleReport, summary_json
 from zerofx.errors import ZeroFXError
-from zerofx.program import Program, compile
+from zerofx.program import Program, compile, resolve
 from zerofx.units import binary_unit, format_bytes
 
 
@@ -165,14 +165,29 @@ PEAK_REL_TOL = 0.05
 class SolveResult:
     variable: str  # "seq_len" or "batch_size"
     value: int  # the largest that fits; 0 when even the smallest does not
-    peak_expr: sympy.Expr  # bytes at the peak node, a polynomial in B and T
+    peak_expr: sympy.Expr  # bytes at the peak node, a polynomial in B and T (in T alone where only the example's batch fits)
     peak_node: str
     samples: tuple[tuple[int, int], ...]  # the (batch, seq_len) points captured
+    sequence_parallel: int = 1  # the config's sequence-parallel size S: seq_len is a multiple of it, per rank T/S
 
     @property
     def seq_len(self) -> int:
         assert self.variable == "seq_len"
         return self.value
+
+
+# NOTE [Solving for the context under sequence parallelism]
+# With zerofx.sequence_parallel.size S, every capture is of the rewritten step (passes/
+# sequence_parallel.py), so the timeline is one rank's: token-wise activations of T/S
+# positions, and attention as the rewrite runs it (Ulysses: (B, H/S, T, D), the same bytes as
+# (B, H, T/S, D)). The fit and the answer are per rank at that S; model state is ZeRO's over all
+# N ranks at any S. The rewrite refuses a length S does not divide, so the samples, the bound
+# and the confirming captures are multiples of S, and the answer is the largest multiple of S
+# that fits.
+def sequence_parallel_size(config: Any, *, world_size: int, stage: int) -> int:
+    """The config's ``zerofx.sequence_parallel.size``, 1 without it."""
+    spec = resolve(config, stage=stage, world_size=world_size).sequence_parallel()
+    return 1 if spec is None else spec.size
 
 
 def solve_memory(
@@ -185,7 +200,10 @@ def solve_memory(
     check, fits each node's live bytes as a polynomial in B and T (``cost_models.symbolic``),
     solves against the budget, and confirms the answer by capturing at it and one past it. Where
     the partitioner saves different values at different sizes, nodes do not align across the
-    samples and the step's peak is fitted instead; the confirmation then searches from there.
+    samples and the step's peak is fitted instead (for ``seq_len``, first each node in T at the
+    example's batch alone); the confirmation then searches from there. Under sequence
+    parallelism the lengths are multiples of its size (NOTE [Solving for the context under
+    sequence parallelism]).
     """
     if variable not in SOLVABLE:
         raise ZeroFXError(f"cannot solve for {variable!r}; accepted: {', '.join(SOLVABLE)}")
@@ -193,7 +211,8 @@ def solve_memory(
     if not example:
         raise ZeroFXError(f"--solve {variable} needs an example input of shape (batch, seq_len, ...)")
     batch, seq = example[0].shape[0], example[0].shape[1]
-    base = max(8, min(seq, 64))
+    sp_size = sequence_parallel_size(config, world_size=world_size, stage=stage)
+    base = -(-max(8, min(seq, 64)) // sp_size) * sp_size  # rounded up to a multiple of S
     samples = [(b, t) for b in (batch, 2 * batch) for t in (base, 2 * base, 3 * base, 4 * base)] + [(3 * batch, base)]
 
     def timeline(b: int, t: int) -> list[TimelinePoint]:
@@ -202,14 +221,24 @@ def solve_memory(
         program: Program = compile(spec.model, world_size=world_size, stage=stage, config=config, example_inputs=args, example_kwargs=kwargs)
         return list(program.report(rank).timeline)
 
-    timelines, names = {}, None
+    timelines, names_at = {}, {}
     for b, t in samples:
         points = timeline(b, t)
         timelines[(b, t)] = [p.live_bytes for p in points]
-        names = [f"{p.graph}:{p.node}" for p in points]
+        names_at[(b, t)] = [f"{p.graph}:{p.node}" for p in points]
+    names = names_at[samples[-1]]
+    exprs = None
     try:
         exprs = fit_timeline_batch_seq(timelines, rel_tol=SOLVE_REL_TOL)
     except ValueError:
+        if variable == "seq_len":
+            # The graphs at the example batch may differ from those at the others (at B = 1 a
+            # permute can be contiguous already, so its copy is not made; Ulysses' exchange with
+            # one head per rank is one): the answer needs each node in T at that batch alone.
+            with contextlib.suppress(ValueError):
+                exprs = fit_timeline({t: v for (b, t), v in timelines.items() if b == batch}, rel_tol=SOLVE_REL_TOL)
+                names = names_at[(batch, base)]
+    if exprs is None:
         # The partitioner saved different values at some sample, so nodes do not align across
         # samples: fit the step's peak itself instead (the answer is confirmed by capture below).
         peaks = {k: [max(v)] for k, v in timelines.items()}
@@ -221,10 +250,12 @@ def solve_memory(
     unique = sorted(set(exprs), key=str)
     symbol = SOLVABLE[variable]
     fixed = {B: batch} if symbol is T else {T: seq}
-    best = longest_fitting(unique, budget_bytes, upper=upper, symbol=symbol, fixed=fixed)
+    unit = sp_size if symbol is T else 1  # the answer and every capture are multiples of it
+    best = longest_fitting(unique, budget_bytes, upper=upper, symbol=symbol, fixed=fixed) // unit
+    top = upper // unit
 
-    def fits(x: int) -> bool:
-        b, t = (batch, x) if symbol is T else (x, seq)
+    def fits(x: int) -> bool:  # x in units: a sequence of x * S tokens
+        b, t = (batch, x * unit) if symbol is T else (x, seq)
         return max(p.live_bytes for p in timeline(b, t)) <= budget_bytes
 
     # Confirm by capture (NOTE [Why a tolerance] in cost_models/symbolic.py): find lo that fits
@@ -233,15 +264,15 @@ def solve_memory(
     lo, hi, step = best, best + 1, 1
     while lo > 0 and not fits(lo):
         hi, lo, step = lo, max(0, lo - step), step * 2
-    while hi <= upper and fits(hi):
-        lo, hi, step = hi, min(upper + 1, hi + step), step * 2
+    while hi <= top and fits(hi):
+        lo, hi, step = hi, min(top + 1, hi + step), step * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    best = lo
+    best = lo * unit
     at = {**fixed, symbol: max(best, 1)}
     peak_index = max(range(len(exprs)), key=lambda i: exprs[i].subs(at))
-    return SolveResult(variable, best, exprs[peak_index], names[peak_index], tuple(samples))
+    return SolveResult(variable, best, exprs[peak_index], names[peak_index], tuple(samples), sp_size)
 
 
 def solve_seq_len(
@@ -321,7 +352,7 @@ def plot_report(report: ScheduleReport, path: Path, *, title: str, budget_bytes:
     return fig
 
 
-def report_json(program: Program, report: ScheduleReport, budget_bytes: float | None) -> str:
+def report_json(program: Program, report: ScheduleReport, budget_bytes: float | None, *, device_peak_bytes: float | None = None) -> str:
     plan = json.loads(program.plan.to_json())
     return json.dumps(
         {
@@ -333,7 +364,8 @@ def report_json(program: Program, report: ScheduleReport, budget_bytes: float | 
                 "peak_at": f"{report.peak.graph}:{report.peak.node}",
                 "peak_module": report.peak_module,
                 "budget_bytes": budget_bytes,
-                "fits": None if budget_bytes is None else report.peak.live_bytes <= budget_bytes,
+                # With offload, the device's bytes: the peak less what host memory and NVMe hold.
+                "fits": None if budget_bytes is None else (report.peak.live_bytes if device_peak_bytes is None else device_peak_bytes) <= budget_bytes,
             },
             "summary": summary_json(report),
         },

@@ -20,10 +20,11 @@ import torch.nn as nn
 
 from zerofx.cost_models.comm import CPU_GLOO, CommSpec
 from zerofx.cost_models.compute import CPU_CORE, DeviceSpec
-from zerofx.cost_models.memory import optimizer_kind
+from zerofx.cost_models.memory import device_model_state_bytes, optimizer_kind
 from zerofx.cost_models.profiles import load_profile
 from zerofx.passes import Plan, ZeroStage, _compat, plan_sharding
 from zerofx.passes.analyze_schedule import ScheduleReport, analyze_schedule
+from zerofx.passes.offload_grads import offload_order
 from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
@@ -59,7 +60,8 @@ class Program:
 
     def __init__(self, captured: CapturedStep | None, plan: Plan, *, group_name: str = PLANNING_GROUP,
                  param_offload: ParamOffloadPlan | None = None, source: Source | None = None,
-                 plan_waits_for: str | None = None, replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> None:
+                 plan_waits_for: str | None = None, replicate_group_name: str = PLANNING_REPLICATE_GROUP,
+                 offload_grads: bool = False) -> None:
         assert captured is not None or source is not None, "a program captures, or has what to capture from"
         self._captured = captured
         self._plan = plan
@@ -68,6 +70,9 @@ class Program:
         self.group_name = group_name  # the shard group's (the world's when sharding is flat)
         self.replicate_group_name = replicate_group_name  # across shard groups; unused when flat
         self.param_offload = param_offload  # stage 3 offload_param: which shards the graphs fetch
+        # Stages 2-3 with zerofx.offload_gradients: the backward hands each reduced shard off at its
+        # bucket's wait (NOTE [Gradients leave at their bucket's wait] in passes/offload_grads.py).
+        self.offload_grads = offload_grads
         self._modules: dict[str, fx.GraphModule] | None = None
         self._runners: dict[tuple[int, str], Callable[[list[torch.Tensor]], Any]] = {}
         self.compiled_graphs: set[str] = set()  # names of the graphs Inductor compiled
@@ -83,6 +88,7 @@ class Program:
         ``options`` are ``__init__``'s keyword arguments (group names, ``param_offload``)."""
         program = cls(captured, plan, **options)
         program._modules = dict(modules)
+        program.offload_grads = "backward" in modules and bool(offload_order(modules["backward"]))
         return program
 
     @property
@@ -135,6 +141,7 @@ class Program:
                 replicate_group_name=self.replicate_group_name,
             )
             self._captured, self._plan, self._modules = captured._captured, captured._plan, captured._modules
+            self.offload_grads = captured.offload_grads
             self.setup_times = dict(captured.setup_times)
             return
         try:
@@ -160,7 +167,7 @@ class Program:
             joint = self._require_capture("program.graph_modules(rank)").joint
             start = time.perf_counter()
             self._modules = lower(joint, self._plan, group_name=self.group_name, param_offload=self.param_offload,
-                                  replicate_group_name=self.replicate_group_name)
+                                  replicate_group_name=self.replicate_group_name, offload_grads=self.offload_grads)
             self.setup_times["lower"] = time.perf_counter() - start
         return dict(self._modules)
 
@@ -192,7 +199,7 @@ class Program:
         so the copy keeps the graphs already lowered rather than lowering them again."""
         program = Program(self._captured, replace(self._plan, decisions=(*self._plan.decisions, why)), group_name=self.group_name,
                           param_offload=self.param_offload, source=self._source, plan_waits_for=self._plan_waits_for,
-                          replicate_group_name=self.replicate_group_name)
+                          replicate_group_name=self.replicate_group_name, offload_grads=self.offload_grads)
         program._modules = self._modules
         program.setup_times = dict(self.setup_times)
         return program
@@ -338,7 +345,8 @@ def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, gr
             plan = replace(plan, tiling=captured.tiling)
         if captured.sequence_parallel is not None:
             plan = replace(plan, decisions=(*plan.decisions, *captured.sequence_parallel.decisions))
-        return Program(captured, plan, group_name=group_name, param_offload=param_offload, replicate_group_name=replicate_group_name)
+        return Program(captured, with_offloaded_grads(plan, cfg), group_name=group_name, param_offload=param_offload,
+                       replicate_group_name=replicate_group_name, offload_grads=cfg.grad_offload is not None)
 
     return fit_prefetch(plan_with(options), lambda d: plan_with(replace(options, prefetch_distance=d)), options.memory_budget_bytes)
 
@@ -369,6 +377,15 @@ def capture_and_plan(capture: Callable[[TilingOptions | None], CapturedStep], cf
     return program
 
 
+def with_offloaded_grads(plan: Plan, cfg: ZeroConfig) -> Plan:
+    """``plan`` with its gradient estimate taken off the device when ``zerofx.offload_gradients``
+    is on (NOTE [What each stage holds, fp32 training, Adam] in cost_models/memory.py): no
+    gradient buffer; the reduced buckets in flight are in the memory timeline."""
+    if cfg.grad_offload is None or plan.stage < ZeroStage.TWO:
+        return plan
+    return replace(plan, estimates=device_model_state_bytes(plan.estimates, stage=int(plan.stage), grads_offloaded=True))
+
+
 def plan_from_shapes(model: nn.Module, cfg: ZeroConfig, world_size: int) -> Plan:
     """The plan from ``model``'s parameters alone, taken as capture takes them (NOTE [A plan from
     shapes alone] in passes/plan_sharding.py)."""
@@ -378,6 +395,7 @@ def plan_from_shapes(model: nn.Module, cfg: ZeroConfig, world_size: int) -> Plan
     plan = plan_sharding_from_shapes([(i.fqn, i.shape, i.dtype, i.requires_grad) for i in infos], world_size=world_size,
                                      stage=stage, optimizer=optimizer, options=options, shard_group_size=shard_group_size,
                                      comm=load_profile(cfg.profile)[0])
+    plan = with_offloaded_grads(plan, cfg)
     return plan if decision is None else replace(plan, decisions=(decision, *plan.decisions))
 
 
@@ -416,7 +434,8 @@ def compile(
     if cfg.world_size is None:
         raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
     plan = plan_from_shapes(model, cfg, cfg.world_size)
-    program = Program(None, plan, source=Source(model, cfg, loss_fn), plan_waits_for=_plan_waits_for(cfg, plan))
+    program = Program(None, plan, source=Source(model, cfg, loss_fn), plan_waits_for=_plan_waits_for(cfg, plan),
+                      offload_grads=cfg.grad_offload is not None)
     if args is not None:
         program._take_inputs(args, example_kwargs)
     return program

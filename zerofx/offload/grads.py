@@ -19,17 +19,26 @@ from zerofx.offload.options import GradOffloadOptions
 
 # NOTE [Offloaded gradients]
 # With ``zerofx.offload_gradients`` the engine keeps no gradient buffer (``engine.grads`` stays
-# empty, ``memory()["grads"]`` is 0). Each reduced gradient shard the backward graph returns goes
-# to ``GradStore.add`` at once: into a host tensor (pinned on CUDA with ``pin_memory``), or into
-# its file ``<nvme_path>/rank-<r>/<fqn>.grad`` on an I/O thread (NOTE [NVMe I/O]: aligned whole-file
-# transfers, ``OffloadError`` naming file and operation). The graph's output is then dropped.
+# empty, ``memory()["grads"]`` is 0). Each reduced gradient shard goes to ``GradStore.add`` from
+# inside the backward graph, as soon as its bucket's reduction is waited for: the graph's
+# ``zerofx::offload_grad`` op hands it over and the graph returns None for it (NOTE [Gradients
+# leave at their bucket's wait] in passes/offload_grads.py), so the device holds a bounded
+# number of reduced buckets, not the whole gradient at the end of the backward. ``add`` puts it
+# into a host tensor (pinned on CUDA with ``pin_memory``), or copies it to the host and writes
+# it to its file ``<nvme_path>/rank-<r>/<fqn>.grad`` on an I/O thread (NOTE [NVMe I/O]: aligned
+# whole-file transfers, ``OffloadError`` naming file and operation; NOTE [Gradient files carry
+# their version]: a file that a failed write left torn or stale is an error, not a gradient).
+# Either way nothing of the graph's tensor is kept after ``add`` returns, so the graph may free
+# or reuse it at once. A shard the graph does return (a program lowered without the hand-off)
+# is added the same way when the graph returns.
 #
 # Accumulation: the first micro-step of an accumulation writes zeros + g, the later ones read the
 # stored value, add g and write it back (read-add-write), in the gradient's own dtype. That is the
 # same sequence of additions, in the same dtype, as the engine's persistent buffers (zeroed, then
 # ``add_`` per micro-step), so the result is bit for bit the same. An NVMe file's next
 # accumulation waits for its previous write (submitted first, so the wait cannot deadlock); at
-# most ``buffer_count`` accumulations are in flight, each holding one shard of host memory.
+# most ``buffer_count`` accumulations are in flight, each holding two shards of host memory (the
+# copy of the graph's shard and the aligned buffer it is added into).
 #
 # Reading: at the boundary the engine hands the step an ``OffloadedGrads`` view, which yields
 # each gradient in the optimizer's update order, transformed as ``optimizer_grads`` transforms the
@@ -66,12 +75,13 @@ class GradStore(BackgroundIO):
         self._gen_files: list[NvmeFiles] = []
         if self.tier is Tier.NVME:
             assert options.nvme_path is not None
-            self._gen_files = [NvmeFiles(options.nvme_path, rank, suffix=".grad" if g == 0 else f".grad{g}", what="gradient shard")
-                               for g in range(generations)]
+            self._gen_files = [NvmeFiles(options.nvme_path, rank, suffix=".grad" if g == 0 else f".grad{g}", what="gradient shard",
+                                         versioned=True) for g in range(generations)]
             self.files = self._gen_files[0]
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-grad-io") if self.tier is Tier.NVME else None
         self._lock = threading.Lock()
         self._last_write: dict[tuple[int, str], Future] = {}  # a file's newest accumulation, which its next use must follow
+        self._versions: dict[tuple[int, str], int] = {}  # a file's writes so far (NOTE [Gradient files carry their version])
         self._writes: deque[Future] = deque()  # accumulations in flight, at most buffer_count
 
     def __contains__(self, fqn: object) -> bool:
@@ -86,9 +96,9 @@ class GradStore(BackgroundIO):
         gen = self.gen
         first = fqn not in self._filled[gen]
         self._filled[gen].add(fqn)
-        if grad.device.type != "cpu":
-            grad = grad.to("cpu")  # host memory is where the value lives from here on
         if self.tier is Tier.CPU:
+            if grad.device.type != "cpu":
+                grad = grad.to("cpu")  # host memory is where the value lives from here on
             buf = self.host[gen].get(fqn)
             if buf is None:
                 buf = self.host[gen][fqn] = torch.empty(self.numels[fqn], dtype=self.dtypes[fqn], pin_memory=self._pin)
@@ -97,16 +107,21 @@ class GradStore(BackgroundIO):
             buf.add_(grad)
             return
         assert self._io is not None
+        # The I/O thread reads the shard after this returns: it gets a host copy of its own, as
+        # the graph may reuse the shard's memory right after the hand-off (NOTE [Offloaded gradients]).
+        grad = grad.detach().to("cpu", copy=True)
         with self._lock:
             previous = self._last_write.get((gen, fqn))
-            future = self._io.submit(self._accumulate, gen, fqn, grad, first, previous)
+            version = self._versions[(gen, fqn)] = self._versions.get((gen, fqn), 0) + 1
+            future = self._io.submit(self._accumulate, gen, fqn, grad, first, previous, version)
             self._last_write[(gen, fqn)] = future
         self._writes.append(future)
         while len(self._writes) > self.options.buffer_count:  # each holds a shard of host memory
             self._writes.popleft().result()
 
-    def _accumulate(self, gen: int, fqn: str, grad: torch.Tensor, first: bool, previous: Future | None) -> None:
-        """On an I/O thread: zeros + ``grad`` (first micro-step) or stored + ``grad``, written back."""
+    def _accumulate(self, gen: int, fqn: str, grad: torch.Tensor, first: bool, previous: Future | None, version: int) -> None:
+        """On an I/O thread: zeros + ``grad`` (first micro-step) or stored + ``grad``, written back
+        as write ``version`` of the file (the stored value is write ``version - 1``)."""
         if previous is not None:
             previous.result()
         files = self._gen_files[gen]
@@ -116,9 +131,9 @@ class GradStore(BackgroundIO):
         if first:
             buf.zero_()
         else:
-            files.read(fqn, raw, nbytes)
+            files.read(fqn, raw, nbytes, version=version - 1)
         buf.add_(grad)
-        files.write(fqn, raw, nbytes)
+        files.write(fqn, raw, nbytes, version=version)
 
     def end_step(self) -> None:
         """The step has read this accumulation: the next ``add`` starts a new one, in the other
@@ -139,11 +154,12 @@ class GradStore(BackgroundIO):
             return self.host[gen][fqn]
         with self._lock:
             previous = self._last_write.get((gen, fqn))
+            version = self._versions[(gen, fqn)]
         if previous is not None:
             previous.result()  # raises the accumulation's own OffloadError
         nbytes = self.nbytes(fqn)
         raw = aligned_empty(nbytes, pin_memory=self._pin)
-        self._gen_files[gen].read(fqn, raw, nbytes)
+        self._gen_files[gen].read(fqn, raw, nbytes, version=version)
         return raw.view(self.dtypes[fqn])
 
     # ------------------------------------------------------------- lifecycle and accounting
@@ -178,11 +194,12 @@ class GradStore(BackgroundIO):
         return sum(files.stored_bytes(list(self.numels)) for files in self._gen_files)
 
     def window_bytes(self) -> int:
-        """Host memory of the NVMe path at most: ``buffer_count`` reads ahead and as many
-        accumulations in flight, each one shard of the largest gradient."""
+        """Host memory of the NVMe path at most: ``buffer_count`` reads ahead, one shard of the
+        largest gradient each, and as many accumulations in flight, two shards each (the copy of
+        the graph's shard and the buffer it is added into)."""
         if self.tier is not Tier.NVME:
             return 0
-        return 2 * self.options.buffer_count * max((self.nbytes(f) for f in self.numels), default=0)
+        return 3 * self.options.buffer_count * max((self.nbytes(f) for f in self.numels), default=0)
 
     def io_bytes(self) -> tuple[int, int]:
         """(read, written) bytes of gradient files so far."""

@@ -149,8 +149,9 @@ DEFAULT_GRAD_BUFFER_COUNT = 4
 @dataclass(frozen=True)
 class GradOffloadOptions:
     """What ``zerofx.offload_gradients`` asks for: where each reduced gradient shard goes once
-    the backward graph returns it (DeepSpeed has no key of its own for this; its gradients follow
-    ``offload_optimizer``). Stages 2-3 only, where a rank's gradients are shards."""
+    its bucket's reduction completes in the backward graph (DeepSpeed has no key of its own for
+    this; its gradients follow ``offload_optimizer``). Stages 2-3 only, where a rank's gradients
+    are shards."""
 
     device: Tier  # CPU or NVME
     nvme_path: Path | None
