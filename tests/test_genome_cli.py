@@ -148,20 +148,6 @@ def test_cli_plan_1b_at_world_size_1024(capsys: pytest.CaptureFixture[str]) -> N
     assert "budget 4 GiB: fits" in out and "estimated step" in out
 
 
-@pytest.mark.slow
-def test_cli_plan_spec_json_plot_and_solve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    png = tmp_path / "timeline.png"
-    argv = ["plan", "tiny", "--seq-len", "512", "--world-size", "4", "--stage", "3", "--format", "json",
-            "--budget", "2MiB", "--solve", "seq_len", "--plot", str(png)]
-    assert main(argv) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["plan"]["world_size"] == 4 and data["plan"]["stage"] == 3
-    assert {r["op"] for r in data["schedule"]} == {"all_gather_into_tensor", "reduce_scatter_tensor"}
-    assert data["memory"]["fits"] is False  # 512 tokens need more than 2 MiB per rank
-    assert 64 < data["solve"]["seq_len"] < 512 and "T" in data["solve"]["peak_bytes_expr"]
-    assert png.read_bytes()[:4] == b"\x89PNG"
-
-
 def test_cli_estimate_matches_the_paper(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--params", "7.5e9", "--world-size", "64", "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)

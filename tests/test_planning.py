@@ -19,7 +19,6 @@ from zerofx.planning import (
     load_model_spec,
     plot_report,
     report_json,
-    solve_seq_len,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,20 +47,32 @@ def test_exact_polynomial_fit_and_solve() -> None:
 
 
 @pytest.mark.slow
-def test_longest_sequence_that_fits_is_checked_by_capture() -> None:
-    model, args, kwargs = _dna_spec("tiny", 512)
-    spec = ModelSpec(model, args, kwargs, "tiny")
-    budget = 2 * 2**20
-    result = solve_seq_len(spec, world_size=4, stage=3, config=None, budget_bytes=budget, max_seq_len=512)  # the model's limit
-    assert 64 < result.seq_len < 512
-    assert isinstance(result.peak_expr, sympy.Expr) and result.peak_expr.free_symbols <= {B, T}
+def test_longest_sequence_that_fits_is_checked_by_capture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``zerofx plan --solve seq_len`` (JSON, with the plot): the plan, its verdict at the
+    example's length, and the longest sequence that fits, which capturing confirms exactly."""
+    from zerofx.cli import main
+
+    png, budget = tmp_path / "timeline.png", 2 * 2**20
+    argv = ["plan", "tiny", "--seq-len", "512", "--world-size", "4", "--stage", "3", "--format", "json",
+            "--budget", "2MiB", "--solve", "seq_len", "--plot", str(png)]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["world_size"] == 4 and data["plan"]["stage"] == 3
+    assert {r["op"] for r in data["schedule"]} == {"all_gather_into_tensor", "reduce_scatter_tensor"}
+    assert data["memory"]["fits"] is False  # 512 tokens need more than 2 MiB per rank
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    seq_len = data["solve"]["seq_len"]
+    assert 64 < seq_len < 512  # the model's limit
+    assert {str(s) for s in sympy.sympify(data["solve"]["peak_bytes_expr"]).free_symbols} <= {"B", "T"}
     # Capturing at the answer fits; one token more does not (the fit is exact, not approximate).
+    model, _, _ = _dna_spec("tiny", 512)
+
     def peak_at(t: int) -> int:
         ids = torch.zeros(1, t, dtype=torch.long, device="meta")
-        program = zerofx.compile(spec.model, world_size=4, stage=3, example_inputs=(ids,), example_kwargs={"labels": ids})
+        program = zerofx.compile(model, world_size=4, stage=3, example_inputs=(ids,), example_kwargs={"labels": ids})
         return program.report(0).peak.live_bytes
 
-    assert peak_at(result.seq_len) <= budget < peak_at(result.seq_len + 1)
+    assert peak_at(seq_len) <= budget < peak_at(seq_len + 1)
 
 
 def test_model_spec_forms_and_errors(tmp_path: Path) -> None:
@@ -222,7 +233,7 @@ def test_prefetch_distance_is_lowered_to_fit_the_memory_budget() -> None:
 
 @pytest.mark.slow
 def test_memory_model_is_symbolic_in_batch_and_sequence() -> None:
-    from zerofx.cost_models.symbolic import B, fit_timeline_batch_seq
+    from zerofx.cost_models.symbolic import fit_timeline_batch_seq
     from zerofx.planning import solve_memory
 
     # c(T) + B * a(T), fitted from two batch sizes and checked at a third.
