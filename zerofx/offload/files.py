@@ -21,19 +21,20 @@ read or failed transfer is an ``OffloadError`` naming the file and the operation
 
 NOTE [Gradient files carry their version]
 A gradient file is rewritten every micro-step (read-add-write, NOTE [Offloaded gradients]) in
-place, so a write that stops part way (a full disk, an I/O error, a killed process) leaves a file
-of the right size holding part new and part old bytes, and one that fails before its first byte
-leaves the previous value: either would read as a gradient. So each gradient file
+place, so a write that stops part way (a full disk, an I/O error, a killed process) leaves a
+file of the right size holding part new and part old bytes, and one that fails before its first
+byte leaves the previous value: either would read as a gradient. So each gradient file
 (``NvmeFiles(versioned=True)``) ends, after the record, in a ``TRAILER_BYTES`` trailer (a magic
-word, a random number naming the store that owns the files, the write's version and the
-record's length), written through the page cache only once every byte of the record is written. The store counts the writes of each file and reads it with
-the version it expects: a trailer that is missing, short, or holds another version or length is
-an ``OffloadError`` naming the file (a torn or stale file), never a gradient. The record itself
-moves as before (aligned ``O_DIRECT`` blocks, overwritten in place), so a write costs one more
-small ``pwrite`` and a read one more small ``pread``; writing each record to a new file and
-renaming it over the old one would also be atomic, but every write then allocates new blocks,
-which measured 3 to 9 times slower per write on ext4 with ``O_DIRECT``. The optimizer-state and
-parameter files, written once per step from a value still in memory, carry no trailer.
+word, a random number naming the store that owns the files, the write's version and the record's
+length), written through the page cache only once every byte of the record is written. The store
+counts the writes of each file and reads it with the version it expects: a trailer that is
+missing, short, or holds another version or length is an ``OffloadError`` naming the file (a
+torn or stale file), never a gradient. The record itself moves as before (aligned ``O_DIRECT``
+blocks, overwritten in place), so a write costs one more small ``pwrite`` and a read one more
+small ``pread``; writing each record to a new file and renaming it over the old one would also
+be atomic, but every write then allocates new blocks, which measured 3 to 9 times slower per
+write on ext4 with ``O_DIRECT``. The optimizer-state and parameter files, written once per step
+from a value still in memory, carry no trailer.
 """
 
 from __future__ import annotations
