@@ -19,21 +19,8 @@ from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
 from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 from zerofx.pipeline import lower
 from tests.support.models import BATCH, SEQ, TINY
+from tests.support.programs import SMALL_BUCKETS, meta_program
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig
-
-
-# Buckets of at most 3000 elements split the tiny model into several buckets of each kind.
-SMALL_BUCKETS = {"stage3_prefetch_bucket_size": 3000, "reduce_bucket_size": 3000, "allgather_bucket_size": 3000}
-
-
-def meta_program(stage: int, world_size: int, cfg=TINY, frozen: bool = True, **zero: object) -> zerofx.Program:
-    with torch.device("meta"):
-        model = DNADecoderLM(cfg)
-    if frozen:
-        model.blocks[0].attn_norm.weight.requires_grad_(False)
-    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
-    config = {"zero_optimization": {"stage": stage, **zero}}
-    return zerofx.compile(model, world_size=world_size, config=config, example_inputs=(ids,), example_kwargs={"labels": ids})
 
 
 def collectives(gm: fx.GraphModule) -> list[tuple[str, str, int]]:
@@ -450,3 +437,25 @@ def test_no_functional_all_gather_is_left(stage: int) -> None:
 def _mutates(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)  # an aten or c10d OpOverload
     return schema is not None and schema.is_mutable
+
+
+def test_replan_equals_a_new_capture_and_refuses_what_capture_fixed() -> None:
+    """``Program.replan`` (NOTE [Planning again from one capture]): the same plan and the same
+    lowered code as compiling anew, and a clear refusal for settings the capture depends on."""
+    replanned = meta_program(3, 4, **SMALL_BUCKETS)  # planned again from a stage-0, 1-rank capture
+    with torch.device("meta"):
+        model = DNADecoderLM(TINY)
+    model.blocks[0].attn_norm.weight.requires_grad_(False)
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    fresh = zerofx.compile(model, world_size=4, config={"zero_optimization": {"stage": 3, **SMALL_BUCKETS}},
+                           example_inputs=(ids,), example_kwargs={"labels": ids})
+    assert replanned.plan == fresh.plan and replanned.world_size == 4 and replanned.stage == 3
+    assert {k: gm.code for k, gm in replanned.graph_modules(0).items()} == {k: gm.code for k, gm in fresh.graph_modules(0).items()}
+    assert replanned.replan(stage=1).plan == replanned.replan({"zero_optimization": {"stage": 1, **SMALL_BUCKETS}}).plan
+    for config, words in (({"bf16": {"enabled": True}}, "the compute dtype"),
+                          ({"zerofx": {"tiling": {"enabled": True}}}, "zerofx.tiling"),
+                          ({"zerofx": {"sequence_parallel": {"size": 2}}}, "zerofx.sequence_parallel")):
+        with pytest.raises(zerofx.ZeroFXError, match=f"program.replan cannot change {words}"):
+            replanned.replan(config, world_size=2, stage=3)
+    with pytest.raises(zerofx.MissingExampleInputsError, match="program.replan"):
+        zerofx.compile(model, world_size=2, stage=3).replan(stage=1)

@@ -14,7 +14,7 @@ from zerofx.cost_models.compute import DeviceSpec, estimate_flops
 from zerofx.cost_models.memory import estimate_model_state_bytes, zero_paper_bytes
 from zerofx.passes import meta
 from zerofx.passes.analyze_schedule import format_report
-from tests.test_core_passes import SMALL_BUCKETS, meta_program
+from tests.support.programs import SMALL_BUCKETS, meta_program
 
 
 def test_zero_paper_figure_1() -> None:

@@ -84,6 +84,7 @@ def test_train_prints_its_setup_resumes_and_warns_past_the_schedule(tmp_path: Pa
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
         "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 1, "total_num_steps": 2}},
         "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "logs"), "job_name": "dna"},
+        "zerofx": {"plan_cache": False},  # the first run's setup lines are a cold build's
     }))
     out = tmp_path / "run"
     common = ["train", "--config", str(config), "--seq-len", "32", "--output-dir", str(out)]

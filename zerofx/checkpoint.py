@@ -38,6 +38,21 @@ parameters kept whole) they are all-gathered from the ranks' new shards. Optimiz
 through ``optimizer.load_state_dict`` on this rank's tensors, so after a reshard they equal the
 saved ones element for element. The optimizer's hyperparameters (lr, betas, ...) stay those of
 the engine's config: a resumed run may change them.
+
+NOTE [Checkpoints across rank layouts]
+Sequence parallelism does not change what a rank holds: ZeRO shards model state over all N
+ranks, data groups and sequence groups alike (NOTE [Sequence groups] in zerofx/rank_groups.py),
+so the shard group is the whole data x sequence grid (or, with shard groups, K consecutive ranks
+of it) and a save writes the same N (or K) flat slices as a run without sequence parallelism.
+Loading cuts the saved flats by the new rank's shard index alone, so a checkpoint saved in any
+layout (data D x sequence S, shard groups K) loads in any other, at any world size: no
+combination is refused. ``metadata.json`` records the layout (``layout``: world size, sequence
+size, data groups, shard group size) and ``counters.global_samples``, the sequences trained on by
+all data groups, which goes on counting in the new layout (each step adds its global batch,
+D times a group's sequences). Saved rank r's client file goes to new rank r mod N, as at
+another world size; ``zerofx train`` saves the same data position on every rank, and its
+windows are dealt to data groups, not ranks, so it continues the uninterrupted run's data when
+the number of data groups is unchanged and says so when it is not.
 """
 
 from __future__ import annotations
@@ -74,6 +89,7 @@ from zerofx.checkpoint_format import (
     check_structure,
     client_file,
     complete_tags,
+    describe_layout,
     latest_complete_tag,
     model_class,
     model_structure,
@@ -83,6 +99,7 @@ from zerofx.checkpoint_format import (
     read_client,
     read_metadata,
     resolve_tag,
+    saved_layout,
     saved_ranks,
     state_dict_keys,
     structure,
@@ -98,11 +115,13 @@ __all__ = [
     "CheckpointError",
     "check_structure",
     "consolidate",
+    "describe_layout",
     "latest_complete_tag",
     "load_checkpoint",
     "model_structure",
     "read_metadata",
     "save_checkpoint",
+    "saved_layout",
 ]
 
 # The tags save_checkpoint names by default; keep_last deletes only these.
@@ -267,6 +286,15 @@ def engine_structure(engine: Engine) -> dict[str, Any]:
     return structure(params, state_dict_keys(engine.model))
 
 
+def _layout(engine: Engine) -> dict[str, int]:
+    """The rank layout (NOTE [Checkpoints across rank layouts]): world size, sequence-parallel
+    size, data groups and shard group size."""
+    spec = getattr(engine, "sequence_parallel", None)
+    size = spec.size if spec is not None else 1
+    return {"world_size": engine.world_size, "sequence_parallel_size": size, "data_parallel_size": engine.world_size // size,
+            "shard_group_size": _num_shards(engine)}
+
+
 def _engine_counters(engine: Engine) -> dict[str, Any]:
     """Step counters and the fp16 loss scaler's numbers, for the engines that have them."""
     out = {k: getattr(engine, k) for k in ("micro_steps", "skipped_steps", "global_samples") if hasattr(engine, k)}
@@ -302,6 +330,7 @@ def _metadata(
         "config": engine.cfg.raw,
         "world_size": engine.world_size,
         "num_shards": _num_shards(engine),
+        "layout": _layout(engine),
         "stage": int(engine.stage),
         "step": engine.global_steps,
         "counters": _engine_counters(engine),

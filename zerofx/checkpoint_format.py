@@ -7,6 +7,7 @@ identity and checksums, and read slices here.
 NOTE [On-disk layout]
     CKPT_DIR/latest                        the newest complete tag; replaced atomically by rank 0
     CKPT_DIR/<tag>/metadata.json           rank 0: versions, model structure, config, world size,
+                                           rank layout (data x sequence groups, shard groups),
                                            stage, step, tag, save id, plan fingerprint, optimizer
                                            type and scalars, each client file's CRC-32
     CKPT_DIR/<tag>/rank-00001-of-00002.safetensors
@@ -147,6 +148,28 @@ def rank_file_header(rank: int, world_size: int, tag: str, save_id: str, tensors
     header = {_IDENTITY_KEYS[k]: str(v) for k, v in identity.items()}
     header[CRC32_KEY] = json.dumps({k: crc32_hex(t) for k, t in tensors.items()}, separators=(",", ":"))
     return header
+
+
+def saved_layout(meta: Mapping[str, Any]) -> dict[str, int]:
+    """The rank layout a checkpoint was saved in: world size N, sequence-parallel size S, data
+    groups D = N / S and shard group size K (NOTE [Checkpoints across rank layouts] in
+    zerofx/checkpoint.py). Checkpoints from before ``layout`` was recorded give S from their
+    config."""
+    layout = meta.get("layout")
+    if isinstance(layout, Mapping):
+        return dict(layout)
+    section = (meta.get("config") or {}).get("zerofx", {}).get("sequence_parallel") or {}
+    world, size = meta["world_size"], section.get("size", 1)
+    return {"world_size": world, "sequence_parallel_size": size, "data_parallel_size": world // size,
+            "shard_group_size": num_shards(meta)}
+
+
+def describe_layout(layout: Mapping[str, int]) -> str:
+    """``world size 4 (data 2 x sequence 2)``, ``world size 2 (data 2)``; shard groups when not flat."""
+    world, size, data = layout["world_size"], layout["sequence_parallel_size"], layout["data_parallel_size"]
+    shape = f"data {data} x sequence {size}" if size > 1 else f"data {data}"
+    groups = f", shard groups of {layout['shard_group_size']}" if layout["shard_group_size"] != world else ""
+    return f"world size {world} ({shape}{groups})"
 
 
 def num_shards(meta: Mapping[str, Any]) -> int:
@@ -307,6 +330,16 @@ def _check_metadata(meta: Mapping[str, Any], path: Path) -> None:
                 f"{where} gives {fqn} (shape {tuple(shapes[fqn])}) numel {numel!r}, shard_numel {shard!r} and padded_numel "
                 f"{padded!r} at world size {n}; accepted: numel = the shape's product <= padded_numel = shard_numel * world_size, "
                 "as the save wrote them"
+            )
+    layout = meta.get("layout")
+    if layout is not None:
+        ints = [layout.get(k) for k in ("world_size", "sequence_parallel_size", "data_parallel_size", "shard_group_size")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in ints) or ints[0] != world or (
+            ints[1] * ints[2] != world or ints[3] != n
+        ):
+            raise CheckpointError(
+                f"{where} gives layout {layout!r}; accepted: world_size {world} = sequence_parallel_size x data_parallel_size, "
+                f"shard_group_size {n} (num_shards), as the save wrote them"
             )
     if meta["format_version"] >= 2 and not (isinstance(meta["tag"], str) and isinstance(meta["save_id"], str)):
         raise CheckpointError(f"{where} has no tag or save id; accepted: the file the save wrote")

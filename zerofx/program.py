@@ -204,6 +204,45 @@ class Program:
         program.setup_times = dict(self.setup_times)
         return program
 
+    def replan(self, config: str | Path | Mapping[str, Any] | None = None, *, world_size: int | None = None,
+               stage: int | None = None) -> Program:
+        """This program's captured step planned again, as ``zerofx.compile`` would plan it for
+        ``world_size``, ``stage`` and ``config``, without capturing again (NOTE [Planning again
+        from one capture]). What is not given stays this program's: without ``config`` its config
+        (``stage=`` then replaces the config's stage), and the stage and world size where the
+        config sets neither."""
+        source = self._source
+        if source is None:
+            raise ZeroFXError("this program was planned from a captured step (the engine's); replan a program from zerofx.compile")
+        captured = self._require_capture("program.replan()")
+        chosen = source.cfg.raw if config is None else config
+        if config is None and stage is not None:  # this program's config at another stage
+            chosen = {**chosen, "zero_optimization": {k: v for k, v in chosen.get("zero_optimization", {}).items() if k != "stage"}}
+        alone = parse_config(chosen)  # what the config fixes by itself; the rest stays this program's
+        cfg = resolve(chosen, stage=stage if stage is not None or alone.stage is not None else int(self.stage),
+                      world_size=world_size if world_size is not None or alone.world_size is not None else self.world_size)
+        if cfg.world_size is None:
+            raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
+        # NOTE [Planning again from one capture]
+        # The captured joint graph depends on the inputs, the compute dtype, the tiling chosen at
+        # capture and the sequence-parallel rewrite (its group names carry the world size); the
+        # plan (stage, world size, buckets, prefetch, shard groups, offload, profile) is read
+        # from the graph without changing it. So a new plan reuses the capture only when those
+        # capture-time settings are equal; otherwise replan refuses, naming the setting.
+        for what, old, new in (("the compute dtype (bf16/fp16)", source.cfg.compute_dtype, cfg.compute_dtype),
+                               ("zerofx.tiling", _tiling_at_capture(source.cfg), _tiling_at_capture(cfg)),
+                               ("zerofx.sequence_parallel (with the world size)", planning_sequence_parallel(source.cfg, self.world_size),
+                                planning_sequence_parallel(cfg, cfg.world_size))):
+            if old != new:
+                raise ZeroFXError(f"program.replan cannot change {what}: the captured graphs depend on it "
+                                  f"({old} here, {new} asked); call zerofx.compile for a new capture")
+        start = time.perf_counter()
+        program = plan_program(captured, cfg, cfg.world_size, group_name=self.group_name,
+                               replicate_group_name=self.replicate_group_name)
+        program._source = Source(source.model, cfg, source.loss_fn)
+        program.setup_times = {"plan": time.perf_counter() - start}
+        return program
+
     def report(self, rank: int, *, comm: CommSpec = CPU_GLOO, device: DeviceSpec = CPU_CORE) -> ScheduleReport:
         """The estimated schedule of rank ``rank``: one row per collective (where it is issued and
         waited for, the compute it overlaps, its time), the memory timeline and its peak, and the
@@ -397,6 +436,12 @@ def plan_from_shapes(model: nn.Module, cfg: ZeroConfig, world_size: int) -> Plan
                                      comm=load_profile(cfg.profile)[0])
     plan = with_offloaded_grads(plan, cfg)
     return plan if decision is None else replace(plan, decisions=(decision, *plan.decisions))
+
+
+def _tiling_at_capture(cfg: ZeroConfig) -> TilingOptions | None:
+    """The tiling options capture uses for ``cfg``; None when nothing is tiled."""
+    options = cfg.tiling_options()
+    return None if options is None or options.enabled is False else options
 
 
 def _plan_waits_for(cfg: ZeroConfig, plan: Plan) -> str | None:

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from zerofx.passes.meta import is_all_gather, is_all_reduce, is_all_to_all, is_reduce_scatter, is_wait
 from zerofx.passes.plan import format_bytes
-from zerofx.checkpoint import latest_complete_tag, read_metadata
+from zerofx.checkpoint import describe_layout, latest_complete_tag, read_metadata, saved_layout
 from zerofx.config import load_config, parse_config
 from zerofx.data.genome import bundled_genome, genome_stats, genome_windows
 from zerofx.data.mlm import MlmMasking, mask_seed, mask_tokens
@@ -430,15 +430,28 @@ def _resume(engine: Engine, opts: TrainOptions, rank: int) -> tuple[int, int]:
     step = int(client.get("step", engine.global_steps))
     if rank == 0:
         print(
-            f"resuming from checkpoint {Path(opts.output_dir) / tag}: step {step}, saved at world size "
-            f"{meta['world_size']} and ZeRO stage {meta['stage']}",
+            f"resuming from checkpoint {Path(opts.output_dir) / tag}: step {step}, saved at "
+            f"{describe_layout(saved_layout(meta))} and ZeRO stage {meta['stage']}",
             flush=True,
         )
-        if meta["world_size"] != engine.world_size:
-            # Windows are dealt to ranks by world size (NOTE [How windows are assigned to ranks]).
-            print(f"note: the genome's windows are now split over {engine.world_size} ranks; the data order differs from "
-                  f"an uninterrupted run at world size {meta['world_size']}", flush=True)
+        note = data_order_note(meta, opts)
+        if note is not None:
+            print(note, flush=True)
     return step, int(client.get("batches_consumed", step))
+
+
+def data_order_note(meta: Mapping[str, Any], opts: TrainOptions) -> str | None:
+    """Why a resume from checkpoint ``meta`` trains on other data than the uninterrupted run, or
+    None. Windows are dealt to data groups (NOTE [How windows are assigned to ranks]; the ranks of
+    a sequence group share them), so the data order is the same exactly when the number of data
+    groups is (NOTE [Checkpoints across rank layouts] in zerofx/checkpoint.py)."""
+    saved = saved_layout(meta)
+    groups = data_layout(opts, 0)[1]
+    if saved["data_parallel_size"] == groups:
+        return None
+    plural = "s" if groups != 1 else ""
+    return (f"note: the genome's windows are now split over {groups} data-parallel group{plural} (world size {opts.world_size}); "
+            f"the data order differs from an uninterrupted run in the checkpoint's layout, {describe_layout(saved)}")
 
 
 _OBJECTIVE_PHRASES = {Objective.CLM: "next-token prediction (clm)", Objective.MLM: "masked-token prediction (mlm, 15% masked, 80/10/10)"}

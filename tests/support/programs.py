@@ -1,0 +1,37 @@
+"""Programs planned from meta-built models: one capture per model, planned again per test.
+
+Capture is most of a small program's setup (about 60%: the joint graph traced twice by
+AOTAutograd); the plan, lowering and report are the rest. Structural tests plan the same
+model at several stages, world sizes and bucket sizes, so they share one capture per model
+(``Program.replan``, NOTE [Planning again from one capture] in zerofx/program.py) and each
+still plans and lowers its own program.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import zerofx
+from tests.support.models import BATCH, SEQ, TINY
+from zerofx.models import DNADecoderLM, DNALMConfig
+
+# Buckets of at most 3000 elements split the tiny model into several buckets of each kind.
+SMALL_BUCKETS = {"stage3_prefetch_bucket_size": 3000, "reduce_bucket_size": 3000, "allgather_bucket_size": 3000}
+
+
+@functools.lru_cache(maxsize=None)
+def _captured(cfg: DNALMConfig, frozen: bool) -> zerofx.Program:
+    with torch.device("meta"):
+        model = DNADecoderLM(cfg)
+    if frozen:
+        model.blocks[0].attn_norm.weight.requires_grad_(False)
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    return zerofx.compile(model, world_size=1, stage=0, example_inputs=(ids,), example_kwargs={"labels": ids})
+
+
+def meta_program(stage: int, world_size: int, cfg: DNALMConfig = TINY, frozen: bool = True, **zero: object) -> zerofx.Program:
+    """The meta-built DNA LM (``frozen``: one frozen norm weight) planned at ``stage`` for
+    ``world_size`` ranks with ``zero_optimization`` keys ``zero``."""
+    return _captured(cfg, frozen).replan({"zero_optimization": {"stage": stage, **zero}}, world_size=world_size)
