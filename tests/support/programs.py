@@ -21,7 +21,7 @@ from zerofx.models import DNADecoderLM, DNALMConfig
 SMALL_BUCKETS = {"stage3_prefetch_bucket_size": 3000, "reduce_bucket_size": 3000, "allgather_bucket_size": 3000}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _captured(cfg: DNALMConfig, frozen: bool) -> zerofx.Program:
     with torch.device("meta"):
         model = DNADecoderLM(cfg)
