@@ -2,8 +2,9 @@
 
 NOTE [A pool of ranks]
 Starting a rank costs a new Python process that imports torch and zerofx: 3-8 s of the 2-core
-CI machine per call, more than many tests' own work. ``run_ranks`` therefore keeps, per world
-size, a pool of rank processes that stay up between calls. Each call still runs in a new
+CI machine per call, more than many tests' own work. ``run_ranks`` therefore keeps one pool
+of rank processes that stay up between calls, grown to the largest world size asked for; a call
+on W ranks runs on the pool's first W processes, each told its rank. Each call still runs in a new
 process group (a fresh port, ``init_process_group`` before and ``destroy_process_group`` after),
 so nothing communicates across calls; between calls a rank restores its environment variables,
 thread count and default dtype. A call that fails in any way (an exception, a timeout, a rank
@@ -55,8 +56,9 @@ def _run_one(rank: int, world_size: int, port: int, fn: Callable[..., Any], args
         dist.destroy_process_group()
 
 
-def _serve(rank: int, conn: Any, once: bool) -> None:
-    """A rank process: run each call that arrives on ``conn`` and send back its outcome."""
+def _serve(conn: Any, once: bool) -> None:
+    """A rank process: run each call that arrives on ``conn`` (with the rank it is to be) and
+    send back its outcome."""
     sys.path.insert(0, ROOT)
     faulthandler.enable()  # a segfault in a rank prints every thread's Python stack to stderr
     torch.set_num_threads(1)
@@ -68,7 +70,7 @@ def _serve(rank: int, conn: Any, once: bool) -> None:
             return
         if call is None:
             return
-        world_size, port, fn, args = call
+        rank, world_size, port, fn, args = call
         conn.send((rank, *_run_one(rank, world_size, port, fn, args)))
         if once:
             return
@@ -91,15 +93,20 @@ def rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
 
 
 class _Ranks:
-    """``world_size`` rank processes, each with a pipe to this process."""
+    """Rank processes, each with a pipe to this process."""
 
     def __init__(self, world_size: int, *, once: bool) -> None:
+        self.once = once
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        self.grow(world_size)
+
+    def grow(self, world_size: int) -> None:
+        """Start processes until there are ``world_size``."""
         ctx = mp.get_context("spawn")
-        self.world_size = world_size
-        self.conns, self.procs = [], []
-        for rank in range(world_size):
+        while len(self.procs) < world_size:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, child, once), daemon=True)
+            proc = ctx.Process(target=_serve, args=(child, self.once), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -108,13 +115,14 @@ class _Ranks:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def call(self, fn: Callable[..., Any], args: tuple) -> tuple[dict[int, Any], list[str]]:
+    def call(self, world_size: int, fn: Callable[..., Any], args: tuple) -> tuple[dict[int, Any], list[str]]:
+        """``fn`` on the first ``world_size`` processes, as ranks 0..world_size - 1."""
         port = free_port()
-        for conn in self.conns:
-            conn.send((self.world_size, port, fn, args))
+        for rank, conn in enumerate(self.conns[:world_size]):
+            conn.send((rank, world_size, port, fn, args))
         results: dict[int, Any] = {}
         errors: list[str] = []
-        waiting = {conn: rank for rank, conn in enumerate(self.conns)}
+        waiting = {conn: rank for rank, conn in enumerate(self.conns[:world_size])}
         deadline = time.monotonic() + TIMEOUT_S
         while waiting:
             ready = mp_connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
@@ -152,13 +160,13 @@ class _Ranks:
                 proc.join(timeout=5)
 
 
-_POOLS: dict[int, _Ranks] = {}
+_POOL: list[_Ranks] = []  # at most one: the ranks that stay up between calls
 
 
 @atexit.register
-def _close_pools() -> None:
-    while _POOLS:
-        _POOLS.popitem()[1].close()
+def _close_pool() -> None:
+    while _POOL:
+        _POOL.pop().close()
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, fresh: bool = False) -> list[Any]:
@@ -168,16 +176,19 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, fresh: bool =
     if fresh:
         ranks = _Ranks(world_size, once=True)
     else:
-        ranks = _POOLS.get(world_size)
-        if ranks is None or not ranks.alive():
-            ranks = _POOLS[world_size] = _Ranks(world_size, once=False)
+        if _POOL and not _POOL[0].alive():
+            _POOL.pop().close()
+        if not _POOL:
+            _POOL.append(_Ranks(world_size, once=False))
+        ranks = _POOL[0]
+        ranks.grow(world_size)
     errors = ["interrupted"]
     try:
-        results, errors = ranks.call(fn, args)
+        results, errors = ranks.call(world_size, fn, args)
     finally:
         if fresh or errors:
-            if _POOLS.get(world_size) is ranks:
-                del _POOLS[world_size]
+            if _POOL and _POOL[0] is ranks:
+                _POOL.pop()
             ranks.close()
     if errors:
         raise AssertionError("\n".join(errors))
