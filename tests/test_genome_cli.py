@@ -239,21 +239,6 @@ def test_config_schema_is_generated_from_the_validator(capsys: pytest.CaptureFix
     assert keys["zero_optimization.offload_param.buffer_size"]["acted_on"] == "read, warns"
 
 
-def test_train_under_torchrun(tmp_path: Path) -> None:
-    """torchrun is the launcher: each process it starts is one rank of zerofx train."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "zerofx.cli",
-           "train", "--steps", "2", "--seq-len", "64", "--output-dir", str(tmp_path / "run")]
-    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "on 2 gloo ranks" in out.stdout and "step 2/2 loss" in out.stdout and "perplexity" in out.stdout
-    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
-    assert [r.get("step") for r in log if "step" in r] == [1, 2] and "eval_perplexity" in log[-1]
-
-
 def test_train_takes_the_micro_batch_from_the_config(tmp_path: Path) -> None:
     from zerofx.training import TrainOptions, check_train_options
 

@@ -84,7 +84,9 @@ def test_two_torchrun_agents_train_one_job_with_a_shard_group_per_node(tmp_path:
     stdout = "".join(o for o, _ in outputs)
     # c10d rendezvous may give either agent the first group rank; rank 0's lines are in one of them.
     assert f"on {NODES * RANKS_PER_NODE} gloo ranks" in stdout and f"step {STEPS}/{STEPS} loss" in stdout, stdout[-2000:]
+    assert "perplexity" in stdout  # the eval after the last step
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r.get("step") for r in log if "step" in r] == list(range(1, STEPS + 1)) and "eval_perplexity" in log[-1]
     losses = [r["loss"] for r in log if "step" in r]
     opts = check_train_options(TrainOptions(world_size=NODES * RANKS_PER_NODE, config=config, steps=STEPS, seq_len=32))
     torch.testing.assert_close(losses, _reference_losses(opts), rtol=1e-5, atol=1e-5)
