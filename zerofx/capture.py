@@ -18,6 +18,7 @@ raises ``CaptureError`` naming the reason. There is no fallback to eager.
 
 from __future__ import annotations
 
+import os
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -245,6 +246,9 @@ def capture_step(
         fw_compiler=lambda gm, _: _compat.make_boxed_func(gm.forward),
         bw_compiler=lambda gm, _: _compat.make_boxed_func(gm.forward),
         partition_fn=partition_hook,
+        # AOTAutograd prints the joint graph into its log (about 5% of a capture) even when no
+        # one reads it: only when torch's logs are asked for (TORCH_LOGS, TORCH_TRACE).
+        enable_log=bool(os.environ.get("TORCH_LOGS") or os.environ.get("TORCH_TRACE")),
     )
     try:
         with _compat.lazy_graph_modules():  # NOTE [Code written on first use] in passes/_compat.py
