@@ -9,8 +9,10 @@ A small discrete-event simulation. Compute runs node by node in graph order, eac
 ``estimate_node_s``. Collectives run one at a time on a communication channel, in the order
 they are issued; each starts when it is issued and the channel is free, and takes its
 alpha-beta time. A ``wait_tensor`` blocks compute until its collective is done: the time it
-blocks is *exposed* communication. The rest is hidden behind compute. A ring shift (NOTE [Ring
-attention] in passes/ring_attention.py) is a blocking call: compute waits for all of it.
+blocks is *exposed* communication. The rest is hidden behind compute. The sends inside a ring
+attention op (NOTE [Ring attention] in passes/ring_attention.py) are modelled as blocking: compute
+waits for all of each: an upper bound, since the op receives the next block while it attends to the
+current one.
 
 NOTE [Naming a node by its module]
 The schedule names layers, not FX nodes. Capture (AOTAutograd over ``functional_call``) leaves no
@@ -42,7 +44,7 @@ from zerofx.cost_models.memory_timeline import TimelinePoint, peak, step_timelin
 from zerofx.passes import meta
 from zerofx.passes.check_collectives import GRAPH_ORDER
 from zerofx.passes.plan import REPLICATE, Plan
-from zerofx.passes.ring_attention import is_ring_shift
+from zerofx.passes.ring_attention import ring_exchanges
 from zerofx.units import format_bytes
 
 aten = torch.ops.aten
@@ -315,19 +317,21 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
                         waited_at_module=next_compute[node], bucket_label=bucket_label(bucket, all_fqns),
                     )
                 )
-            elif is_ring_shift(node):  # blocking: issued and waited at once (NOTE [Ring attention])
-                val = node.args[0].meta["val"]
-                nbytes = val.numel() * val.element_size()
-                dur = estimate_all_gather_s(2 * nbytes, 2, comm)  # one send to a neighbour: a 2-rank all-gather's one step
-                begin = max(t, channel_free)
-                channel_free = begin + dur
-                blocked = channel_free - t
-                t, exposed_total = channel_free, exposed_total + blocked
-                rows.append(CollectiveRow(
-                    order=issued, graph=name, op="ring_shift", bucket=(), bytes_per_rank=nbytes, issued_after=previous, waited_at=node.name,
-                    overlap_compute_s=0.0, comm_s=dur, exposed_s=blocked, start_s=begin, end_s=channel_free,
-                    issued_after_module=previous_module, waited_at_module=next_compute[node]))
-                issued += 1
+            elif sends := ring_exchanges(node):  # each send blocking: issued and waited at once (NOTE [Ring attention])
+                for nbytes in sends:
+                    dur = estimate_all_gather_s(2 * nbytes, 2, comm)  # one send to a neighbour: a 2-rank all-gather's one step
+                    begin = max(t, channel_free)
+                    channel_free = begin + dur
+                    blocked = channel_free - t
+                    t, exposed_total = channel_free, exposed_total + blocked
+                    rows.append(CollectiveRow(
+                        order=issued, graph=name, op="ring_shift", bucket=(), bytes_per_rank=nbytes, issued_after=previous,
+                        waited_at=node.name, overlap_compute_s=0.0, comm_s=dur, exposed_s=blocked, start_s=begin, end_s=channel_free,
+                        issued_after_module=previous_module, waited_at_module=next_compute[node]))
+                    issued += 1
+                dt = estimate_node_s(node, device)  # the blocks' attention, after the sends in this model
+                t += dt
+                start_compute += dt
             else:
                 dt = estimate_node_s(node, device)
                 t += dt

@@ -37,9 +37,10 @@ is traced again with three changes:
 The rank's position in its group is not a constant of the graph: every rank's graphs are the
 same code (the engine compares them), so the first op all-to-alls ``arange(S)``, from which
 rank r receives S copies of r. Every collective is ``_c10d_functional.all_to_all_single`` on
-the sequence group (autograd's form where a gradient flows through it), or ring attention's
-``zerofx::ring_shift``; the ZeRO rewrites act on all-gathers, reduce-scatters and all-reduces
-only, and leave these alone.
+the sequence group (autograd's form where a gradient flows through it), or the point-to-point
+sends inside ring attention's ``zerofx::ring_attention`` op (which reads its rank from the group
+at run time); the ZeRO rewrites act on all-gathers, reduce-scatters and all-reduces only, and
+leave these alone.
 
 What is refused: any other op that reads the axis across positions (a cumsum, a convolution or
 scan along the sequence, a shifted slice outside the loss, attention written as matmuls and
@@ -239,7 +240,9 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
         if attention is SequenceAttention.ULYSSES and h.ulysses_refusal:
             raise SequenceParallelError(f"{h.ulysses_refusal}; sequence_parallel.attention \"ring\" or \"auto\" accepts it")
     how = ("each an all-to-all to heads before (one per q/k/v shape) and one back after" if attention is SequenceAttention.ULYSSES
-           else f"each {size - 1} ring shift(s) of k and v (NOTE [Ring attention] in passes/ring_attention.py)")
+           else f"each one zerofx::ring_attention op: {size - 1} send(s) of k and v forward, {size - 1} of k and v and {size} of "
+                f"their gradients backward, {an.seq_len // size} keys and values saved per rank (NOTE [Ring attention] in "
+                "passes/ring_attention.py)")
     decisions.append(f"sequence parallelism ({attention.value}) over {size} ranks: {an.seq_len} tokens -> {an.seq_len // size} per rank, "
                      f"{len(heads)} attention(s), {how}, loss shift {losses[0].shift}")
     return SequenceParallelPlan(size=size, group_name=spec.group_name, seq_len=an.seq_len, attention=attention,
@@ -315,7 +318,6 @@ class _Sharded(fx.Interpreter):
         self.an, self.local, losses = _analyze(gm, plan.size)
         self.losses = {s.loss: s for s in losses}
         self.skipped = {n for s in losses for n in s.skipped}
-        self.rank: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.slices: dict[fx.Node, torch.Tensor] = {}
 
@@ -324,8 +326,7 @@ class _Sharded(fx.Interpreter):
             p = self.plan
             # Rank r receives element r from every rank: S copies of its own rank in the group.
             ranks = _all_to_all(torch.arange(p.size, dtype=torch.int64, device=like.device), p.size, p.group_name, grad=False)
-            self.rank = ranks[0]  # a 0-d tensor
-            self.positions = torch.arange(p.local_len, dtype=torch.int64, device=like.device) + self.rank * p.local_len
+            self.positions = torch.arange(p.local_len, dtype=torch.int64, device=like.device) + ranks[0] * p.local_len
         return self.positions
 
     def _local(self, node: Any) -> Any:
@@ -376,9 +377,8 @@ class _Sharded(fx.Interpreter):
         if self.plan.attention is SequenceAttention.RING:
             named = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest)) | kwargs
             scale = named.get("scale") or q.shape[-1] ** -0.5
-            self._positions(q)
             return ring_attention(q, k, v, named.get("attn_mask"), is_causal=bool(named.get("is_causal", False)), scale=scale,
-                                  rank=self.rank, size=size, group_name=group)  # (B, H, T/S, D)
+                                  size=size, group_name=group)  # (B, H, T/S, D)
         if k.shape[1] % size:  # key/value heads S does not divide: repeat them to the query heads
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

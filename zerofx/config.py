@@ -900,7 +900,7 @@ def check_sequence_parallel(raw: Mapping[str, Any], *, world_size: int | None) -
          "slices along the sequence)", f"leave zerofx.tiling out: each rank's activations already hold 1/{size} of the sequence"),
         ("zerofx.compile", own.get("compile"), own.get("compile", "none") != "none",
          "Inductor lowers and runs the rewritten forward (its all-to-alls are functional collectives; the ring's "
-         "zerofx::ring_shift and zerofx::ring_block_attention are custom ops it calls as opaque kernels), but no parity run "
+         "zerofx::ring_attention is a custom op it calls as an opaque kernel), but no parity run "
          "has checked Inductor-compiled sequence-parallel graphs against plain PyTorch yet", '"none" (the graphs run eagerly)'),
     ]
     for key, value, present, why, accepted in refused:

@@ -8,7 +8,7 @@ import zerofx
 from zerofx.errors import RankDivergenceError
 from zerofx.models.dna_lm import DNADecoderLM, DNALMConfig
 from zerofx.passes.meta import is_all_to_all
-from zerofx.passes.ring_attention import is_ring_shift
+from zerofx.passes.ring_attention import is_ring_attention, ring_exchanges
 
 CONFIG = DNALMConfig(dim=32, num_layers=2, num_heads=4, ffn_dim=88, max_seq_len=64)
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
@@ -125,7 +125,8 @@ def train(rank: int, world_size: int, cases: list[tuple[str, int, int, str, str]
             "masters": full_masters(engine),
             "losses": losses,
             "all_to_alls": {name: sum(1 for n in gm.graph.nodes if is_all_to_all(n)) for name, gm in gms.items()},
-            "ring_shifts": {name: sum(1 for n in gm.graph.nodes if is_ring_shift(n)) for name, gm in gms.items()},
+            "ring_ops": {name: sum(1 for n in gm.graph.nodes if is_ring_attention(n)) for name, gm in gms.items()},
+            "ring_sends": {name: sum(len(ring_exchanges(n)) for n in gm.graph.nodes) for name, gm in gms.items()},
             "decisions": engine.program.plan.decisions,
         }
         if checkpoint_dir is not None and len(out) == 1:
@@ -208,11 +209,21 @@ class LongConvLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
-def ring_attention_errors(rank: int, world_size: int) -> dict[str, float]:
-    """``ring_attention`` over the whole world as one ring against SDPA on the whole sequence:
-    the largest difference in the output and in dq, dk, dv of this rank's slice, per case
-    (causal; bidirectional with grouped-query heads; an additive mask; a boolean mask with a
-    row masked everywhere and keys masked in some blocks only)."""
+def _recording_shapes(saved: list[tuple[int, ...]]):
+    """A saved-tensors pack hook that records each saved tensor's shape in ``saved``."""
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(x.shape))
+        return x
+    return pack
+
+
+def ring_attention_errors(rank: int, world_size: int) -> dict[str, dict]:
+    """``ring_attention`` over the whole world as one ring against fp32 SDPA on the whole
+    sequence, per case (causal; bidirectional with grouped-query heads; an additive mask; a
+    boolean mask with a row masked everywhere and keys masked in some blocks only; causal with
+    grouped-query heads in bf16 and in fp16, against SDPA on the same rounded inputs): the
+    largest difference in the output and in dq, dk, dv of this rank's slice, their dtypes, the
+    whole shapes (B, H, Hkv, T, D), and the shapes of the tensors autograd saved for the backward."""
     import torch.distributed as dist
 
     from zerofx.passes import _compat
@@ -223,10 +234,12 @@ def ring_attention_errors(rank: int, world_size: int) -> dict[str, float]:
     b, h, local, d = 2, 4, 4, 8
     t = local * world_size
     mine = slice(rank * local, (rank + 1) * local)
-    errors = {}
-    for case in ("causal", "gqa", "additive", "boolean"):
-        kv_heads = h // 2 if case == "gqa" else h
-        q, k, v = (torch.randn(b, n, t, d, generator=gen) for n in (h, kv_heads, kv_heads))
+    out_by_case = {}
+    for case in ("causal", "gqa", "additive", "boolean", "bf16", "fp16"):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(case, torch.float32)
+        causal, gqa = case in ("causal", "bf16", "fp16"), case in ("gqa", "bf16", "fp16")
+        kv_heads = h // 2 if gqa else h
+        q, k, v = (torch.randn(b, n, t, d, generator=gen).to(dtype).float() for n in (h, kv_heads, kv_heads))
         grad = torch.randn(b, h, t, d, generator=gen)
         mask = None
         if case == "additive":
@@ -236,13 +249,15 @@ def ring_attention_errors(rank: int, world_size: int) -> dict[str, float]:
             mask[..., : local // 2] = False
             mask[..., 0, :] = False  # a query that attends to nothing: output 0
         whole = [x.clone().requires_grad_(True) for x in (q, k, v)]
-        ref = torch.nn.functional.scaled_dot_product_attention(*whole, attn_mask=mask, is_causal=case == "causal", enable_gqa=case == "gqa")
+        ref = torch.nn.functional.scaled_dot_product_attention(*whole, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         ref = torch.nan_to_num(ref)
         (ref * grad).sum().backward()
-        part = [x[:, :, mine].clone().requires_grad_(True) for x in (q, k, v)]
-        out = ring_attention(*part, mask, is_causal=case == "causal", scale=d ** -0.5, rank=torch.tensor(rank), size=world_size,
-                             group_name="zerofx_test_ring")
-        (out * grad[:, :, mine]).sum().backward()
-        diffs = [(out - ref[:, :, mine]).abs().max()] + [(p.grad - w.grad[:, :, mine]).abs().max() for p, w in zip(part, whole)]
-        errors[case] = max(x.item() for x in diffs)
-    return errors
+        part = [x[:, :, mine].to(dtype).requires_grad_(True) for x in (q, k, v)]
+        saved: list[tuple[int, ...]] = []
+        with torch.autograd.graph.saved_tensors_hooks(_recording_shapes(saved), lambda x: x):
+            out = ring_attention(*part, mask, is_causal=causal, scale=d ** -0.5, size=world_size, group_name="zerofx_test_ring")
+        (out * grad[:, :, mine].to(dtype)).sum().backward()
+        diffs = [(out.float() - ref[:, :, mine]).abs().max()] + [(p.grad.float() - w.grad[:, :, mine]).abs().max() for p, w in zip(part, whole)]
+        out_by_case[case] = {"error": max(x.item() for x in diffs), "dtypes": {x.dtype for x in (out, *(p.grad for p in part))} - {dtype},
+                             "shape": (b, h, kv_heads, t, d), "saved": saved}
+    return out_by_case
