@@ -119,7 +119,7 @@ def test_profiles_builtin_file_and_calibration(tmp_path: Path) -> None:
     assert load_profile(str(path)) == (comm, device)
     with pytest.raises(ValueError, match="neither a built-in"):
         load_profile("/no/such/profile.json")
-    measured_comm, measured_device = calibrate(tmp_path / "measured.json", world_size=2, repeats=2)
+    measured_comm, measured_device = calibrate(tmp_path / "measured.json", world_size=2, repeats=2, sizes=(2**12, 2**16))
     assert measured_comm.intra_bandwidth > 1e6 and 0 < measured_comm.intra_alpha_s < 1
     assert measured_device.matmul_flops_per_s > 1e8
     # The planner takes it: a slower link means more communication time.

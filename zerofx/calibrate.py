@@ -113,11 +113,11 @@ def _write(out: Path, comm: CommSpec, device: DeviceSpec, measurements: dict[str
     out.write_text(json.dumps(data, indent=1))
 
 
-def _worker(rank: int, world_size: int, port: int, out: str, repeats: int) -> None:
+def _worker(rank: int, world_size: int, port: int, out: str, repeats: int, sizes: Sequence[int]) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    rows = measure_collectives(repeats=repeats) if world_size > 1 else []
+    rows = measure_collectives(repeats=repeats, sizes=sizes) if world_size > 1 else []
     flops, mem = measure_compute(repeats)
     if rank == 0:
         alpha, bandwidth = fit_link(rows) if rows else (0.0, float("inf"))
@@ -126,8 +126,9 @@ def _worker(rank: int, world_size: int, port: int, out: str, repeats: int) -> No
     dist.destroy_process_group()
 
 
-def calibrate(out: Path, world_size: int = 2, repeats: int = 5) -> tuple[CommSpec, DeviceSpec]:
-    """Measure with ``world_size`` local gloo ranks and write the profile to ``out``."""
+def calibrate(out: Path, world_size: int = 2, repeats: int = 5, sizes: Sequence[int] = SIZES) -> tuple[CommSpec, DeviceSpec]:
+    """Measure with ``world_size`` local gloo ranks, each collective at each of ``sizes`` bytes,
+    and write the profile to ``out``."""
     import socket
 
     from zerofx.cost_models.profiles import load_profile
@@ -135,7 +136,7 @@ def calibrate(out: Path, world_size: int = 2, repeats: int = 5) -> tuple[CommSpe
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world_size, port, str(out), repeats), nprocs=world_size, start_method="spawn")
+    mp.start_processes(_worker, args=(world_size, port, str(out), repeats, tuple(sizes)), nprocs=world_size, start_method="spawn")
     return load_profile(str(out))
 
 
