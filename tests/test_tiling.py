@@ -5,6 +5,7 @@ one process and through the engine at stages 0 and 3 on 2 gloo ranks, and clear 
 
 from __future__ import annotations
 
+import re
 import collections
 import logging
 
@@ -221,18 +222,19 @@ def test_auto_tiling_is_checked_against_the_memory_timeline() -> None:
         report = program.report(0)
         return report.peak.live_bytes - report.persistent_bytes
 
-    def estimates_alone(budget: int) -> tuple:
-        return capture_step(model, (ids,), {"labels": ids}, tiling=TilingOptions(budget_bytes=budget, **blocks)).tiling.ops
+    def estimates_alone(program: zerofx.Program) -> int:
+        """How many ops the per-op estimates alone tile at the program's budget (its decision)."""
+        return int(re.search(r"the estimates alone tile (\d+) ops", program.plan.decisions[-1]).group(1))
 
     untiled = activations(compiled({"enabled": False}))
-    assert estimates_alone(untiled)  # the estimates would tile at a budget the untiled program fits
     roomy = compiled({"enabled": "auto", "budget": untiled})
+    assert estimates_alone(roomy) > 0  # the estimates would tile at a budget the untiled program fits
     assert roomy.plan.tiling is None and activations(roomy) == untiled
     assert roomy.plan.decisions[-1].endswith("kept 0 tiled ops, which fit")
     tight = untiled * 3 // 4
     auto = compiled({"enabled": "auto", "budget": tight})
     assert auto.plan.tiling.ops and activations(auto) <= tight < untiled
-    assert len(auto.plan.tiling.ops) < len(estimates_alone(tight))
+    assert len(auto.plan.tiling.ops) < estimates_alone(auto)
     assert auto.plan.decisions[-1].endswith("which fit")
     hopeless = compiled({"enabled": "auto", "budget": 1})  # nothing fits: the least memory tried
     assert hopeless.plan.decisions[-1].endswith("which do not fit") and activations(hopeless) < untiled

@@ -170,7 +170,8 @@ def fit_tiling(first: P, build: Callable[[TilingOptions], P], options: TilingOpt
             chosen = min(tried, key=lambda t: t[2])[1]
     steps = "; ".join(f"{what}: {len(sequence_ops(p))} tiled ops, activations {format_bytes(peak)}" for what, p, peak in tried)
     why = (f"tiling (auto) checked against the memory timeline for the budget {format_bytes(budget)} "
-           f"(NOTE [Tiling checked against the memory timeline]): {steps}; kept {len(sequence_ops(chosen))} tiled ops, "
+           f"(NOTE [Tiling checked against the memory timeline]): the estimates alone tile {len(sequence_ops(first))} ops; "
+           f"{steps}; kept {len(sequence_ops(chosen))} tiled ops, "
            f"which {'fit' if fits else 'do not fit'}")
     log.info(why)
     return chosen.with_decision(why)
