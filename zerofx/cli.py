@@ -294,7 +294,8 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
             data["tiers_per_rank_bytes"] = tiers
         if solved is not None:
             data["solve"] = {solved.variable: solved.value, "peak_bytes_expr": str(solved.peak_expr), "peak_at": solved.peak_node,
-                             "samples": [list(x) for x in solved.samples], "sequence_parallel_size": solved.sequence_parallel}
+                             "samples": [list(x) for x in solved.samples], "sequence_parallel_size": solved.sequence_parallel,
+                             "captured_peak_bytes": {"at": solved.peak_at_value, "one_past": solved.peak_past_value}}
         print(json.dumps(data, indent=1))
         return 0
     print(f"model {spec.label}: {type(spec.model).__name__}, example inputs {_shapes(spec)}; profile {comm.name} / {device.name}")
@@ -314,6 +315,11 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
         print(f"{what} that fits {format_bytes(budget)} per rank: {solved.variable} = {solved.value} "
               f"(peak bytes = {solved.peak_expr} at {solved.peak_node}, exact in {exact_in} "
               f"from captures at (B, T) = {', '.join(map(str, solved.samples))})")
+        step = solved.sequence_parallel if solved.variable == "seq_len" else 1
+        confirmed = [f"at {n} the peak is {peak:,} bytes ({'fits' if peak <= budget else 'over'})"
+                     for n, peak in ((solved.value, solved.peak_at_value), (solved.value + step, solved.peak_past_value)) if peak is not None]
+        if confirmed:
+            print(f"confirmed by capture against {int(budget):,} bytes: {'; '.join(confirmed)}")
     if args.plot is not None:
         print(f"wrote {args.plot}")
     return 0

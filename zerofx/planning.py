@@ -169,6 +169,11 @@ class SolveResult:
     peak_node: str
     samples: tuple[tuple[int, int], ...]  # the (batch, seq_len) points captured
     sequence_parallel: int = 1  # the config's sequence-parallel size S: seq_len is a multiple of it, per rank T/S
+    # The confirming captures (NOTE [Why a tolerance] in cost_models/symbolic.py): the measured
+    # peak at the answer, and at one unit past it (None where that was not captured: an answer
+    # of 0, or one at the upper bound).
+    peak_at_value: int | None = None
+    peak_past_value: int | None = None
 
     @property
     def seq_len(self) -> int:
@@ -254,9 +259,12 @@ def solve_memory(
     best = longest_fitting(unique, budget_bytes, upper=upper, symbol=symbol, fixed=fixed) // unit
     top = upper // unit
 
+    measured: dict[int, int] = {}
+
     def fits(x: int) -> bool:  # x in units: a sequence of x * S tokens
         b, t = (batch, x * unit) if symbol is T else (x, seq)
-        return max(p.live_bytes for p in timeline(b, t)) <= budget_bytes
+        measured[x] = max(p.live_bytes for p in timeline(b, t))
+        return measured[x] <= budget_bytes
 
     # Confirm by capture (NOTE [Why a tolerance] in cost_models/symbolic.py): find lo that fits
     # and hi that does not around the estimate, galloping away from it, then bisect. When the
@@ -272,7 +280,8 @@ def solve_memory(
     best = lo * unit
     at = {**fixed, symbol: max(best, 1)}
     peak_index = max(range(len(exprs)), key=lambda i: exprs[i].subs(at))
-    return SolveResult(variable, best, exprs[peak_index], names[peak_index], tuple(samples), sp_size)
+    return SolveResult(variable, best, exprs[peak_index], names[peak_index], tuple(samples), sp_size,
+                       peak_at_value=measured.get(lo), peak_past_value=measured.get(hi))
 
 
 def solve_seq_len(
