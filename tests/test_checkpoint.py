@@ -531,8 +531,10 @@ def test_torchelastic_resumes_with_fewer_workers_after_one_is_killed(tmp_path: P
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=zerofx-{port}",
-            # The host agent keeps the rendezvous store, so the other is the one to lose.
-            f"--rdzv-conf=last_call_timeout=3,is_host={str(is_host).lower()}", "--monitor-interval=0.5",
+            # The host agent keeps the rendezvous store, so the other is the one to lose. A node
+            # missing 2 heartbeats 1 s apart is dead (the default, 3 of 5 s, waits 15 s for it).
+            f"--rdzv-conf=last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2,is_host={str(is_host).lower()}",
+            "--monitor-interval=0.5",
             os.path.join(ROOT, "tests", "support", "elastic_train.py"), str(tmp_path), "--steps", str(steps), "--step-sleep", "0.5",
         ]
         return subprocess.Popen(cmd, env=env, stdout=open(tmp_path / f"{name}.txt", "w"), stderr=subprocess.STDOUT,
