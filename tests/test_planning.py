@@ -227,9 +227,17 @@ def test_prefetch_distance_is_lowered_to_fit_the_memory_budget() -> None:
 
 
 @pytest.mark.slow
-def test_memory_model_is_symbolic_in_batch_and_sequence() -> None:
+def test_memory_model_is_symbolic_in_batch_and_sequence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fit in B and T, and ``solve_memory`` for the batch size; a second solve reads every
+    capture from the plan cache (NOTE [Solve samples in the plan cache]). The suite's plan cache
+    holds this model's samples already when the CLI solve above ran first in this process."""
+    import zerofx.program
+    from zerofx.config import parse_config
     from zerofx.cost_models.symbolic import fit_timeline_batch_seq
-    from zerofx.planning import solve_memory
+    from zerofx.planning import sample_program, solve_memory
+
+    if parse_config(None).plan_cache_dir is None:  # the cache turned off by the caller: one of this test's own
+        monkeypatch.setenv("ZEROFX_PLAN_CACHE", str(tmp_path))
 
     # c(T) + B * a(T), fitted from two batch sizes and checked at a third.
     truth = lambda b, t: 1000 + 7 * t + b * (3 * t * t + 5 * t)  # noqa: E731  (a one-line formula, read like the assert below)
@@ -242,15 +250,20 @@ def test_memory_model_is_symbolic_in_batch_and_sequence() -> None:
     model, args, kwargs = _dna_spec("tiny", 128)  # batch 1, 128 tokens
     spec = ModelSpec(model, args, kwargs, "tiny")
 
-    def peak_at(b: int) -> int:
+    def peak_at(b: int) -> int:  # zerofx.compile, kept in the plan cache as the solve keeps its captures
         ids = torch.zeros(b, 128, dtype=torch.long, device="meta")
-        program = zerofx.compile(model, world_size=4, stage=3, example_inputs=(ids,), example_kwargs={"labels": ids})
-        return program.report(0).peak.live_bytes
+        return sample_program(model, (ids,), {"labels": ids}, world_size=4, stage=3, config=None).report(0).peak.live_bytes
 
     budget = (peak_at(6) + peak_at(7)) // 2
     result = solve_memory(spec, "batch_size", world_size=4, stage=3, config=None, budget_bytes=budget, upper=4096)
     assert result.variable == "batch_size" and result.value == 6
     assert result.peak_expr.free_symbols <= {B, T} and B in result.peak_expr.free_symbols
+    assert result.peak_at_value == peak_at(6) and result.peak_past_value == peak_at(7)
+
+    captures = []
+    monkeypatch.setattr(zerofx.program, "capture_step", lambda *a, **k: captures.append(a) or pytest.fail("captured again"))
+    assert solve_memory(spec, "batch_size", world_size=4, stage=3, config=None, budget_bytes=budget, upper=4096) == result
+    assert captures == []
 
 
 def test_buckets_end_at_block_boundaries() -> None:

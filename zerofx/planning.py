@@ -21,7 +21,9 @@ import torch.nn as nn
 from zerofx.cost_models.memory_timeline import TimelinePoint
 from zerofx.cost_models.symbolic import B, T, fit_timeline, fit_timeline_batch_seq, longest_fitting
 from zerofx.passes.analyze_schedule import ScheduleReport, summary_json
+from zerofx import plan_cache
 from zerofx.errors import ZeroFXError
+from zerofx.passes._compat import pytree
 from zerofx.program import Program, compile, resolve
 from zerofx.units import binary_unit, format_bytes
 
@@ -195,6 +197,33 @@ def sequence_parallel_size(config: Any, *, world_size: int, stage: int) -> int:
     return 1 if spec is None else spec.size
 
 
+# NOTE [Solve samples in the plan cache]
+# A solve captures, plans and lowers its model at eleven or more (batch, length) points, seconds
+# each. Each sample's lowered program goes into the plan cache (docs/plan-cache.md), keyed as the
+# engine keys its programs (NOTE [What a plan-cache key covers] in zerofx/plan_cache.py) and
+# marked as planned without a process group, so another solve of the same model, config and
+# world (another budget, the other variable, a second run of ``zerofx plan --solve``) reads the
+# samples it shares instead of capturing them again. A read program's memory timeline is the
+# built one's, node for node (the plan cache's tests check its schedule report). With the
+# cache off (``zerofx.plan_cache: false``, ``ZEROFX_PLAN_CACHE=off``) every sample is captured.
+def sample_program(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, world_size: int, stage: int, config: Any,
+                   rank: int = 0) -> Program:
+    """``zerofx.compile(model, ...)`` with these example inputs, lowered for ``rank``, read from
+    the plan cache when a solve stored it there before (NOTE [Solve samples in the plan cache])."""
+    cfg = resolve(config, stage=stage, world_size=world_size)
+
+    def build() -> Program:
+        return compile(model, world_size=world_size, stage=stage, config=config, example_inputs=args, example_kwargs=kwargs)
+
+    if cfg.plan_cache_dir is None:
+        return build()
+    leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    signature = (repr(tree), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", repr(x)) for x in leaves))
+    key = plan_cache.cache_key(model=model, input_signature=signature, loss_fn=None, cfg=cfg, world_size=world_size, rank=rank,
+                               backend="none", device=torch.device("cpu"), program_options={"planned by": "zerofx.compile"})
+    return plan_cache.load_or_build(cfg.plan_cache_dir, key, build, rank=rank, program_options={})
+
+
 def solve_memory(
     spec: ModelSpec, variable: str, *, world_size: int, stage: int, config: Any, budget_bytes: float, upper: int, rank: int = 0
 ) -> SolveResult:
@@ -223,7 +252,7 @@ def solve_memory(
     def timeline(b: int, t: int) -> list[TimelinePoint]:
         args = with_batch_size(with_seq_len(spec.args, seq, t), batch, b)
         kwargs = with_batch_size(with_seq_len(dict(spec.kwargs), seq, t), batch, b)
-        program: Program = compile(spec.model, world_size=world_size, stage=stage, config=config, example_inputs=args, example_kwargs=kwargs)
+        program = sample_program(spec.model, args, kwargs, world_size=world_size, stage=stage, config=config, rank=rank)
         return list(program.report(rank).timeline)
 
     timelines, names_at = {}, {}
