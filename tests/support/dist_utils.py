@@ -1,8 +1,10 @@
 """Real gloo process groups for tests, and each rank's result.
 
 NOTE [A pool of ranks]
-Starting a rank costs a new Python process that imports torch and zerofx: 3-8 s of the 2-core
-CI machine per call, more than many tests' own work. ``run_ranks`` therefore keeps one pool
+Starting a rank as a new Python process that imports torch and zerofx costs 3-8 s of the 2-core
+CI machine, more than many tests' own work. Rank processes are therefore forked from a server
+process (multiprocessing's "forkserver") that imported torch and zerofx once and has run no
+torch op, so no thread pool or device state is forked; and ``run_ranks`` keeps one pool
 of rank processes that stay up between calls, grown to the largest world size asked for; a call
 on W ranks runs on the pool's first W processes, each told its rank. Each call still runs in a new
 process group (a fresh port, ``init_process_group`` before and ``destroy_process_group`` after),
@@ -92,6 +94,13 @@ def rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
         sys.exit(1)
 
 
+def _context() -> Any:
+    """Rank processes forked from a server process that imported torch and zerofx once."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "zerofx", "zerofx.engine", "tests.support.dist_utils"])
+    return ctx
+
+
 class _Ranks:
     """Rank processes, each with a pipe to this process."""
 
@@ -103,7 +112,7 @@ class _Ranks:
 
     def grow(self, world_size: int) -> None:
         """Start processes until there are ``world_size``."""
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         while len(self.procs) < world_size:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(child, self.once), daemon=True)
