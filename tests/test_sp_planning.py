@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import zerofx
 from zerofx.cost_models.symbolic import B, T
 from zerofx.models import DNADecoderLM
 from zerofx.models.sizes import DNALMConfig
-from zerofx.planning import ModelSpec, solve_seq_len
+from zerofx.planning import ModelSpec, sample_program, solve_seq_len
 
 WORLD = 4
 # The DNA LM's block at a width where activations dominate a small budget; max_seq_len only
@@ -34,7 +33,9 @@ def _model() -> DNADecoderLM:
 def _activations(model: DNADecoderLM, seq_len: int, size: int) -> tuple[int, int]:
     """(peak live bytes less the persistent model state, persistent bytes) on rank 0 at ``seq_len``."""
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-    program = zerofx.compile(model, world_size=WORLD, stage=3, config=_config(size), example_inputs=(ids,), example_kwargs={"labels": ids})
+    # zerofx.compile, kept in the plan cache as a solve keeps its samples: the solve below reads
+    # the ones it shares with this file's other captures (NOTE [Solve samples in the plan cache]).
+    program = sample_program(model, (ids,), {"labels": ids}, world_size=WORLD, stage=3, config=_config(size))
     report = program.report(0)
     return report.peak.live_bytes - report.persistent_bytes, report.persistent_bytes
 
