@@ -76,12 +76,12 @@ def train(engine: zerofx.Engine, kind: str, first: int, last: int) -> None:
 
 def _gather(engine: zerofx.Engine, fqn: str, t: torch.Tensor) -> torch.Tensor:
     """A parameter-shaped tensor this rank holds as its shard or as the whole padded flat,
-    all-gathered (a collective) and unpadded."""
+    all-gathered over the shard group (a collective) and unpadded."""
     p = engine.placements[fqn]
     flat = t
     if t.numel() != p.padded_numel:
         flat = torch.empty(p.padded_numel, dtype=t.dtype)
-        _compat.all_gather_flat(flat, t, group=engine.group)
+        _compat.all_gather_flat(flat, t, group=engine.shard_group)
     return flat[: p.numel].clone()
 
 

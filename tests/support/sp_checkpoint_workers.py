@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 import zerofx
-from zerofx.passes import _compat
-from tests.support.checkpoint_workers import ADAMW
+from tests.support.checkpoint_workers import ADAMW, full_optimizer_state
 from tests.support.models import SEQ, VOCAB, dna_lm, make_optimizer
 
 GLOBAL_BATCH = 4  # sequences per step, split over the data groups
@@ -69,26 +68,11 @@ def train(engine: zerofx.Engine, size: int, first: int, last: int) -> list[float
     return losses
 
 
-def _gather(engine: zerofx.Engine, fqn: str, t: torch.Tensor) -> torch.Tensor:
-    """A parameter-shaped tensor this rank holds as its shard or as the whole padded flat,
-    all-gathered over the shard group (a collective) and unpadded."""
-    p = engine.placements[fqn]
-    flat = t
-    if t.numel() != p.padded_numel:
-        flat = torch.empty(p.padded_numel, dtype=t.dtype)
-        _compat.all_gather_flat(flat, t, group=engine.shard_group)
-    return flat[: p.numel].clone()
-
-
 def snapshot(engine: zerofx.Engine) -> dict[str, Any]:
     """Full parameters and AdamW states (gathered: a collective) and the counters."""
-    optim: dict[str, dict[str, torch.Tensor]] = {}
-    for fqn, param in engine.optimizer_params.items():
-        for name, v in engine.optimizer.state.get(param, {}).items():
-            optim.setdefault(fqn, {})[name] = v.clone() if v.dim() == 0 else _gather(engine, fqn, v)
     return {
         "state": engine.full_state_dict(),
-        "optim": optim,
+        "optim": full_optimizer_state(engine),
         "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples, "micro_steps": engine.micro_steps},
     }
 
