@@ -245,7 +245,7 @@ def _my_slice(engine: Engine, fqn: str, t: torch.Tensor) -> torch.Tensor:
 
 def _shard_index(engine: Engine) -> int:
     """Which slice of each padded flat this rank holds (NOTE [Shard groups of consecutive ranks]
-    in zerofx/engine.py): its rank when sharding is flat."""
+    in zerofx/rank_groups.py): its rank when sharding is flat."""
     return getattr(engine, "shard_index", engine.rank)
 
 

@@ -7,8 +7,9 @@ NCCL on CUDA: the device is the model's.
 
 Storage: ``EngineStorage`` in ``zerofx.engine_storage`` (NOTE [What the engine holds]) holds this
 rank's parameters, gradients and masters; the engine runs the graphs, the collectives around
-them and the optimizer over it, and checks that ranks agree before their first collective.
-fp16 loss scaling is ``zerofx.loss_scaling``.
+them and the optimizer over it. The checks that ranks agree before their first collective, and
+the one build per job rank 0 sends the others, are ``zerofx.rank_agreement``. fp16 loss scaling
+is ``zerofx.loss_scaling``.
 
 NOTE [Who owns a collective's buffers]
 Every buffer handed to another thread, or to a collective that completes later, has one owner
@@ -40,9 +41,7 @@ until a named point, and nothing writes into it or frees it before then:
 
 from __future__ import annotations
 
-import hashlib
 import time
-import traceback
 import warnings
 import weakref
 from collections import OrderedDict
@@ -62,18 +61,16 @@ from zerofx.cost_models.offload import Tier
 from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
 from zerofx.passes._compat import pytree
 from zerofx.passes.meta import is_wait
-from zerofx.passes.check_collectives import collective_sequence, first_divergence
 from zerofx.passes.fetch_params import fetch_order
 from zerofx.passes.offload_grads import grad_sink
 from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_sharding import place_param
 from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, cast_info, flatten_call, split_loss_kwargs
-from zerofx.config import OptimizerSpec, ZeroConfig, first_config_difference
+from zerofx.config import OptimizerSpec, ZeroConfig
 from zerofx.errors import (
     CollectiveTimeoutError,
     EngineStateError,
     MissingLossError,
-    RankDivergenceError,
     ZeroFXError,
 )
 from zerofx.engine_storage import EngineStorage, storage_bytes
@@ -82,7 +79,7 @@ from zerofx.materialize import InitFn, check_all_meta_or_none
 from zerofx.monitors import Monitor, check_monitor_packages, samples_and_tokens
 from zerofx.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, ParamOffloadOptions, ParamStore
 from zerofx.offload.grads import OffloadedGrads
-from zerofx import errors, plan_cache
+from zerofx import plan_cache, rank_agreement
 from zerofx.rank_groups import sequence_groups, shard_groups
 from zerofx.program import (
     PLANNING_REPLICATE_GROUP,
@@ -123,10 +120,6 @@ class WaitTimer:
     def reset(self) -> dict[str, float]:
         out, self.blocked_s = self.blocked_s, {}
         return out
-
-
-# How long ranks wait for rank 0 to build the program (NOTE [One build per job]).
-BUILD_WAIT_S = 3600.0
 
 
 class ScheduleEndWarning(UserWarning):
@@ -189,7 +182,7 @@ class Engine:
         check_monitor_packages(cfg.monitors)
         # Every setting that changes the collective sequence or the numerics must agree across
         # ranks before anything else runs (NOTE [Ranks agree before any collective]).
-        _check_same_config(cfg, model, self.group, self.world_size)
+        rank_agreement.check_same_config(cfg, model, self.group, self.world_size)
         self.collective_timeout_s = cfg.collective_timeout_s
         _compat.set_group_timeout(self.group, timedelta(seconds=self.collective_timeout_s))
         # NOTE [Sequence groups] (``zerofx.rank_groups``): the name its all-to-alls run over.
@@ -385,7 +378,8 @@ class Engine:
         """The program for this call's input signature, captured now if new. ``misplaced`` (from
         ``_misplaced_input``) is raised as a ``ZeroFXError`` once ranks agree on it, before any graph runs."""
         sig = self._signature(args, kwargs)
-        self._agree_on_inputs(sig, misplaced)
+        rank_agreement.agree_on_inputs(sig, misplaced, group=self.group, world_size=self.world_size, device=self.device,
+                                       on_comm_failure=self._comm_failure)
         if misplaced is not None:
             raise ZeroFXError(misplaced)
         program = self._programs.get(sig)
@@ -400,7 +394,7 @@ class Engine:
                                                 sequence_parallel=self.sequence_parallel),
                     self.cfg, self.world_size, **self._program_options,
                 ), rank=self.rank, program_options=self._program_options))
-            self._check_same_plan(program)
+            rank_agreement.check_same_plan(program, self.rank, self.group, self.world_size)
             self._programs[sig] = program
             while len(self._programs) > self.cfg.program_cache_size:
                 self._programs.popitem(last=False)  # the least recently used; a pending backward keeps its own
@@ -413,59 +407,12 @@ class Engine:
         return program
 
     def _build_once(self, sig: Any, build: Callable[[], Program]) -> Program:
-        """``build()`` on rank 0, its program sent to every other rank.
-
-        NOTE [One build per job]
-        Every rank's program is the same (the graphs name groups, not ranks: NOTE [Shard groups
-        of consecutive ranks]), so capturing and lowering it on every rank repeats the same
-        seconds N times, on host cores the ranks of a node share. Rank 0 builds it and
-        broadcasts its bytes (the plan cache's format); the others rebuild the graphs from them.
-        Only when every rank's plan-cache key (model structure and attributes, inputs, loss,
-        config, world, code) is the same, and the loss function captures only plain data: ranks
-        whose models differ each build their own, and ``_check_same_plan`` names the difference. A build that fails on rank 0 fails on every
-        rank rather than leaving the others waiting: a zerofx error as itself (a ``MissingLossError``
-        still defers capture to the first call), anything else as a ``ZeroFXError`` quoting it.
-        """
-        if self.world_size == 1:
-            return build()
+        """``build()`` on rank 0, its program sent to the others (NOTE [One build per job])."""
         key = plan_cache.cache_key(model=self.model, input_signature=sig, loss_fn=self.loss_fn, cfg=self.cfg,
                                    world_size=self.world_size, rank=0, backend=str(dist.get_backend(self.group)),
                                    device=self.device, program_options=self._program_options)
-        keys: list[Any] = [None] * self.world_size
-        dist.all_gather_object(keys, plan_cache.key_digest(key), group=self.group)
-        if len(set(keys)) > 1 or plan_cache.UNKEYED in str(key["loss_fn"]):
-            return build()
-        message: list[Any] = [None]
-        program: Program | None = None
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                program = build()
-                message = [("program", plan_cache.program_bytes(program, self.rank))]
-            except BaseException as exc:
-                message, error = [("error", (type(exc).__name__, str(exc)))], exc
-        # The other ranks wait for rank 0's build, not for a stalled peer: the collective timeout
-        # (seconds) would cut a build of minutes short. A rank 0 that dies closes its connections.
-        _compat.set_group_timeout(self.group, timedelta(seconds=max(BUILD_WAIT_S, self.collective_timeout_s)))
-        try:
-            dist.broadcast_object_list(message, src=dist.get_global_rank(self.group, 0), group=self.group)
-        finally:
-            _compat.set_group_timeout(self.group, timedelta(seconds=self.collective_timeout_s))
-        if error is not None:
-            raise error
-        kind, value = message[0]
-        if program is not None:
-            return program
-        if kind == "error":
-            name, text = value
-            same = getattr(errors, name, None)
-            if isinstance(same, type) and issubclass(same, ZeroFXError):  # the error every rank would have raised
-                raise same(text)
-            raise ZeroFXError(f"rank 0 could not build the program, so no rank runs: {name}: {text}")
-        start = time.perf_counter()
-        program = plan_cache.program_from_bytes(value, self._program_options)
-        program.setup_times = {"from rank 0": time.perf_counter() - start}
-        return program
+        return rank_agreement.build_once(build, key=key, rank=self.rank, group=self.group, world_size=self.world_size,
+                                         timeout_s=self.collective_timeout_s, program_options=self._program_options)
 
     def _plan_cache_key(self, sig: Any) -> dict[str, Any]:
         """What this rank's program for input signature ``sig`` depends on (NOTE [What a
@@ -481,65 +428,6 @@ class Engine:
         """The keyword arguments this rank's programs are built with (``capture_and_plan``,
         ``Program``): the groups their collectives name and the parameter-offload placement."""
         return {"group_name": self.group_name, "param_offload": self.param_offload_plan, "replicate_group_name": self.replicate_group_name}
-
-    def _agree_on_inputs(self, sig: Any, misplaced: str | None = None) -> None:
-        """Check, with one small all-reduce, that every rank calls with the same input signature
-        (shapes, dtypes, structure, and the same misplaced input if any), before any other
-        collective of this call.
-
-        NOTE [Ranks agree before any collective]
-        A rank that captures a new program runs collectives (the plan check below) that peers
-        reusing a cached program never join, and graphs captured for other shapes can issue
-        other collectives: gloo then aborts the process ("Received data size doesn't match
-        expected size") and NCCL hangs. So each call first all-reduces the max of (h, -h) of a
-        hash h of its signature: one 16-byte collective, with every rank taking part. Equal
-        signatures mean every rank finds the same program in its cache (the caches see the same
-        sequence of signatures) or captures together. Otherwise every rank raises
-        ``RankDivergenceError`` naming each rank's shapes, before the first collective of the
-        graphs. At initialize, ``_check_same_config`` does the same for the config. An input
-        on the wrong device (meta, or not the engine's) enters the hash too: when every rank
-        passes the same one, each raises ``ZeroFXError`` naming it; when only some do, every
-        rank raises ``RankDivergenceError``. No rank is left waiting in a graph's collective.
-        """
-        digest = int.from_bytes(hashlib.blake2b(repr((sig, misplaced)).encode(), digest_size=7).digest(), "little")  # < 2**56
-        both = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
-        try:
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        except RuntimeError as exc:
-            if not _is_comm_failure(exc):
-                raise
-            raise self._comm_failure("the all-reduce that checks every rank's input shapes, before the forward graph", exc) from exc
-        high, neg_low = both.tolist()
-        if high == digest and neg_low == -digest:
-            return
-        everyone: list[Any] = [None] * self.world_size
-        mine = _describe_signature(sig) + (f" ({misplaced})" if misplaced is not None else "")
-        dist.all_gather_object(everyone, mine, group=self.group)
-        by_rank = "; ".join(f"rank {r}: {d}" for r, d in enumerate(everyone))
-        raise RankDivergenceError(
-            f"ranks called the engine with different inputs ({by_rank}); every rank must pass the same shapes "
-            "in the same step (pad the batch, or drop an uneven last batch on every rank)"
-        )
-
-    def _check_same_plan(self, program: Program) -> None:
-        """Before running, check every rank issues the same collectives in the same order with
-        the same sizes, planned the same and lowered the same graphs (a model built with other
-        hyperparameters but the same parameter shapes, e.g. another number of heads, lowers other
-        graphs): a mismatch would otherwise hang in a collective or train on a mix."""
-        gms = program.graph_modules(self.rank)
-        graphs = hashlib.sha256("".join(gms[name].code for name in sorted(gms)).encode()).hexdigest()[:16]
-        mine = (f"{program.plan.fingerprint()}/{graphs}", collective_sequence(gms))
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        divergence = first_divergence([seq for _, seq in everyone])
-        if divergence is not None:
-            raise RankDivergenceError(f"ranks would issue different collectives; {divergence}")
-        fingerprints = [fp for fp, _ in everyone]
-        if len(set(fingerprints)) != 1:
-            raise RankDivergenceError(
-                f"ranks planned or lowered different programs (plan/graph fingerprints by rank: {fingerprints}); the "
-                "model must be built the same way on every rank"
-            )
 
     @property
     def program(self) -> Program | None:
@@ -560,7 +448,8 @@ class Engine:
         captured: CapturedStep = program.captured
         inputs = flatten_call(captured, self.model, args, kwargs, self.loss_fn)
         if self._sequence_group is not None:
-            self._check_same_batch_in_group(inputs)
+            rank_agreement.check_same_batch_in_group(inputs, rank=self.rank, sequence_group=self._sequence_group,
+                                                     size=self.sequence_parallel.size, device=self.device)
         primals = [self.storage.param_input(p.fqn) for p in captured.params]
         primals += [self.buffers[b.fqn] for b in captured.buffers]
         primals += inputs
@@ -571,22 +460,6 @@ class Engine:
         return loss
 
     forward = __call__
-
-    def _check_same_batch_in_group(self, inputs: list[torch.Tensor]) -> None:
-        """The ranks of a sequence group must pass the same batch (each takes its own slice of
-        it): a checksum of the inputs, compared with one small all-reduce over the group."""
-        sums = []
-        for t in inputs:
-            flat = t.detach().flatten().double()
-            sums += [flat.sum(), (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)).sum()]
-        both = torch.stack(sums + [-x for x in sums]) if sums else torch.zeros(2, dtype=torch.float64, device=self.device)
-        mine = both.clone()
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._sequence_group)
-        if not torch.equal(both, mine):
-            raise RankDivergenceError(
-                f"rank {self.rank}: the ranks of its sequence group (zerofx.sequence_parallel.size {self.sequence_parallel.size}: "
-                "ranks r with the same r // size) passed different batches; every rank of a group must pass the same whole "
-                "batch, and zerofx takes each rank's slice of the sequence itself")
 
     _schedule_end_warned = False  # set on the instance by its first warning
 
@@ -613,16 +486,12 @@ class Engine:
                 return self.wait_timer.run(name, program.graph_modules(self.rank)[name], args_list)
             return program.run(self.rank, name, args_list, self.cfg.graph_compiler)
         except RuntimeError as exc:
-            if isinstance(exc, ZeroFXError) or not _is_comm_failure(exc):
+            if isinstance(exc, ZeroFXError) or not rank_agreement.is_comm_failure(exc):
                 raise
-            raise self._comm_failure(f"the {name} graph, at {_failing_collective(exc)}", exc) from exc
+            raise self._comm_failure(f"the {name} graph, at {rank_agreement.failing_collective(exc)}", exc) from exc
 
     def _comm_failure(self, where: str, exc: BaseException) -> CollectiveTimeoutError:
-        return CollectiveTimeoutError(
-            f"rank {self.rank}: a collective failed in {where} (timeout {self.collective_timeout_s:g} s, config key "
-            f"zerofx.collective_timeout_s): a peer is dead, stalled or issuing a different collective. "
-            f"{str(exc).strip().splitlines()[0]}"
-        )
+        return rank_agreement.comm_failure(self.rank, self.collective_timeout_s, where, exc)
 
     @property
     def setup_times(self) -> dict[str, float]:
@@ -888,59 +757,6 @@ def _check_has_trainable_params(model: nn.Module) -> None:
             f"every parameter of {type(model).__name__} is frozen (requires_grad=False); unfreeze the ones to train "
             "(zerofx trains with an optimizer over them)"
         )
-
-
-def _model_layout(model: nn.Module) -> list[str]:
-    """Each parameter's and buffer's name, shape, dtype (and whether it trains), in order."""
-    params = [f"parameter {n} {list(p.shape)} {p.dtype} requires_grad={p.requires_grad}" for n, p in model.named_parameters()]
-    return params + [f"buffer {n} {list(b.shape)} {b.dtype}" for n, b in model.named_buffers()]
-
-
-def _check_same_config(cfg: ZeroConfig, model: nn.Module, group: dist.ProcessGroup, world_size: int) -> None:
-    """Raise ``RankDivergenceError`` on every rank when ranks were given settings that change the
-    collectives or the numerics, or models of other layouts (NOTE [Ranks agree before any
-    collective]); the message names the keys or the first tensor that differs. One
-    ``all_gather_object`` at initialize."""
-    layout = _model_layout(model)
-    mine = (cfg.fingerprint_fields(), hashlib.sha256("\n".join(layout).encode()).hexdigest())
-    everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=group)
-    if len({digest for _, digest in everyone}) > 1:
-        layouts: list[Any] = [None] * world_size
-        dist.all_gather_object(layouts, layout, group=group)
-        first = next(i for i in range(max(map(len, layouts))) if len({tuple(x[i:i + 1]) for x in layouts}) > 1)
-        shown = ", ".join(f"rank {r} {x[first] if first < len(x) else 'nothing'}" for r, x in enumerate(layouts))
-        raise RankDivergenceError(f"ranks built different models: entry #{first} is {shown}; build the model the same way on every rank")
-    difference = first_config_difference([fields for fields, _ in everyone])
-    if difference is not None:
-        raise RankDivergenceError(f"ranks were given different settings ({difference}); every rank must use the same config")
-
-
-def _describe_signature(sig: Any) -> str:
-    """A rank's input signature as a short text: each tensor's shape and dtype, in call order."""
-    _, leaves = sig
-    return ", ".join(f"{list(x[0])} {str(x[1]).removeprefix('torch.')}" if x[0] != "const" else f"{x[1]}" for x in leaves) or "no tensors"
-
-
-# Text in the errors a backend raises when a collective's peer is gone or too slow.
-_COMM_FAILURE_MARKERS = ("timed out", "timeout", "connection reset", "connection closed", "broken pipe",
-                         "received data size", "socket", "peer")
-
-
-def _is_comm_failure(exc: BaseException) -> bool:
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc).lower()
-    return any(m in text for m in _COMM_FAILURE_MARKERS)
-
-
-def _failing_collective(exc: BaseException) -> str:
-    """The graph line that raised (its collective or wait), from the traceback: FX registers each
-    graph's generated source, so the frame's line is the node's Python."""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if frame.filename.startswith("<eval_with_key>") and frame.line:
-            return f"`{frame.line.strip()}`"
-    return "a collective"
 
 
 def _meta_init_device(group: dist.ProcessGroup) -> torch.device:

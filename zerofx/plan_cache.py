@@ -349,7 +349,7 @@ def _payload(program: Program, rank: int) -> bytes:
 
 def program_bytes(program: Program, rank: int) -> bytes:
     """``program``, lowered for ``rank``, as bytes ``program_from_bytes`` reads back: what a cache
-    entry holds, and what rank 0 sends the other ranks (NOTE [One build per job] in zerofx/engine.py)."""
+    entry holds, and what rank 0 sends the other ranks (NOTE [One build per job] in zerofx/rank_agreement.py)."""
     return _payload(program, rank)
 
 

@@ -352,7 +352,7 @@ def resolve_shard_group_size(cfg: ZeroConfig, world_size: int) -> tuple[int, str
 
 def planning_sequence_parallel(cfg: ZeroConfig, world_size: int) -> SequenceParallelSpec | None:
     """The config's sequence parallelism for a program planned without a process group: its
-    collectives carry the name the engine registers (NOTE [Sequence groups] in zerofx/engine.py)."""
+    collectives carry the name the engine registers (NOTE [Sequence groups] in zerofx/rank_groups.py)."""
     spec = cfg.sequence_parallel()
     return None if spec is None else replace(spec, group_name=f"zerofx_sequence_{spec.size}of{world_size}")
 
