@@ -1,14 +1,17 @@
 """Ring attention alone (NOTE [Ring attention] in passes/ring_attention.py) on S gloo ranks: the
 bytes autograd saves for the backward, peak RSS and the forward + backward time, for the op in
-this tree against an older unrolled ring given as a file (one ``ring_shift`` per block and one
-``ring_block_attention`` per step, traced by autograd).
+this tree in contiguous slices (``op``) and in the zigzag layout (``zigzag``, NOTE [Zigzag layout
+for causal rings] in passes/sequence_parallel.py), and optionally an older unrolled ring given as
+a file (``unrolled``: one ``ring_shift`` per block and one ``ring_block_attention`` per step,
+traced by autograd).
 
-    git show <commit>:passes/ring_attention.py > /tmp/unrolled_ring.py
-    python -m benchmarks.bench_ring_attention --unrolled /tmp/unrolled_ring.py
+    python -m benchmarks.bench_ring_attention --variants op,zigzag --sizes 2
+    git show b509f71:passes/ring_attention.py > /tmp/unrolled_ring.py
+    python -m benchmarks.bench_ring_attention --variants op,unrolled --unrolled /tmp/unrolled_ring.py
 
 Per sequence-parallel size S (``--sizes``), each variant runs ``--rounds`` times in fresh
 processes (``run_ranks(fresh=True)``, so each peak RSS is its own), the rounds interleaved (round
-r starts with the other variant than round r - 1). A run is one untimed forward + backward and
+r starts with the variant after round r - 1's first). A run is one untimed forward + backward and
 ``--reps`` timed ones of causal attention, fp32, q, k, v of shape (B, H, T/S, D) per rank. Per
 run and rank: the bytes of the distinct tensors autograd saved in one forward
 (``saved_tensors_hooks``), VmHWM before the first forward and after the last backward, and each
@@ -54,9 +57,9 @@ def run_rank(rank: int, world_size: int, variant: str, unrolled_path: str, shape
     local = t // world_size
     gen = torch.Generator().manual_seed(rank)
     q, k, v, grad = (torch.randn(b, h, local, d, generator=gen) for _ in range(4))
-    if variant == "op":
+    if variant in ("op", "zigzag"):
         def attend(*qkv: torch.Tensor) -> torch.Tensor:
-            return ring_attention(*qkv, None, is_causal=True, scale=d ** -0.5, size=world_size, group_name=GROUP)
+            return ring_attention(*qkv, None, is_causal=True, scale=d ** -0.5, size=world_size, group_name=GROUP, zigzag=variant == "zigzag")
     else:
         old = _unrolled(unrolled_path)
 
@@ -90,19 +93,23 @@ def main() -> None:
     from tests.support.dist_utils import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--unrolled", required=True, help="the older ring_attention.py, as a file")
+    parser.add_argument("--variants", default="op,zigzag", help="comma-separated, of op, zigzag, unrolled")
+    parser.add_argument("--unrolled", help="the older ring_attention.py, as a file (for the unrolled variant)")
     parser.add_argument("--sizes", default="2,4")
     parser.add_argument("--shape", default="4,32,256,128", help="B,H,T,D of the whole attention")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=f"benchmarks/results/ring_attention_memory_{datetime.date.today()}")
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    if not set(variants) <= {"op", "zigzag", "unrolled"} or ("unrolled" in variants) != bool(args.unrolled):
+        parser.error(f"--variants {args.variants!r}: accepted op, zigzag and unrolled, the last with --unrolled FILE")
     shape = tuple(int(x) for x in args.shape.split(","))
     load = [Path("/proc/loadavg").read_text().strip()]
     runs: list[dict] = []
     for size in (int(s) for s in args.sizes.split(",")):
         for r in range(args.rounds):
-            for variant in (("op", "unrolled") if r % 2 == 0 else ("unrolled", "op")):
+            for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
                 ranks = run_ranks(size, run_rank, variant, args.unrolled, shape, args.reps, fresh=True)
                 runs.append({"size": size, "variant": variant, "round": r, "ranks": ranks})
                 print(size, variant, r, [x["saved_bytes"] for x in ranks], flush=True)
@@ -111,12 +118,14 @@ def main() -> None:
     lines = [f"# Ring attention: saved bytes, peak RSS and time ({datetime.date.today()})", "",
              f"Causal fp32 attention of shape (B, H, T, D) = {shape}, one forward + backward per step, {args.reps} timed steps "
              f"per run, {args.rounds} interleaved rounds per variant, fresh gloo processes per run, one thread per rank. "
-             f"`op`: the `zerofx::ring_attention` op; `unrolled`: the ring unrolled into ring_shift and ring_block_attention "
-             f"ops. Load average before: `{load[0]}`; after: `{load[1]}` (2 cores, shared with other jobs).", "",
+             f"`op`: the `zerofx::ring_attention` op on contiguous slices; `zigzag`: the same op in the zigzag layout; "
+             f"`unrolled`: the ring unrolled into ring_shift and ring_block_attention ops. Command: "
+             f"`python -m benchmarks.bench_ring_attention {' '.join(sys.argv[1:])}`. "
+             f"Load average before: `{load[0]}`; after: `{load[1]}` (2 cores, shared with other jobs).", "",
              "| S | variant | saved MiB per rank (max) | k+v block pairs saved | VmHWM growth MiB (max rank, median of rounds) | "
              "step s median [q1, q3] (slowest rank) |", "|---|---|---|---|---|---|"]
     for size in sorted({run["size"] for run in runs}):
-        for variant in ("unrolled", "op"):
+        for variant in variants:
             mine = [run for run in runs if run["size"] == size and run["variant"] == variant]
             saved = max(x["saved_bytes"] for run in mine for x in run["ranks"])
             block = mine[0]["ranks"][0]["block_bytes"]

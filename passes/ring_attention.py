@@ -9,7 +9,7 @@ no node meta.
 NOTE [Ring attention]
 Each rank r of a sequence group of S ranks keeps its query slice q: (B, H, T/S, D), and its key
 and value slices k, v: (B, Hkv, T/S, D) travel around the group's ring inside one custom op,
-``zerofx::ring_attention(q, k, v, mask, is_causal, scale, group_name, S) -> (out, lse)``. At step
+``zerofx::ring_attention(q, k, v, mask, is_causal, scale, group_name, S, zigzag) -> (out, lse)``. At step
 i (0 <= i < S) rank r holds the block of source rank j = (r - i) mod S; for i < S - 1 it posts the
 send of that block to rank r + 1 and the receive of the next from rank r - 1 (``isend``/``irecv``
 through ``batch_isend_irecv`` on the group registered under ``group_name``), attends to the block
@@ -19,15 +19,14 @@ softmax in fp32: ``lse = logaddexp(lse, lse_j)`` and ``acc = exp(lse_old - lse) 
 the output is ``acc``, the softmax over all T keys exactly, and the op also returns lse, the
 log-sum-exp over all T keys (+inf for a query that attends to no key; lse gets no gradient).
 
-Causal attention (top-left, query t attends keys <= t): block j against own slice r is the
-diagonal block at step 0 (j = r, causal within the block), wholly visible when j < r, and
-wholly masked when j > r. Inside the op the rank is a Python int, so a masked block is not
-computed; it is still received and passed on, so every rank sends and receives at every step
-and the pattern stays symmetric. Skipping saves the lower ranks work, not time: rank S - 1
-attends to every block and each exchange waits for the neighbours (contiguous slices; a zigzag
-split of the sequence would balance the ranks). A mask ``attn_mask``
-(boolean, True = attend, or additive) broadcastable to (B, H, T, T) is cut to the rank's query
-rows and the source's key columns of each block. Rows whose keys are all masked in a block
+Causal attention (top-left, query t attends keys <= t): with contiguous slices, block j against
+own slice r is the diagonal block at step 0 (j = r, causal within the block), wholly visible
+when j < r, and wholly masked when j > r; in the zigzag layout each step attends half a block
+(``_blocks``, NOTE [Zigzag layout for causal rings] in passes/sequence_parallel.py). Inside the
+op the rank is a Python int, so a masked block is not computed; it is still received and passed
+on, so every rank sends and receives at every step and the pattern stays symmetric. A mask
+``attn_mask`` (boolean, True = attend, or additive) broadcastable to (B, H, T, T) is cut to the
+positions of the rank's query rows and of the source's key columns of each block. Rows whose keys are all masked in a block
 contribute nothing; a row masked in every block gets output 0, as blocked attention gives it.
 Grouped-query heads (Hkv | H) pass to the kernel as they are; key/value heads are repeated
 only inside it.
@@ -121,20 +120,46 @@ def choose_attention(heads: list[AttentionShape], size: int) -> tuple[SequenceAt
 
 
 # --------------------------------------------------------------------------- the ring
-def _block_mask(mask: Tensor | None, rank: int, source: int, local_len: int, seq_len: int) -> Tensor | None:
-    """``mask`` (broadcastable to (B, H, T, T)) cut to the query rows of ``rank`` and the key columns of ``source``."""
+def zigzag_chunks(rank: Tensor | int, size: int) -> tuple[Tensor | int, Tensor | int]:
+    """The two chunks of 2·S equal chunks of the sequence that rank r holds under the zigzag
+    layout, in order: r and 2S - 1 - r (NOTE [Zigzag layout for causal rings])."""
+    return rank, 2 * size - 1 - rank
+
+
+def _global_positions(rank: int, size: int, local_len: int, zigzag: bool, device: torch.device) -> Tensor:
+    """The sequence positions rank ``rank`` holds, in local order."""
+    if not zigzag:
+        return torch.arange(rank * local_len, (rank + 1) * local_len, device=device)
+    half = local_len // 2
+    return torch.cat([torch.arange(c * half, (c + 1) * half, device=device) for c in zigzag_chunks(rank, size)])
+
+
+def _blocks(rank: int, source: int, local_len: int, is_causal: bool, zigzag: bool) -> list[tuple[slice, slice, bool]]:
+    """The (query rows, key rows, causal within) pairs of this rank's slice against ``source``'s
+    that attend to anything, in local positions (NOTE [Ring attention], NOTE [Zigzag layout for
+    causal rings]). The own block is causal within; the others are wholly visible or skipped."""
+    whole = slice(0, local_len)
+    if not is_causal:
+        return [(whole, whole, False)]
+    if source == rank:
+        return [(whole, whole, True)]  # positions ascend in local order in both layouts
+    if not zigzag:
+        return [(whole, whole, False)] if source < rank else []
+    half = local_len // 2
+    if source < rank:  # both of this rank's chunks come after the source's first chunk, before its second
+        return [(whole, slice(0, half), False)]
+    return [(slice(half, local_len), whole, False)]  # only this rank's second chunk comes after both of the source's
+
+
+def _block_mask(mask: Tensor | None, rows: Tensor, cols: Tensor, seq_len: int) -> Tensor | None:
+    """``mask`` (broadcastable to (B, H, T, T)) cut to the query positions ``rows`` and key positions ``cols``."""
     if mask is None:
         return None
     if mask.dim() >= 2 and mask.size(-2) == seq_len:
-        mask = mask.narrow(-2, rank * local_len, local_len)
+        mask = mask.index_select(-2, rows.to(mask.device))
     if mask.size(-1) == seq_len:
-        mask = mask.narrow(-1, source * local_len, local_len)
+        mask = mask.index_select(-1, cols.to(mask.device))
     return mask
-
-
-def _visible(is_causal: bool, rank: int, source: int) -> bool:
-    """Whether any query of ``rank`` attends to a key of ``source`` (causal: source <= rank)."""
-    return not is_causal or source <= rank
 
 
 class _Exchange:
@@ -164,28 +189,33 @@ def _group(group_name: str, size: int) -> tuple[dist.ProcessGroup, int]:
 
 @torch.library.custom_op("zerofx::ring_attention", mutates_args=())
 def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float, group_name: str,
-                      size: int) -> tuple[Tensor, Tensor]:
+                      size: int, zigzag: bool) -> tuple[Tensor, Tensor]:
     """(out, lse) of this rank's queries q: (B, H, T/S, D) over the whole sequence, whose key and
     value slices k, v: (B, Hkv, T/S, D) are spread over the ``size`` ranks of ``group_name``
-    (NOTE [Ring attention]). lse: (B, H, T/S) fp32, +inf for a query that attends to no key."""
+    (NOTE [Ring attention]); ``zigzag``: each rank holds the chunks of ``zigzag_chunks``, else
+    one contiguous slice. lse: (B, H, T/S) fp32, +inf for a query that attends to no key."""
     group, rank = _group(group_name, size)
     local_len = q.size(-2)
+    rows = _global_positions(rank, size, local_len, zigzag, q.device)
     acc = torch.zeros((*q.shape[:-1], v.size(-1)), dtype=torch.float32, device=q.device)  # Σ exp(lse_i - lse) o_i
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     block = [k, v]
     for step in range(size):
         exchange = _Exchange(block, group, 0) if step < size - 1 else None  # the next block arrives while this one is used
         source = (rank - step) % size
-        if _visible(is_causal, rank, source):
-            mask_j = _block_mask(mask, rank, source, local_len, local_len * size)
-            out_j, lse_j = torch.ops.zerofx.blocked_attention(q, *block, mask_j, is_causal and step == 0, scale, local_len, local_len)
+        cols = _global_positions(source, size, local_len, zigzag, q.device)
+        for qs, ks, causal in _blocks(rank, source, local_len, is_causal, zigzag):
+            mask_j = _block_mask(mask, rows[qs], cols[ks], local_len * size)
+            kb, vb = (x[:, :, ks] for x in block)
+            out_j, lse_j = torch.ops.zerofx.blocked_attention(q[:, :, qs], kb, vb, mask_j, causal, scale, local_len, local_len)
             keep = torch.isfinite(lse_j)  # a row whose keys in this block are all masked contributes nothing
             lse_j = torch.where(keep, lse_j, float("-inf"))
-            lse_new = torch.logaddexp(lse, lse_j)
+            lse_old = lse[:, :, qs]
+            lse_new = torch.logaddexp(lse_old, lse_j)
             lse_safe = torch.where(torch.isinf(lse_new), 0.0, lse_new)  # -inf: no key so far
             out_j = torch.where(keep.unsqueeze(-1), out_j.float(), 0.0)
-            acc = torch.exp(lse - lse_safe).unsqueeze(-1) * acc + torch.exp(lse_j - lse_safe).unsqueeze(-1) * out_j
-            lse = lse_new
+            acc[:, :, qs] = torch.exp(lse_old - lse_safe).unsqueeze(-1) * acc[:, :, qs] + torch.exp(lse_j - lse_safe).unsqueeze(-1) * out_j
+            lse[:, :, qs] = lse_new
         if exchange is not None:
             block = exchange.wait()
     # A row masked everywhere: output 0 and lse +inf, so its backward's exp(s - lse) is 0 (as blocked_attention's).
@@ -194,31 +224,36 @@ def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
 
 @ring_attention_op.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float, group_name: str,
-      size: int) -> tuple[Tensor, Tensor]:
+      size: int, zigzag: bool) -> tuple[Tensor, Tensor]:
     return q.new_empty((*q.shape[:-1], v.size(-1))), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("zerofx::ring_attention_backward", mutates_args=())
 def ring_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
-                            is_causal: bool, scale: float, group_name: str, size: int) -> tuple[Tensor, Tensor, Tensor]:
+                            is_causal: bool, scale: float, group_name: str, size: int, zigzag: bool) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of ``ring_attention``: k and v travel the ring again, each with the fp32
     gradient accumulated for it so far, which ends on its own rank (NOTE [Ring attention])."""
     group, rank = _group(group_name, size)
     local_len = q.size(-2)
+    rows = _global_positions(rank, size, local_len, zigzag, q.device)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     block, incoming = [k, v], None
     for step in range(size):
         exchange = _Exchange(block, group, 0) if step < size - 1 else None
         source = (rank - step) % size
-        if _visible(is_causal, rank, source):
-            mask_j = _block_mask(mask, rank, source, local_len, local_len * size)
+        cols = _global_positions(source, size, local_len, zigzag, q.device)
+        mine = None
+        for qs, ks, causal in _blocks(rank, source, local_len, is_causal, zigzag):
+            mask_j = _block_mask(mask, rows[qs], cols[ks], local_len * size)
+            kb, vb = (x[:, :, ks] for x in block)
             # With the global out and lse, a block's FlashAttention backward is its share of the gradients.
-            dq_j, dk_j, dv_j = torch.ops.zerofx.blocked_attention_backward(grad_out, q, *block, out, lse, mask_j, is_causal and step == 0,
-                                                                          scale, local_len, local_len)
-            dq += dq_j.float()
-            mine = [dk_j.float(), dv_j.float()]
-        else:
-            mine = None
+            dq_j, dk_j, dv_j = torch.ops.zerofx.blocked_attention_backward(grad_out[:, :, qs], q[:, :, qs], kb, vb, out[:, :, qs],
+                                                                          lse[:, :, qs], mask_j, causal, scale, local_len, local_len)
+            dq[:, :, qs] += dq_j.float()
+            if mine is None:
+                mine = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in block]
+            mine[0][:, :, ks] += dk_j.float()
+            mine[1][:, :, ks] += dv_j.float()
         theirs = incoming.wait() if incoming is not None else None  # this block's gradients from the ranks it visited before
         if mine is None:
             grads = theirs or [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in block]
@@ -233,32 +268,33 @@ def ring_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, o
 
 @ring_attention_backward.register_fake
 def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
-      is_causal: bool, scale: float, group_name: str, size: int) -> tuple[Tensor, Tensor, Tensor]:
+      is_causal: bool, scale: float, group_name: str, size: int, zigzag: bool) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(x.new_empty(x.shape) for x in (q, k, v))
 
 
 def _ring_setup(ctx, inputs, output) -> None:
-    q, k, v, mask, is_causal, scale, group_name, size = inputs
+    q, k, v, mask, is_causal, scale, group_name, size, zigzag = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask)  # k and v: this rank's T/S positions only
-    ctx.args = (is_causal, scale, group_name, size)
+    ctx.args = (is_causal, scale, group_name, size, zigzag)
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
     q, k, v, out, lse, mask = ctx.saved_tensors
     dq, dk, dv = torch.ops.zerofx.ring_attention_backward(grad_out, q, k, v, out, lse, mask, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal: bool, scale: float, size: int,
-                   group_name: str) -> Tensor:
+                   group_name: str, zigzag: bool = False) -> Tensor:
     """Attention of this rank's queries q: (B, H, T/S, D) over the whole sequence, one
-    ``zerofx::ring_attention`` op: (B, H, T/S, Dv)."""
-    out, _ = torch.ops.zerofx.ring_attention(q, k, v, mask, is_causal, scale, group_name, size)
+    ``zerofx::ring_attention`` op: (B, H, T/S, Dv). ``zigzag``: the ranks hold the sequence in
+    the zigzag layout (NOTE [Zigzag layout for causal rings]), T/S even."""
+    out, _ = torch.ops.zerofx.ring_attention(q, k, v, mask, is_causal, scale, group_name, size, zigzag)
     return out
 
 
@@ -275,8 +311,8 @@ def ring_exchanges(node: fx.Node) -> tuple[int, ...]:
     v S - 1 times, and the fp32 gradients of k and v S times."""
     if not is_ring_attention(node):
         return ()
-    size = node.args[-1]
     backward = node.target is torch.ops.zerofx.ring_attention_backward.default
+    size = node.args[10 if backward else 7]
     k, v = (a.meta["val"] for a in (node.args[2:4] if backward else node.args[1:3]))
     sent: list[int] = []
     for step in range(size):

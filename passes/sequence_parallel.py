@@ -14,7 +14,8 @@ tiling finds it (NOTE [Sequence dimension propagation] in passes/seq_regions.py)
 is traced again with three changes:
 
 - Sources of the axis (inputs, ``arange(T)``, prefix slices of rotary tables) are cut to this
-  rank's positions ``[r·T/S, (r+1)·T/S)`` where a token-wise op reads them; token-wise ops
+  rank's positions ``[r·T/S, (r+1)·T/S)`` (or the zigzag layout's two chunks, NOTE [Zigzag
+  layout for causal rings]) where a token-wise op reads them; token-wise ops
   (norms, projections, MLP, residuals, rotary products) run on the local slice, their shape
   arguments with T/S in place of T. Rotary tables and position ids are cut the same way, so
   each rank applies its own offset.
@@ -59,7 +60,7 @@ import torch
 import torch.fx as fx
 
 from zerofx.passes import _compat, meta
-from zerofx.passes.ring_attention import AttentionShape, SequenceAttention, choose_attention, ring_attention
+from zerofx.passes.ring_attention import AttentionShape, SequenceAttention, choose_attention, ring_attention, zigzag_chunks
 from zerofx.passes.seq_regions import SeqAnalysis, analyze, is_sdpa, op_packet, sequence_length
 
 aten = torch.ops.aten
@@ -82,6 +83,7 @@ class SequenceParallelSpec:
     size: int
     attention: SequenceAttention = SequenceAttention.ULYSSES
     group_name: str = ""
+    load_balance: bool = True  # zigzag layout for causal ring attention (NOTE [Zigzag layout for causal rings])
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class SequenceParallelPlan:
     num_attention: int
     loss_shift: int
     decisions: tuple[str, ...]
+    zigzag: bool = False  # each rank holds chunks r and 2S - 1 - r of 2S (NOTE [Zigzag layout for causal rings])
 
     @property
     def local_len(self) -> int:
@@ -245,8 +248,37 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
                 "passes/ring_attention.py)")
     decisions.append(f"sequence parallelism ({attention.value}) over {size} ranks: {an.seq_len} tokens -> {an.seq_len // size} per rank, "
                      f"{len(heads)} attention(s), {how}, loss shift {losses[0].shift}")
+    zigzag, layout = _choose_layout(gm, spec, attention, an.seq_len)
+    decisions.append(layout)
     return SequenceParallelPlan(size=size, group_name=spec.group_name, seq_len=an.seq_len, attention=attention,
-                                num_attention=len(heads), loss_shift=losses[0].shift, decisions=tuple(decisions))
+                                num_attention=len(heads), loss_shift=losses[0].shift, decisions=tuple(decisions), zigzag=zigzag)
+
+
+def _choose_layout(gm: fx.GraphModule, spec: SequenceParallelSpec, attention: SequenceAttention, seq_len: int) -> tuple[bool, str]:
+    """NOTE [Zigzag layout for causal rings]
+    With causal ring attention and contiguous slices, rank r attends to r + 1 of the S key/value
+    blocks (its own half of them causally), so rank S - 1 does about 2S - 1 times the attention
+    work of rank 0, and every ring step waits for it. Cut into 2S chunks instead, rank r holding
+    chunks r and 2S - 1 - r (``zigzag_chunks`` in passes/ring_attention.py), every rank does the
+    same work: its own block causally, then at each step half a block (all its queries against
+    the first chunk of an earlier rank's keys, or its second chunk's queries against all of a
+    later rank's keys). Every source of the axis is cut by the same positions (``_Sharded._positions``),
+    so token-wise ops, rotary tables, position ids and the shifted labels see the layout as they
+    see contiguous slices; the ring op reads it for the causal blocks and the mask's rows and
+    columns. Chosen for ring attention with any ``is_causal`` attention when 2S divides T and
+    ``sequence_parallel.load_balance`` is on (the default); Ulysses gathers the whole sequence in
+    rank order, so it keeps contiguous slices."""
+    causal = any(is_sdpa(n) and bool(n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False)) for n in gm.graph.nodes)
+    if attention is not SequenceAttention.RING or not causal:
+        return False, "sequence layout: contiguous slices (zigzag balances causal ring attention only)"
+    if not spec.load_balance:
+        return False, "sequence layout: contiguous slices (sequence_parallel.load_balance is off)"
+    if seq_len % (2 * spec.size):
+        return False, (f"sequence layout: contiguous slices, so rank {spec.size - 1} does the most causal attention work: zigzag needs "
+                       f"the sequence length {seq_len} divisible by 2 x size = {2 * spec.size}")
+    chunk = seq_len // (2 * spec.size)
+    return True, (f"sequence layout: zigzag for causal ring attention, rank r holding chunks r and {2 * spec.size - 1} - r of "
+                  f"{2 * spec.size} ({chunk} tokens each), so every rank does the same attention work")
 
 
 def _check_attention(node: fx.Node, an: SeqAnalysis, local: set[fx.Node], size: int, module: str) -> AttentionShape:
@@ -326,7 +358,12 @@ class _Sharded(fx.Interpreter):
             p = self.plan
             # Rank r receives element r from every rank: S copies of its own rank in the group.
             ranks = _all_to_all(torch.arange(p.size, dtype=torch.int64, device=like.device), p.size, p.group_name, grad=False)
-            self.positions = torch.arange(p.local_len, dtype=torch.int64, device=like.device) + ranks[0] * p.local_len
+            if p.zigzag:  # NOTE [Zigzag layout for causal rings]
+                half = p.local_len // 2
+                within = torch.arange(half, dtype=torch.int64, device=like.device)
+                self.positions = torch.cat([within + chunk * half for chunk in zigzag_chunks(ranks[0], p.size)])
+            else:
+                self.positions = torch.arange(p.local_len, dtype=torch.int64, device=like.device) + ranks[0] * p.local_len
         return self.positions
 
     def _local(self, node: Any) -> Any:
@@ -378,7 +415,7 @@ class _Sharded(fx.Interpreter):
             named = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest)) | kwargs
             scale = named.get("scale") or q.shape[-1] ** -0.5
             return ring_attention(q, k, v, named.get("attn_mask"), is_causal=bool(named.get("is_causal", False)), scale=scale,
-                                  size=size, group_name=group)  # (B, H, T/S, D)
+                                  size=size, group_name=group, zigzag=self.plan.zigzag)  # (B, H, T/S, D)
         if k.shape[1] % size:  # key/value heads S does not divide: repeat them to the query heads
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

@@ -54,6 +54,10 @@ def check_exchanges(res: dict, case: tuple[str, int, int, str, str]) -> None:
         assert res["all_to_alls"] == {"forward": forward, "backward": 0}, case
         assert res["ring_ops"] == {"forward": layers, "backward": layers}, case
         assert res["ring_sends"] == {"forward": 2 * (size - 1) * layers, "backward": (2 * (size - 1) + 2 * size) * layers}, case
+    # Causal rings hold the zigzag layout unless it is turned off (NOTE [Zigzag layout for causal rings]).
+    layout = next(d for d in res["decisions"] if d.startswith("sequence layout"))
+    zigzag = attention == "ring" and kind != "esm" and feature != "contiguous"
+    assert layout.startswith("sequence layout: zigzag" if zigzag else "sequence layout: contiguous"), (case, layout)
 
 
 # Mixed precision rounds every value the forward and backward compute: bf16 keeps 8 significant
@@ -89,12 +93,13 @@ def check_mixed(results: list[dict], case: tuple[str, int, int, str, str]) -> No
 @pytest.mark.multiprocess
 def test_parity_sequence_2_ulysses_and_ring_dna_llama_esm(tmp_path: Path) -> None:
     """World 2, sequence-parallel size 2, one launch: the DNA LM with Ulysses at stage 3 and ring
-    at stages 0 and 3 (with optimizer, parameter and gradient offload to CPU), Hugging Face Llama
+    at stage 0 in contiguous slices and at stage 3 in the zigzag layout (with optimizer, parameter
+    and gradient offload to CPU), Hugging Face Llama
     (causal, grouped-query attention) with ring, and Hugging Face ESM (bidirectional masked LM,
     rotary, a padding attention mask) with both; the DNA LM in bf16 with ring and in fp16 with
     Ulysses, each against fp32. The first engine's
     checkpoint saves and loads, and refuses ranks of a group passing different batches."""
-    cases = [("dna", 3, 2, "ulysses", "fp32"), ("dna", 0, 2, "ring", "fp32"), ("dna", 3, 2, "ring", "offload"),
+    cases = [("dna", 3, 2, "ulysses", "fp32"), ("dna", 0, 2, "ring", "contiguous"), ("dna", 3, 2, "ring", "offload"),
              ("llama", 3, 2, "ring", "fp32"), ("esm", 0, 2, "ulysses", "fp32"), ("esm", 3, 2, "ring", "fp32")]
     bf16, fp16 = ("dna", 3, 2, "ring", "bf16"), ("dna", 3, 2, "ulysses", "fp16")
     results = run_ranks(2, workers.train, [*cases, bf16, fp16], STEPS, str(tmp_path))
@@ -113,9 +118,10 @@ def test_parity_sequence_2_ulysses_and_ring_dna_llama_esm(tmp_path: Path) -> Non
 def test_ring_attention_matches_sdpa_in_a_group() -> None:
     """The ring by itself (NOTE [Ring attention]) on 2 gloo ranks: output and gradients of each
     rank's slice match SDPA over the whole sequence, causal, bidirectional, masked, in fp32,
-    bf16 and fp16; autograd saves the rank's T/S keys and values only."""
+    bf16 and fp16, and causal in the zigzag layout (NOTE [Zigzag layout for causal rings]);
+    autograd saves the rank's T/S keys and values only."""
     for rank, by_case in enumerate(run_ranks(2, workers.ring_attention_errors)):
-        assert set(by_case) == {"causal", "gqa", "additive", "boolean", "bf16", "fp16"}
+        assert set(by_case) == {"causal", "gqa", "additive", "boolean", "bf16", "fp16", "zigzag_gqa", "zigzag_boolean"}
         for case, res in by_case.items():
             assert res["error"] < RING_TOLERANCES.get(case, 1e-5), (rank, case, res["error"])
             assert not res["dtypes"], (rank, case)  # the output and gradients in the inputs' dtype

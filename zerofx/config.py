@@ -394,6 +394,9 @@ SCHEMA: dict[str, Key] = {
                              "(key/value blocks passed around the group, NOTE [Ring attention]) or \"auto\" (the one that sends fewer "
                              "bytes, ring where the size does not divide the query heads)", lambda v: v in {a.value for a in SequenceAttention},
                              ", ".join(f'"{a.value}"' for a in SequenceAttention)),
+            "load_balance": Key((bool,), "with ring attention and a causal mask, each rank holds sequence chunks r and 2·size - 1 - r "
+                                "(zigzag) so every rank does the same attention work (default true; needs the sequence length divisible "
+                                "by 2·size, else contiguous slices; NOTE [Zigzag layout for causal rings])"),
         }),
         "profile": Key((str,), "hardware the planner sizes buckets, prefetch and shard groups for: a built-in profile "
                        f"({', '.join(BUILTIN_PROFILES)}) or a JSON file from zerofx calibrate (default: cpu, gloo on CPU cores)",
@@ -552,7 +555,8 @@ class ZeroConfig:
         section = self.raw.get("zerofx", {}).get("sequence_parallel")
         if section is None or section.get("size", 1) == 1:
             return None
-        return SequenceParallelSpec(size=section["size"], attention=SequenceAttention(section.get("attention", "ulysses")))
+        return SequenceParallelSpec(size=section["size"], attention=SequenceAttention(section.get("attention", "ulysses")),
+                                    load_balance=section.get("load_balance", True))
 
     def tiling_options(self) -> TilingOptions | None:
         """The ``zerofx.tiling`` section as ``TilingOptions``; None when the section is absent."""

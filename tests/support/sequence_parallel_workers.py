@@ -20,6 +20,7 @@ FEATURES: dict[str, dict] = {
     "bf16": {"bf16": {"enabled": True}},
     "fp16": {"fp16": {"enabled": True}},
     "shard2": {"zerofx": {"shard_group_size": 2}},  # hierarchical sharding: shard groups of 2 ranks
+    "contiguous": {"zerofx": {"sequence_parallel": {"load_balance": False}}},  # causal ring without the zigzag layout
 }
 IGNORE = -100
 ESM_VOCAB, ESM_PAD, ESM_MASK = CONFIG.vocab_size + 2, CONFIG.vocab_size, CONFIG.vocab_size + 1
@@ -109,7 +110,8 @@ def train(rank: int, world_size: int, cases: list[tuple[str, int, int, str, str]
         group = rank // size
         ids, labels = batches(world_size // size, steps, kind=kind)
         extra = FEATURES[feature]
-        own = {**extra.get("zerofx", {}), "sequence_parallel": {"size": size, "attention": attention}}
+        own = extra.get("zerofx", {})
+        own = {**own, "sequence_parallel": {"size": size, "attention": attention, **own.get("sequence_parallel", {})}}
         config = {**extra, "zero_optimization": {"stage": stage, **extra.get("zero_optimization", {})}, "optimizer": SGD, "zerofx": own}
         engine = zerofx.initialize(model(kind), config, example_inputs=(ids[0, group],),
                                    example_kwargs={"labels": labels[0, group], **attention_mask(kind, ids[0, group])})
@@ -221,30 +223,34 @@ def ring_attention_errors(rank: int, world_size: int) -> dict[str, dict]:
     """``ring_attention`` over the whole world as one ring against fp32 SDPA on the whole
     sequence, per case (causal; bidirectional with grouped-query heads; an additive mask; a
     boolean mask with a row masked everywhere and keys masked in some blocks only; causal with
-    grouped-query heads in bf16 and in fp16, against SDPA on the same rounded inputs): the
+    grouped-query heads in bf16 and in fp16, against SDPA on the same rounded inputs; causal in
+    the zigzag layout with grouped-query heads; a boolean mask cut to the zigzag layout's rows and
+    columns): the
     largest difference in the output and in dq, dk, dv of this rank's slice, their dtypes, the
     whole shapes (B, H, Hkv, T, D), and the shapes of the tensors autograd saved for the backward."""
     import torch.distributed as dist
 
     from zerofx.passes import _compat
-    from zerofx.passes.ring_attention import ring_attention
+    from zerofx.passes.ring_attention import ring_attention, zigzag_chunks
 
     _compat.register_group_name("zerofx_test_ring", dist.group.WORLD)
     gen = torch.Generator().manual_seed(2)
     b, h, local, d = 2, 4, 4, 8
     t = local * world_size
-    mine = slice(rank * local, (rank + 1) * local)
+    contiguous = torch.arange(rank * local, (rank + 1) * local)
+    zigzag = torch.cat([torch.arange(c * local // 2, (c + 1) * local // 2) for c in zigzag_chunks(rank, world_size)])
     out_by_case = {}
-    for case in ("causal", "gqa", "additive", "boolean", "bf16", "fp16"):
+    for case in ("causal", "gqa", "additive", "boolean", "bf16", "fp16", "zigzag_gqa", "zigzag_boolean"):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(case, torch.float32)
-        causal, gqa = case in ("causal", "bf16", "fp16"), case in ("gqa", "bf16", "fp16")
+        causal, gqa = case in ("causal", "bf16", "fp16", "zigzag_gqa"), case in ("gqa", "bf16", "fp16", "zigzag_gqa")
+        mine = zigzag if case.startswith("zigzag") else contiguous
         kv_heads = h // 2 if gqa else h
         q, k, v = (torch.randn(b, n, t, d, generator=gen).to(dtype).float() for n in (h, kv_heads, kv_heads))
         grad = torch.randn(b, h, t, d, generator=gen)
         mask = None
         if case == "additive":
             mask = torch.randn(b, 1, t, t, generator=gen)
-        elif case == "boolean":
+        elif case in ("boolean", "zigzag_boolean"):
             mask = torch.rand(1, 1, t, t, generator=gen) > 0.5
             mask[..., : local // 2] = False
             mask[..., 0, :] = False  # a query that attends to nothing: output 0
@@ -255,7 +261,8 @@ def ring_attention_errors(rank: int, world_size: int) -> dict[str, dict]:
         part = [x[:, :, mine].to(dtype).requires_grad_(True) for x in (q, k, v)]
         saved: list[tuple[int, ...]] = []
         with torch.autograd.graph.saved_tensors_hooks(_recording_shapes(saved), lambda x: x):
-            out = ring_attention(*part, mask, is_causal=causal, scale=d ** -0.5, size=world_size, group_name="zerofx_test_ring")
+            out = ring_attention(*part, mask, is_causal=causal, scale=d ** -0.5, size=world_size, group_name="zerofx_test_ring",
+                                 zigzag=case.startswith("zigzag"))
         (out * grad[:, :, mine].to(dtype)).sum().backward()
         diffs = [(out.float() - ref[:, :, mine]).abs().max()] + [(p.grad.float() - w.grad[:, :, mine]).abs().max() for p, w in zip(part, whole)]
         out_by_case[case] = {"error": max(x.item() for x in diffs), "dtypes": {x.dtype for x in (out, *(p.grad for p in part))} - {dtype},
