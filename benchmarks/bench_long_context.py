@@ -25,8 +25,10 @@ Systems, per world size W:
 - ``zerofx3_tiled``: the same with ``zerofx.tiling`` ``enabled: auto`` (activation budget
   ``--tiling-budget``, default half the cap): attention, token-wise regions and the loss in chunks.
 - ``zerofx3_sp2``, ``zerofx3_sp4``: stage 3 with ``zerofx.sequence_parallel.size`` 2 or 4
-  (Ulysses all-to-all): the S ranks of a group share one sequence, T/S tokens each. Tiling is
-  refused together with sequence parallelism (``zerofx/config.py``), so these run untiled.
+  (Ulysses all-to-all): the S ranks of a group share one sequence, T/S tokens each, untiled.
+- ``zerofx3_sp4_tiled``: ``zerofx3_sp4`` with ``zerofx.tiling`` as ``zerofx3_tiled`` has it,
+  planned for each rank's T/4 positions (NOTE [Tiling a sequence-parallel forward] in
+  zerofx/capture.py).
 - ``fsdp2_cp``: FSDP2 (``fully_shard`` per block) inside
   ``torch.distributed.tensor.experimental.context_parallel`` over the W ranks, with the token ids
   and labels sharded along the sequence. Where it does not run on CPU with gloo, its row holds
@@ -66,9 +68,9 @@ if str(ROOT) not in sys.path:
 from benchmarks.bench_offload import run_config  # noqa: E402
 from benchmarks.report import human_bytes, machine, summarize  # noqa: E402
 
-SYSTEMS = ("zerofx3", "zerofx3_tiled", "zerofx3_sp2", "zerofx3_sp4", "fsdp2_cp")
+SYSTEMS = ("zerofx3", "zerofx3_tiled", "zerofx3_sp2", "zerofx3_sp4", "zerofx3_sp4_tiled", "fsdp2_cp")
 # Each system's sequence-parallel size (None: all W ranks, as context parallelism shards over them).
-SP_SIZE = {"zerofx3": 1, "zerofx3_tiled": 1, "zerofx3_sp2": 2, "zerofx3_sp4": 4, "fsdp2_cp": None}
+SP_SIZE = {"zerofx3": 1, "zerofx3_tiled": 1, "zerofx3_sp2": 2, "zerofx3_sp4": 4, "zerofx3_sp4_tiled": 4, "fsdp2_cp": None}
 TARGET_CONTEXT = 131072
 TARGET_LENGTH_RATIO = 3.5
 TARGET_THROUGHPUT_RATIO = 0.8
@@ -128,10 +130,10 @@ def _runner(system: str, model: torch.nn.Module, example: torch.Tensor, args: di
     from benchmarks.systems import ZeroFXRunner
 
     own: dict[str, Any] = {}
-    if system == "zerofx3_tiled":
-        own = {"tiling": {"enabled": "auto", "budget": args["tiling_budget"]}}
-    elif SP_SIZE[system] > 1:
-        own = {"sequence_parallel": {"size": SP_SIZE[system], "attention": "ulysses"}}
+    if system.endswith("_tiled"):
+        own["tiling"] = {"enabled": "auto", "budget": args["tiling_budget"]}
+    if SP_SIZE[system] > 1:
+        own["sequence_parallel"] = {"size": SP_SIZE[system], "attention": "ulysses"}
     return ZeroFXRunner(model, 3, "AdamW", args["lr"], example, {"zerofx": own} if own else None, init_seed=args["seed"])
 
 

@@ -20,7 +20,9 @@ these, this is the only file to touch.
   re-exported as ``pytree`` for capture, the engine and the passes.
 - ``torch.fx.experimental.proxy_tensor.make_fx`` (``pre_dispatch=True``): the forward before
   autograd, for tiling; ``torch.fx.traceback.preserve_node_meta``: carries a forward node's
-  ``recompute`` tag onto the nodes AOTAutograd traces from it.
+  ``recompute`` tag onto the nodes AOTAutograd traces from it; ``torch.fx.traceback.annotate``
+  (marked not backward-compatible): puts a dict into ``meta["custom"]`` of the nodes traced
+  inside it, how the sequence-parallel rewrite marks its attention outputs for tiling.
 - ``torch.fx.graph.CodeGen`` with ``Graph.set_codegen``: FX's hook for the Python a graph
   compiles to (documented on ``Graph.set_codegen``; marked not backward-compatible). We use it
   for a boxed calling convention (``boxed_graph_module``); FX's own ``_BoxedCodeGen`` is private.
@@ -47,7 +49,7 @@ from torch._guards import detect_fake_mode  # noqa: F401  (re-exported)
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401  (re-exported)
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401  (re-exported)
-from torch.fx.traceback import preserve_node_meta  # noqa: F401  (re-exported)
+from torch.fx.traceback import annotate, preserve_node_meta  # noqa: F401  (re-exported)
 import torch.utils._pytree as pytree  # noqa: F401  (re-exported: torch's pytree utilities are private)
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: F401  (re-exported)
 

@@ -21,6 +21,14 @@ ROLE = "zerofx_role"  # Role
 COMM_FQNS = "zerofx_comm_fqns"  # tuple[str, ...]: the bucket of parameters a collective moves
 COMM_BYTES = "zerofx_comm_bytes"  # int: bytes this rank contributes to the collective
 COMM_GROUP = "zerofx_comm_group"  # str: plan.SHARD or plan.REPLICATE, the group it runs over (absent: SHARD)
+# In ``meta["custom"]`` (``_compat.annotate``) of a pre-autograd node the sequence-parallel rewrite
+# traced: the dim of its output that holds this rank's slice of the sequence (its attention outputs).
+SEQUENCE_DIM = "zerofx_sequence_dim"
+
+
+def marked_sequence_dim(node: fx.Node) -> int | None:
+    """The sequence dim a rewrite marked on ``node`` (``SEQUENCE_DIM``), or None."""
+    return node.meta.get("custom", {}).get(SEQUENCE_DIM)
 
 
 class Role(str, enum.Enum):

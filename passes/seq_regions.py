@@ -10,8 +10,10 @@ nothing.
 NOTE [Sequence dimension propagation]
 Every node gets ``sdim``: the dimension of its output that is the sequence axis (length
 ``seq_len``), or None. Sources are the user's inputs with a dimension of that length,
-``arange(seq_len)`` and a ``slice(table, d, 0, seq_len)`` of a sequence-free tensor (rotary
-tables). A node is *token-wise* when its output at position t depends only on its inputs at t;
+``arange(seq_len)``, a ``slice(table, d, 0, seq_len)`` of a sequence-free tensor (rotary
+tables) and an ``index_select`` of seq_len positions of one (a sequence-parallel rank's slice of
+an input or table, NOTE [Tiling a sequence-parallel forward] in zerofx/capture.py); a gather
+``index_select(x, d, positions)`` by token-wise positions is token-wise. A node is *token-wise* when its output at position t depends only on its inputs at t;
 each op kind has a rule (elementwise with broadcasting, reductions and normalizations over other
 dims, linear over the last dim, views that keep the axis whole, ...). Anything else that reads
 the axis (attention, the loss, a shifted slice) is a *barrier*.
@@ -178,6 +180,8 @@ def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int
         return so
     if pk is aten.embedding:
         return sd.get(args[1])
+    if pk is aten.index_select and isinstance(args[2], fx.Node) and sd.get(args[2]) == 0 and sd.get(args[0]) is None:
+        return _norm(args[1], _rank(args[0]))  # a gather by positions: output t reads the source at index[t]
     if pk is aten.cat and isinstance(out, torch.Tensor):
         d = _norm(args[1] if len(args) > 1 else node.kwargs.get("dim", 0), out.dim())
         # Empty pieces (an empty key/value cache) do not take part; with one piece left, the cat
@@ -250,6 +254,8 @@ def _source_sdim(node: fx.Node, t: int) -> int | None:
     pk = op_packet(node)
     if pk is aten.arange and v.dim() == 1 and v.shape[0] == t:
         return 0
+    if pk is aten.index_select and v.shape[_norm(node.args[1], v.dim())] == t:
+        return _norm(node.args[1], v.dim())  # a source cut to a rank's positions (sequence parallelism's slices)
     if pk is aten.slice and v.dim() >= 1:
         d = _norm(node.args[1], v.dim())
         start = node.args[2] if len(node.args) > 2 else 0
@@ -278,7 +284,9 @@ def analyze(gm: fx.GraphModule, seq_len: int) -> SeqAnalysis:
             if sd[node] is not None:
                 tok.add(node)
         if node not in tok:
-            if is_sdpa(node) or is_blocked_attention(node):
+            if meta.marked_sequence_dim(node) is not None:  # an attention output of a sequence-parallel rank's slice
+                sd[node] = meta.marked_sequence_dim(node)
+            elif is_sdpa(node) or is_blocked_attention(node):
                 sd[node] = sd.get(node.args[0])
             elif node in attention_out:
                 sd[node] = sd.get(attention_out[node])

@@ -55,6 +55,10 @@ def check_exchanges(res: dict, case: tuple[str, int, int, str, str]) -> None:
         assert res["ring_ops"] == {"forward": layers, "backward": layers}, case
         assert res["ring_sends"] == {"forward": 2 * (size - 1) * layers, "backward": (2 * (size - 1) + 2 * size) * layers}, case
     # Causal rings hold the zigzag layout unless it is turned off (NOTE [Zigzag layout for causal rings]).
+    # Tiled: every token-wise region of the rank's slice (embedding, then one per layer), and
+    # Ulysses' attention of the whole sequence for H/S heads; the ring op is blockwise already.
+    regions = ["region"] * 3
+    assert res["tiled"] == ([] if feature != "tiled" else sorted(regions + ["attention"] * 2 * (attention == "ulysses"))), case
     layout = next(d for d in res["decisions"] if d.startswith("sequence layout"))
     zigzag = attention == "ring" and kind != "esm" and feature != "contiguous"
     assert layout.startswith("sequence layout: zigzag" if zigzag else "sequence layout: contiguous"), (case, layout)
@@ -96,11 +100,13 @@ def test_parity_sequence_2_ulysses_and_ring_dna_llama_esm(tmp_path: Path) -> Non
     at stage 0 in contiguous slices and at stage 3 in the zigzag layout (with optimizer, parameter
     and gradient offload to CPU), Hugging Face Llama
     (causal, grouped-query attention) with ring, and Hugging Face ESM (bidirectional masked LM,
-    rotary, a padding attention mask) with both; the DNA LM in bf16 with ring and in fp16 with
-    Ulysses, each against fp32. The first engine's
+    rotary, a padding attention mask) with both; the DNA LM with Ulysses and Llama with ring,
+    each rank's slice tiled (NOTE [Tiling a sequence-parallel forward]); the DNA LM in bf16 with
+    ring and in fp16 with Ulysses, each against fp32. The first engine's
     checkpoint saves and loads, and refuses ranks of a group passing different batches."""
     cases = [("dna", 3, 2, "ulysses", "fp32"), ("dna", 0, 2, "ring", "contiguous"), ("dna", 3, 2, "ring", "offload"),
-             ("llama", 3, 2, "ring", "fp32"), ("esm", 0, 2, "ulysses", "fp32"), ("esm", 3, 2, "ring", "fp32")]
+             ("llama", 3, 2, "ring", "fp32"), ("esm", 0, 2, "ulysses", "fp32"), ("esm", 3, 2, "ring", "fp32"),
+             ("dna", 3, 2, "ulysses", "tiled"), ("llama", 3, 2, "ring", "tiled")]
     bf16, fp16 = ("dna", 3, 2, "ring", "bf16"), ("dna", 3, 2, "ulysses", "fp16")
     results = run_ranks(2, workers.train, [*cases, bf16, fp16], STEPS, str(tmp_path))
     for case in cases:
@@ -172,8 +178,6 @@ def test_config_errors_name_the_key(section: dict, words: list[str]) -> None:
 
 
 @pytest.mark.parametrize("extra, words", [
-    ({"zerofx": {"tiling": {"enabled": True}}}, ["'zerofx.tiling' got {'enabled': True}", "chunks the forward along the whole sequence",
-                                                 "cuts it to T/2 per rank", "leave zerofx.tiling out"]),
     ({"zerofx": {"compile": "inductor"}}, ["'zerofx.compile' got 'inductor'", "no parity run has checked Inductor-compiled",
                                            'accepted with sequence parallelism: "none"']),
 ])

@@ -232,14 +232,13 @@ def capture_step(
         raise _CaptureDone(joint, num_fwd_outputs)
 
     flat_fakes = [*fake_params, *fake_buffers, *fake_inputs]
-    tiling_plan = None
-    if tiling is not None and tiling.enabled is not False:
-        step_fn, tiling_plan = _tiled_step(step_fn, flat_fakes, param_names, buffer_names, tiling, type(model).__name__)
-    sp_plan = None
+    tiling_plan = sp_plan = None
+    tiling = tiling if tiling is not None and tiling.enabled is not False else None
     if sequence_parallel is not None and sequence_parallel.size > 1:
-        if tiling_plan is not None:
-            raise CaptureError("zerofx.tiling and zerofx.sequence_parallel together are not supported; choose one")
-        step_fn, sp_plan = _sequence_parallel_step(step_fn, flat_fakes, param_names, buffer_names, sequence_parallel, type(model).__name__)
+        step_fn, sp_plan, tiling_plan = _sequence_parallel_step(step_fn, flat_fakes, param_names, buffer_names, sequence_parallel, tiling,
+                                                                type(model).__name__)
+    elif tiling is not None:
+        step_fn, tiling_plan = _tiled_step(step_fn, flat_fakes, param_names, buffer_names, tiling, type(model).__name__)
 
     traced = _compat.aot_function(
         step_fn,
@@ -288,6 +287,27 @@ def capture_step(
     )
 
 
+def _pre_autograd_forward(step_fn: Callable[..., torch.Tensor], flat_fakes: list[torch.Tensor], param_names: list[str],
+                          buffer_names: list[str], model_name: str) -> fx.GraphModule:
+    """The step recorded before autograd (``make_fx(pre_dispatch=True)``, where ``aten.linear``,
+    SDPA and ``cross_entropy_loss`` are still whole), its placeholders tagged."""
+    try:
+        forward = _compat.make_fx(step_fn, pre_dispatch=True)(*flat_fakes)
+    except Exception as exc:
+        raise CaptureError(f"cannot capture {model_name} whole: {_explain(exc)}") from exc
+    _tag_placeholders(forward, param_names, buffer_names, len(flat_fakes) - len(param_names) - len(buffer_names), tangent=False)
+    return forward
+
+
+def _interpreted(forward: fx.GraphModule) -> Callable[..., torch.Tensor]:
+    """A step that runs ``forward`` node by node, for AOTAutograd to trace and differentiate."""
+    def step_fn(*flat: torch.Tensor) -> torch.Tensor:
+        with _compat.preserve_node_meta():
+            return fx.Interpreter(forward).run(*flat)
+
+    return step_fn
+
+
 def _tiled_step(step_fn: Callable[..., torch.Tensor], flat_fakes: list[torch.Tensor], param_names: list[str],
                 buffer_names: list[str], options: TilingOptions, model_name: str) -> tuple[Callable[..., torch.Tensor], TilingPlan | None]:
     """NOTE [Tiling before autograd]
@@ -296,42 +316,36 @@ def _tiled_step(step_fn: Callable[..., torch.Tensor], flat_fakes: list[torch.Ten
     ``tile_forward_pass`` rewrites it. AOTAutograd then traces the rewritten graph through an
     ``fx.Interpreter`` under ``preserve_node_meta``, so the backward is derived by autograd, not
     written by hand, and the per-chunk ``recompute`` tags reach the joint graph."""
-    try:
-        forward = _compat.make_fx(step_fn, pre_dispatch=True)(*flat_fakes)
-    except Exception as exc:
-        raise CaptureError(f"cannot capture {model_name} whole: {_explain(exc)}") from exc
-    _tag_placeholders(forward, param_names, buffer_names, len(flat_fakes) - len(param_names) - len(buffer_names), tangent=False)
+    forward = _pre_autograd_forward(step_fn, flat_fakes, param_names, buffer_names, model_name)
     plan = plan_tiling(forward, options)
-    forward = tile_forward_pass(forward, plan)
-
-    def tiled_step_fn(*flat: torch.Tensor) -> torch.Tensor:
-        with _compat.preserve_node_meta():
-            return fx.Interpreter(forward).run(*flat)
-
-    return tiled_step_fn, plan
+    return _interpreted(tile_forward_pass(forward, plan)), plan
 
 
 def _sequence_parallel_step(step_fn: Callable[..., torch.Tensor], flat_fakes: list[torch.Tensor], param_names: list[str],
-                            buffer_names: list[str], spec: SequenceParallelSpec,
-                            model_name: str) -> tuple[Callable[..., torch.Tensor], SequenceParallelPlan]:
+                            buffer_names: list[str], spec: SequenceParallelSpec, tiling: TilingOptions | None,
+                            model_name: str) -> tuple[Callable[..., torch.Tensor], SequenceParallelPlan, TilingPlan | None]:
     """The step recorded before autograd, planned and rewritten for sequence parallelism, as
-    ``_tiled_step`` does for tiling: autograd then derives the backward, all-to-alls included."""
-    try:
-        forward = _compat.make_fx(step_fn, pre_dispatch=True)(*flat_fakes)
-    except Exception as exc:
-        raise CaptureError(f"cannot capture {model_name} whole: {_explain(exc)}") from exc
-    _tag_placeholders(forward, param_names, buffer_names, len(flat_fakes) - len(param_names) - len(buffer_names), tangent=False)
+    ``_tiled_step`` does for tiling: autograd then derives the backward, all-to-alls included.
+
+    NOTE [Tiling a sequence-parallel forward]
+    With ``tiling`` too, the tiling planner reads the sequence-parallel forward, not the whole
+    one: each rank's activations are those of its T/S positions, so the plan is made for that
+    length (``plan_tiling(..., seq_len=T/S)``) and tiles the rank's own slice. The rewrite cuts
+    every source of the axis with one ``index_select`` by the rank's positions; the sequence
+    analysis takes such a cut of T/S positions as a source and a gather by token-wise positions
+    as token-wise (NOTE [Sequence dimension propagation] in passes/seq_regions.py), so regions
+    start at the cut inputs. The all-to-alls and the ring op read positions across the slice and
+    are barriers, as attention is; Ulysses' attention (the whole sequence for H/S heads) is
+    tiled like any SDPA, the ring op is already blockwise, and the loss, a per-token sum there,
+    is left whole."""
+    forward = _pre_autograd_forward(step_fn, flat_fakes, param_names, buffer_names, model_name)
     try:
         plan = plan_sequence_parallel(forward, spec)
     except SequenceParallelError as exc:
         raise CaptureError(f"cannot run {model_name} sequence-parallel: {exc}") from exc
     forward = sequence_parallel_pass(forward, plan)
-
-    def sharded_step_fn(*flat: torch.Tensor) -> torch.Tensor:
-        with _compat.preserve_node_meta():
-            return fx.Interpreter(forward).run(*flat)
-
-    return sharded_step_fn, plan
+    tiling_plan = plan_tiling(forward, tiling, seq_len=plan.local_len) if tiling is not None else None
+    return _interpreted(tile_forward_pass(forward, tiling_plan)), plan, tiling_plan
 
 
 def _tag_placeholders(joint: fx.GraphModule, param_names: list[str], buffer_names: list[str], num_inputs: int, *, tangent: bool = True) -> None:

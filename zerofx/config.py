@@ -883,8 +883,9 @@ def check_sequence_parallel(raw: Mapping[str, Any], *, world_size: int | None) -
     shard groups compose: the rewrite acts on the forward before autograd and its exchanges run
     over the sequence group; offload acts on the optimizer step, the stage-3 fetch of shards and
     the backward's reduced shards; shard groups only change how gradients are averaged over all
-    ranks; the loss's sum and token count are exchanged in fp32 at least (docs/sequence-parallel.md,
-    "What composes with sequence parallelism")."""
+    ranks; the loss's sum and token count are exchanged in fp32 at least; tiling plans each
+    rank's slice (NOTE [Tiling a sequence-parallel forward] in zerofx/capture.py)
+    (docs/sequence-parallel.md, "What composes with sequence parallelism")."""
     section = raw.get("zerofx", {}).get("sequence_parallel")
     if section is None:
         return
@@ -898,10 +899,6 @@ def check_sequence_parallel(raw: Mapping[str, Any], *, world_size: int | None) -
         return
     own = raw.get("zerofx", {})
     refused = [  # (key, the value set, whether refused, why, what is accepted with sequence parallelism)
-        ("zerofx.tiling", own.get("tiling"), "tiling" in own,
-         f"the tiling planner chunks the forward along the whole sequence of T tokens before the sequence-parallel rewrite "
-         f"cuts it to T/{size} per rank, and the two passes have not been made to agree (the rewrite would see the tiles' "
-         "slices along the sequence)", f"leave zerofx.tiling out: each rank's activations already hold 1/{size} of the sequence"),
         ("zerofx.compile", own.get("compile"), own.get("compile", "none") != "none",
          "Inductor lowers and runs the rewritten forward (its all-to-alls are functional collectives; the ring's "
          "zerofx::ring_attention is a custom op it calls as an opaque kernel), but no parity run "

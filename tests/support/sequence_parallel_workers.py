@@ -21,6 +21,8 @@ FEATURES: dict[str, dict] = {
     "fp16": {"fp16": {"enabled": True}},
     "shard2": {"zerofx": {"shard_group_size": 2}},  # hierarchical sharding: shard groups of 2 ranks
     "contiguous": {"zerofx": {"sequence_parallel": {"load_balance": False}}},  # causal ring without the zigzag layout
+    # Tiling of each rank's slice (T/S = 8 positions here) in chunks of 4, attention in blocks of 4.
+    "tiled": {"zerofx": {"tiling": {"enabled": True, "block_size": 4, "attention_block_size": 4}}},
 }
 IGNORE = -100
 ESM_VOCAB, ESM_PAD, ESM_MASK = CONFIG.vocab_size + 2, CONFIG.vocab_size, CONFIG.vocab_size + 1
@@ -130,6 +132,7 @@ def train(rank: int, world_size: int, cases: list[tuple[str, int, int, str, str]
             "ring_ops": {name: sum(1 for n in gm.graph.nodes if is_ring_attention(n)) for name, gm in gms.items()},
             "ring_sends": {name: sum(len(ring_exchanges(n)) for n in gm.graph.nodes) for name, gm in gms.items()},
             "decisions": engine.program.plan.decisions,
+            "tiled": sorted(op.kind for op in engine.program.captured.tiling.ops) if engine.program.captured.tiling else [],
         }
         if checkpoint_dir is not None and len(out) == 1:
             engine.save_checkpoint(checkpoint_dir, "sp")
