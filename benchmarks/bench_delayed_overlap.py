@@ -9,12 +9,16 @@ update]). Per step it records when the forward+backward runs and when each updat
 - the hidden fraction: the share done before the next ``engine.step()`` starts waiting for it
   (behind the rest of the step, the barrier and the next forward+backward; 1.0: hidden
   completely), and the exposed seconds, how long that step waits;
-- the median step time of each run, and ``cpu+dpu`` over ``device`` (target: at most 1.1 where
-  the update fits behind one forward+backward);
+- the step time of each run (median and quartiles over every counted step of every round), and
+  ``cpu+dpu`` over ``device``, the median and quartiles of the per-round ratios (target: at most
+  1.1 where the update fits behind one forward+backward);
 - the median update time against the median forward+backward time.
 
-    python -m benchmarks.bench_delayed_overlap                       # 25m, 1 rank, stage 2
+    python -m benchmarks.bench_delayed_overlap                       # 25m, 1 rank, stage 2, 3 rounds
     python -m benchmarks.bench_delayed_overlap --world-size 2 --size small
+
+The three runs repeat in ``--rounds`` interleaved rounds (round r starts at run r, so a noisy
+minute hits every run alike), each run a fresh engine in the same process group.
 
 One rank by default: on a CPU the update thread needs a core the compute does not use, and the
 machine has two. On an accelerator the compute runs on the device and the update on the host, so
@@ -112,18 +116,19 @@ def _train(kind: str, rank: int, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: Any) -> None:
-    """Every run, one after the other, in one process group (a process and its imports per run
-    would cost more than the runs)."""
+    """Every run of every round, one after the other, in one process group (a process and its
+    imports per run would cost more than the runs)."""
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        out = {}
-        for kind in RUNS:
-            if rank == 0:
-                print(f"[bench_delayed_overlap] {kind} ...", file=sys.stderr, flush=True)
-            out[kind] = _train(kind, rank, args)
+        out: dict[str, list[dict[str, Any]]] = {kind: [] for kind in RUNS}
+        for r in range(args["rounds"]):
+            for kind in RUNS[r % len(RUNS):] + RUNS[:r % len(RUNS)]:  # interleaved: round r starts at run r
+                if rank == 0:
+                    print(f"[bench_delayed_overlap] round {r + 1}: {kind} ...", file=sys.stderr, flush=True)
+                out[kind].append(_train(kind, rank, args))
         queue.put((rank, "ok", out))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -131,32 +136,48 @@ def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: An
         dist.destroy_process_group()
 
 
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, med, q3 = statistics.quantiles(values, n=4)
+    return q1, med, q3
+
+
 def render(result: dict[str, Any]) -> str:
-    runs = result["runs"]
-    base = runs["device"][0]["step_s"]
-    dpu = runs["cpu+dpu"][0]
+    runs = {kind: ranks[0] for kind, ranks in result["runs"].items()}  # rank 0's rounds
+    warm = result["warmup"]
+    rounds = len(runs["device"])
     lines = [
         f"{result['date']}: model {result['size']} ({result['num_params']:,} parameters), {result['world_size']} gloo rank(s), "
-        f"ZeRO stage {result['stage']}, fp32 AdamW, batch {result['batch']} x {result['seq_len']} tokens, {result['steps']} steps "
-        f"(first {result['warmup']} not counted). Machine: {result['machine']}.",
+        f"ZeRO stage {result['stage']}, fp32 AdamW, batch {result['batch']} x {result['seq_len']} tokens, {rounds} interleaved "
+        f"round(s) of {result['steps']} steps per run (first {warm} not counted). Machine: {result['machine']}.",
         "",
         f"Command: `python -m benchmarks.bench_delayed_overlap --size {result['size']} --world-size {result['world_size']} "
-        f"--stage {result['stage']} --steps {result['steps']} --warmup {result['warmup']} --batch {result['batch']} "
-        f"--seq-len {result['seq_len']}`",
+        f"--stage {result['stage']} --steps {result['steps']} --warmup {warm} --batch {result['batch']} "
+        f"--seq-len {result['seq_len']} --rounds {rounds}`",
         "",
-        "| run | step s (median) | vs device | forward+backward s | update s | overlap with next forward+backward | "
+        "Step times pool every counted step of every round (median [quartiles]); \"vs device\" is the median [quartiles] of "
+        "the per-round ratios of median step times; the other columns are medians over rounds.",
+        "",
+        "| run | step s | vs device | forward+backward s | update s | overlap with next forward+backward | "
         "hidden before the next step | exposed update s |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for kind, ranks in runs.items():
-        out = ranks[0]
-        update = f"{out['update_s']:.3f}" if "update_s" in out else "-"
-        overlap = (f"{out['overlap_fraction']:.2f} | {out['hidden_fraction']:.2f} | {out['exposed_update_s']:.3f}"
-                   if "overlap_fraction" in out else "- | - | -")
-        lines.append(f"| {kind} | {out['step_s']:.3f} | {out['step_s'] / base:.2f}x | {out['forward_backward_s']:.3f} | {update} | {overlap} |")
-    lines += ["", "Each delayed update (rank 0) relative to the start of the next forward+backward, seconds "
+    for kind, outs in runs.items():
+        q1, med, q3 = _quartiles([t for out in outs for t in out["step_times_s"][warm:]])
+        r1, rmed, r3 = _quartiles([out["step_s"] / base["step_s"] for out, base in zip(outs, runs["device"])])
+
+        def over_rounds(key: str, outs: list[dict[str, Any]] = outs) -> float:
+            return statistics.median(out[key] for out in outs)
+
+        update = f"{over_rounds('update_s'):.3f}" if "update_s" in outs[0] else "-"
+        overlap = (f"{over_rounds('overlap_fraction'):.2f} | {over_rounds('hidden_fraction'):.2f} | {over_rounds('exposed_update_s'):.3f}"
+                   if "overlap_fraction" in outs[0] else "- | - | -")
+        lines.append(f"| {kind} | {med:.3f} [{q1:.3f}, {q3:.3f}] | {rmed:.2f}x [{r1:.2f}, {r3:.2f}] | {over_rounds('forward_backward_s'):.3f} "
+                     f"| {update} | {overlap} |")
+    lines += ["", "Each delayed update of the first round (rank 0) relative to the start of the next forward+backward, seconds "
               "(update start, update end, forward+backward end): " + "; ".join(
-                  f"({a:+.3f}, {b:+.3f}, {c:.3f})" for a, b, c in dpu["update_timeline_s"])]
+                  f"({a:+.3f}, {b:+.3f}, {c:.3f})" for a, b, c in runs["cpu+dpu"][0]["update_timeline_s"])]
     return "\n".join(lines)
 
 
@@ -169,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three runs (default: 3)")
     parser.add_argument("--out", default=None, help="results file stem under benchmarks/results")
     parser.add_argument("--machine", default=f"{os.cpu_count()}-core CPU, no GPU, torch {torch.__version__}, load average "
                         f"{os.getloadavg()[0]:.1f} at the start")
@@ -179,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_params = sum(p.numel() for p in DNADecoderLM(DNA_LM_SIZES[args.size]).parameters())
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     result: dict[str, Any] = {**vars(args), "num_params": num_params, "date": date, "runs": {}}
-    spec = {k: getattr(args, k) for k in ("size", "stage", "steps", "warmup", "batch", "seq_len")}
+    spec = {k: getattr(args, k) for k in ("size", "stage", "steps", "warmup", "batch", "seq_len", "rounds")}
     by_rank = run_config(spec, args.world_size, target=_rank, timeout_s=900)
     result["runs"] = {kind: [out[kind] for out in by_rank] for kind in RUNS}
     text = render(result)
