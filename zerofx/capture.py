@@ -335,9 +335,11 @@ def _sequence_parallel_step(step_fn: Callable[..., torch.Tensor], flat_fakes: li
     analysis takes such a cut of T/S positions as a source and a gather by token-wise positions
     as token-wise (NOTE [Sequence dimension propagation] in passes/seq_regions.py), so regions
     start at the cut inputs. The all-to-alls and the ring op read positions across the slice and
-    are barriers, as attention is; Ulysses' attention (the whole sequence for H/S heads) is
-    tiled like any SDPA, the ring op is already blockwise, and the loss, a per-token sum there,
-    is left whole."""
+    are barriers, as attention is. The rewrite marks each attention's output, the rank's slice
+    again (``meta.SEQUENCE_DIM`` through ``_compat.annotate``), and the analysis starts the
+    next region there, as it does after an SDPA. Ulysses' attention (the whole sequence for H/S
+    heads) is tiled like any SDPA, the ring op is already blockwise, and the loss, a per-token
+    sum there, is left whole."""
     forward = _pre_autograd_forward(step_fn, flat_fakes, param_names, buffer_names, model_name)
     try:
         plan = plan_sequence_parallel(forward, spec)
