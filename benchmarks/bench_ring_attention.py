@@ -25,6 +25,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -121,7 +122,7 @@ def main() -> None:
              f"`op`: the `zerofx::ring_attention` op on contiguous slices; `zigzag`: the same op in the zigzag layout; "
              f"`unrolled`: the ring unrolled into ring_shift and ring_block_attention ops. Command: "
              f"`python -m benchmarks.bench_ring_attention {' '.join(sys.argv[1:])}`. "
-             f"Load average before: `{load[0]}`; after: `{load[1]}` (2 cores, shared with other jobs).", "",
+             f"Load average before: `{load[0]}`; after: `{load[1]}` ({os.cpu_count()} cores).", "",
              "| S | variant | saved MiB per rank (max) | k+v block pairs saved | VmHWM growth MiB (max rank, median of rounds) | "
              "step s median [q1, q3] (slowest rank) |", "|---|---|---|---|---|---|"]
     for size in sorted({run["size"] for run in runs}):
