@@ -445,14 +445,16 @@ class _Sharded(fx.Interpreter):
         # Per-token losses in the compute dtype, as the whole-sequence loss computes them; their sum,
         # the count and the exchange in fp32 at least: fp16 overflows above 65504 (a sum of a few
         # thousand token losses), and bf16 holds integers exactly only up to 256.
-        token_losses = aten.cross_entropy_loss(logits, labels, None, 0, ignore)  # 0 where ignored
-        acc = torch.promote_types(token_losses.dtype, torch.float32)
-        local_sum = token_losses.sum(dtype=acc)
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        if logits.dtype == acc:  # one summed cross_entropy, which tiling can chunk (NOTE [Tiling a sequence-parallel forward])
+            local_sum = aten.cross_entropy_loss(logits, labels, None, 2, ignore)
+        else:
+            local_sum = aten.cross_entropy_loss(logits, labels, None, 0, ignore).sum(dtype=acc)  # 0 where ignored
         count = (labels != ignore).sum().to(acc) if reduction == 1 else torch.ones_like(local_sum)
         mine = torch.stack([local_sum.detach(), count]).expand(p.size, 2).contiguous()  # one row to each rank
         total_sum, total_count = _all_to_all(mine, p.size, p.group_name, grad=False).sum(0).unbind(0)
         carrier = local_sum * p.size / total_count  # the gradient: S x this rank's share
-        return (carrier + (total_sum / total_count - carrier).detach()).to(token_losses.dtype)  # the value: the group's mean
+        return (carrier + (total_sum / total_count - carrier).detach()).to(logits.dtype)  # the value: the group's mean
 
 
 def sequence_parallel_pass(gm: fx.GraphModule, plan: SequenceParallelPlan | None) -> fx.GraphModule:

@@ -55,10 +55,10 @@ def check_exchanges(res: dict, case: tuple[str, int, int, str, str]) -> None:
         assert res["ring_ops"] == {"forward": layers, "backward": layers}, case
         assert res["ring_sends"] == {"forward": 2 * (size - 1) * layers, "backward": (2 * (size - 1) + 2 * size) * layers}, case
     # Causal rings hold the zigzag layout unless it is turned off (NOTE [Zigzag layout for causal rings]).
-    # Tiled: every token-wise region of the rank's slice (embedding, then one per layer), and
-    # Ulysses' attention of the whole sequence for H/S heads; the ring op is blockwise already.
-    regions = ["region"] * 3
-    assert res["tiled"] == ([] if feature != "tiled" else sorted(regions + ["attention"] * 2 * (attention == "ulysses"))), case
+    # Tiled: every token-wise region of the rank's slice (embedding, then one per layer), the
+    # loss, and Ulysses' attention of the whole sequence for H/S heads; the ring op is blockwise already.
+    tiled = ["region"] * 3 + ["loss"] + ["attention"] * 2 * (attention == "ulysses")
+    assert res["tiled"] == ([] if feature != "tiled" else sorted(tiled)), case
     layout = next(d for d in res["decisions"] if d.startswith("sequence layout"))
     zigzag = attention == "ring" and kind != "esm" and feature != "contiguous"
     assert layout.startswith("sequence layout: zigzag" if zigzag else "sequence layout: contiguous"), (case, layout)

@@ -338,8 +338,9 @@ def _sequence_parallel_step(step_fn: Callable[..., torch.Tensor], flat_fakes: li
     are barriers, as attention is. The rewrite marks each attention's output, the rank's slice
     again (``meta.SEQUENCE_DIM`` through ``_compat.annotate``), and the analysis starts the
     next region there, as it does after an SDPA. Ulysses' attention (the whole sequence for H/S
-    heads) is tiled like any SDPA, the ring op is already blockwise, and the loss, a per-token
-    sum there, is left whole."""
+    heads) is tiled like any SDPA, the ring op is already blockwise, and in fp32 the loss is one
+    summed ``cross_entropy`` of the rank's positions, which tiling chunks as it does without
+    sequence parallelism (in bf16 and fp16 it is per-token losses summed in fp32, left whole)."""
     forward = _pre_autograd_forward(step_fn, flat_fakes, param_names, buffer_names, model_name)
     try:
         plan = plan_sequence_parallel(forward, spec)
