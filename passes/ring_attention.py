@@ -126,12 +126,15 @@ def zigzag_chunks(rank: Tensor | int, size: int) -> tuple[Tensor | int, Tensor |
     return rank, 2 * size - 1 - rank
 
 
-def _global_positions(rank: int, size: int, local_len: int, zigzag: bool, device: torch.device) -> Tensor:
-    """The sequence positions rank ``rank`` holds, in local order."""
+def rank_positions(rank: Tensor | int, size: int, local_len: int, zigzag: bool, device: torch.device) -> Tensor:
+    """The sequence positions rank ``rank`` (an int, or a 0-d tensor inside a traced graph) holds,
+    in local order: one contiguous slice, or the zigzag layout's two chunks. The one definition
+    of the layout: the sequence-parallel rewrite cuts its sources by it, the ring op its masks."""
     if not zigzag:
-        return torch.arange(rank * local_len, (rank + 1) * local_len, device=device)
+        return torch.arange(local_len, dtype=torch.int64, device=device) + rank * local_len
     half = local_len // 2
-    return torch.cat([torch.arange(c * half, (c + 1) * half, device=device) for c in zigzag_chunks(rank, size)])
+    within = torch.arange(half, dtype=torch.int64, device=device)
+    return torch.cat([within + chunk * half for chunk in zigzag_chunks(rank, size)])
 
 
 def _blocks(rank: int, source: int, local_len: int, is_causal: bool, zigzag: bool) -> list[tuple[slice, slice, bool]]:
@@ -196,14 +199,14 @@ def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
     one contiguous slice. lse: (B, H, T/S) fp32, +inf for a query that attends to no key."""
     group, rank = _group(group_name, size)
     local_len = q.size(-2)
-    rows = _global_positions(rank, size, local_len, zigzag, q.device)
+    rows = rank_positions(rank, size, local_len, zigzag, q.device)
     acc = torch.zeros((*q.shape[:-1], v.size(-1)), dtype=torch.float32, device=q.device)  # Σ exp(lse_i - lse) o_i
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     block = [k, v]
     for step in range(size):
         exchange = _Exchange(block, group, 0) if step < size - 1 else None  # the next block arrives while this one is used
         source = (rank - step) % size
-        cols = _global_positions(source, size, local_len, zigzag, q.device)
+        cols = rank_positions(source, size, local_len, zigzag, q.device)
         for qs, ks, causal in _blocks(rank, source, local_len, is_causal, zigzag):
             mask_j = _block_mask(mask, rows[qs], cols[ks], local_len * size)
             kb, vb = (x[:, :, ks] for x in block)
@@ -235,13 +238,13 @@ def ring_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, o
     gradient accumulated for it so far, which ends on its own rank (NOTE [Ring attention])."""
     group, rank = _group(group_name, size)
     local_len = q.size(-2)
-    rows = _global_positions(rank, size, local_len, zigzag, q.device)
+    rows = rank_positions(rank, size, local_len, zigzag, q.device)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     block, incoming = [k, v], None
     for step in range(size):
         exchange = _Exchange(block, group, 0) if step < size - 1 else None
         source = (rank - step) % size
-        cols = _global_positions(source, size, local_len, zigzag, q.device)
+        cols = rank_positions(source, size, local_len, zigzag, q.device)
         mine = None
         for qs, ks, causal in _blocks(rank, source, local_len, is_causal, zigzag):
             mask_j = _block_mask(mask, rows[qs], cols[ks], local_len * size)

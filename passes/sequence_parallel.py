@@ -60,7 +60,7 @@ import torch
 import torch.fx as fx
 
 from zerofx.passes import _compat, meta
-from zerofx.passes.ring_attention import AttentionShape, SequenceAttention, choose_attention, ring_attention, zigzag_chunks
+from zerofx.passes.ring_attention import AttentionShape, SequenceAttention, choose_attention, rank_positions, ring_attention
 from zerofx.passes.seq_regions import SeqAnalysis, analyze, is_sdpa, op_packet, sequence_length
 
 aten = torch.ops.aten
@@ -259,7 +259,7 @@ def _choose_layout(gm: fx.GraphModule, spec: SequenceParallelSpec, attention: Se
     With causal ring attention and contiguous slices, rank r attends to r + 1 of the S key/value
     blocks (its own half of them causally), so rank S - 1 does about 2S - 1 times the attention
     work of rank 0, and every ring step waits for it. Cut into 2S chunks instead, rank r holding
-    chunks r and 2S - 1 - r (``zigzag_chunks`` in passes/ring_attention.py), every rank does the
+    chunks r and 2S - 1 - r (``zigzag_chunks`` and ``rank_positions`` in passes/ring_attention.py), every rank does the
     same work: its own block causally, then at each step half a block (all its queries against
     the first chunk of an earlier rank's keys, or its second chunk's queries against all of a
     later rank's keys). Every source of the axis is cut by the same positions (``_Sharded._positions``),
@@ -359,12 +359,8 @@ class _Sharded(fx.Interpreter):
             p = self.plan
             # Rank r receives element r from every rank: S copies of its own rank in the group.
             ranks = _all_to_all(torch.arange(p.size, dtype=torch.int64, device=like.device), p.size, p.group_name, grad=False)
-            if p.zigzag:  # NOTE [Zigzag layout for causal rings]
-                half = p.local_len // 2
-                within = torch.arange(half, dtype=torch.int64, device=like.device)
-                self.positions = torch.cat([within + chunk * half for chunk in zigzag_chunks(ranks[0], p.size)])
-            else:
-                self.positions = torch.arange(p.local_len, dtype=torch.int64, device=like.device) + ranks[0] * p.local_len
+            # NOTE [Zigzag layout for causal rings]: contiguous, or chunks r and 2S - 1 - r.
+            self.positions = rank_positions(ranks[0], p.size, p.local_len, p.zigzag, like.device)
         return self.positions
 
     def _local(self, node: Any) -> Any:
