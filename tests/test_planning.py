@@ -261,7 +261,7 @@ def test_memory_model_is_symbolic_in_batch_and_sequence(tmp_path: Path, monkeypa
     assert result.peak_at_value == peak_at(6) and result.peak_past_value == peak_at(7)
 
     captures = []
-    monkeypatch.setattr(zerofx.program, "capture_step", lambda *a, **k: captures.append(a) or pytest.fail("captured again"))
+    monkeypatch.setattr(zerofx.program, "StepCapture", lambda *a, **k: captures.append(a) or pytest.fail("captured again"))
     assert solve_memory(spec, "batch_size", world_size=4, stage=3, config=None, budget_bytes=budget, upper=4096) == result
     assert captures == []
 

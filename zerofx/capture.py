@@ -162,18 +162,8 @@ def _explain(exc: BaseException) -> str:
     return f"{reason}.\n  {first_lines}"
 
 
-def capture_step(
-    model: nn.Module,
-    example_args: Sequence[Any],
-    example_kwargs: Mapping[str, Any] | None = None,
-    *,
-    loss_fn: LossFn | None = None,
-    param_infos: Sequence[TensorInfo] | None = None,
-    device: torch.device | str | None = None,
-    compute_dtype: torch.dtype | None = None,
-    tiling: TilingOptions | None = None,
-    sequence_parallel: SequenceParallelSpec | None = None,
-) -> CapturedStep:
+def capture_step(model: nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None = None, *,
+                 tiling: TilingOptions | None = None, **options: Any) -> CapturedStep:
     """Trace ``model``'s forward, loss and backward on fake tensors into one joint graph.
 
     The parameters' shapes, dtypes and ``requires_grad`` come from ``param_infos`` when given
@@ -185,106 +175,196 @@ def capture_step(
     With ``sequence_parallel`` (size > 1) the forward is recorded before autograd the same way
     and rewritten to run this rank's slice of the sequence (NOTE [Sequence parallelism as a
     rewrite] in passes/sequence_parallel.py).
+
+    ``options`` are ``StepCapture``'s: ``loss_fn``, ``param_infos``, ``device``,
+    ``compute_dtype``, ``sequence_parallel``.
     """
-    example_kwargs = dict(example_kwargs or {})
-    param_infos = traced_param_infos(model, param_infos, compute_dtype)
-    buffer_infos = [TensorInfo(n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()]
-    if compute_dtype is not None:  # mixed precision: floating buffers compute in it
-        buffer_infos = [cast_info(i, compute_dtype) for i in buffer_infos]
-    if device is None:
-        first = next(model.parameters(), None)
-        device = "cpu" if first is None or first.device.type == "meta" else first.device
+    return StepCapture(model, example_args, example_kwargs, **options)(tiling)
 
-    model_kwargs, loss_kwargs = split_loss_kwargs(model, example_kwargs, loss_fn)
-    leaves, spec = pytree.tree_flatten((tuple(example_args), model_kwargs, loss_kwargs))
-    tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    constants = tuple(None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
 
-    fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
+class StepCapture:
+    """``capture_step`` for one model call, repeatable with other tiling options.
 
-    def fake_like(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool, on: torch.device | str) -> torch.Tensor:
-        with fake_mode:
-            out = torch.empty(shape, dtype=dtype, device=on)
-        return out.requires_grad_(requires_grad)
+    NOTE [One forward record per capture search]
+    ``zerofx.tiling.enabled: "auto"`` captures the step with several tiling options (NOTE
+    [Tiling checked against the memory timeline] in zerofx/search.py). What comes before tiling
+    is the same for all of them: the fake inputs, the forward recorded before autograd, its
+    sequence-parallel rewrite. It is made once, on the first call that needs it, and each call
+    tiles a copy (``tile_forward_pass`` rewrites in place). The tiling plan is a function of that
+    forward and the options alone, so ``tiling_plan(options)`` answers without a capture, and
+    callers can skip options whose plan they have already captured.
+    """
 
-    fake_params = [fake_like(p.shape, p.dtype, p.requires_grad, device) for p in param_infos]
-    fake_buffers = [fake_like(b.shape, b.dtype, False, device) for b in buffer_infos]
-    fake_inputs = [
-        fake_like(tuple(leaves[i].shape), leaves[i].dtype, False, device if leaves[i].is_meta else leaves[i].device)
-        for i in tensor_positions
-    ]
-    param_names, buffer_names = [p.fqn for p in param_infos], [b.fqn for b in buffer_infos]
-    num_p, num_b = len(param_names), len(buffer_names)
+    def __init__(
+        self,
+        model: nn.Module,
+        example_args: Sequence[Any],
+        example_kwargs: Mapping[str, Any] | None = None,
+        *,
+        loss_fn: LossFn | None = None,
+        param_infos: Sequence[TensorInfo] | None = None,
+        device: torch.device | str | None = None,
+        compute_dtype: torch.dtype | None = None,
+        sequence_parallel: SequenceParallelSpec | None = None,
+    ) -> None:
+        example_kwargs = dict(example_kwargs or {})
+        self.model, self.loss_fn = model, loss_fn
+        self.param_infos = traced_param_infos(model, param_infos, compute_dtype)
+        self.buffer_infos = [TensorInfo(n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()]
+        if compute_dtype is not None:  # mixed precision: floating buffers compute in it
+            self.buffer_infos = [cast_info(i, compute_dtype) for i in self.buffer_infos]
+        if device is None:
+            first = next(model.parameters(), None)
+            device = "cpu" if first is None or first.device.type == "meta" else first.device
 
-    def step_fn(*flat: torch.Tensor) -> torch.Tensor:
-        state = dict(zip(param_names, flat[:num_p]))
-        state.update(zip(buffer_names, flat[num_p : num_p + num_b]))
-        call_leaves = list(constants)
-        for pos, t in zip(tensor_positions, flat[num_p + num_b :]):
+        model_kwargs, loss_kwargs = split_loss_kwargs(model, example_kwargs, loss_fn)
+        self.leaves, self.spec = pytree.tree_flatten((tuple(example_args), model_kwargs, loss_kwargs))
+        self.tensor_positions = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, torch.Tensor)]
+        self.constants = tuple(None if isinstance(leaf, torch.Tensor) else leaf for leaf in self.leaves)
+
+        fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
+
+        def fake_like(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool, on: torch.device | str) -> torch.Tensor:
+            with fake_mode:
+                out = torch.empty(shape, dtype=dtype, device=on)
+            return out.requires_grad_(requires_grad)
+
+        leaves = self.leaves
+        self.flat_fakes = [
+            *(fake_like(p.shape, p.dtype, p.requires_grad, device) for p in self.param_infos),
+            *(fake_like(b.shape, b.dtype, False, device) for b in self.buffer_infos),
+            *(fake_like(tuple(leaves[i].shape), leaves[i].dtype, False, device if leaves[i].is_meta else leaves[i].device)
+              for i in self.tensor_positions),
+        ]
+        self.param_names, self.buffer_names = [p.fqn for p in self.param_infos], [b.fqn for b in self.buffer_infos]
+        self.sequence_parallel = sequence_parallel if sequence_parallel is not None and sequence_parallel.size > 1 else None
+        self._forward: tuple[fx.GraphModule, SequenceParallelPlan | None] | None = None
+
+    def _step_fn(self, *flat: torch.Tensor) -> torch.Tensor:
+        num_p, num_b = len(self.param_names), len(self.buffer_names)
+        state = dict(zip(self.param_names, flat[:num_p]))
+        state.update(zip(self.buffer_names, flat[num_p : num_p + num_b]))
+        call_leaves = list(self.constants)
+        for pos, t in zip(self.tensor_positions, flat[num_p + num_b :]):
             call_leaves[pos] = t
-        args, kwargs, loss_kw = pytree.tree_unflatten(call_leaves, spec)
-        output = functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
-        loss = extract_loss(output, loss_fn, loss_kw)
+        args, kwargs, loss_kw = pytree.tree_unflatten(call_leaves, self.spec)
+        output = functional_call(self.model, state, args, kwargs, tie_weights=True, strict=False)
+        loss = extract_loss(output, self.loss_fn, loss_kw)
         # The backward seed (the fp16 loss scale, up to 2**32) must not overflow: seed it in fp32.
         return loss.float() if isinstance(loss, torch.Tensor) and loss.is_floating_point() else loss
 
-    def partition_hook(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int, **_: Any) -> Any:
-        raise _CaptureDone(joint, num_fwd_outputs)
+    def _model_name(self) -> str:
+        return type(self.model).__name__
 
-    flat_fakes = [*fake_params, *fake_buffers, *fake_inputs]
-    tiling_plan = sp_plan = None
-    tiling = tiling if tiling is not None and tiling.enabled is not False else None
-    if sequence_parallel is not None and sequence_parallel.size > 1:
-        step_fn, sp_plan, tiling_plan = _sequence_parallel_step(step_fn, flat_fakes, param_names, buffer_names, sequence_parallel, tiling,
-                                                                type(model).__name__)
-    elif tiling is not None:
-        step_fn, tiling_plan = _tiled_step(step_fn, flat_fakes, param_names, buffer_names, tiling, type(model).__name__)
+    def _pre_autograd(self) -> tuple[fx.GraphModule, SequenceParallelPlan | None]:
+        """The forward recorded before autograd, rewritten for sequence parallelism when asked,
+        and its plan: made once. Autograd derives the backward of the rewritten forward, the
+        all-to-alls included.
 
-    traced = _compat.aot_function(
-        step_fn,
-        fw_compiler=lambda gm, _: _compat.make_boxed_func(gm.forward),
-        bw_compiler=lambda gm, _: _compat.make_boxed_func(gm.forward),
-        partition_fn=partition_hook,
-        # AOTAutograd prints the joint graph into its log (about 5% of a capture) even when no
-        # one reads it: only when torch's logs are asked for (TORCH_LOGS, TORCH_TRACE).
-        enable_log=bool(os.environ.get("TORCH_LOGS") or os.environ.get("TORCH_TRACE")),
-    )
-    try:
-        with _compat.lazy_graph_modules():  # NOTE [Code written on first use] in passes/_compat.py
-            out = traced(*flat_fakes)
-    except _CaptureDone as done:
-        joint, num_fwd_outputs = done.joint, done.num_fwd_outputs
-    except CaptureError:
-        raise
-    except Exception as exc:  # any tracing failure becomes one clear error; no eager fallback
-        raise CaptureError(f"cannot capture {type(model).__name__} whole: {_explain(exc)}") from exc
-    else:
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise CaptureError(f"the loss of {type(model).__name__} does not depend on any trainable parameter (loss: {shape})")
+        NOTE [Tiling a sequence-parallel forward]
+        With ``tiling`` too, the tiling planner reads the sequence-parallel forward, not the whole
+        one: each rank's activations are those of its T/S positions, so the plan is made for that
+        length (``plan_tiling(..., seq_len=T/S)``) and tiles the rank's own slice. The rewrite cuts
+        every source of the axis with one ``index_select`` by the rank's positions; the sequence
+        analysis takes such a cut of T/S positions as a source and a gather by token-wise positions
+        as token-wise (NOTE [Sequence dimension propagation] in passes/seq_regions.py), so regions
+        start at the cut inputs. The all-to-alls and the ring op read positions across the slice and
+        are barriers, as attention is. The rewrite marks each attention's output, the rank's slice
+        again (``meta.SEQUENCE_DIM`` through ``_compat.annotate``), and the analysis starts the
+        next region there, as it does after an SDPA. Ulysses' attention (the whole sequence for H/S
+        heads) is tiled like any SDPA, the ring op is already blockwise, and in fp32 the loss is one
+        summed ``cross_entropy`` of the rank's positions, which tiling chunks as it does without
+        sequence parallelism (in bf16 and fp16 it is per-token losses summed in fp32, left whole).
+        """
+        if self._forward is None:
+            forward = _pre_autograd_forward(self._step_fn, self.flat_fakes, self.param_names, self.buffer_names, self._model_name())
+            sp_plan = None
+            if self.sequence_parallel is not None:
+                try:
+                    sp_plan = plan_sequence_parallel(forward, self.sequence_parallel)
+                except SequenceParallelError as exc:
+                    raise CaptureError(f"cannot run {self._model_name()} sequence-parallel: {exc}") from exc
+                forward = sequence_parallel_pass(forward, sp_plan)
+            self._forward = forward, sp_plan
+        return self._forward
 
-    if num_fwd_outputs != 1:
-        raise CaptureError(
-            f"{type(model).__name__}'s forward mutates its inputs or buffers in place (e.g. BatchNorm running "
-            "statistics); zerofx captures functional forwards only"
+    def tiling_plan(self, tiling: TilingOptions | None) -> TilingPlan | None:
+        """The tiling plan a capture with ``tiling`` would use, without capturing."""
+        if tiling is None or tiling.enabled is False:
+            return None
+        forward, sp_plan = self._pre_autograd()
+        return plan_tiling(forward, tiling, seq_len=None if sp_plan is None else sp_plan.local_len)
+
+    def __call__(self, tiling: TilingOptions | None = None) -> CapturedStep:
+        """The joint graph, with the forward tiled by ``tiling`` (None: not tiled).
+
+        NOTE [Tiling before autograd]
+        The step is recorded before autograd (``make_fx(pre_dispatch=True)``, where
+        ``aten.linear``, SDPA and ``cross_entropy_loss`` are still whole), ``plan_tiling``
+        decides and ``tile_forward_pass`` rewrites it. AOTAutograd then traces the rewritten
+        graph through an ``fx.Interpreter`` under ``preserve_node_meta``, so the backward is
+        derived by autograd, not written by hand, and the per-chunk ``recompute`` tags reach
+        the joint graph."""
+        model_name = self._model_name()
+        tiling_plan = self.tiling_plan(tiling)
+        sp_plan = None
+        if self.sequence_parallel is not None or tiling_plan is not None:
+            forward, sp_plan = self._pre_autograd()
+            if tiling_plan is not None and tiling_plan.ops:
+                forward = tile_forward_pass(meta.clone_graph_module(forward), tiling_plan)
+            step_fn = _interpreted(forward)
+        else:
+            step_fn = self._step_fn
+
+        def partition_hook(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int, **_: Any) -> Any:
+            raise _CaptureDone(joint, num_fwd_outputs)
+
+        traced = _compat.aot_function(
+            step_fn,
+            fw_compiler=lambda gm, _: _compat.make_boxed_func(gm.forward),
+            bw_compiler=lambda gm, _: _compat.make_boxed_func(gm.forward),
+            partition_fn=partition_hook,
+            # AOTAutograd prints the joint graph into its log (about 5% of a capture) even when no
+            # one reads it: only when torch's logs are asked for (TORCH_LOGS, TORCH_TRACE).
+            enable_log=bool(os.environ.get("TORCH_LOGS") or os.environ.get("TORCH_TRACE")),
         )
-    loss_val = next(iter(joint.graph.find_nodes(op="output"))).args[0][0].meta["val"]
-    if loss_val.dim() != 0:
-        raise CaptureError(f"the loss must be a scalar tensor, got shape {tuple(loss_val.shape)}; reduce it or pass loss_fn=")
+        try:
+            with _compat.lazy_graph_modules():  # NOTE [Code written on first use] in passes/_compat.py
+                out = traced(*self.flat_fakes)
+        except _CaptureDone as done:
+            joint, num_fwd_outputs = done.joint, done.num_fwd_outputs
+        except CaptureError:
+            raise
+        except Exception as exc:  # any tracing failure becomes one clear error; no eager fallback
+            raise CaptureError(f"cannot capture {model_name} whole: {_explain(exc)}") from exc
+        else:
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise CaptureError(f"the loss of {model_name} does not depend on any trainable parameter (loss: {shape})")
 
-    _tag_placeholders(joint, param_names, buffer_names, len(fake_inputs))
+        if num_fwd_outputs != 1:
+            raise CaptureError(
+                f"{model_name}'s forward mutates its inputs or buffers in place (e.g. BatchNorm running "
+                "statistics); zerofx captures functional forwards only"
+            )
+        loss_val = next(iter(joint.graph.find_nodes(op="output"))).args[0][0].meta["val"]
+        if loss_val.dim() != 0:
+            raise CaptureError(f"the loss must be a scalar tensor, got shape {tuple(loss_val.shape)}; reduce it or pass loss_fn=")
 
-    return CapturedStep(
-        joint=joint,
-        params=tuple(param_infos),
-        buffers=tuple(buffer_infos),
-        inputs=tuple(TensorInfo(f"input[{i}]", tuple(leaves[i].shape), leaves[i].dtype) for i in tensor_positions),
-        input_spec=spec,
-        input_constants=constants,
-        tied=_tied_aliases(model),
-        model_class=type(model).__qualname__,
-        tiling=tiling_plan,
-        sequence_parallel=sp_plan,
-    )
+        num_inputs = len(self.tensor_positions)
+        _tag_placeholders(joint, self.param_names, self.buffer_names, num_inputs)
+        leaves = self.leaves
+        return CapturedStep(
+            joint=joint,
+            params=tuple(self.param_infos),
+            buffers=tuple(self.buffer_infos),
+            inputs=tuple(TensorInfo(f"input[{i}]", tuple(leaves[i].shape), leaves[i].dtype) for i in self.tensor_positions),
+            input_spec=self.spec,
+            input_constants=self.constants,
+            tied=_tied_aliases(self.model),
+            model_class=type(self.model).__qualname__,
+            tiling=tiling_plan,
+            sequence_parallel=sp_plan,
+        )
 
 
 def _pre_autograd_forward(step_fn: Callable[..., torch.Tensor], flat_fakes: list[torch.Tensor], param_names: list[str],
@@ -306,49 +386,6 @@ def _interpreted(forward: fx.GraphModule) -> Callable[..., torch.Tensor]:
             return fx.Interpreter(forward).run(*flat)
 
     return step_fn
-
-
-def _tiled_step(step_fn: Callable[..., torch.Tensor], flat_fakes: list[torch.Tensor], param_names: list[str],
-                buffer_names: list[str], options: TilingOptions, model_name: str) -> tuple[Callable[..., torch.Tensor], TilingPlan | None]:
-    """NOTE [Tiling before autograd]
-    The step is recorded before autograd (``make_fx(pre_dispatch=True)``, where ``aten.linear``,
-    SDPA and ``cross_entropy_loss`` are still whole), ``plan_tiling`` decides and
-    ``tile_forward_pass`` rewrites it. AOTAutograd then traces the rewritten graph through an
-    ``fx.Interpreter`` under ``preserve_node_meta``, so the backward is derived by autograd, not
-    written by hand, and the per-chunk ``recompute`` tags reach the joint graph."""
-    forward = _pre_autograd_forward(step_fn, flat_fakes, param_names, buffer_names, model_name)
-    plan = plan_tiling(forward, options)
-    return _interpreted(tile_forward_pass(forward, plan)), plan
-
-
-def _sequence_parallel_step(step_fn: Callable[..., torch.Tensor], flat_fakes: list[torch.Tensor], param_names: list[str],
-                            buffer_names: list[str], spec: SequenceParallelSpec, tiling: TilingOptions | None,
-                            model_name: str) -> tuple[Callable[..., torch.Tensor], SequenceParallelPlan, TilingPlan | None]:
-    """The step recorded before autograd, planned and rewritten for sequence parallelism, as
-    ``_tiled_step`` does for tiling: autograd then derives the backward, all-to-alls included.
-
-    NOTE [Tiling a sequence-parallel forward]
-    With ``tiling`` too, the tiling planner reads the sequence-parallel forward, not the whole
-    one: each rank's activations are those of its T/S positions, so the plan is made for that
-    length (``plan_tiling(..., seq_len=T/S)``) and tiles the rank's own slice. The rewrite cuts
-    every source of the axis with one ``index_select`` by the rank's positions; the sequence
-    analysis takes such a cut of T/S positions as a source and a gather by token-wise positions
-    as token-wise (NOTE [Sequence dimension propagation] in passes/seq_regions.py), so regions
-    start at the cut inputs. The all-to-alls and the ring op read positions across the slice and
-    are barriers, as attention is. The rewrite marks each attention's output, the rank's slice
-    again (``meta.SEQUENCE_DIM`` through ``_compat.annotate``), and the analysis starts the
-    next region there, as it does after an SDPA. Ulysses' attention (the whole sequence for H/S
-    heads) is tiled like any SDPA, the ring op is already blockwise, and in fp32 the loss is one
-    summed ``cross_entropy`` of the rank's positions, which tiling chunks as it does without
-    sequence parallelism (in bf16 and fp16 it is per-token losses summed in fp32, left whole)."""
-    forward = _pre_autograd_forward(step_fn, flat_fakes, param_names, buffer_names, model_name)
-    try:
-        plan = plan_sequence_parallel(forward, spec)
-    except SequenceParallelError as exc:
-        raise CaptureError(f"cannot run {model_name} sequence-parallel: {exc}") from exc
-    forward = sequence_parallel_pass(forward, plan)
-    tiling_plan = plan_tiling(forward, tiling, seq_len=plan.local_len) if tiling is not None else None
-    return _interpreted(tile_forward_pass(forward, tiling_plan)), plan, tiling_plan
 
 
 def _tag_placeholders(joint: fx.GraphModule, param_names: list[str], buffer_names: list[str], num_inputs: int, *, tangent: bool = True) -> None:

@@ -65,7 +65,7 @@ from zerofx.passes.fetch_params import fetch_order
 from zerofx.passes.offload_grads import grad_sink
 from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_sharding import place_param
-from zerofx.capture import CapturedStep, LossFn, TensorInfo, capture_step, cast_info, flatten_call, split_loss_kwargs
+from zerofx.capture import CapturedStep, LossFn, StepCapture, TensorInfo, capture_step, cast_info, flatten_call, split_loss_kwargs
 from zerofx.config import OptimizerSpec, ZeroConfig
 from zerofx.errors import (
     CollectiveTimeoutError,
@@ -389,9 +389,8 @@ class Engine:
             program = self._build_once(sig, lambda: plan_cache.load_or_build(
                 # A second launch with the same key loads the lowered graphs (zerofx.plan_cache).
                 self._plan_cache_dir, self._plan_cache_key(sig), lambda: capture_and_plan(
-                    lambda tiling: capture_step(self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos,
-                                                device=self.device, compute_dtype=self.compute_dtype, tiling=tiling,
-                                                sequence_parallel=self.sequence_parallel),
+                    StepCapture(self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos, device=self.device,
+                                compute_dtype=self.compute_dtype, sequence_parallel=self.sequence_parallel),
                     self.cfg, self.world_size, **self._program_options,
                 ), rank=self.rank, program_options=self._program_options))
             rank_agreement.check_same_plan(program, self.rank, self.group, self.world_size)

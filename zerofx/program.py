@@ -29,9 +29,9 @@ from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
 from zerofx.passes.plan_sharding import plan_sharding_from_shapes
-from zerofx.passes.plan_tiling import TilingOptions
+from zerofx.passes.plan_tiling import TilingOptions, TilingPlan
 from zerofx.passes.sequence_parallel import SequenceParallelSpec
-from zerofx.capture import CapturedStep, LossFn, capture_step, flatten_call, traced_param_infos
+from zerofx.capture import CapturedStep, LossFn, StepCapture, flatten_call, traced_param_infos
 from zerofx.config import GraphCompiler, ZeroConfig, check_shard_group_size, parse_config
 from zerofx.errors import MissingExampleInputsError, ZeroFXError
 from zerofx.limits import MAX_WORLD_SIZE
@@ -135,8 +135,8 @@ class Program:
         source = self._source
         if self._captured is None:
             captured = capture_and_plan(
-                lambda tiling: capture_step(source.model, args, kwargs, loss_fn=source.loss_fn, compute_dtype=source.cfg.compute_dtype,
-                                            tiling=tiling, sequence_parallel=planning_sequence_parallel(source.cfg, self.world_size)),
+                StepCapture(source.model, args, kwargs, loss_fn=source.loss_fn, compute_dtype=source.cfg.compute_dtype,
+                            sequence_parallel=planning_sequence_parallel(source.cfg, self.world_size)),
                 source.cfg, self.world_size, group_name=self.group_name, param_offload=self.param_offload,
                 replicate_group_name=self.replicate_group_name,
             )
@@ -390,22 +390,29 @@ def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, gr
     return fit_prefetch(plan_with(options), lambda d: plan_with(replace(options, prefetch_distance=d)), options.memory_budget_bytes)
 
 
-def capture_and_plan(capture: Callable[[TilingOptions | None], CapturedStep], cfg: ZeroConfig, world_size: int, *,
-                     group_name: str = PLANNING_GROUP, param_offload: ParamOffloadPlan | None = None,
-                     replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> Program:
+def capture_and_plan(capture: StepCapture, cfg: ZeroConfig, world_size: int, *, group_name: str = PLANNING_GROUP,
+                     param_offload: ParamOffloadPlan | None = None, replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> Program:
     """``capture(tiling_options)``, then plan and lower it; with ``zerofx.tiling.enabled: auto``
     the tiling is checked against the memory timeline (NOTE [Tiling checked against the memory
-    timeline] in zerofx/search.py), which may capture again."""
+    timeline] in zerofx/search.py), which may capture again: once per tiling plan, the options
+    whose plan is one already built getting that program (NOTE [One forward record per capture
+    search] in zerofx/capture.py)."""
     options = cfg.tiling_options()
     capture_s = 0.0
+    built: dict[TilingPlan | None, Program] = {}
 
     def build(opts: TilingOptions | None) -> Program:
         nonlocal capture_s
         start = time.perf_counter()
-        captured = capture(opts)
-        capture_s += time.perf_counter() - start
-        return plan_program(captured, cfg, world_size, group_name=group_name, param_offload=param_offload,
-                            replicate_group_name=replicate_group_name)
+        tiling_plan = capture.tiling_plan(opts)
+        if tiling_plan not in built:
+            captured = capture(opts)
+            capture_s += time.perf_counter() - start
+            built[tiling_plan] = plan_program(captured, cfg, world_size, group_name=group_name, param_offload=param_offload,
+                                              replicate_group_name=replicate_group_name)
+        else:
+            capture_s += time.perf_counter() - start
+        return built[tiling_plan]
 
     start = time.perf_counter()
     program = fit_tiling(build(options), build, options)
