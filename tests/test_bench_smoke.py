@@ -99,3 +99,31 @@ def test_infinity_benchmark_small_trains_like_no_offload(tmp_path: Path) -> None
         assert min(mem["offload_param_nvme_bytes"], mem["offload_grad_nvme_bytes"], mem["offload_nvme_bytes"]) > 0
         assert offloaded["du_rank_bytes"] >= on_nvme and set(offloaded["param_tiers"]) == set(offloaded["record_tiers"]) == {"nvme"}
     assert not any(p.is_file() for p in (tmp_path / "nvme").rglob("*"))  # the engine deleted its files at close
+
+
+def test_long_context_throughput_ratio_is_taken_per_round() -> None:
+    """``bench_long_context``'s tokens/s target compares size 4 with size 1 round by round
+    (NOTE [Ratios by round]): the median of the per-round ratios, with quartiles, decides."""
+    from benchmarks.bench_long_context import markdown, targets
+
+    def row(system: str, seq_len: int, rounds: list[float], fits: bool = True) -> dict[str, Any]:
+        sp = 4 if system.endswith("sp4") else 1
+        step = sorted(rounds)[len(rounds) // 2]
+        return {"system": system, "world_size": 4, "seq_len": seq_len, "fits": fits, "round_step_s": rounds, "step_s": step,
+                "tokens_per_s_per_rank": seq_len / sp / step}
+
+    # Round 2 was slow for both systems: per round, size 4 gets 0.8, 0.8 and 0.5 of size 1's tokens/s per rank.
+    rows = [row("zerofx3", 4096, [4.0, 8.0, 4.0]), row("zerofx3", 8192, [9.0, 9.0, 9.0], fits=False),
+            row("zerofx3_sp4", 4096, [1.25, 2.5, 2.0]), row("zerofx3_sp4", 8192, [3.0, 3.0, 3.0])]
+    stopped = {"zerofx3 W=4": "peak RSS over the cap", "zerofx3_sp4 W=4": "peak RSS over the cap"}
+    t = targets(rows, (4,), ("zerofx3", "zerofx3_sp4"), stopped)
+    by = t["throughput_ratio_by_round"]
+    assert by["rounds"] == pytest.approx([0.8, 0.8, 0.5]) and by["median"] == pytest.approx(0.8) and t["throughput_met"]
+    assert t["both_fit_at"] == 4096 and t["throughput_ratio"] == pytest.approx(4.0 / (4 * 2.0))  # the medians': 0.5
+    assert by["p25"] == pytest.approx(0.65) and by["p75"] == pytest.approx(0.8)
+    result = {"options": {"size": "small", "batch": 1, "cap_bytes": 1 << 30, "rounds": 3, "warmup": 1, "steps": 2},
+              "num_params": 1, "machine": {"cores": 2, "cpu": "cpu", "torch": torch.__version__}, "date": "today",
+              "load_average": [(1.0, 1.0, 1.0)], "rows": [], "stopped": stopped, "targets": t}
+    assert "size 4 / size 1 = 0.80 [0.65, 0.80] over 3 rounds" in markdown(result)
+    rows[0].pop("round_step_s")  # a result written before per-round steps were kept: the medians' ratio
+    assert "throughput_ratio_by_round" not in targets(rows, (4,), ("zerofx3", "zerofx3_sp4"), stopped)
