@@ -34,7 +34,8 @@ def test_inductor_graphs_match_fx_graphs_at_two_ranks() -> None:
 
 
 def test_compile_and_fused_optimizer_config_keys() -> None:
-    from zerofx.config import GraphCompiler, parse_config
+    from zerofx.config import parse_config
+    from zerofx.config_options import GraphCompiler
     from zerofx.engine import build_optimizer
     from zerofx.errors import ConfigError
 

@@ -15,16 +15,9 @@ from typing import Any
 import pytest
 
 from zerofx.cli import main
-from zerofx.config import (
-    DEFAULT_COLLECTIVE_TIMEOUT_S,
-    DEFAULT_PROGRAM_CACHE_SIZE,
-    OPTIMIZER_PARAMS,
-    SCHEMA,
-    Key,
-    LossScaleOptions,
-    first_config_difference,
-    parse_config,
-)
+from zerofx.config import first_config_difference, parse_config
+from zerofx.config_options import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_PROGRAM_CACHE_SIZE, OPTIMIZER_PARAMS, LossScaleOptions
+from zerofx.config_schema import SCHEMA, Key
 from zerofx.errors import ConfigError
 from zerofx.loss_scaling import LossScaler
 from zerofx.schedulers import SchedulerSpec, SchedulerType, WarmupType, lr_at

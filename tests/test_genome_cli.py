@@ -227,7 +227,7 @@ def test_kmer_tokens_and_windows() -> None:
 
 
 def test_config_schema_is_generated_from_the_validator(capsys: pytest.CaptureFixture[str]) -> None:
-    from zerofx.config import SCHEMA
+    from zerofx.config_schema import SCHEMA
 
     assert main(["config-schema", "--format", "json"]) == 0
     keys = {row["key"]: row for row in json.loads(capsys.readouterr().out)}

@@ -26,7 +26,9 @@ from tests.support import monitor_workers
 from tests.support.dist_utils import run_ranks
 from tests.support.models import BATCH, SEQ, batches, dna_lm, loss_of
 from zerofx.capture import TensorInfo
-from zerofx.config import LogDirOptions, MonitorOptions, WandbOptions, first_config_difference, parse_config, schema_rows
+from zerofx.config import first_config_difference, parse_config
+from zerofx.config_options import LogDirOptions, MonitorOptions, WandbOptions
+from zerofx.config_schema import schema_rows
 from zerofx.errors import ConfigError
 from zerofx.monitors import (
     GRAD_NORM,

@@ -484,10 +484,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_config_schema(args: argparse.Namespace) -> int:
-    """Print every config key zerofx knows, generated from ``zerofx.config.SCHEMA``."""
+    """Print every config key zerofx knows, generated from ``zerofx.config_schema.SCHEMA``."""
     from tabulate import tabulate
 
-    from zerofx.config import schema_rows
+    from zerofx.config_schema import schema_rows
 
     rows = schema_rows()
     if args.format == "json":

@@ -9,7 +9,7 @@ in ``zerofx.config``. Checkpoints save and restore the scaler's plain attributes
 
 from __future__ import annotations
 
-from zerofx.config import LossScaleOptions
+from zerofx.config_options import LossScaleOptions
 
 
 class LossScaler:

@@ -43,7 +43,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from zerofx.config import LogDirOptions, MonitorOptions, WandbOptions
+from zerofx.config_options import LogDirOptions, MonitorOptions, WandbOptions
 from zerofx.errors import ConfigError
 
 if TYPE_CHECKING:

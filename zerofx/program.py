@@ -32,7 +32,8 @@ from zerofx.passes.plan_sharding import plan_sharding_from_shapes
 from zerofx.passes.plan_tiling import TilingOptions, TilingPlan
 from zerofx.passes.sequence_parallel import SequenceParallelSpec
 from zerofx.capture import CapturedStep, LossFn, StepCapture, flatten_call, traced_param_infos
-from zerofx.config import GraphCompiler, ZeroConfig, check_shard_group_size, parse_config
+from zerofx.config import ZeroConfig, check_shard_group_size, parse_config
+from zerofx.config_options import GraphCompiler
 from zerofx.errors import MissingExampleInputsError, ZeroFXError
 from zerofx.limits import MAX_WORLD_SIZE
 from zerofx.pipeline import lower
