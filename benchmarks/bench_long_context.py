@@ -40,7 +40,15 @@ wall time), tokens per second per rank (B·T/S tokens per rank per step over tha
 exposed communication (NOTE [Exposed communication time] in benchmarks/report.py). The summary
 checks the targets: sequence-parallel size 4 reaches a context at least 3.5x longer than size 1
 under the same cap, with at least 80% of its tokens per second per rank at the longest context
-both fit, and some run fits at 131072 tokens or more.
+both fit (the median of the per-round ratios, NOTE [Ratios by round]), and some run fits at
+131072 tokens or more.
+
+Every rank runs with ``MALLOC_MMAP_THRESHOLD_`` (``--malloc-mmap-threshold``, default 256 KiB),
+as ``bench_tiling``'s runs do, so freed tensors go back to the OS and the peak RSS follows the
+live tensors. The price is a system call and fresh pages for every tensor above the threshold,
+a per-tensor cost that weighs more where each rank holds fewer tokens.
+``--malloc-mmap-threshold 0`` keeps glibc's dynamic threshold, which reuses freed memory and
+holds more of it.
 
 Writes markdown and JSON to ``--out`` (default ``benchmarks/results/long_context_<today>``).
 """
@@ -332,6 +340,11 @@ def targets(rows: list[dict[str, Any]], world_sizes: tuple[int, ...], systems: t
     return out
 
 
+def _malloc(options: dict[str, Any]) -> str:
+    threshold = options.get("malloc_mmap_threshold", "256KiB")  # results written before the option had 256 KiB
+    return "glibc's dynamic mmap threshold" if str(threshold) in ("0", "0B") else f"MALLOC_MMAP_THRESHOLD_ {threshold}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     o = result["options"]
     load = result["load_average"]
@@ -340,7 +353,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"per data-parallel group; cap {human_bytes(o['cap_bytes'])} peak RSS per rank; {o['rounds']} interleaved round(s) of "
         f"{o['warmup']} untimed + {o['steps']} timed step(s); {result['machine']['cores']} cores, {result['machine']['cpu']}, "
         f"torch {result['machine']['torch']}; run {result['date']}; load average (1 min) from {min(x[0] for x in load):.1f} "
-        f"to {max(x[0] for x in load):.1f}.",
+        f"to {max(x[0] for x in load):.1f}; malloc: {_malloc(o)}.",
         "",
         "| system | W | S | context | peak RSS / rank | RSS before steps | step s (median [p25–p75]) | tokens/s / rank | "
         "exposed comm s | fits |",
@@ -395,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-step-s", type=float, default=1800.0, help="stop a system after a context whose step is slower (default 1800)")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per run (default 7200)")
     p.add_argument("--out", default=None, help="output path without extension (default benchmarks/results/long_context_<today>)")
+    p.add_argument("--malloc-mmap-threshold", default="256KiB", help="glibc M_MMAP_THRESHOLD for every rank (MALLOC_MMAP_THRESHOLD_), so "
+                   "freed tensors return to the OS and peak RSS follows the live tensors (default 256KiB); 0 keeps glibc's dynamic "
+                   "default, which reuses freed memory without a system call and holds more of it")
     p.add_argument("--render", default=None, metavar="JSON", help="only rewrite the markdown (and targets) of a result file")
     opts = p.parse_args(argv)
     if opts.render:
@@ -414,7 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     opts.cap_bytes = int(parse_bytes(opts.cap))
     opts.tiling_budget = opts.tiling_budget or str(opts.cap_bytes // 2)
     opts.tiling_budget = int(parse_bytes(opts.tiling_budget))
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(256 * 1024))  # RSS follows the live tensors (bench_tiling, bench_offload)
+    threshold = int(parse_bytes(opts.malloc_mmap_threshold))
+    if threshold:  # the ranks inherit it: RSS follows the live tensors (as bench_tiling's runs)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    else:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     out = Path(opts.out or ROOT / "benchmarks" / "results" / f"long_context_{datetime.date.today().isoformat()}")
 
     def save(result: dict[str, Any]) -> None:
