@@ -327,9 +327,8 @@ def _seq_to_heads(xs: list[torch.Tensor], size: int, group_name: str) -> list[to
         return [out[i] for i in range(len(xs))]
     n = len(xs)
     b, h, tl, d = xs[0].shape  # (B, H, T/S, D)
-    # One copy into the send buffer: each (B, H, T/S, D) viewed as (S, B, H/S, T/S, D), then
-    # stacked at dim 1 (stacking first and permuting after would copy twice).
-    x = torch.stack([x.reshape(b, size, h // size, tl, d).transpose(0, 1) for x in xs], dim=1)  # (S, n, B, H/S, T/S, D): chunk j to rank j
+    x = torch.stack(xs).reshape(n, b, size, h // size, tl, d)
+    x = x.permute(2, 0, 1, 3, 4, 5).contiguous()  # (S, n, B, H/S, T/S, D): chunk j to rank j
     y = _all_to_all(x, size, group_name, grad=True)  # (S, n, B, H/S, T/S, D): chunk j is rank j's positions
     y = y.permute(1, 2, 3, 0, 4, 5).reshape(n, b, h // size, size * tl, d)  # (n, B, H/S, T, D)
     return list(y.unbind(0))
