@@ -12,6 +12,7 @@ import argparse
 import gzip
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -352,3 +353,19 @@ def test_every_command_and_flag_has_help(capsys: pytest.CaptureFixture[str]) -> 
     # Numeric flags state their range.
     assert main(["plan", "--help"]) == 0
     assert f"1..{MAX_WORLD_SIZE}" in capsys.readouterr().out
+
+
+def test_a_library_that_wraps_sys_exit_does_not_hide_the_users_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """wandb, once ``wandb.init`` has run, replaces ``sys.exit`` with its own hook: the error
+    still names the line in the user's model spec, not the hook's."""
+    import sysconfig
+
+    hook_file = Path(sysconfig.get_paths()["purelib"]) / "some_logger" / "hooks.py"  # compiled with that name; never written
+    namespace: dict = {}
+    exec(compile("import sys\n_exit = sys.exit\ndef exit(code=None):\n    _exit(code)\n", str(hook_file), "exec"), namespace)
+    monkeypatch.setattr(sys, "exit", namespace["exit"])
+    spec = _spec(tmp_path, EXIT_IN_CALLABLE)
+    assert main(["plan", spec, "--world-size", "2", "--stage", "3"]) == 2
+    err = _error_line(capsys)
+    assert "called sys.exit(0) (at user_model.py:6) while zerofx called make()" in err, err

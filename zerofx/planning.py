@@ -8,6 +8,8 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import site
+import sysconfig
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ import torch.nn as nn
 from zerofx.cost_models.memory_timeline import TimelinePoint
 from zerofx.cost_models.symbolic import B, T, fit_timeline, fit_timeline_batch_seq, longest_fitting
 from zerofx.passes.analyze_schedule import ScheduleReport, summary_json
-from zerofx import plan_cache
+from zerofx import cost_models, passes, plan_cache
 from zerofx.errors import ZeroFXError
 from zerofx.passes._compat import pytree
 from zerofx.program import Program, compile, resolve
@@ -43,12 +45,25 @@ def _user_code_error(spec: str, doing: str, exc: BaseException, accepted: str) -
     else:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         what = f"raised {type(exc).__name__}" + (f": {first_line}" if first_line else "")
-    frames = traceback.extract_tb(exc.__traceback__)
+    frames = _user_frames(traceback.extract_tb(exc.__traceback__))
     if isinstance(exc, SyntaxError) and exc.filename:
         where = f" (at {Path(exc.filename).name}:{exc.lineno})"
     else:
         where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
     return ZeroFXError(f"model spec {spec!r} {what}{where} while {doing}; {accepted}")
+
+
+def _user_frames(frames: traceback.StackSummary) -> list[traceback.FrameSummary]:
+    """The frames of ``frames`` in the user's own code: not in an installed package nor in
+    zerofx. A library can wrap ``sys.exit`` (wandb does, once ``wandb.init`` has run), or raise
+    inside a call from the user's forward; the line to name is the user's. All frames where
+    none is the user's."""
+    outside = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                                     sysconfig.get_paths()["stdlib"], site.getusersitepackages(),
+                                                     Path(nn.__file__).resolve().parents[1], Path(__file__).resolve().parent,
+                                                     Path(passes.__file__).resolve().parent, Path(cost_models.__file__).resolve().parent})
+    mine = [f for f in frames if not str(Path(f.filename).resolve()).startswith(outside)]
+    return mine or list(frames)
 
 
 _SPEC_CONTRACT = "a model spec's module imports, and its callable returns (model, example_inputs), without exiting or raising"
