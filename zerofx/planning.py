@@ -59,6 +59,7 @@ def _user_frames(frames: traceback.StackSummary) -> list[traceback.FrameSummary]
     zerofx. A library can wrap ``sys.exit`` (wandb does, once ``wandb.init`` has run), or raise
     inside a call from the user's forward; the line to name is the user's. All frames where
     none is the user's."""
+    # With a trailing separator, so a folder matches and a longer name beside it does not.
     outside = tuple(os.path.join(Path(p).resolve(), "") for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
                                                      sysconfig.get_paths()["stdlib"], site.getusersitepackages(),
                                                      Path(nn.__file__).resolve().parents[1], Path(__file__).resolve().parent,
