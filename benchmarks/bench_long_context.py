@@ -341,8 +341,10 @@ def targets(rows: list[dict[str, Any]], world_sizes: tuple[int, ...], systems: t
 
 
 def _malloc(options: dict[str, Any]) -> str:
+    from zerofx.units import parse_bytes
+
     threshold = options.get("malloc_mmap_threshold", "256KiB")  # results written before the option had 256 KiB
-    return "glibc's dynamic mmap threshold" if str(threshold) in ("0", "0B") else f"MALLOC_MMAP_THRESHOLD_ {threshold}"
+    return "glibc's dynamic mmap threshold" if not parse_bytes(threshold) else f"MALLOC_MMAP_THRESHOLD_ {threshold}"
 
 
 def markdown(result: dict[str, Any]) -> str:
