@@ -3,6 +3,7 @@ top-level passes/ and cost_models/ never land in site-packages under generic nam
 
 from __future__ import annotations
 
+import site
 import subprocess
 import sys
 import venv
@@ -37,14 +38,27 @@ def test_editable_install_exposes_only_zerofx_names(tmp_path: Path) -> None:
     assert Path(_check(sys.executable, tmp_path)) == ROOT / "passes" / "__init__.py"
 
 
+def _see_this_interpreters_packages(python: str) -> None:
+    """Let the venv at ``python`` import torch and its dependencies from the interpreter that runs
+    the tests, wherever that one has them: its own venv (as the README installs), the user site or
+    the system. A ``.pth`` file lists those site-packages folders after the venv's own, so the
+    wheel installed into the venv is found first. The folders' own ``.pth`` files are not run,
+    so this interpreter's editable install of zerofx stays out."""
+    folders = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    Path(own, "zerofx-test-parent-env.pth").write_text("".join(f"{f}\n" for f in folders if Path(f).is_dir()))
+
+
 def test_wheel_installs_passes_under_zerofx(tmp_path: Path) -> None:
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
                    check=True, timeout=300, capture_output=True)
     (wheel,) = wheels.glob("zerofx-*.whl")
     env = tmp_path / "venv"
-    venv.create(env, system_site_packages=True, with_pip=True)  # torch and friends from this interpreter
+    venv.create(env, with_pip=True)
     python = str(env / "bin" / "python")
+    _see_this_interpreters_packages(python)
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=300, capture_output=True)
     installed = Path(_check(python, tmp_path))
     assert env in installed.parents and installed.parent.name == "passes" and installed.parent.parent.name == "zerofx"
