@@ -63,7 +63,7 @@ def _overlap(span: tuple[float, float], window: tuple[float, float]) -> float:
 def _train(kind: str, rank: int, args: dict[str, Any]) -> dict[str, Any]:
     import zerofx
     from zerofx.models import DNA_LM_SIZES, DNADecoderLM
-    from zerofx.offload import OffloadedOptimizer
+    from zerofx.runtime.offload import OffloadedOptimizer
 
     torch.manual_seed(0)
     model = DNADecoderLM(DNA_LM_SIZES[args["size"]])

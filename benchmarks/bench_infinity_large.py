@@ -8,12 +8,12 @@ optimizer states (``offload_optimizer``).
     python -m benchmarks.bench_infinity_large --size tiny --steps 3 --reference  # CI's small version
 
 The model is built on the meta device, so each rank materializes one module at a time and
-keeps only its shards (NOTE [The init scheme] in ``zerofx/materialize.py``). Every rank trains
+keeps only its shards (NOTE [The init scheme] in ``zerofx/compiler/materialize.py``). Every rank trains
 on one fixed batch, a window of the bundled lambda phage genome (rank r: window r), so the loss
 falls visibly within a few steps. ``--reference`` trains the same config without offload in
 the same processes afterwards; the losses and weights must agree exactly.
 
-Per rank: peak RSS (``VmHWM``, ``zerofx.rss``), seconds and loss per step, the engine's ``memory()`` per tier,
+Per rank: peak RSS (``VmHWM``, ``zerofx.common.rss``), seconds and loss per step, the engine's ``memory()`` per tier,
 NVMe bytes moved per step, and ``du`` of the NVMe folder after the last step. The main process
 adds what ``zerofx estimate`` (per tier) and ``zerofx plan`` (fits, bytes per tier) predict for
 the same config, and the load average before and after. Results go to
@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 from zerofx.models.sizes import DNA_LM_SIZES, DNALMConfig
-from zerofx.rss import current_rss_bytes, peak_rss_bytes
-from zerofx.units import format_bytes
+from zerofx.common.rss import current_rss_bytes, peak_rss_bytes
+from zerofx.common.units import format_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,7 +188,7 @@ def num_params(shape: DNALMConfig) -> int:
 
 
 def _cli_json(argv: list[str]) -> dict[str, Any]:
-    from zerofx.cli import main as cli_main
+    from zerofx.app.cli import main as cli_main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -338,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": f"{os.cpu_count()}-core CPU, {host_memory / 2**30:.1f} GiB memory, no GPU, torch {torch.__version__}",
         "load_before": Path("/proc/loadavg").read_text().strip(),
     }
-    from zerofx.offload import measure_nvme_bytes_per_s
+    from zerofx.runtime.offload import measure_nvme_bytes_per_s
 
     from benchmarks.bench_offload import run_config  # here: `zerofx plan` imports this file by path, without the package
     from benchmarks.report import write_result

@@ -28,7 +28,7 @@ Systems, per world size W:
   (Ulysses all-to-all): the S ranks of a group share one sequence, T/S tokens each, untiled.
 - ``zerofx3_sp4_tiled``: ``zerofx3_sp4`` with ``zerofx.tiling`` as ``zerofx3_tiled`` has it,
   planned for each rank's T/4 positions (NOTE [Tiling a sequence-parallel forward] in
-  zerofx/capture.py).
+  zerofx/compiler/capture.py).
 - ``fsdp2_cp``: FSDP2 (``fully_shard`` per block) inside
   ``torch.distributed.tensor.experimental.context_parallel`` over the W ranks, with the token ids
   and labels sharded along the sequence. Where it does not run on CPU with gloo, its row holds
@@ -94,7 +94,7 @@ def sp_size(system: str, world_size: int) -> int:
 def _model(size: str, seq_len: int, seed: int) -> torch.nn.Module:
     """The named DNA LM, its rotary tables sized for ``seq_len``, initialized as every system's
     is (``benchmarks.systems.build_model``)."""
-    from zerofx.materialize import init_weights_
+    from zerofx.compiler.materialize import init_weights_
     from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
     torch.manual_seed(seed)
@@ -148,7 +148,7 @@ def _runner(system: str, model: torch.nn.Module, example: torch.Tensor, args: di
 
 def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: Any) -> None:
     """One rank of one run: build, ``warmup + steps`` timed steps, peak RSS (``run_config``'s target)."""
-    from zerofx.rss import current_rss_bytes, peak_rss_bytes
+    from zerofx.common.rss import current_rss_bytes, peak_rss_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -341,7 +341,7 @@ def targets(rows: list[dict[str, Any]], world_sizes: tuple[int, ...], systems: t
 
 
 def _malloc(options: dict[str, Any]) -> str:
-    from zerofx.units import parse_bytes
+    from zerofx.common.units import parse_bytes
 
     threshold = options.get("malloc_mmap_threshold", "256KiB")  # results written before the option had 256 KiB
     return "glibc's dynamic mmap threshold" if not parse_bytes(threshold) else f"MALLOC_MMAP_THRESHOLD_ {threshold}"

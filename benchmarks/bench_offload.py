@@ -101,7 +101,7 @@ def _time_store_waits() -> None:
     """Count the seconds the step spends in the parameter store's blocking calls (taking a shard,
     whose NVMe read may not be done; handing one back, which waits for the oldest write-back
     beyond ``buffer_count``; draining): the shard I/O the step waited for, as measured."""
-    from zerofx.offload.params import ParamStore
+    from zerofx.runtime.offload.params import ParamStore
 
     def timed(fn: Any) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
@@ -134,7 +134,7 @@ def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: An
             # by its own prediction. Here each run forces one, to measure both.
             import functools
 
-            import zerofx.offload.plan as offload_plan
+            import zerofx.runtime.offload.plan as offload_plan
             from zerofx.passes.plan_offload import Placement, plan_param_offload
 
             rule = Placement.FIRST_FIT if args["kind"] == "param-first-fit" else Placement.BANDWIDTH
@@ -310,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # included): as many as the frozen blocks hold, so first-fit (largest, then earliest first)
         # fills it with frozen shards.
         args.max_in_cpu = sum(-(-p.numel() // args.world_size) for p in meta_model.blocks[args.freeze_blocks:].parameters())
-    from zerofx.offload import measure_nvme_bytes_per_s
+    from zerofx.runtime.offload import measure_nvme_bytes_per_s
 
     bandwidth = measure_nvme_bytes_per_s(args.nvme_path)
     stem_name = args.out or f"offload_{args.size}_w{args.world_size}"

@@ -3,7 +3,7 @@
     python -m benchmarks.bench_overlap [--model 25m] [--stage 3] [--steps 6] [--seq-len 512]
 
 Both runs train the same model on the same data. "Exposed" is the wall time the step spends
-blocked in ``wait_tensor`` nodes (measured with ``zerofx.engine.WaitTimer``); with overlap the
+blocked in ``wait_tensor`` nodes (measured with ``zerofx.runtime.engine.WaitTimer``); with overlap the
 all-gathers are prefetched one bucket ahead and gradient reductions are waited for at the end
 of backward. Medians over the measured steps, after one warm-up step. Both runs go through
 the same timing interpreter, so their step times compare fairly (plain runs are a little faster).
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, queue: mp.Queue) -> None:
     sys.path.insert(0, str(ROOT))
     import zerofx
-    from zerofx.engine import WaitTimer
+    from zerofx.runtime.engine import WaitTimer
     from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
     torch.set_num_threads(1)

@@ -50,7 +50,7 @@ def run_rank(rank: int, world_size: int, variant: str, unrolled_path: str, shape
     """One rank of one run: saved bytes, VmHWM before and after, seconds per timed step."""
     from zerofx.passes import _compat
     from zerofx.passes.ring_attention import ring_attention
-    from zerofx.rss import peak_rss_bytes
+    from zerofx.common.rss import peak_rss_bytes
 
     torch.set_num_threads(1)
     _compat.register_group_name(GROUP, dist.group.WORLD)

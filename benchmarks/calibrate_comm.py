@@ -20,7 +20,7 @@ import platform
 import tempfile
 from pathlib import Path
 
-from zerofx.calibrate import LOCAL_RANKS_PER_NODE, calibrate, record_json
+from zerofx.app.calibrate import LOCAL_RANKS_PER_NODE, calibrate, record_json
 from zerofx.cost_models.comm import CommSpec, fit_link, predict_s
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -5,7 +5,7 @@ a subcommand's ``--help``, and ``zerofx estimate --params`` (arithmetic only).
     python -m benchmarks.cli_startup --rounds 30 --budget 0.5 --out benchmarks/results/cli_startup
 
 Each run is a fresh interpreter doing what the installed ``zerofx`` script does
-(``from zerofx.cli import main; sys.exit(main())``), so the time includes Python's start, every
+(``from zerofx.app.cli import main; sys.exit(main())``), so the time includes Python's start, every
 import the command makes, argument parsing and the output. The commands run interleaved, one
 round of all of them after another, so load from other jobs on a shared machine slows them
 alike. One untimed round first warms the file cache. Each command's wall-time median and quartiles
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# What the console script `zerofx` runs (its entry point is zerofx.cli:main).
-SCRIPT = "import sys; from zerofx.cli import main; sys.exit(main())"
+# What the console script `zerofx` runs (its entry point is zerofx.app.cli:main).
+SCRIPT = "import sys; from zerofx.app.cli import main; sys.exit(main())"
 COMMANDS: dict[str, list[str]] = {
     "zerofx --help": ["--help"],
     "zerofx plan --help": ["plan", "--help"],

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.systems import build_runner, needs_group, split_system, synchronize
-from zerofx.rss import peak_rss_bytes
+from zerofx.common.rss import peak_rss_bytes
 
 READY_TIMEOUT_S = 900.0
 STEP_TIMEOUT_S = 900.0

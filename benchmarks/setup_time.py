@@ -68,7 +68,7 @@ def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, out_d
 def _cache_load_cpu_s(path: Path) -> float:
     """CPU seconds of the ``cache`` phase, measured again on the entry just used: read and check
     it, rebuild the graphs, and write their Python (which the engine's plan check reads)."""
-    from zerofx import plan_cache
+    from zerofx.compiler import plan_cache
 
     key = json.loads(Path(path).read_bytes().partition(b"\n")[0])["key"]
     cpu = time.process_time()

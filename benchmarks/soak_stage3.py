@@ -34,7 +34,7 @@ def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> No
     faulthandler.enable()
     import zerofx
     from zerofx.models import DNA_LM_SIZES, DNADecoderLM
-    from zerofx.rss import current_rss_bytes
+    from zerofx.common.rss import current_rss_bytes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -50,7 +50,7 @@ ZEROFX_VARIANTS: dict[str, tuple[int, bool, dict[str, Any]]] = {
     "zerofx1": (1, False, {}),
     "zerofx2": (2, False, {}),
     "zerofx3": (3, False, {}),
-    # Built on the meta device: each rank initializes only its shard (zerofx.materialize).
+    # Built on the meta device: each rank initializes only its shard (zerofx.compiler.materialize).
     "zerofx3_meta": (3, True, {}),
     # Also: forward and backward graphs compiled by Inductor, fused AdamW over the shards.
     "zerofx3_inductor": (3, True, {"compile": "inductor", "fused_optimizer": True}),
@@ -84,7 +84,7 @@ def needs_group(name: str) -> bool:
 def build_model(size: str, seed: int, device: torch.device) -> DNADecoderLM:
     """The same initial weights in every process, and the ones a meta-built zerofx run starts
     from: the model's own init, module by module from ``seed`` (``zerofx.init_weights_``)."""
-    from zerofx.materialize import init_weights_
+    from zerofx.compiler.materialize import init_weights_
 
     torch.manual_seed(seed)
     return init_weights_(DNADecoderLM(DNA_LM_SIZES[size]), seed=seed).to(device)

@@ -41,7 +41,8 @@ from zerofx.cost_models.comm import (
     estimate_reduce_scatter_s,
 )
 from zerofx.cost_models.memory import estimate_model_state_bytes
-from zerofx.units import format_bytes
+from zerofx.common.units import format_bytes
+from zerofx.common.errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class StepEstimate:
 
 def check_shard_group_size(world_size: int, shard_group_size: int) -> None:
     if not (1 <= shard_group_size <= world_size and world_size % shard_group_size == 0):
-        raise ValueError(f"shard group size {shard_group_size} does not divide world size {world_size}; "
+        raise PlanError(f"shard group size {shard_group_size} does not divide world size {world_size}; "
                          f"accepted: a divisor of {world_size}")
 
 

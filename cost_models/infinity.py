@@ -51,6 +51,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from zerofx.common.errors import PlanError
+from zerofx.common.units import format_bytes
 
 FP16_BYTES = 2
 # Bytes per parameter of each model state, mixed-precision Adam (the ZeRO paper's 2 + 2 + 12).
@@ -95,7 +97,7 @@ def layer_shape(
     ``hidden = aspect * layers``."""
     for name, value in (("hidden", hidden), ("layers", layers), ("seq_len", seq_len), ("micro_batch", micro_batch)):
         if value is not None and value < 1:
-            raise ValueError(f"{name}={value}; accepted: an integer >= 1")
+            raise PlanError(f"{name}={value}; accepted: an integer >= 1")
     if hidden is None and layers is None:
         layers = max(1, round((num_params / (PARAMS_PER_LAYER_PER_H2 * aspect**2)) ** (1 / 3)))
     if hidden is None:
@@ -145,7 +147,7 @@ def estimate_working_set_bytes(shape: LayerShape, *, world_size: int, prefetch: 
                                buffer_count: int = 4) -> dict[str, float]:
     """The device's working set per rank, in bytes; see NOTE [The Infinity working set]."""
     if prefetch < 0 or tile_factor < 1 or buffer_count < 1:
-        raise ValueError(f"prefetch={prefetch}, tile_factor={tile_factor}, buffer_count={buffer_count}; accepted: "
+        raise PlanError(f"prefetch={prefetch}, tile_factor={tile_factor}, buffer_count={buffer_count}; accepted: "
                          "prefetch >= 0, tile_factor >= 1, buffer_count >= 1")
     tile = shape.largest_op_numel / tile_factor
     h, s, b = shape.hidden, shape.seq_len, shape.micro_batch
@@ -169,7 +171,7 @@ def place_states(num_params: float, *, world_size: int, choices: Mapping[str, st
     for order, (state, per_param) in enumerate(STATE_BYTES_PER_PARAM.items()):
         choice = choices.get(state, "none")
         if choice not in PLACEMENT_CHOICES:
-            raise ValueError(f"{state}={choice!r}; accepted: {', '.join(PLACEMENT_CHOICES)}")
+            raise PlanError(f"{state}={choice!r}; accepted: {', '.join(PLACEMENT_CHOICES)}")
         nbytes = per_param * num_params / world_size
         out[state] = dict.fromkeys(TIERS, 0.0)
         if choice == "auto":
@@ -195,7 +197,7 @@ def estimate_infinity(
     per step against the compute (NOTE [The Infinity working set], NOTE [Placing model states by
     bandwidth])."""
     if checkpoints not in ("device", "cpu"):
-        raise ValueError(f"checkpoints={checkpoints!r}; accepted: device, cpu")
+        raise PlanError(f"checkpoints={checkpoints!r}; accepted: device, cpu")
     working = estimate_working_set_bytes(shape, world_size=world_size, prefetch=prefetch, tile_factor=tile_factor,
                                          buffer_count=buffer_count)
     checkpoint_bytes = working["activation_checkpoints"] if checkpoints == "cpu" else 0.0
@@ -272,22 +274,21 @@ def format_infinity(e: InfinityEstimate, node: NodeSpec, *, choices: Mapping[str
     seconds per step."""
     from tabulate import tabulate
 
-    from zerofx.units import format_bytes as fmt
     s = e.shape
-    rows = [[_STATE_LABELS[k], *(fmt(v[t]) for t in TIERS)] for k, v in e.placement.items()]
+    rows = [[_STATE_LABELS[k], *(format_bytes(v[t]) for t in TIERS)] for k, v in e.placement.items()]
     for k, v in e.working_set.items():
         if v:
-            rows.append([_WORKING_LABELS[k], fmt(v), "-", "-"])
+            rows.append([_WORKING_LABELS[k], format_bytes(v), "-", "-"])
     if e.checkpoint_host_bytes:
-        rows.append(["activation checkpoints", "-", fmt(e.checkpoint_host_bytes), "-"])
+        rows.append(["activation checkpoints", "-", format_bytes(e.checkpoint_host_bytes), "-"])
     if e.host_buffer_bytes:
-        rows.append(["NVMe staging buffers", "-", fmt(e.host_buffer_bytes), "-"])
-    rows.append(["per rank", *(fmt(e.tier_bytes[t]) for t in TIERS)])
-    rows.append([f"per node ({node.ranks_per_node} ranks)", *(fmt(e.tier_bytes[t] * node.ranks_per_node) for t in TIERS)])
+        rows.append(["NVMe staging buffers", "-", format_bytes(e.host_buffer_bytes), "-"])
+    rows.append(["per rank", *(format_bytes(e.tier_bytes[t]) for t in TIERS)])
+    rows.append([f"per node ({node.ranks_per_node} ranks)", *(format_bytes(e.tier_bytes[t] * node.ranks_per_node) for t in TIERS)])
     fits = node_fits(e, node, device_bytes)
     verdict = {True: "fits", False: "DOES NOT FIT", None: "-"}
-    rows.append(["capacity", "-" if device_bytes is None else f"{fmt(device_bytes)} per rank", f"{fmt(node.host_bytes)} per node",
-                 f"{fmt(node.nvme_bytes)} per node"])
+    rows.append(["capacity", "-" if device_bytes is None else f"{format_bytes(device_bytes)} per rank", f"{format_bytes(node.host_bytes)} per node",
+                 f"{format_bytes(node.nvme_bytes)} per node"])
     rows.append(["", *(verdict[fits[t]] for t in TIERS)])
     nodes = math.ceil(e.world_size / node.ranks_per_node)
     lines = [
@@ -304,7 +305,7 @@ def format_infinity(e: InfinityEstimate, node: NodeSpec, *, choices: Mapping[str
             e.placement[st]["cpu"] * share * (r / node.nvme_read_bytes_per_s + w / node.nvme_write_bytes_per_s)
             for st, (r, w) in STATE_TRANSFERS.items() if st in auto
         )
-        placed = "; ".join(f"{st.replace('_', ' ')} {fmt(e.placement[st]['cpu'])} in host memory, {fmt(e.placement[st]['nvme'])} "
+        placed = "; ".join(f"{st.replace('_', ' ')} {format_bytes(e.placement[st]['cpu'])} in host memory, {format_bytes(e.placement[st]['nvme'])} "
                            "on NVMe" for st in auto)
         lines.append(f"placement by bandwidth (host memory first to what moves most per byte each step: parameters, read twice "
                      f"and written once, then gradients and optimizer states, read and written once): {placed} per rank; "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Protocol
+from zerofx.common.errors import PlanError
 
 # torch.optim keeps per-parameter state of this many parameter-sized tensors:
 STATE_TENSORS_PER_PARAM = {"AdamW": 2, "Adam": 2, "SGD": 0, "SGD+momentum": 1}
@@ -101,7 +102,7 @@ def paper_breakdown(num_params: float, *, stage: int, world_size: int, offload: 
     shards), the gradients: ``offloaded_grad_bytes``."""
     for name, value in (("offload", offload), ("offload_param", offload_param), ("offload_grad", offload_grad)):
         if value not in ("none", "cpu", "nvme", "auto"):
-            raise ValueError(f"{name}={value!r}; accepted: none, cpu, nvme, auto")
+            raise PlanError(f"{name}={value!r}; accepted: none, cpu, nvme, auto")
     p, n = float(num_params), world_size
     params = 2 * p / n if stage >= 3 else 2 * p
     grads = 2 * p / n if stage >= 2 else 2 * p

@@ -32,6 +32,8 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from zerofx.common.errors import PlanError
+from zerofx.cost_models.memory import STATE_TENSORS_PER_PARAM
 
 FP32_BYTES = 4
 
@@ -84,10 +86,9 @@ class OffloadTimeline:
 def record_numels(owned_numel: int, *, optimizer: str, mixed_precision: bool) -> tuple[int, ...]:
     """Element counts of a record's fp32 tensors, in file order (see NOTE [What an offloaded
     record holds]): (master,)? + one per optimizer state tensor."""
-    from zerofx.cost_models.memory import STATE_TENSORS_PER_PARAM
 
     if optimizer not in STATE_TENSORS_PER_PARAM:
-        raise ValueError(f"optimizer={optimizer!r}; accepted: {', '.join(STATE_TENSORS_PER_PARAM)}")
+        raise PlanError(f"optimizer={optimizer!r}; accepted: {', '.join(STATE_TENSORS_PER_PARAM)}")
     count = STATE_TENSORS_PER_PARAM[optimizer] + (1 if mixed_precision else 0)
     return (owned_numel,) * count
 
@@ -110,7 +111,7 @@ def estimate_offload_timeline(
 ) -> OffloadTimeline:
     """Replay one optimizer step over ``items`` in update order; see NOTE [The step's I/O timeline]."""
     if buffer_count < 1:
-        raise ValueError(f"buffer_count={buffer_count}; accepted: an integer >= 1")
+        raise PlanError(f"buffer_count={buffer_count}; accepted: an integer >= 1")
     ready: dict[str, float] = {}
     start: dict[str, float] = {}
     nvme = [i for i in items if i.tier is Tier.NVME]
@@ -201,7 +202,7 @@ class FetchItem:
 def estimate_param_fetch_s(items: Sequence[FetchItem], tiers: Mapping[Tier, TierSpec], *, buffer_count: int) -> tuple[float, float]:
     """(read seconds, exposed seconds) of one pass's fetches; see NOTE [The parameter fetch timeline]."""
     if buffer_count < 1:
-        raise ValueError(f"buffer_count={buffer_count}; accepted: an integer >= 1")
+        raise PlanError(f"buffer_count={buffer_count}; accepted: an integer >= 1")
 
     def read_s(item: FetchItem) -> float:
         spec = tiers.get(item.tier)

@@ -11,6 +11,7 @@ from pathlib import Path
 from zerofx.cost_models.comm import PROFILES as COMM_PROFILES
 from zerofx.cost_models.comm import CommSpec
 from zerofx.cost_models.compute import DEVICES, DeviceSpec
+from zerofx.common.errors import ConfigError
 
 BUILTIN = {"cpu": ("cpu-gloo", "cpu-core"), "h100": ("8xH100-nvlink-ib400", "h100"), "h200": ("8xH200-nvlink-ib400", "h200")}
 
@@ -26,9 +27,9 @@ def load_profile(name_or_path: str) -> tuple[CommSpec, DeviceSpec]:
         return COMM_PROFILES[comm], DEVICES[device]
     path = Path(name_or_path)
     if not path.is_file():
-        raise ValueError(f"profile {name_or_path!r} is neither a built-in ({', '.join(BUILTIN)}) nor a file")
+        raise ConfigError(f"profile {name_or_path!r} is neither a built-in ({', '.join(BUILTIN)}) nor a file")
     data = json.loads(path.read_text())
     try:
         return CommSpec(**data["comm"]), DeviceSpec(**data["device"])
     except (KeyError, TypeError) as exc:
-        raise ValueError(f"profile file {name_or_path!r} is not a zerofx profile: {exc}") from exc
+        raise ConfigError(f"profile file {name_or_path!r} is not a zerofx profile: {exc}") from exc

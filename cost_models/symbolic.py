@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import sympy
+from zerofx.common.errors import PlanError
 
 T = sympy.Symbol("T", positive=True, integer=True)
 B = sympy.Symbol("B", positive=True, integer=True)
@@ -27,11 +28,11 @@ def fit_exact(samples: Mapping[int, int], degree: int = 2, *, rel_tol: float = 0
     polynomial in T)."""
     points = sorted(samples.items())
     if len(points) < degree + 2:
-        raise ValueError(f"need {degree + 2} samples to fit and check a degree-{degree} polynomial, got {len(points)}")
+        raise PlanError(f"need {degree + 2} samples to fit and check a degree-{degree} polynomial, got {len(points)}")
     expr = sympy.expand(sympy.interpolate([(x, sympy.Integer(y)) for x, y in points[: degree + 1]], T))
     for x, y in points[degree + 1 :]:
         if abs(expr.subs(T, x) - y) > rel_tol * abs(y):
-            raise ValueError(f"live bytes are not a degree-{degree} polynomial in T: predicted {expr.subs(T, x)} at T={x}, measured {y}")
+            raise PlanError(f"live bytes are not a degree-{degree} polynomial in T: predicted {expr.subs(T, x)} at T={x}, measured {y}")
     return expr
 
 
@@ -39,7 +40,7 @@ def fit_timeline(timelines: Mapping[int, Sequence[int]], degree: int = 2, *, rel
     """One polynomial per node from each sample length's per-node live bytes (aligned lists)."""
     lengths = {len(v) for v in timelines.values()}
     if len(lengths) != 1:
-        raise ValueError("the graphs differ between sample lengths; cannot fit node by node")
+        raise PlanError("the graphs differ between sample lengths; cannot fit node by node")
     fitted: dict[tuple[int, ...], sympy.Expr] = {}  # many nodes share their sample values
     out = []
     for i in range(lengths.pop()):
@@ -62,14 +63,14 @@ def fit_timeline_batch_seq(
     The sizes are exact polynomials, but which values backward saves is the min-cut
     partitioner's choice, weighted by those sizes, so at another batch size it may save a
     slightly different set: the node then holds a few bytes more or less than the polynomial.
-    Callers that must be exact (``zerofx.planning.solve_memory``) confirm their answer by capture.
+    Callers that must be exact (``zerofx.app.planning.solve_memory``) confirm their answer by capture.
     """
     by_batch: dict[int, dict[int, Sequence[int]]] = {}
     for (b, t), values in timelines.items():
         by_batch.setdefault(b, {})[t] = values
     fitted = sorted(b for b, runs in by_batch.items() if len(runs) >= degree + 2)
     if len(fitted) < 2:
-        raise ValueError(f"need {degree + 2} sequence lengths at each of two batch sizes, got {sorted(timelines)}")
+        raise PlanError(f"need {degree + 2} sequence lengths at each of two batch sizes, got {sorted(timelines)}")
     b0, b1 = fitted[:2]
     in_t = {b: fit_timeline(by_batch[b], degree, rel_tol=rel_tol) for b in (b0, b1)}
     exprs = [sympy.expand(e0 + (B - b0) * (e1 - e0) / (b1 - b0)) for e0, e1 in zip(in_t[b0], in_t[b1])]
@@ -78,7 +79,7 @@ def fit_timeline_batch_seq(
             continue
         for i, (expr, value) in enumerate(zip(exprs, values)):
             if abs(expr.subs({B: b, T: t}) - value) > rel_tol * abs(value):
-                raise ValueError(f"live bytes at node {i} are not linear in B: predicted {expr.subs({B: b, T: t})} at B={b}, T={t}, measured {value}")
+                raise PlanError(f"live bytes at node {i} are not linear in B: predicted {expr.subs({B: b, T: t})} at B={b}, T={t}, measured {value}")
     return exprs
 
 

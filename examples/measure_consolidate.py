@@ -9,7 +9,7 @@ Run it from the repository root (about a minute, and 2 GB of temporary disk for 
 2. Fresh processes then each do one thing, and each one's peak resident set size
    (``ru_maxrss`` from ``os.wait4``, that child's own) is reported:
    - ``baseline``: import zerofx and safetensors, nothing else;
-   - ``consolidate``: ``zerofx.checkpoint.consolidate`` into one safetensors file;
+   - ``consolidate``: ``zerofx.runtime.checkpoint.consolidate`` into one safetensors file;
    - ``load whole``: what a consolidator that loads every rank file first needs (DeepSpeed's
      ``zero_to_fp32`` builds the whole state dict in RAM the same way), for comparison.
 
@@ -30,15 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
 # Each child runs one of these with ``python -c``; its argv[1:] are paths. BUILD runs as a file (mp.spawn needs one).
-BASELINE = "import zerofx, zerofx.checkpoint, safetensors.torch"
+BASELINE = "import zerofx, zerofx.runtime.checkpoint, safetensors.torch"
 CONSOLIDATE = """
-import sys, zerofx.checkpoint
-zerofx.checkpoint.consolidate(sys.argv[1], sys.argv[2], dtype=sys.argv[3])
+import sys, zerofx.runtime.checkpoint
+zerofx.runtime.checkpoint.consolidate(sys.argv[1], sys.argv[2], dtype=sys.argv[3])
 """
 LOAD_WHOLE = """
 import sys, torch
 from safetensors.torch import load_file
-from zerofx.checkpoint import read_metadata, resolve_tag
+from zerofx.runtime.checkpoint import read_metadata, resolve_tag
 path = resolve_tag(sys.argv[1], None)
 meta = read_metadata(sys.argv[1])
 files = [load_file(str(path / f"rank-{r:05d}-of-{meta['world_size']:05d}.safetensors")) for r in range(meta["world_size"])]
@@ -108,7 +108,7 @@ def main() -> None:
         consolidate = run_child("-c", CONSOLIDATE, str(ckpt), str(out), args.dtype)
         load_whole = run_child("-c", LOAD_WHOLE, str(ckpt))
         meta_code = (
-            "import json, math, sys; from zerofx.checkpoint import read_metadata; m = read_metadata(sys.argv[1]); "
+            "import json, math, sys; from zerofx.runtime.checkpoint import read_metadata; m = read_metadata(sys.argv[1]); "
             "n = [math.prod(s) * 4 for _, s, _, _ in m['params']]; print(json.dumps([len(n), sum(n), max(n)]))"
         )
         sizes = subprocess.run([sys.executable, "-c", meta_code, str(ckpt)], capture_output=True, text=True, check=True,

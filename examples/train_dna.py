@@ -23,7 +23,7 @@ from pathlib import Path
 # So the example runs from a checkout without `pip install -e .`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zerofx.training import TrainOptions, train
+from zerofx.app.training import TrainOptions, train
 
 
 def main() -> None:

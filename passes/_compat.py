@@ -95,7 +95,7 @@ class _BoxedInputsCodeGen(torch.fx.graph.CodeGen):
 
 def boxed_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
     """A copy of ``gm`` called as ``copy(args_list)`` that empties ``args_list`` and frees each
-    input after its last use (NOTE [Boxed graphs] in zerofx/program.py). None where ``gm`` has
+    input after its last use (NOTE [Boxed graphs] in zerofx/compiler/program.py). None where ``gm`` has
     a custom codegen (pytree inputs) this cannot carry over."""
     if type(gm.graph._codegen) is not torch.fx.graph.CodeGen:
         return None
@@ -179,7 +179,7 @@ def fake_tensor(fake_mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple
                 device: torch.device) -> FakeTensor:
     """A fake tensor of ``fake_mode`` with this layout, built directly around a meta tensor: about
     seven times faster than ``torch.empty_strided`` under the mode, which goes through its
-    dispatch cache (``zerofx.plan_cache`` rebuilds thousands of ``meta['val']``). ``FakeTensor``'s
+    dispatch cache (``zerofx.compiler.plan_cache`` rebuilds thousands of ``meta['val']``). ``FakeTensor``'s
     constructor is private."""
     elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     if storage_offset:
@@ -189,7 +189,7 @@ def fake_tensor(fake_mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple
 
 def op_address(target: Any) -> tuple[str, str, str | None] | None:
     """(namespace, name, overload) of an operator overload, (namespace, name, None) of an
-    operator packet, else None: how ``zerofx.plan_cache`` stores a graph's ops (``torch._ops``'
+    operator packet, else None: how ``zerofx.compiler.plan_cache`` stores a graph's ops (``torch._ops``'
     classes are private), and finds them again with ``op_at``."""
     if isinstance(target, torch._ops.OpOverload):
         return (target.namespace, target._opname, target._overloadname)

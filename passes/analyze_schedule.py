@@ -1,7 +1,7 @@
 """Planner (read only): where a rank's step spends its time and memory, from the lowered graphs.
 
 Expects one rank's graph modules (``forward``, ``backward``, optionally ``param_sync``) as
-``zerofx.pipeline.lower`` makes them, and the Plan they came from. Changes nothing. Reads
+``zerofx.compiler.pipeline.lower`` makes them, and the Plan they came from. Changes nothing. Reads
 ``zerofx_fqn`` / ``zerofx_role`` on placeholders and ``zerofx_comm_fqns`` on collectives.
 
 NOTE [The overlap model]
@@ -45,7 +45,7 @@ from zerofx.passes import meta
 from zerofx.passes.check_collectives import GRAPH_ORDER
 from zerofx.passes.plan import REPLICATE, Plan
 from zerofx.passes.ring_attention import ring_exchanges
-from zerofx.units import format_bytes
+from zerofx.common.units import format_bytes
 
 aten = torch.ops.aten
 # Where a graph has no compute before a collective, or none after its wait.
@@ -411,7 +411,7 @@ def format_report(report: ScheduleReport, *, budget_bytes: float | None = None, 
 
 def format_summary(report: ScheduleReport | Any, label: str, *, step_note: str = "") -> str:
     """The one-line step summary of a report, or of anything with the same summary fields
-    (``zerofx.folding.FoldedReport``)."""
+    (``zerofx.compiler.folding.FoldedReport``)."""
     return (
         f"{label}: {format_bytes(report.bytes_moved_per_rank)} sent in per rank per step; compute "
         + ", ".join(f"{g} {s * 1e3:.1f} ms" for g, s in report.compute_s.items())

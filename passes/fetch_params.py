@@ -26,7 +26,7 @@ The shard must not be a graph input: inputs are alive for the whole call, so eve
 shard would be resident at once. A custom op (``torch.library.custom_op``, public API) lets
 the graph ask for one shard where it needs it. Its fake kernel makes an empty tensor of the
 shard's shape, so capture, the memory timeline and Inductor all see a plain tensor producer.
-The real kernel belongs to the runtime (``zerofx.offload.params`` registers it for the CPU token): the
+The real kernel belongs to the runtime (``zerofx.runtime.offload.params`` registers it for the CPU token): the
 op only names the store (the token's value) and the shard (its FQN), so this pass imports no
 runtime. The store reads ahead in schedule order, so the op usually returns a shard that is
 already in memory.
@@ -40,6 +40,7 @@ import torch.fx as fx
 from zerofx.passes import meta
 from zerofx.passes._compat import pytree
 from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.common.errors import EngineStateError
 
 FETCH_FQN = "zerofx_fetch_fqn"  # str: on fetch_shard nodes, the parameter fetched
 
@@ -47,7 +48,7 @@ FETCH_FQN = "zerofx_fetch_fqn"  # str: on fetch_shard nodes, the parameter fetch
 @torch.library.custom_op("zerofx::fetch_shard", mutates_args=())
 def fetch_shard(token: torch.Tensor, fqn: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """This rank's shard of ``fqn`` from the parameter store that ``token`` names."""
-    raise RuntimeError(
+    raise EngineStateError(
         f"zerofx::fetch_shard({fqn!r}) ran with no parameter store: offload_param graphs run inside a zerofx Engine"
     )
 

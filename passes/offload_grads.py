@@ -33,7 +33,7 @@ the backward graph inside ``grad_sink(store.add)`` (a context variable, so two e
 process, or a graph run on another thread, each reach their own store), and the op's kernel
 calls the sink of the thread that runs it. Nothing in the graph names a store, so the lowered
 graph is the same on every rank and in every process: rank 0's build and the plan cache
-(``zerofx.plan_cache`` stores the op by its qualified name) carry it unchanged, and this module
+(``zerofx.compiler.plan_cache`` stores the op by its qualified name) carry it unchanged, and this module
 imports no runtime. The op returns nothing and mutates nothing visible to the graph, so it is
 registered as having a side effect (``torch.fx.node.has_side_effect``): dead-code elimination,
 FX's or Inductor's, keeps it. The sink must copy what it keeps beyond the call: a compiled
@@ -52,6 +52,7 @@ from torch.fx.node import has_side_effect
 
 from zerofx.passes import meta
 from zerofx.passes.plan import Plan, ZeroStage
+from zerofx.common.errors import EngineStateError
 
 OFFLOAD_FQN = "zerofx_offload_fqn"  # str: on offload_grad nodes, the parameter whose shard leaves
 
@@ -75,7 +76,7 @@ def offload_grad(grad: torch.Tensor, fqn: str) -> None:
     """Hand this rank's reduced gradient shard of ``fqn`` to the gradient sink of this thread."""
     sink = _SINK.get()
     if sink is None:
-        raise RuntimeError(
+        raise EngineStateError(
             f"zerofx::offload_grad({fqn!r}) ran with no gradient store: gradient-offload graphs run inside a zerofx Engine's backward"
         )
     sink(fqn, grad)

@@ -11,13 +11,15 @@ import enum
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
+from zerofx.common.units import format_bytes
+from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_tiling import TilingPlan
-from zerofx.units import format_bytes  # the one formatter of sizes; passes import it from here too
+from zerofx.passes.sequence_parallel import SequenceParallelPlan
 
 
 class ZeroStage(enum.IntEnum):
@@ -141,6 +143,13 @@ class Plan:
     # full sharded copy, replicated across the world_size // K groups (NOTE [Shard groups of
     # consecutive ranks]). 0 when built means flat: one group of all ranks.
     shard_group_size: int = 0
+    # The rest of what the rewrites read, so that this plan is their one input (NOTE [The compile
+    # spine]): the sequence-parallel rewrite the forward had before autograd, which stage-3 shards
+    # live off the device and which graphs fetch them (offload_param), and whether the backward
+    # hands each reduced gradient shard off at its bucket's wait (zerofx.offload_gradients).
+    sequence_parallel: SequenceParallelPlan | None = None
+    param_offload: ParamOffloadPlan | None = None
+    offload_grads: bool = False
 
     def __post_init__(self) -> None:
         if self.shard_group_size == 0:
@@ -167,7 +176,11 @@ class Plan:
         return sum(p.numel for p in self.params)
 
     def to_json(self) -> str:
-        d = asdict(self)
+        # The sharding plan's JSON: the placements, buckets and schedule every rank must agree on
+        # (``fingerprint``). The sequence-parallel and offload plans are checked where they are made.
+        d = asdict(replace(self, sequence_parallel=None, param_offload=None, offload_grads=False))
+        for key in ("sequence_parallel", "param_offload", "offload_grads"):
+            del d[key]
         d["stage"] = int(self.stage)
         d["estimates"] = dict(self.estimates)
         for c in d["schedule"]:

@@ -46,7 +46,7 @@ def plan_buckets(
     the same buckets, so its gathered memory and its collectives are the same from block to
     block (FSDP2 gets this by making each block a unit); a bucket that straddled a boundary
     would shift by a different amount in each block. It is also what makes layer folding
-    (``zerofx.folding``) exact: the step of N blocks is then the step of 1 block plus N - 1
+    (``zerofx.compiler.folding``) exact: the step of N blocks is then the step of 1 block plus N - 1
     identical increments.
     """
     buckets: list[tuple[str, ...]] = []

@@ -57,6 +57,8 @@ from zerofx.cost_models.offload import (
     estimate_param_fetch_s,
     estimate_param_write_s,
 )
+from zerofx.common.errors import PlanError
+from zerofx.common.units import format_bytes
 
 _FASTEST_FIRST = (Tier.DEVICE, Tier.CPU, Tier.NVME)
 
@@ -127,7 +129,6 @@ class OffloadPlan(_TierPlacement):
     def __str__(self) -> str:
         from tabulate import tabulate
 
-        from zerofx.passes.plan import format_bytes
 
         e = self.estimates
         rows = [(t.value, len(self.fqns_on(t)), format_bytes(self.bytes_on(t))) for t in _FASTEST_FIRST]
@@ -165,7 +166,7 @@ def plan_offload(
         tier = next((t for t in _FASTEST_FIRST if size <= left[t]), None)
         if tier is None:
             total = sum(b for _, b in records)
-            raise ValueError(
+            raise PlanError(
                 f"optimizer-state records of {total} bytes do not fit the offload budgets "
                 f"({', '.join(f'{t.value} {b:g}' for t, b in budgets.items())} bytes): {fqn} ({size} bytes) has no room; "
                 "raise a budget or offload to nvme"
@@ -237,7 +238,6 @@ class ParamOffloadPlan(_TierPlacement):
     def __str__(self) -> str:
         from tabulate import tabulate
 
-        from zerofx.passes.plan import format_bytes
 
         e = self.estimates
         rows = [(t.value, len(self.fqns_on(t)), format_bytes(self.bytes_on(t))) for t in _FASTEST_FIRST]
@@ -307,7 +307,7 @@ def plan_param_offload(
     trainable = {f: t for f, _, t in shards}
     first_fit, no_room = _first_fit([(f, b) for f, b, _ in shards], budgets)
     if no_room is not None:
-        raise ValueError(
+        raise PlanError(
             f"parameter shards of {sum(b for _, b, _ in shards)} bytes do not fit the offload_param budgets "
             f"({', '.join(f'{t.value} {b:g}' for t, b in budgets.items())} bytes): {no_room} ({sizes[no_room]} bytes) has no room; "
             "raise max_in_cpu or use device nvme"

@@ -1,6 +1,6 @@
 """Planner: how each parameter is sharded, and which collectives the rewrite will issue.
 
-Expects the captured joint graph (``zerofx.capture``), placeholders tagged with ``zerofx_role``
+Expects the captured joint graph (``zerofx.compiler.capture``), placeholders tagged with ``zerofx_role``
 and ``zerofx_fqn``; outputs ``[loss, grad per primal]``. Reads only; changes nothing.
 ``plan_sharding_from_shapes`` plans from the parameters alone, before any capture, through the
 same code (NOTE [A plan from shapes alone]).

@@ -49,6 +49,8 @@ import torch.fx as fx
 
 from zerofx.passes import meta, seq_regions
 from zerofx.passes.seq_regions import SeqAnalysis
+from zerofx.common.errors import ConfigError
+from zerofx.common.units import format_bytes
 
 log = logging.getLogger("zerofx.tiling")
 
@@ -64,7 +66,7 @@ def _check_block(name: str, value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"tiling {name}={value!r} is not a block size; accepted: a positive integer (tokens)")
+        raise ConfigError(f"tiling {name}={value!r} is not a block size; accepted: a positive integer (tokens)")
     return value
 
 
@@ -85,20 +87,20 @@ class TilingOptions:
 
     def __post_init__(self) -> None:
         if self.enabled not in (True, False, "auto"):
-            raise ValueError(f"tiling enabled={self.enabled!r}; accepted: true, false or \"auto\"")
+            raise ConfigError(f"tiling enabled={self.enabled!r}; accepted: true, false or \"auto\"")
         _check_block("block_size", self.block_size)
         _check_block("attention_block_size", self.attention_block_size)
         if self.budget_bytes is not None and (isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int) or self.budget_bytes < 0):
-            raise ValueError(f"tiling budget={self.budget_bytes!r}; accepted: a number of bytes >= 0")
+            raise ConfigError(f"tiling budget={self.budget_bytes!r}; accepted: a number of bytes >= 0")
         if self.estimate_budget_bytes is not None and (isinstance(self.estimate_budget_bytes, bool) or not isinstance(self.estimate_budget_bytes, int)
                                                        or self.estimate_budget_bytes < 0):
-            raise ValueError(f"tiling estimate_budget_bytes={self.estimate_budget_bytes!r}; accepted: a number of bytes >= 0")
+            raise ConfigError(f"tiling estimate_budget_bytes={self.estimate_budget_bytes!r}; accepted: a number of bytes >= 0")
         if self.weight_tile_bytes is not None and (isinstance(self.weight_tile_bytes, bool) or not isinstance(self.weight_tile_bytes, int)
                                                    or self.weight_tile_bytes < 1):
-            raise ValueError(f"tiling weight_tile_bytes={self.weight_tile_bytes!r}; accepted: a number of bytes >= 1")
+            raise ConfigError(f"tiling weight_tile_bytes={self.weight_tile_bytes!r}; accepted: a number of bytes >= 1")
         bad = [k for k in self.kinds if k not in KINDS]
         if bad:
-            raise ValueError(f"tiling kinds {bad} are unknown; accepted: {', '.join(KINDS)}")
+            raise ConfigError(f"tiling kinds {bad} are unknown; accepted: {', '.join(KINDS)}")
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,6 @@ class TilingPlan:
     def table(self) -> str:
         from tabulate import tabulate
 
-        from zerofx.passes.plan import format_bytes
 
         rows = [(o.kind, o.what, "x".join(map(str, o.shape)), f"{o.block_size} tiles" if o.kind == "weight" else o.block_size,
                  format_bytes(o.bytes_untiled - o.bytes_tiled)) for o in self.ops]

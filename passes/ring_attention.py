@@ -63,7 +63,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from zerofx.passes import _compat, tiled_kernels  # noqa: F401  (registers zerofx::blocked_attention)
-from zerofx.units import format_bytes
+from zerofx.common.units import format_bytes
 
 Tensor = torch.Tensor
 

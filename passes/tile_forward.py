@@ -42,6 +42,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from zerofx.passes import _compat, meta, seq_regions
 from zerofx.passes.plan_tiling import TilingPlan, weight_linears
+from zerofx.common.errors import PlanError
 
 aten = torch.ops.aten
 TILE_REGION = "zerofx_tile_region"
@@ -55,12 +56,12 @@ def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphMo
     if plan is None or not plan.ops:
         return gm
     if any(TILED in n.meta for n in gm.graph.nodes):
-        raise ValueError("this graph is already tiled; plan again for the original graph instead of tiling twice")
+        raise PlanError("this graph is already tiled; plan again for the original graph instead of tiling twice")
     analysis = seq_regions.analyze(gm, plan.seq_len)
     linears = weight_linears(gm, plan.weight_tile_bytes)
     found = (len(analysis.attention), len(analysis.regions), len(analysis.losses), len(linears))
     if found != tuple(plan.num_candidates):
-        raise ValueError(f"the tiling plan was made for {tuple(plan.num_candidates)} (attention, region, loss, weight) candidates, "
+        raise PlanError(f"the tiling plan was made for {tuple(plan.num_candidates)} (attention, region, loss, weight) candidates, "
                          f"this graph has {found}; plan again for this graph")
     graph = gm.graph
     # Chunking regions copies the graph; the tag travels with the node (no chosen region holds one).

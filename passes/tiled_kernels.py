@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from zerofx.passes import _compat
+from zerofx.common.errors import PlanError
 
 Tensor = torch.Tensor
 
@@ -287,7 +288,7 @@ def tile_bounds(rows: int, tiles: int) -> list[int]:
     """Row offsets ``[0, ..., rows]`` splitting ``rows`` into ``tiles`` near-even tiles, the
     larger first (NOTE [Feature-tiled linear])."""
     if isinstance(tiles, bool) or not isinstance(tiles, int) or not 1 <= tiles <= rows:
-        raise ValueError(f"tiles={tiles!r} cannot split {rows} rows; accepted: an integer from 1 to {rows}")
+        raise PlanError(f"tiles={tiles!r} cannot split {rows} rows; accepted: an integer from 1 to {rows}")
     base, extra = divmod(rows, tiles)
     bounds = [0]
     for t in range(tiles):

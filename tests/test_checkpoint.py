@@ -1,4 +1,4 @@
-"""Sharded checkpoints (zerofx/checkpoint.py, checkpoint_format.py, consolidation.py).
+"""Sharded checkpoints (zerofx/runtime/checkpoint.py, checkpoint_format.py, consolidation.py).
 
 Real gloo ranks save and load; one 3-rank run (module fixture) covers the round trip at every
 stage at world size 2, and loads those checkpoints at world sizes 3 and 1 at other stages. One
@@ -30,9 +30,9 @@ from safetensors.torch import load_file
 from tests.support import checkpoint_workers as cw
 from tests.support.dist_utils import ROOT, free_port, rank_main, run_ranks
 from tests.support.models import BUILDERS, TINY
-from zerofx.checkpoint import CheckpointError, check_structure, consolidate, latest_complete_tag, model_structure, read_metadata
-from zerofx.checkpoint_format import RankFiles, check_rank_files, read_client, resolve_tag
-from zerofx.cli import main
+from zerofx.runtime.checkpoint import CheckpointError, check_structure, consolidate, latest_complete_tag, model_structure, read_metadata
+from zerofx.runtime.checkpoint_format import RankFiles, check_rank_files, read_client, resolve_tag
+from zerofx.app.cli import main
 from zerofx.models import DNADecoderLM
 
 SGD_TOL = 1e-5  # fp32, the same tolerance as the parity tests
@@ -444,9 +444,9 @@ def test_consolidate_that_fails_midway_removes_its_temp_file_and_keeps_the_old_o
     root, _ = failed
     out = tmp_path / "model.safetensors"
     out.write_bytes(b"the previous output")
-    import zerofx.consolidation
+    import zerofx.runtime.consolidation
 
-    real_write, calls = zerofx.consolidation._write, []
+    real_write, calls = zerofx.runtime.consolidation._write, []
 
     def write(f: Any, t: torch.Tensor) -> None:
         calls.append(1)
@@ -454,14 +454,14 @@ def test_consolidate_that_fails_midway_removes_its_temp_file_and_keeps_the_old_o
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_write(f, t)
 
-    monkeypatch.setattr(zerofx.consolidation, "_write", write)
+    monkeypatch.setattr(zerofx.runtime.consolidation, "_write", write)
     with pytest.raises(CheckpointError, match=rf"could not write '{re.escape(str(out))}' \(No space left on device\); "
                                               r"the partial file was removed and the output is unchanged"):
         consolidate(root / "run", out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"] and out.read_bytes() == b"the previous output"
     assert main(["consolidate", str(root / "run"), str(out)]) == 2
     assert "No space left on device" in capsys.readouterr().err
-    monkeypatch.setattr(zerofx.consolidation, "_write", real_write)
+    monkeypatch.setattr(zerofx.runtime.consolidation, "_write", real_write)
     assert main(["consolidate", str(root / "run"), str(out)]) == 0  # a whole file replaces it
     assert list(load_file(str(out))) == list(BUILDERS["dna"]().state_dict())
     assert out.stat().st_mode & 0o777 == (root / "run" / "latest").stat().st_mode & 0o777

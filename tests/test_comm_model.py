@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.calibrate_workers import calibrate_two_nodes
 from tests.support.dist_utils import run_ranks
-from zerofx.calibrate import is_multi_node, node_groups
+from zerofx.app.calibrate import is_multi_node, node_groups
 from zerofx.cost_models.comm import (
     CPU_GLOO,
     H100_NVLINK_IB,

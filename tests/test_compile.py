@@ -35,9 +35,9 @@ def test_inductor_graphs_match_fx_graphs_at_two_ranks() -> None:
 
 def test_compile_and_fused_optimizer_config_keys() -> None:
     from zerofx.config import parse_config
-    from zerofx.config_options import GraphCompiler
-    from zerofx.engine import build_optimizer
-    from zerofx.errors import ConfigError
+    from zerofx.config.options import GraphCompiler
+    from zerofx.runtime.engine import build_optimizer
+    from zerofx.common.errors import ConfigError
 
     cfg = parse_config({"zerofx": {"compile": "inductor", "fused_optimizer": True}})
     assert cfg.graph_compiler is GraphCompiler.INDUCTOR and cfg.fused_optimizer
@@ -54,7 +54,7 @@ def test_compile_and_fused_optimizer_config_keys() -> None:
 
 
 # --------------------------------------------------------------------------- compile without inputs
-# NOTE [Capture on first need] in zerofx/program.py: the plan and memory from the parameters'
+# NOTE [Capture on first need] in zerofx/compiler/program.py: the plan and memory from the parameters'
 # shapes, the graphs from the first example inputs.
 def _meta_dna(frozen: bool = True) -> DNADecoderLM:
     with torch.device("meta"):

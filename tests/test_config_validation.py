@@ -1,4 +1,4 @@
-"""Config validation at parse time (zerofx/config.py, zerofx/schedulers.py): numbers that are not
+"""Config validation at parse time (zerofx/config/__init__.py, zerofx/config/schedulers.py): numbers that are not
 finite or out of range, betas, schedulers, unreadable config files, the collective timeout and
 program cache keys, and the settings fingerprint ranks compare. Single process, no ranks."""
 
@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
-from zerofx.cli import main
+from zerofx.app.cli import main
 from zerofx.config import first_config_difference, parse_config
-from zerofx.config_options import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_PROGRAM_CACHE_SIZE, OPTIMIZER_PARAMS, LossScaleOptions
-from zerofx.config_schema import SCHEMA, Key
-from zerofx.errors import ConfigError
-from zerofx.loss_scaling import LossScaler
-from zerofx.schedulers import SchedulerSpec, SchedulerType, WarmupType, lr_at
+from zerofx.config.options import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_PROGRAM_CACHE_SIZE, OPTIMIZER_PARAMS, LossScaleOptions
+from zerofx.config.schema import SCHEMA, Key
+from zerofx.common.errors import ConfigError
+from zerofx.runtime.loss_scaling import LossScaler
+from zerofx.config.schedulers import SchedulerSpec, SchedulerType, WarmupType
+from zerofx.runtime.schedulers import lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -475,7 +476,7 @@ MAY_DIFFER: dict[str, tuple[Any, Any]] = {
     "zerofx.offload_gradients.pin_memory": (False, True),
     "zerofx.offload_gradients.buffer_count": (4, 2),
     "zerofx.offload.device_budget_bytes": (0, 1e6),
-    "zerofx.plan_cache": ("/tmp/a", False),
+    "zerofx.compiler.plan_cache": ("/tmp/a", False),
     "zerofx.offload.cpu_budget_bytes": (1e9, 1e8),
     "zerofx.offload.host_copy_bytes_per_s": (1e10, 2e10),
     "zerofx.offload.nvme_read_bytes_per_s": (1e9, 2e9),

@@ -17,7 +17,7 @@ from zerofx.passes.plan import Plan
 from zerofx.passes.plan_buckets import choose_prefetch_distance, plan_buckets
 from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
 from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
-from zerofx.pipeline import lower
+from zerofx.compiler.pipeline import lower
 from tests.support.models import BATCH, SEQ, TINY
 from tests.support.programs import SMALL_BUCKETS, meta_program
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig

@@ -1,6 +1,6 @@
 """The engine under divergent ranks, a stalled peer and calls out of order: each is a clear error
 on every rank within a bounded time, never a crash or a hang (NOTE [Ranks agree before any
-collective], NOTE [The engine's call order] in zerofx/engine.py)."""
+collective], NOTE [The engine's call order] in zerofx/runtime/engine.py)."""
 
 from __future__ import annotations
 

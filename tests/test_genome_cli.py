@@ -1,4 +1,4 @@
-"""The genome data pipeline (zerofx/data/genome.py) and the ``zerofx`` command line (zerofx/cli.py)."""
+"""The genome data pipeline (zerofx/data/genome.py) and the ``zerofx`` command line (zerofx/app/cli.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from tests.support.fasta import write_fasta
 
-from zerofx.cli import main
+from zerofx.app.cli import main
 from zerofx.data.genome import (
     GenomeError,
     bundled_genome,
@@ -20,7 +20,7 @@ from zerofx.data.genome import (
     reverse_complement,
     tokenize,
 )
-from zerofx.errors import ZeroFXError
+from zerofx.common.errors import ZeroFXError
 from zerofx.models import DNA_LM_SIZES
 from zerofx.models.dna_lm import DNA_VOCAB
 
@@ -142,7 +142,7 @@ def test_cli_plan_1b_at_world_size_1024(capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert "ZeRO stage 3, world size 1024" in out
     assert "1,011,970,048 parameters" in out
-    # 20 identical blocks: planned by folding (zerofx.folding), rows of the 2-block capture.
+    # 20 identical blocks: planned by folding (zerofx.compiler.folding), rows of the 2-block capture.
     assert "'blocks' holds 20 identical blocks" in out and "(one row per collective" in out and "x19" in out
     assert "all_gather" in out and "reduce_scatter" in out
     assert "budget 4 GiB: fits" in out and "estimated step" in out
@@ -227,7 +227,7 @@ def test_kmer_tokens_and_windows() -> None:
 
 
 def test_config_schema_is_generated_from_the_validator(capsys: pytest.CaptureFixture[str]) -> None:
-    from zerofx.config_schema import SCHEMA
+    from zerofx.config.schema import SCHEMA
 
     assert main(["config-schema", "--format", "json"]) == 0
     keys = {row["key"]: row for row in json.loads(capsys.readouterr().out)}
@@ -240,7 +240,7 @@ def test_config_schema_is_generated_from_the_validator(capsys: pytest.CaptureFix
 
 
 def test_train_takes_the_micro_batch_from_the_config(tmp_path: Path) -> None:
-    from zerofx.training import TrainOptions, check_train_options
+    from zerofx.app.training import TrainOptions, check_train_options
 
     cfg = tmp_path / "ds.json"
     cfg.write_text('{"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}')

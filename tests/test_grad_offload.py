@@ -18,10 +18,10 @@ from tests.support.dist_utils import run_ranks
 from tests.support.grad_offload_workers import grad_config, grad_faults, train_many
 from zerofx.config import parse_config
 from zerofx.cost_models.offload import Tier
-from zerofx.errors import ConfigError
-from zerofx.offload.files import TRAILER_BYTES, OffloadError
-from zerofx.offload.grads import GradStore
-from zerofx.offload.options import GradOffloadOptions
+from zerofx.common.errors import ConfigError
+from zerofx.runtime.offload.files import TRAILER_BYTES, OffloadError
+from zerofx.runtime.offload.grads import GradStore
+from zerofx.config.offload_options import GradOffloadOptions
 
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}}
 STEPS, ACCUMULATION, CLIP = 2, 2, 0.05

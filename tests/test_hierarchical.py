@@ -23,7 +23,7 @@ from zerofx.models import DNADecoderLM
 from zerofx.passes import meta
 from zerofx.passes.plan import REPLICATE, SHARD, Plan
 from zerofx.passes.plan_sharding import place_param
-from zerofx.program import PLANNING_GROUP, PLANNING_REPLICATE_GROUP
+from zerofx.compiler.program import PLANNING_GROUP, PLANNING_REPLICATE_GROUP
 
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
 SMALL_BUCKETS = {"stage3_prefetch_bucket_size": 3000, "reduce_bucket_size": 3000, "allgather_bucket_size": 3000}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from zerofx.cli import main
+from zerofx.app.cli import main
 from zerofx.cost_models.infinity import NodeSpec, estimate_infinity, estimate_working_set_bytes, layer_shape
 from zerofx.cost_models.memory import paper_breakdown
 from zerofx.cost_models.offload import Tier, TierSpec
@@ -193,7 +193,7 @@ def test_equal_costs_keep_first_fit() -> None:
 def test_plan_tier_line_takes_offloaded_bytes_off_the_peak() -> None:
     from types import SimpleNamespace
 
-    from zerofx.estimate import format_plan_tiers, plan_tier_bytes
+    from zerofx.app.estimate import format_plan_tiers, plan_tier_bytes
     from zerofx.passes.plan_offload import OffloadPlan
 
     records = OffloadPlan(tiers=(("a", Tier.CPU), ("b", Tier.NVME)), record_bytes=(("a", 300), ("b", 500)), buffer_count=1,

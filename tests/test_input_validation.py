@@ -2,7 +2,7 @@
 (issue 20: FASTA content, ``--batch-size`` vs the config, numbers that are not finite, model specs
 that exit or raise, output paths, huge world sizes, corrupt gzip, help text).
 
-Every CLI case runs ``zerofx.cli.main`` in this process and fails before any capture, process
+Every CLI case runs ``zerofx.app.cli.main`` in this process and fails before any capture, process
 or measurement starts, so the file runs in seconds.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import zerofx
-from zerofx.cli import MAX_WORLD_SIZE, build_parser, main
+from zerofx.app.cli import MAX_WORLD_SIZE, build_parser, main
 from zerofx.data.genome import (
     FOREIGN_CHECK_MIN_SYMBOLS,
     MAX_FOREIGN_FRACTION,
@@ -29,8 +29,8 @@ from zerofx.data.genome import (
     read_fasta,
     tokenize,
 )
-from zerofx.errors import UsageError
-from zerofx.training import TrainOptions, check_train_options
+from zerofx.common.errors import UsageError
+from zerofx.app.training import TrainOptions, check_train_options
 
 # The 20 amino acids: about 35% of a protein's residues (E, F, I, L, P, Q) are not nucleotide codes.
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
@@ -300,9 +300,9 @@ def test_plot_to_a_missing_folder_is_refused_before_planning(tmp_path: Path, cap
 
 def test_calibrate_out_to_a_missing_folder_is_refused_before_measuring(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    import zerofx.calibrate
+    import zerofx.app.calibrate
 
-    monkeypatch.setattr(zerofx.calibrate, "calibrate", _must_not_run)
+    monkeypatch.setattr(zerofx.app.calibrate, "calibrate", _must_not_run)
     out = tmp_path / "missing" / "profile.json"
     assert main(["calibrate", "--out", str(out)]) == 2
     err = _error_line(capsys)
@@ -311,7 +311,7 @@ def test_calibrate_out_to_a_missing_folder_is_refused_before_measuring(tmp_path:
 
 def test_output_to_a_read_only_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import zerofx.calibrate
+    import zerofx.app.calibrate
 
     folder = tmp_path / "read_only"
     folder.mkdir()
@@ -321,7 +321,7 @@ def test_output_to_a_read_only_folder_is_refused(tmp_path: Path, capsys: pytest.
             folder = Path("/sys")
             if not folder.is_dir() or os.access(folder, os.W_OK) and _can_create_in(folder):
                 pytest.skip("no folder this user cannot write to")
-        monkeypatch.setattr(zerofx.calibrate, "calibrate", _must_not_run)
+        monkeypatch.setattr(zerofx.app.calibrate, "calibrate", _must_not_run)
         assert main(["calibrate", "--out", str(folder / "profile.json")]) == 2
         assert "cannot create a file in folder" in _error_line(capsys)
         monkeypatch.setattr(zerofx, "compile", _must_not_run)

@@ -1,5 +1,5 @@
 """Models built on the meta device: ``zerofx.initialize`` computes each rank's shards from a
-per-module seeded init (NOTE [The init scheme] in ``zerofx.materialize``), with the same values
+per-module seeded init (NOTE [The init scheme] in ``zerofx.compiler.materialize``), with the same values
 as the materialized model passed through ``init_weights_``, at any world size, and without ever
 holding the full model."""
 
@@ -13,8 +13,8 @@ import torch.nn as nn
 
 from tests.support.dist_utils import run_ranks
 from tests.support.meta_workers import init_peak_rss, initialize_error, meta_vs_materialized
-from zerofx.errors import ZeroFXError
-from zerofx.materialize import init_weights_, iter_initial_state
+from zerofx.common.errors import ZeroFXError
+from zerofx.compiler.materialize import init_weights_, iter_initial_state
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
 TINY = DNA_LM_SIZES["tiny"]

@@ -1,4 +1,4 @@
-"""DeepSpeed's monitors (zerofx/monitors.py): the tensorboard, csv_monitor and wandb sections,
+"""DeepSpeed's monitors (zerofx/runtime/monitors.py): the tensorboard, csv_monitor and wandb sections,
 read back from what they wrote and checked against what the engine returned. Single-process
 tests run the engine on a one-rank gloo group in this process; one test runs two gloo ranks, and
 one runs ``zerofx train``."""
@@ -25,12 +25,12 @@ import zerofx
 from tests.support import monitor_workers
 from tests.support.dist_utils import run_ranks
 from tests.support.models import BATCH, SEQ, batches, dna_lm, loss_of
-from zerofx.capture import TensorInfo
+from zerofx.compiler.capture import TensorInfo
 from zerofx.config import first_config_difference, parse_config
-from zerofx.config_options import LogDirOptions, MonitorOptions, WandbOptions
-from zerofx.config_schema import schema_rows
-from zerofx.errors import ConfigError
-from zerofx.monitors import (
+from zerofx.config.options import LogDirOptions, MonitorOptions, WandbOptions
+from zerofx.config.schema import schema_rows
+from zerofx.common.errors import ConfigError
+from zerofx.runtime.monitors import (
     GRAD_NORM,
     LOSS_SCALE,
     LR,
@@ -41,7 +41,7 @@ from zerofx.monitors import (
     check_monitor_packages,
     samples_and_tokens,
 )
-from zerofx.schedulers import lr_at
+from zerofx.runtime.schedulers import lr_at
 
 IDS_INFO = TensorInfo("ids", (BATCH, SEQ), torch.int64)
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10, "warmup_type": "linear"}}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.support.dist_utils import free_port
-from zerofx.training import TrainOptions, _cycle_batches, build_model, check_train_options
+from zerofx.app.training import TrainOptions, _cycle_batches, build_model, check_train_options
 
 ROOT = Path(__file__).resolve().parents[1]
 NODES, RANKS_PER_NODE, STEPS = 2, 2, 3
@@ -58,7 +58,7 @@ def test_two_torchrun_agents_train_one_job_with_a_shard_group_per_node(tmp_path:
     # One shard group per node (K = ranks per node): ZeRO state sharded within a node, replicated across nodes.
     config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "optimizer": SGD, "zerofx": {"shard_group_size": RANKS_PER_NODE}}))
     out = tmp_path / "run"
-    train = ["-m", "zerofx.cli", "train", "--config", str(config), "--steps", str(STEPS), "--seq-len", "32",
+    train = ["-m", "zerofx.app.cli", "train", "--config", str(config), "--steps", str(STEPS), "--seq-len", "32",
              "--output-dir", str(out)]
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ZEROFX_PLAN_CACHE": "off"}

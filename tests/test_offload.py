@@ -21,8 +21,8 @@ from zerofx.passes.plan_offload import OffloadPlan, plan_offload
 from tests.support.dist_utils import run_ranks
 from tests.support.models import reference
 from tests.support.offload_workers import config, fault_runs, param_config, reference_late, run_many
-from zerofx.cli import main
-from zerofx.offload.files import DIRECT_ALIGN, NvmeFiles, OffloadError, aligned_empty
+from zerofx.app.cli import main
+from zerofx.runtime.offload.files import DIRECT_ALIGN, NvmeFiles, OffloadError, aligned_empty
 
 SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}}
@@ -284,7 +284,7 @@ def test_checkpoint_holds_offloaded_state(trained: list[dict[str, dict]], tmp_pa
     assert set(resumed[0]["param-nvme"]["param"]["tiers"].values()) == {"nvme"}
     from safetensors.torch import load_file
 
-    from zerofx.consolidation import consolidate
+    from zerofx.runtime.consolidation import consolidate
 
     saved = load_file(consolidate(again, tmp_path / "param.safetensors", dtype="bf16"))
     assert max_diff({k: v.float() for k, v in saved.items()}, resumed[0]["param-nvme"]["state"]) == 0.0
@@ -336,7 +336,7 @@ def test_param_placement_and_plan_round_trip() -> None:
     assert (e["read_s"], e["write_s"], e["exposed_io_s"], e["hidden_io_s"]) == pytest.approx((0.2, 0.1, 0.2, 0.1))
     assert ParamOffloadPlan.from_json(plan.to_json()) == plan
     # device cpu: every shard in host memory, moved for free when the device is the CPU.
-    from zerofx.offload import ParamOffloadOptions
+    from zerofx.runtime.offload import ParamOffloadOptions
 
     opts = ParamOffloadOptions.from_config(param_config(3, SGD, {"device": "cpu"}))
     plan = plan_param_offload(shards, [("a", "b", "c")], opts.tier_specs(4, device_is_cpu=True), buffer_count=1, forward_s=1.0)
@@ -401,7 +401,7 @@ def test_fetch_params_pass_fetches_each_shard_right_before_its_gather() -> None:
 
 def _param_store(tmp_path: Path, numels: dict[str, int], buffer_count: int = 2):
     from zerofx.passes.plan_offload import ParamOffloadPlan
-    from zerofx.offload import ParamOffloadOptions, ParamStore
+    from zerofx.runtime.offload import ParamOffloadOptions, ParamStore
 
     plan = ParamOffloadPlan(tuple((f, Tier.NVME) for f in numels), tuple((f, 4 * n) for f, n in numels.items()), buffer_count, {})
     options = ParamOffloadOptions(Tier.NVME, tmp_path, False, buffer_count, 0.0, 1e9, 1e9, 1e9)
@@ -436,7 +436,7 @@ def test_param_store_window_is_bounded(tmp_path: Path) -> None:
 
 def test_param_store_faults_name_the_path(tmp_path: Path) -> None:
     from zerofx.passes.plan_offload import ParamOffloadPlan
-    from zerofx.offload import ParamOffloadOptions, ParamStore
+    from zerofx.runtime.offload import ParamOffloadOptions, ParamStore
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -466,7 +466,7 @@ def test_param_store_faults_name_the_path(tmp_path: Path) -> None:
 
 
 def test_offload_param_config() -> None:
-    from zerofx.offload import ParamOffloadOptions
+    from zerofx.runtime.offload import ParamOffloadOptions
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # acted on: no warning for the section's keys

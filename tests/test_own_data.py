@@ -14,12 +14,12 @@ import torch
 
 from tests.support.fasta import write_fasta
 
-from zerofx.cli import main
+from zerofx.app.cli import main
 from zerofx.data.genome import GenomeError, genome_stats, genome_windows, read_fasta
 from zerofx.data.mlm import IGNORE_INDEX, MlmMasking, mask_seed, mask_tokens
 from zerofx.data.tokenizers import MAX_KMER, KmerTokenizer
-from zerofx.errors import UsageError, ZeroFXError
-from zerofx.training import (
+from zerofx.common.errors import UsageError, ZeroFXError
+from zerofx.app.training import (
     Objective,
     TrainOptions,
     _cycle_batches,
@@ -270,8 +270,8 @@ def test_vocabulary_rule_and_model_checks(tmp_path: Path) -> None:
 
 
 def test_example_specs_fit_the_6mer_vocabulary() -> None:
-    from zerofx.materialize import iter_initial_state
-    from zerofx.training import check_vocabulary, load_spec_model
+    from zerofx.compiler.materialize import iter_initial_state
+    from zerofx.app.training import check_vocabulary, load_spec_model
 
     for name in ("esm_mlm", "llama_clm"):
         model = load_spec_model(f"{ROOT}/examples/own_models.py:{name}")

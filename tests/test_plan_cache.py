@@ -1,4 +1,4 @@
-"""The plan cache (zerofx.plan_cache): a hit trains bit for bit as the cold build does, every
+"""The plan cache (zerofx.compiler.plan_cache): a hit trains bit for bit as the cold build does, every
 part of the key misses when it changes, and a corrupt, truncated or stale entry is rebuilt."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import zerofx
 from tests.support.dist_utils import run_ranks
 from tests.support.models import TINY, batches, dna_lm, reference
 from tests.support.plan_cache_workers import build_fails, cold_and_cached
-from zerofx import plan_cache
+from zerofx.compiler import plan_cache
 from zerofx.config import parse_config
 from zerofx.models import DNADecoderLM
 

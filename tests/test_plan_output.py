@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import zerofx
-from zerofx.cli import build_parser, main, plot_title, step_note
+from zerofx.app.cli import build_parser, main, plot_title, step_note
 from zerofx.cost_models.profiles import load_profile
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 from zerofx.passes.analyze_schedule import END, START, ScheduleReport, bucket_label, format_report, module_label
-from zerofx.planning import plot_report
-from zerofx.units import binary_unit, format_bytes, parse_bytes
+from zerofx.app.planning import plot_report
+from zerofx.common.units import binary_unit, format_bytes, parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 # FX node names as torch names them: the schedule prints none of these without --verbose.
@@ -177,12 +177,12 @@ def _run_python(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_help_and_estimate_leave_torch_unimported() -> None:
     code = (
-        "import contextlib, io, sys, zerofx.cli\n"
+        "import contextlib, io, sys, zerofx.app.cli\n"
         "for argv in (['--help'], ['plan', '--help'], ['train', '--help'], ['estimate', '--help'], ['--version']):\n"
         "    with contextlib.redirect_stdout(io.StringIO()):\n"
-        "        assert zerofx.cli.main(argv) == 0, argv\n"
-        "assert zerofx.cli.main(['estimate', '--params', '1e9', '--world-size', '8']) == 0\n"
-        "assert zerofx.cli.main(['plan', 'tiny', '--world-size', '0']) == 2\n"  # a bad argument is caught before torch too
+        "        assert zerofx.app.cli.main(argv) == 0, argv\n"
+        "assert zerofx.app.cli.main(['estimate', '--params', '1e9', '--world-size', '8']) == 0\n"
+        "assert zerofx.app.cli.main(['plan', 'tiny', '--world-size', '0']) == 2\n"  # a bad argument is caught before torch too
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     done = _run_python(code)

@@ -14,7 +14,7 @@ import zerofx
 from zerofx.config import parse_bytes
 from zerofx.cost_models.memory import paper_breakdown
 from zerofx.cost_models.symbolic import B, T, fit_exact, fit_timeline, longest_fitting
-from zerofx.planning import (
+from zerofx.app.planning import (
     ModelSpec,
     load_model_spec,
     plot_report,
@@ -50,7 +50,7 @@ def test_exact_polynomial_fit_and_solve() -> None:
 def test_longest_sequence_that_fits_is_checked_by_capture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``zerofx plan --solve seq_len`` (JSON, with the plot): the plan, its verdict at the
     example's length, and the longest sequence that fits, which capturing confirms exactly."""
-    from zerofx.cli import main
+    from zerofx.app.cli import main
 
     png, budget = tmp_path / "timeline.png", 2 * 2**20
     argv = ["plan", "tiny", "--seq-len", "512", "--world-size", "4", "--stage", "3", "--format", "json",
@@ -105,7 +105,7 @@ def test_plot_and_json(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_profiles_builtin_file_and_calibration(tmp_path: Path) -> None:
     from zerofx.cost_models.profiles import load_profile, save_profile
-    from zerofx.calibrate import calibrate
+    from zerofx.app.calibrate import calibrate
 
     comm, device = load_profile("h100")
     assert comm.ranks_per_node == 8 and device.name == "h100"
@@ -138,7 +138,7 @@ def _dna_spec(size: str, seq_len: int) -> tuple[torch.nn.Module, tuple, dict]:
 
 @pytest.mark.slow
 def test_folded_plan_matches_the_full_capture() -> None:
-    from zerofx.folding import find_repeated_blocks, plan_folded, with_num_blocks
+    from zerofx.compiler.folding import find_repeated_blocks, plan_folded, with_num_blocks
 
     model, args, kwargs = _dna_spec("25m", 128)  # 8 identical blocks
     blocks = find_repeated_blocks(model)
@@ -167,7 +167,7 @@ def test_folded_plan_matches_the_full_capture() -> None:
 
 
 def test_fold_finds_the_blocks_of_a_transformers_model() -> None:
-    from zerofx.folding import find_repeated_blocks, with_num_blocks
+    from zerofx.compiler.folding import find_repeated_blocks, with_num_blocks
 
     model = load_model_spec(f"{ROOT / 'examples' / 'model_specs.py'}:hf_llama_tiny").model
     blocks = find_repeated_blocks(model)
@@ -188,7 +188,7 @@ def test_plan_20b_at_512_ranks_folds_in_little_memory() -> None:
     import time
 
     start = time.perf_counter()
-    code = ("import sys; from zerofx.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from zerofx.app.cli import main; rc = main(sys.argv[1:]); "
             # VmHWM, not ru_maxrss: ru_maxrss would start from this pytest process's own peak.
             "import resource; child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss; "
             "print('maxrss_kib', child + int([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])); "
@@ -231,10 +231,10 @@ def test_memory_model_is_symbolic_in_batch_and_sequence(tmp_path: Path, monkeypa
     """The fit in B and T, and ``solve_memory`` for the batch size; a second solve reads every
     capture from the plan cache (NOTE [Solve samples in the plan cache]). The suite's plan cache
     holds this model's samples already when the CLI solve above ran first in this process."""
-    import zerofx.program
+    import zerofx.compiler.program
     from zerofx.config import parse_config
     from zerofx.cost_models.symbolic import fit_timeline_batch_seq
-    from zerofx.planning import sample_program, solve_memory
+    from zerofx.app.planning import sample_program, solve_memory
 
     if parse_config(None).plan_cache_dir is None:  # the cache turned off by the caller: one of this test's own
         monkeypatch.setenv("ZEROFX_PLAN_CACHE", str(tmp_path))
@@ -261,7 +261,7 @@ def test_memory_model_is_symbolic_in_batch_and_sequence(tmp_path: Path, monkeypa
     assert result.peak_at_value == peak_at(6) and result.peak_past_value == peak_at(7)
 
     captures = []
-    monkeypatch.setattr(zerofx.program, "StepCapture", lambda *a, **k: captures.append(a) or pytest.fail("captured again"))
+    monkeypatch.setattr(zerofx.compiler.program, "StepCapture", lambda *a, **k: captures.append(a) or pytest.fail("captured again"))
     assert solve_memory(spec, "batch_size", world_size=4, stage=3, config=None, budget_bytes=budget, upper=4096) == result
     assert captures == []
 
@@ -291,7 +291,7 @@ def test_buckets_end_at_block_boundaries() -> None:
 
 
 def test_cli_folded_json_agrees_with_the_full_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    from zerofx.cli import main
+    from zerofx.app.cli import main
 
     argv = ["plan", "small", "--world-size", "4", "--stage", "3", "--format", "json", "--seq-len", "128"]
     assert main([*argv, "--fold", "on"]) == 0
@@ -306,7 +306,7 @@ def test_cli_folded_json_agrees_with_the_full_plan(capsys: pytest.CaptureFixture
 
 
 def test_cli_fold_on_needs_three_blocks(capsys: pytest.CaptureFixture[str]) -> None:
-    from zerofx.cli import main
+    from zerofx.app.cli import main
 
     assert main(["plan", "tiny", "--world-size", "2", "--stage", "3", "--seq-len", "32", "--fold", "on"]) == 2
     assert re.search(r"'blocks' holds 2 blocks; folding needs at least 3 .*use --fold off", capsys.readouterr().err)

@@ -18,8 +18,8 @@ import pytest
 
 from tests.support.dist_utils import run_ranks
 from tests.support.quickstart_workers import misplaced_inputs_and_schedule_end
-from zerofx.checkpoint import read_metadata
-from zerofx.cli import build_parser, main
+from zerofx.runtime.checkpoint import read_metadata
+from zerofx.app.cli import build_parser, main
 from zerofx.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,7 +212,7 @@ def test_the_folder_above_a_clone_named_zerofx(tmp_path: Path) -> None:
     # raises.
     bare = _python("import zerofx; print(zerofx.__file__, list(zerofx.__path__))", tmp_path)
     assert bare.stdout.strip() == f"None ['{clone}']"
-    for code in ("import zerofx.cli", "from zerofx.engine import initialize"):  # python -m zerofx.cli, and the API
+    for code in ("import zerofx.app.cli", "from zerofx.runtime.engine import initialize"):  # python -m zerofx.app.cli, and the API
         done = _python(code, tmp_path)
         assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
             f"ImportError: the folder {clone} shadows the installed zerofx ({installed}): it has no __init__.py, so Python "

@@ -3,7 +3,7 @@ a memory budget]), on stub peaks: no capture."""
 
 from __future__ import annotations
 
-from zerofx.search import lower_prefetch_distance
+from zerofx.compiler.search import lower_prefetch_distance
 
 PEAKS = {3: 40.0, 2: 30.0, 1: 20.0, 0: 15.0}  # bytes at each prefetch distance
 

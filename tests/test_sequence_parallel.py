@@ -12,11 +12,11 @@ import torch
 import zerofx
 from tests.support import sequence_parallel_workers as workers
 from tests.support.dist_utils import run_ranks
-from zerofx.errors import CaptureError, ConfigError
+from zerofx.common.errors import CaptureError, ConfigError
 from zerofx.passes.analyze_schedule import schedule_table
 from zerofx.passes.meta import is_all_to_all
 from zerofx.passes.ring_attention import AttentionShape, SequenceAttention, choose_attention, is_ring_attention
-from zerofx.training import TrainOptions, _cycle_batches, check_train_options, data_layout
+from zerofx.app.training import TrainOptions, _cycle_batches, check_train_options, data_layout
 
 STEPS = 3
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "dna_lm_sp.json"

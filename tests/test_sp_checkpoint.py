@@ -1,5 +1,5 @@
 """Sequence-parallel checkpoints resumed in another rank layout (NOTE [Checkpoints across rank
-layouts] in zerofx/checkpoint.py; docs/checkpoints.md).
+layouts] in zerofx/runtime/checkpoint.py; docs/checkpoints.md).
 
 Two launches of real gloo ranks (one module fixture). World 4: data 2 x sequence 2 at stage 3,
 in shard groups of 2 (each a sequence group), saves after 2 AdamW steps and trains on to step 4 (the uninterrupted run); sequence 4 at stage 1
@@ -22,8 +22,8 @@ import torch
 
 from tests.support import sp_checkpoint_workers as w
 from tests.support.dist_utils import run_ranks
-from zerofx.checkpoint import CheckpointError, describe_layout, read_metadata, saved_layout
-from zerofx.training import TrainOptions, _cycle_batches, check_train_options, data_layout, data_order_note
+from zerofx.runtime.checkpoint import CheckpointError, describe_layout, read_metadata, saved_layout
+from zerofx.app.training import TrainOptions, _cycle_batches, check_train_options, data_layout, data_order_note
 
 TOL = 1e-5  # fp32, the parity tests' tolerance
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "dna_lm_sp.json"  # world 4, sequence 2

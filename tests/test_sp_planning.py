@@ -1,6 +1,6 @@
 """``zerofx plan --solve seq_len`` under sequence parallelism: the longest context per rank at a
 sequence-parallel size S (NOTE [Solving for the context under sequence parallelism] in
-zerofx/planning.py). Single process: every program is planned from meta tensors, no process group.
+zerofx/app/planning.py). Single process: every program is planned from meta tensors, no process group.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from zerofx.cost_models.symbolic import B, T
 from zerofx.models import DNADecoderLM
 from zerofx.models.sizes import DNALMConfig
-from zerofx.planning import ModelSpec, sample_program, solve_seq_len
+from zerofx.app.planning import ModelSpec, sample_program, solve_seq_len
 
 WORLD = 4
 # The DNA LM's block at a width where activations dominate a small budget; max_seq_len only

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import zerofx
-from zerofx.cli import main
+from zerofx.app.cli import main
 from zerofx.cost_models.comm import H100_NVLINK_IB, efficient_bucket_bytes
 from zerofx.cost_models.hierarchy import model_state_bytes
 from zerofx.cost_models.profiles import load_profile
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
-from zerofx.program import resolve
-from zerofx.sweep import parse_sweep, sweep_world_sizes
+from zerofx.compiler.program import resolve
+from zerofx.app.sweep import parse_sweep, sweep_world_sizes
 
 SIZES = [8, 64, 1024]
 

@@ -21,9 +21,10 @@ from tests.support.dist_utils import run_ranks
 from tests.test_core_passes import collectives
 from tests.support.tiling_models import BATCH, SEQ, dna_lm, llama, padding_mask, softmax_lm, tokens
 from tests.support.tiling_workers import tiled_vs_untiled
-from zerofx.capture import capture_step, flatten_call
+from zerofx.compiler.capture import flatten_call
+from zerofx.compiler.pipeline import capture_step
 from zerofx.config import parse_bytes
-from zerofx.errors import ConfigError
+from zerofx.common.errors import ConfigError
 
 ON = TilingOptions(enabled=True, block_size=16, attention_block_size=16)
 OFF = TilingOptions(enabled=False)
@@ -345,7 +346,7 @@ def test_stage3_gathers_and_reduces_one_weight_tile_at_a_time() -> None:
     assert not set(tiled) & {f for b in plan.gather_buckets + plan.reduce_buckets for f in b}
     assert Plan.from_json(plan.to_json()) == plan and "blocks.0.mlp.up.weight in 3 tiles of at most" in str(plan)
     # offload_param's I/O estimate times every shard's fetch, tiled weights too, in first-use order.
-    from zerofx.offload.plan import _fetch_groups
+    from zerofx.runtime.offload.plan import _fetch_groups
 
     groups = _fetch_groups(plan)
     assert sorted(f for g in groups for f in g) == sorted(plan.gather_order) and {(f,) for f in tiled} <= set(groups)

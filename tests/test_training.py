@@ -13,7 +13,7 @@ import torch
 import zerofx
 from tests.support.dist_utils import run_ranks
 from tests.support.train_workers import reference_clipped, saved_tensors_freed_in_backward, train
-from zerofx.schedulers import lr_at
+from zerofx.runtime.schedulers import lr_at
 
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3}}
 

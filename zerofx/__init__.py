@@ -13,34 +13,35 @@ from typing import TYPE_CHECKING, Any
 # (NOTE [A checkout that shadows the package]), before a missing zerofx.passes would.
 import zerofx._checkout  # noqa: F401
 from zerofx._version import __version__
-from zerofx.errors import CaptureError, ConfigError, MissingExampleInputsError, RankDivergenceError, ZeroFXError
+from zerofx.common.errors import CaptureError, ConfigError, MissingExampleInputsError, RankDivergenceError, ZeroFXError
 
 if TYPE_CHECKING:
     from zerofx.passes import Plan, ZeroStage
-    from zerofx.capture import CapturedStep, capture_step
-    from zerofx.checkpoint import CheckpointError, consolidate
+    from zerofx.compiler.capture import CapturedStep
+    from zerofx.compiler.pipeline import capture_step
+    from zerofx.runtime.checkpoint import CheckpointError, consolidate
     from zerofx.config import ZeroConfig, parse_config
-    from zerofx.engine import Engine, initialize
-    from zerofx.materialize import init_weights_
-    from zerofx.program import Program, compile
+    from zerofx.runtime.engine import Engine, initialize
+    from zerofx.compiler.materialize import init_weights_
+    from zerofx.compiler.program import Program, compile
 
 # The names that need torch load their module when first used (PEP 562), so that `import zerofx`
 # (and with it `zerofx --help`) stays light: NOTE [A command line that answers at once] in
-# zerofx/cli.py. `zerofx.compile`, `from zerofx import Engine` and the rest work as before.
+# zerofx/app/cli.py. `zerofx.compile`, `from zerofx import Engine` and the rest work as before.
 _LAZY = {
     "Plan": "zerofx.passes",
     "ZeroStage": "zerofx.passes",
-    "CapturedStep": "zerofx.capture",
-    "capture_step": "zerofx.capture",
-    "CheckpointError": "zerofx.checkpoint",
-    "consolidate": "zerofx.checkpoint",
+    "CapturedStep": "zerofx.compiler.capture",
+    "capture_step": "zerofx.compiler.pipeline",
+    "CheckpointError": "zerofx.runtime.checkpoint",
+    "consolidate": "zerofx.runtime.checkpoint",
     "ZeroConfig": "zerofx.config",
     "parse_config": "zerofx.config",
-    "Engine": "zerofx.engine",
-    "initialize": "zerofx.engine",
-    "init_weights_": "zerofx.materialize",
-    "Program": "zerofx.program",
-    "compile": "zerofx.program",
+    "Engine": "zerofx.runtime.engine",
+    "initialize": "zerofx.runtime.engine",
+    "init_weights_": "zerofx.compiler.materialize",
+    "Program": "zerofx.compiler.program",
+    "compile": "zerofx.compiler.program",
 }
 
 

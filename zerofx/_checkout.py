@@ -14,9 +14,9 @@ folder) comes before the installed package. Two kinds of folder found there shad
   ``AttributeError``, which nothing here can improve. (A repository-root ``__init__.py`` would
   run, but pytest imports a rootdir's ``__init__.py`` as a package, which would break the test
   suite in every clone named ``zerofx``.) With an editable install, the first zerofx module
-  imported through that empty package (``python -m zerofx.cli``, ``zerofx.training``,
-  ``zerofx.engine``: everything that imports ``zerofx.errors``) loads from the install, and
-  ``zerofx.errors`` imports this module, which raises ``ImportError`` naming the folder.
+  imported through that empty package (``python -m zerofx.app.cli``, ``zerofx.app.training``,
+  ``zerofx.runtime.engine``: everything that imports ``zerofx.common.errors``) loads from the install, and
+  ``zerofx.common.errors`` imports this module, which raises ``ImportError`` naming the folder.
 A regular install, and an editable install in setuptools' strict mode (``pip install -e .
 --config-settings editable_mode=strict``), put a folder holding a regular ``zerofx`` package on
 ``sys.path``, which Python prefers to a namespace package: from the folder above a clone they

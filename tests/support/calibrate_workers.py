@@ -13,7 +13,7 @@ def calibrate_two_nodes(rank: int, world_size: int, out: str, ranks_per_node: in
     spec rank 0 wrote (None elsewhere) and the profile file's measurements as rank 0 saw them."""
     import json
 
-    from zerofx.calibrate import calibrate_across_nodes
+    from zerofx.app.calibrate import calibrate_across_nodes
 
     os.environ.update(LOCAL_WORLD_SIZE=str(ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node))
     result = calibrate_across_nodes(Path(out), repeats=1, sizes=(2**12, 2**16))

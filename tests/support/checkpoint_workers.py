@@ -24,7 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import zerofx
-import zerofx.checkpoint
+import zerofx.runtime.checkpoint
 from zerofx.passes import _compat
 from tests.support.models import BATCH, BUILDERS, SEQ, VOCAB, loss_of, make_optimizer
 
@@ -121,7 +121,7 @@ def save_load_reshard(rank: int, world_size: int, root: str) -> dict[str, Any]:
             if stage == 0:
                 try:  # checked before anything is written: torch.load(weights_only=True) could not read it back
                     engine.save_checkpoint(Path(root) / "bad", client_state={"sampler": object()})
-                except zerofx.checkpoint.CheckpointError as exc:
+                except zerofx.runtime.checkpoint.CheckpointError as exc:
                     out["bad_client_state"] = str(exc)
             engine.save_checkpoint(Path(root) / f"stage{stage}", client_state={"rank": rank, "position": 7})
             saved = snapshot(engine)
@@ -177,7 +177,7 @@ def killed_save(rank: int, world_size: int, root: str) -> None:
         torch.save(state, Path(root) / "expected-step1.pt")
     train(engine, "dna", 2, 2)
     if rank == 1:
-        zerofx.checkpoint.save_file = _die_halfway  # this process only; it dies in this save
+        zerofx.runtime.checkpoint.save_file = _die_halfway  # this process only; it dies in this save
     engine.save_checkpoint(root)
 
 
@@ -198,7 +198,7 @@ def _disk_full(tensors: dict, path: str, metadata: dict | None = None) -> None:
 def _error(call: Callable[[], Any]) -> str | None:
     try:
         call()
-    except zerofx.checkpoint.CheckpointError as exc:
+    except zerofx.runtime.checkpoint.CheckpointError as exc:
         return str(exc)
     return None
 
@@ -258,9 +258,9 @@ def failures(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["step1"] = engine.full_state_dict()
     train(engine, "dna", 2, 2)
     if rank == 1:
-        zerofx.checkpoint.save_file = _disk_full
+        zerofx.runtime.checkpoint.save_file = _disk_full
     out["failed_save"] = _error(lambda: engine.save_checkpoint(run, client_state={"step": 2}))
-    zerofx.checkpoint.save_file = save_file
+    zerofx.runtime.checkpoint.save_file = save_file
     dist.barrier()  # a caller that catches the error and goes on
     if rank == 0:
         out["after_failure"] = {"files": sorted(os.listdir(run)), "latest": (run / "latest").read_text().strip()}

@@ -97,7 +97,7 @@ def rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
 def _context() -> Any:
     """Rank processes forked from a server process that imported torch and zerofx once."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "zerofx", "zerofx.engine", "tests.support.dist_utils"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "zerofx", "zerofx.runtime.engine", "tests.support.dist_utils"])
     return ctx
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.checkpoint_workers import SGD, make_engine, train
-from zerofx.checkpoint import latest_complete_tag
+from zerofx.runtime.checkpoint import latest_complete_tag
 
 
 def log(out: Path, **event: Any) -> None:

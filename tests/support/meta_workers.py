@@ -7,9 +7,9 @@ from typing import Any
 import torch
 
 import zerofx
-from zerofx.materialize import init_weights_
+from zerofx.compiler.materialize import init_weights_
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
-from zerofx.rss import peak_rss_bytes
+from zerofx.common.rss import peak_rss_bytes
 
 
 def _peak_rss_bytes() -> int:

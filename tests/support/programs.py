@@ -3,7 +3,7 @@
 Capture is most of a small program's setup (about 60%: the joint graph traced twice by
 AOTAutograd); the plan, lowering and report are the rest. Structural tests plan the same
 model at several stages, world sizes and bucket sizes, so they share one capture per model
-(``Program.replan``, NOTE [Planning again from one capture] in zerofx/program.py) and each
+(``Program.replan``, NOTE [Planning again from one capture] in zerofx/compiler/program.py) and each
 still plans and lowers its own program.
 """
 

@@ -6,7 +6,7 @@ import warnings
 
 import zerofx
 from tests.support.models import batches, dna_lm
-from zerofx.engine import ScheduleEndWarning
+from zerofx.runtime.engine import ScheduleEndWarning
 
 # Warm-up for 1 step, cosine decay to cos_min_ratio at step 2: steps 3 and 4 run past it.
 SCHEDULED = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import zerofx
-from zerofx.errors import RankDivergenceError
+from zerofx.common.errors import RankDivergenceError
 from zerofx.models.dna_lm import DNADecoderLM, DNALMConfig
 from zerofx.passes.meta import is_all_to_all
 from zerofx.passes.ring_attention import is_ring_attention, ring_exchanges

@@ -2,7 +2,7 @@
 
 Every layout trains on the same global batch per step, ``global_batch(step)``: GLOBAL_BATCH
 sequences that the D = N / S data groups split evenly, every rank of a sequence group passing
-its group's rows whole (NOTE [Sequence groups] in zerofx/rank_groups.py). Labels are the ids, so
+its group's rows whole (NOTE [Sequence groups] in zerofx/runtime/rank_groups.py). Labels are the ids, so
 every row has the same number of predicted tokens and the mean over data groups of each group's
 loss is the loss of the whole global batch: plain PyTorch on it is the uninterrupted run, in any
 layout.

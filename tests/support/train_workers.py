@@ -59,7 +59,7 @@ def reference_clipped(world_size: int, steps: int, lr: float, max_norm: float, m
 def saved_tensors_freed_in_backward(rank: int, world_size: int, stages: list[int]) -> dict[int, dict]:
     """Per stage, one forward and backward; counts the forward's saved tensors, and of those the
     ones freed at all by the end of the step and the ones freed while the backward graph was
-    still running (NOTE [Boxed graphs] in zerofx/program.py)."""
+    still running (NOTE [Boxed graphs] in zerofx/compiler/program.py)."""
     data = batches(world_size, 1, VOCAB["dna"])
     ids = data[0, rank]
     out = {}

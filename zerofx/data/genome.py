@@ -58,8 +58,8 @@ from typing import IO
 import torch
 
 from zerofx.data.tokenizers import KmerTokenizer
-from zerofx.errors import ZeroFXError
-from zerofx.limits import MAX_FOREIGN_FRACTION
+from zerofx.common.errors import ZeroFXError
+from zerofx.common.limits import MAX_FOREIGN_FRACTION
 from zerofx.models.dna_lm import DNA_VOCAB
 
 N_TOKEN = DNA_VOCAB.index("N")
@@ -74,7 +74,7 @@ _SEQUENCE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxy
 # IUPAC nucleotide codes (NC-IUB 1984): bases, U, and the ambiguity codes, which read as N.
 NUCLEOTIDE_CODES = "ACGTURYSWKMBDHVN"
 _NUCLEOTIDE_CHARS = frozenset(NUCLEOTIDE_CODES + NUCLEOTIDE_CODES.lower())
-# MAX_FOREIGN_FRACTION (zerofx.limits, beside the command line's other bounds): NOTE [Which
+# MAX_FOREIGN_FRACTION (zerofx.common.limits, beside the command line's other bounds): NOTE [Which
 # symbols a genome may hold].
 FOREIGN_CHECK_MIN_SYMBOLS = 10_000
 _GZIP_MAGIC = b"\x1f\x8b"

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from zerofx.data.tokenizers import SPECIAL_TOKENS
-from zerofx.errors import ZeroFXError
+from zerofx.common.errors import ZeroFXError
 
 IGNORE_INDEX = -100  # torch.nn.CrossEntropyLoss's default ignore_index; Hugging Face's label convention
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerofx.errors import ZeroFXError
+from zerofx.common.errors import ZeroFXError
 
 SPECIAL_TOKENS = ("<unk>", "<pad>", "<mask>", "<cls>", "<eos>", "<bos>")
 UNK_ID, PAD_ID, MASK_ID, CLS_ID, EOS_ID, BOS_ID = range(len(SPECIAL_TOKENS))

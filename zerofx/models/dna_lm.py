@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zerofx.models.sizes import DNA_LM_SIZES, DNA_VOCAB, DNALMConfig  # noqa: F401  (re-exported: zerofx.models.dna_lm names them)
+from zerofx.common.errors import ZeroFXError
 
 
 @dataclass
@@ -131,7 +132,7 @@ class DNADecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> DNALMOutput:
         t = input_ids.shape[1]
         if t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
+            raise ZeroFXError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]  # (T, hd/2)
         x = self.embed(input_ids)  # (B, T, d)
         for blk in self.blocks:

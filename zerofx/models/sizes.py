@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zerofx.common.errors import UsageError, did_you_mean
+
 DNA_VOCAB = ("A", "C", "G", "T", "N")
 
 
@@ -37,3 +39,12 @@ DNA_LM_SIZES = {
     # Few layers with a 16x-wide MLP: each MLP weight is 64 MiB in fp32, what weight tiling is for.
     "wide": DNALMConfig(dim=1024, num_layers=2, num_heads=16, ffn_dim=16384, max_seq_len=4096),
 }
+
+
+def model_config(name: str) -> DNALMConfig:
+    """The DNA LM config for a size name; ``UsageError`` naming the accepted sizes otherwise."""
+    if name not in DNA_LM_SIZES:
+        raise UsageError(
+            f"unknown model size {name!r}{did_you_mean(name, DNA_LM_SIZES)}; accepted: {', '.join(DNA_LM_SIZES)}"
+        )
+    return DNA_LM_SIZES[name]

@@ -1,0 +1,779 @@
+"""The ``zerofx`` command line: plan, estimate and train the bundled DNA language models.
+
+    zerofx plan 1b --world-size 1024 --stage 3      # the plan, on the meta device: no real memory
+    zerofx estimate 7b --world-size 64               # model-state GiB per rank, stages 0-3
+    zerofx train --world-size 2 --stage 3 --steps 20 # real training, gloo ranks on this CPU
+    zerofx train --output-dir run1 --save-every 5    # checkpoints; resumes from run1's latest
+    zerofx consolidate run1 model.safetensors        # one file for load_state_dict, streamed
+
+``main(argv)`` returns the exit code: 0 on success, 2 for bad input (a one-line message on
+stderr, no traceback), 1 when a training rank fails. The training loop itself is
+``zerofx.app.training.train(TrainOptions(...))``, for scripts such as ``examples/train_dna.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+# NOTE [A command line that answers at once]
+# `zerofx --help`, every subcommand's --help and `zerofx estimate --params` answer in a fraction
+# of a second because nothing here imports torch and the compiler (5-6 s of CPU on a 2-core
+# machine; docs/benchmarks.md, CLI start-up) before the arguments are parsed: the module level
+# imports only torch-free modules (zerofx.common.limits for the bounds the validators check,
+# zerofx.models.sizes for the size names, zerofx.common.units for --budget), `import zerofx` itself is
+# light (PEP 562 lazy names in zerofx/__init__.py), and each command imports what it runs inside
+# its function.
+# tests/test_plan_output.py checks that `zerofx estimate --params` leaves torch unimported;
+# benchmarks/cli_startup.py times the commands.
+from zerofx._version import __version__
+from zerofx.common.errors import RankFailedError, UsageError, ZeroFXError
+from zerofx.app.estimate import add_infinity_arguments
+from zerofx.common.limits import (
+    AUTO_FOLD_MIN_BLOCKS,
+    DEFAULT_TRAIN_STAGE,
+    MAX_FOREIGN_FRACTION,
+    MAX_SEED,
+    MAX_WORLD_SIZE,
+    check_positive,
+    check_stage,
+)
+from zerofx.models.sizes import DNA_LM_SIZES, DNALMConfig, model_config
+from zerofx.common.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from zerofx.compiler.folding import FoldedReport, RepeatedBlocks
+    from zerofx.models import DNADecoderLM
+    from zerofx.app.planning import ModelSpec
+    from zerofx.compiler.program import Program
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (``UsageError``), not usage plus a message."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _meta_example(cfg: DNALMConfig, batch_size: int, seq_len: int | None) -> tuple[DNADecoderLM, torch.Tensor]:
+    """The model and a (B, T) batch of input ids on the meta device: shapes only, no memory."""
+    import torch
+
+    from zerofx.models import DNADecoderLM
+
+    t = min(512, cfg.max_seq_len) if seq_len is None else seq_len
+    check_positive("--batch-size", batch_size)
+    if not 2 <= t <= cfg.max_seq_len:
+        raise UsageError(f"--seq-len {t} is invalid for this model; accepted: 2..{cfg.max_seq_len}")
+    with torch.device("meta"):
+        model = DNADecoderLM(cfg)
+        ids = torch.zeros(batch_size, t, dtype=torch.long)  # (B, T)
+    return model, ids
+
+
+# NOTE [Freezing the imports]
+# Importing torch and the Dynamo stack leaves about 320,000 GC-tracked objects. gc.freeze
+# (Python's documented API for this) moves them out of the cyclic collector's reach, so the full
+# collections that capture's allocations trigger, and the interpreter's exit, stop rescanning
+# them: 1.5-2.5 s of `zerofx plan`'s 10 s budget on the 20B model. It also keeps the forked
+# 2-block capture (NOTE [Planning the two captures in parallel]) from touching, and so copying,
+# their pages. The commands import torch after parsing (NOTE [A command line that answers at
+# once]), so the freeze comes where a command has made its imports, not at start-up. Only as the
+# program (argv from sys.argv): a caller that runs main() in its own process, as the tests do,
+# keeps its collector as it was.
+def _freeze_imports(args: argparse.Namespace) -> None:
+    """Freeze the collector's view of what a command imported, when running as the program."""
+    if getattr(args, "as_program", False):
+        gc.freeze()
+
+
+# --------------------------------------------------------------------------- plan, estimate
+def _load_model(args: argparse.Namespace) -> ModelSpec:
+    """A bundled DNA LM size (built on the meta device) or a FILE.py:CALLABLE / MODULE:CALLABLE spec."""
+    from zerofx.app.planning import ModelSpec, load_model_spec
+
+    if ":" in args.model:
+        return load_model_spec(args.model)
+    cfg = model_config(args.model)
+    model, ids = _meta_example(cfg, getattr(args, "batch_size", 1), getattr(args, "seq_len", None))
+    return ModelSpec(model, (ids,), {"labels": ids}, args.model)
+
+
+def _check_output_file(flag: str, path: Path) -> None:
+    """Raise ``UsageError`` unless ``path`` can be written: not a folder, in an existing folder
+    that accepts a new file. Commands call it before their slow work (capture, measuring), so a
+    typo in the folder costs nothing. The probe is a real file created and removed, since
+    ``os.access`` answers yes to root on a read-only mount or folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is a folder; accepted: a file path in an existing, writable folder")
+    folder = path.parent
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {str(path)!r}: folder {str(folder)!r} does not exist; create it or give a path in an existing folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".zerofx-write-check-")
+    except OSError as exc:
+        raise UsageError(f"{flag} {str(path)!r}: cannot create a file in folder {str(folder)!r} ({exc.strerror}); "
+                         "accepted: a path in a writable folder") from exc
+    os.close(fd)
+    os.unlink(probe)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {str(path)!r} exists and is read-only; accepted: a writable file or a new path")
+
+
+def _profile(args: argparse.Namespace) -> tuple[Any, Any]:
+    from zerofx.cost_models.profiles import load_profile
+
+    try:
+        return load_profile(args.profile)
+    except ValueError as exc:
+        raise UsageError(f"--profile: {exc}") from exc
+
+
+# The hardware a plan's times are for, after "estimated step N ms". The default profile models
+# one CPU core per rank over gloo, which a reader planning for GPUs would not guess.
+DEFAULT_PROFILE = "cpu"
+
+
+def step_note(profile: str, comm: Any, device: Any) -> str:
+    """What follows the summary's step time: the hardware it is for, and, for the default CPU
+    profile, how to pick another."""
+    if profile == DEFAULT_PROFILE:
+        return (f" for CPU gloo, one core per rank (the default profile, {comm.name} / {device.name}; "
+                "--profile h100 or a file from zerofx calibrate estimates other hardware)")
+    return f" for profile {comm.name} / {device.name}"
+
+
+def _shapes(spec: ModelSpec) -> str:
+    import torch
+
+    return ", ".join(str(tuple(t.shape)) for t in [*spec.args, *spec.kwargs.values()] if isinstance(t, torch.Tensor))
+
+
+def plot_title(label: str, *, world_size: int, stage: int, profile: str) -> str:
+    """The plot's title: what was planned, for how many ranks, at which stage, on which hardware."""
+    return f"zerofx plan {label}: ZeRO stage {stage}, world size {world_size}, profile {profile}"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the ZeRO plan, the communication schedule, memory per rank and a summary."""
+    if ":" not in args.model:
+        model_config(args.model)
+    if args.sweep is not None:
+        return _plan_sweep(args)
+    if args.world_size is not None:
+        check_positive("--world-size", args.world_size)
+    check_stage(args.stage)
+    if args.world_size is None and args.config is None:
+        raise UsageError("--world-size is required (or give --config with zerofx.world_size or batch sizes)")
+    budget = parse_bytes(args.budget) if args.budget is not None else None
+    user_config = args.config
+    if budget is not None:  # the planner fits the prefetch distance to it (zerofx.memory_budget)
+        args.config = _with_memory_budget(args.config, budget)
+    if args.profile != DEFAULT_PROFILE:  # the plan's buckets and prefetch are sized for it (zerofx.profile)
+        args.config = _with_zerofx_key(args.config, "profile", args.profile)
+    if args.solve is not None and budget is None:
+        raise UsageError(f"--solve {args.solve} needs --budget, the memory per rank to fit in (e.g. 80GiB)")
+    if args.plot is not None:
+        _check_output_file("--plot", args.plot)
+    # What planning runs, loaded before the freeze (NOTE [Freezing the imports]).
+    import zerofx.compiler.folding  # noqa: F401
+    import zerofx.runtime.offload  # noqa: F401
+    from zerofx.app.planning import running_model_code
+
+    _freeze_imports(args)
+    comm, device = _profile(args)
+    spec = _load_model(args)
+    with running_model_code(spec.label):  # a sys.exit in the spec's forward is an error, not exit 0
+        return _plan_spec(args, spec, budget, user_config, comm, device)
+
+
+def _plan_sweep(args: argparse.Namespace) -> int:
+    """``zerofx plan MODEL --sweep world-size=...``: the chosen and the flat plan at each world
+    size, from one capture (``zerofx.app.sweep``)."""
+    from zerofx.app.sweep import parse_sweep
+
+    try:
+        sizes = parse_sweep(args.sweep)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if max(sizes) > MAX_WORLD_SIZE:
+        raise UsageError(f"--sweep {args.sweep!r}: world sizes must be at most {MAX_WORLD_SIZE}")
+    if args.world_size is not None or args.solve is not None or args.fold == "on":
+        raise UsageError("--sweep plans its own world sizes and folds nothing: leave out --world-size, --solve and --fold on")
+    check_stage(args.stage)
+    budget = parse_bytes(args.budget) if args.budget is not None else None
+    if budget is not None:
+        args.config = _with_memory_budget(args.config, budget)
+    if args.plot is not None:
+        _check_output_file("--plot", args.plot)
+    from zerofx.app.planning import running_model_code
+
+    _freeze_imports(args)
+    comm, device = _profile(args)
+    spec = _load_model(args)
+    from zerofx.compiler.program import resolve
+    from zerofx.app.sweep import format_sweep, plot_sweep, sweep_world_sizes
+
+    stage = 3 if args.stage is None and args.config is None else args.stage
+    cfg = resolve(args.config, stage=stage, world_size=sizes[0])
+    with running_model_code(spec.label):
+        sweep = sweep_world_sizes(spec.model, spec.args, spec.kwargs, label=spec.label, cfg=cfg, world_sizes=sizes, comm=comm,
+                                  device=device, profile=args.profile)
+    if args.plot is not None:
+        plot_sweep(sweep, args.plot)
+    if args.format == "json":
+        print(sweep.to_json())
+        return 0
+    print(format_sweep(sweep))
+    if args.plot is not None:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, user_config: Path | None, comm: Any,
+               device: Any) -> int:
+    """``cmd_plan`` once the arguments are checked and the model is loaded: capture, plan, print."""
+    import zerofx
+    from zerofx.compiler.folding import FOLD_BLOCKS, find_repeated_blocks
+    from zerofx.app.estimate import format_plan_tiers, plan_tier_bytes
+    from zerofx.runtime.offload import plan_for_program
+    from zerofx.passes.analyze_schedule import format_report
+    from zerofx.app.planning import plot_report, report_json, solve_memory
+    from zerofx.compiler.program import resolve
+
+    blocks = find_repeated_blocks(spec.model)
+    fold = args.fold == "on" or (args.fold == "auto" and blocks is not None and blocks.count >= AUTO_FOLD_MIN_BLOCKS)
+    if args.fold == "on" and blocks is None:
+        raise UsageError(f"--fold on: {spec.label} has no nn.ModuleList/nn.Sequential of identical blocks to fold; use --fold off")
+    if args.fold == "on" and blocks.count < FOLD_BLOCKS[1]:
+        raise UsageError(f"--fold on: {spec.label}'s {blocks.path!r} holds {blocks.count} blocks; folding needs at least "
+                         f"{FOLD_BLOCKS[1]} (it captures {FOLD_BLOCKS[0]} and {FOLD_BLOCKS[1]}); use --fold off")
+    if fold:
+        return _plan_folded(args, spec, blocks, comm, device, budget)
+    program = zerofx.compile(spec.model, world_size=args.world_size, stage=args.stage, config=args.config,
+                             example_inputs=spec.args, example_kwargs=spec.kwargs)
+    report = program.report(args.rank, comm=comm, device=device)
+    solved = None
+    if args.solve is not None:
+        if args.solve == "seq_len":
+            upper = getattr(getattr(spec.model, "cfg", None), "max_seq_len", None) or args.max_seq_len
+        else:
+            upper = args.max_batch_size
+        # The user's config: each sample must plan the same prefetch, or their nodes would not align.
+        solved = solve_memory(spec, args.solve, world_size=program.world_size, stage=int(program.stage), config=user_config,
+                              budget_bytes=budget, upper=upper, rank=args.rank)
+    if args.plot is not None:
+        title = plot_title(spec.label, world_size=program.world_size, stage=int(program.stage), profile=f"{comm.name} / {device.name}")
+        plot_report(report, args.plot, title=title, budget_bytes=budget)
+    cfg = resolve(args.config, stage=args.stage, world_size=args.world_size)
+    offload = plan_for_program(program.plan, cfg.offload, cfg.param_offload, mixed_precision=cfg.compute_dtype is not None,
+                               device_is_cpu=device.name.startswith("cpu"), compute_s=report.compute_s)
+    tiers = None
+    if offload is not None or cfg.grad_offload is not None:
+        grad_itemsize = cfg.compute_dtype.itemsize if cfg.compute_dtype is not None else 4
+        grad_bytes = sum(p.shard_numel for p in program.plan.params if p.requires_grad) * grad_itemsize
+        tiers = plan_tier_bytes(report.peak.live_bytes, offload, grad_bytes=grad_bytes,
+                                grad_tier=None if cfg.grad_offload is None else cfg.grad_offload.device.value)
+    if args.format == "json":
+        data = json.loads(report_json(program, report, budget, device_peak_bytes=None if tiers is None else tiers["device"]))
+        if offload is not None:
+            data["offload"] = json.loads(offload.to_json())
+        if tiers is not None:
+            data["tiers_per_rank_bytes"] = tiers
+        if solved is not None:
+            data["solve"] = {solved.variable: solved.value, "peak_bytes_expr": str(solved.peak_expr), "peak_at": solved.peak_node,
+                             "samples": [list(x) for x in solved.samples], "sequence_parallel_size": solved.sequence_parallel,
+                             "captured_peak_bytes": {"at": solved.peak_at_value, "one_past": solved.peak_past_value}}
+        print(json.dumps(data, indent=1))
+        return 0
+    print(f"model {spec.label}: {type(spec.model).__name__}, example inputs {_shapes(spec)}; profile {comm.name} / {device.name}")
+    print(program.plan)
+    if offload is not None:
+        print(offload)
+    if tiers is not None:
+        print(format_plan_tiers(tiers))
+    print(format_report(report, budget_bytes=budget, verbose=args.verbose, step_note=step_note(args.profile, comm, device),
+                        device_peak_bytes=None if tiers is None else tiers["device"]))
+    if solved is not None:
+        what = "longest sequence" if solved.variable == "seq_len" else "largest batch"
+        if solved.sequence_parallel > 1:  # NOTE [Solving for the context under sequence parallelism]
+            what += f" with sequence parallelism over {solved.sequence_parallel} ranks"
+        symbols = {str(x) for x in solved.peak_expr.free_symbols}
+        exact_in = "B (batch) and T (tokens)" if "B" in symbols else "T (tokens) at the example's batch"
+        print(f"{what} that fits {format_bytes(budget)} per rank: {solved.variable} = {solved.value} "
+              f"(peak bytes = {solved.peak_expr} at {solved.peak_node}, exact in {exact_in} "
+              f"from captures at (B, T) = {', '.join(map(str, solved.samples))})")
+        step = solved.sequence_parallel if solved.variable == "seq_len" else 1
+        confirmed = [f"at {n} the peak is {peak:,} bytes ({'fits' if peak <= budget else 'over'})"
+                     for n, peak in ((solved.value, solved.peak_at_value), (solved.value + step, solved.peak_past_value)) if peak is not None]
+        if confirmed:
+            print(f"confirmed by capture against {int(budget):,} bytes: {'; '.join(confirmed)}")
+    if args.plot is not None:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _with_zerofx_key(config: Path | Mapping[str, Any] | None, key: str, value: Any) -> dict[str, Any]:
+    from zerofx.config import load_config
+
+    raw = dict(load_config(config)) if config is not None else {}
+    raw["zerofx"] = {**raw.get("zerofx", {}), key: value}
+    return raw
+
+
+def _with_memory_budget(config: Path | Mapping[str, Any] | None, budget_bytes: float) -> dict[str, Any]:
+    from zerofx.config import load_config
+
+    raw = dict(load_config(config)) if config is not None else {}
+    raw["zerofx"] = {**raw.get("zerofx", {}), "memory_budget": budget_bytes}
+    return raw
+
+
+def folded_explanation(blocks: RepeatedBlocks, *, block_params: int, num_params: int) -> str:
+    """One line saying what folding did, so that the whole model's parameter count and the smaller
+    one of the plan printed after it (the 3-block copy's) read together."""
+    from zerofx.compiler.folding import FOLD_BLOCKS
+
+    low, high = FOLD_BLOCKS
+    return (f"folded: {blocks.path!r} holds {blocks.count} identical blocks of {block_params:,} parameters; zerofx planned "
+            f"copies of the model cut to {low} and {high} blocks, and the whole model's figures are the {high}-block copy's "
+            f"plus {blocks.count - high} times what one more block adds (--fold off plans all {blocks.count}). "
+            f"The plan below is the {high}-block copy's:")
+
+
+def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBlocks, comm: Any, device: Any,
+                 budget: float | None) -> int:
+    """``zerofx plan`` from captures of the model cut to 2 and 3 blocks (``zerofx.compiler.folding``)."""
+    import zerofx
+    from zerofx.config import load_config
+    from zerofx.compiler.folding import FOLD_BLOCKS, folded_json, format_folded, plan_folded
+    from zerofx.compiler.search import lower_prefetch_distance
+
+    if args.solve is not None or args.plot is not None:
+        raise UsageError("--solve and --plot need the whole model's timeline: add --fold off")
+    programs: dict[int, Program] = {}  # by the number of blocks of the cut model
+
+    def report_for(model: torch.nn.Module, config: Mapping[str, Any]) -> Any:
+        program = zerofx.compile(model, world_size=args.world_size, stage=args.stage, config=config,
+                                 example_inputs=spec.args, example_kwargs=spec.kwargs)
+        programs[len(model.get_submodule(blocks.path))] = program
+        return program.report(args.rank, comm=comm, device=device)
+
+    # The cut models' peaks are smaller than the whole model's, so the planner cannot fit the
+    # prefetch distance to the budget on them (NOTE [Prefetch under a memory budget]): folding
+    # does it here, on the extrapolated peak.
+    config = dict(load_config(args.config)) if args.config is not None else {}
+    own = {k: v for k, v in config.get("zerofx", {}).items() if k != "memory_budget"}
+
+    def fold(zerofx_section: Mapping[str, Any]) -> tuple[FoldedReport, Program]:
+        folded = plan_folded(spec.model, blocks, lambda m: report_for(m, {**config, "zerofx": zerofx_section}), parallel=True)
+        # The 2-block capture may run in a forked child (NOTE [Planning the two captures in
+        # parallel]); the 3-block one always runs here, so its plan is the one printed.
+        return folded, programs[FOLD_BLOCKS[1]]
+
+    def fold_at(distance: int) -> tuple[tuple[FoldedReport, Program], int, float]:
+        folded, sample = fold({**own, "prefetch_distance": distance})
+        return (folded, sample), distance, folded.peak_bytes
+
+    folded, sample = fold(own)
+    decisions: list[str] = []
+    if budget is not None:
+        search = lower_prefetch_distance((folded, sample), sample.plan.prefetch_distance, folded.peak_bytes, budget, fold_at)
+        folded, sample = search.result
+        if search.lowered:
+            decisions.append(search.decision(f"extrapolated peak {format_bytes(folded.peak_bytes)}"))
+    if args.format == "json":
+        plan_json = json.loads(sample.plan.to_json())
+        plan_json["decisions"] = [*plan_json.get("decisions", []), *decisions]
+        print(json.dumps(folded_json(folded, plan_json, budget), indent=1, default=list))
+        return 0
+    num_params = sum(p.numel() for p in spec.model.parameters())
+    block_params = sum(p.numel() for p in spec.model.get_submodule(blocks.path)[0].parameters())
+    print(f"model {spec.label}: {type(spec.model).__name__}, {num_params:,} parameters, example inputs {_shapes(spec)}; "
+          f"profile {comm.name} / {device.name}")
+    print(folded_explanation(blocks, block_params=block_params, num_params=num_params))
+    print(sample.plan)
+    for d in decisions:
+        print(f"decision: {d}")
+    print(format_folded(folded, budget_bytes=budget, verbose=args.verbose, step_note=step_note(args.profile, comm, device)))
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Model-state memory per device with the ZeRO paper's accounting, for each stage."""
+    from tabulate import tabulate
+
+    from zerofx.cost_models.memory import paper_breakdown
+    from zerofx.app.estimate import infinity_section, wants_infinity
+
+    check_positive("--world-size", args.world_size)
+    check_stage(args.stage)
+    if (args.params is None) == (args.model is None):
+        raise UsageError("give exactly one of --params P and --model MODEL")
+    stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
+    activations: dict[int, float] = {}
+    if args.params is not None:
+        if args.params <= 0:
+            raise UsageError(f"--params {args.params} is invalid; accepted: a number > 0 (e.g. 7.5e9)")
+        num_params, label = float(args.params), f"{args.params:g} parameters"
+    else:
+        import zerofx
+        from zerofx.app.planning import running_model_code
+        from zerofx.compiler.program import plan_program, resolve
+
+        _freeze_imports(args)
+        spec = _load_model(args)
+        # Capture does not depend on the stage, only planning does: one capture serves every stage.
+        with running_model_code(spec.label):
+            captured = zerofx.capture_step(spec.model, spec.args, spec.kwargs)
+        for s in stages:
+            program = plan_program(captured, resolve(args.config, stage=s, world_size=args.world_size), args.world_size)
+            report = program.report(0)
+            activations[s] = report.peak.live_bytes - report.persistent_bytes
+        num_params = float(sum(p.numel for p in captured.params))
+        label = f"{spec.label}: {int(num_params):,} parameters"
+    rows, per_stage = [], {}
+    for s in stages:
+        b = paper_breakdown(num_params, stage=s, world_size=args.world_size, offload=args.offload, offload_param=args.offload_param,
+                            offload_grad=args.offload_grad)
+        per_stage[s] = {**b, **({"activation_peak_bytes": activations[s]} if s in activations else {})}
+        row = [s, b["params_bytes"], b["grads_bytes"], b["optimizer_states_bytes"], b["per_device_bytes"]]
+        if args.offload != "none":
+            row.append(b["offloaded_bytes"])
+        if args.offload_param != "none":
+            row.append(b["offloaded_param_bytes"])
+        if args.offload_grad != "none":
+            row.append(b["offloaded_grad_bytes"])
+        if activations:
+            row.append(activations[s])
+        rows.append([row[0], *map(format_bytes, row[1:])])
+    tiers = infinity_section(args, num_params) if wants_infinity(args, stages) else None
+    if args.format == "json":
+        print(json.dumps({"params": num_params, "world_size": args.world_size, "offload": args.offload,
+                          "per_device_bytes": {str(s): per_stage[s]["per_device_bytes"] for s in stages},
+                          "stages": {str(s): v for s, v in per_stage.items()},
+                          **({"tiers": tiers[1]} if tiers is not None else {})}, indent=1))
+        return 0
+    headers = ["stage", "params", "grads", "optimizer states", "per device"]
+    if args.offload != "none":
+        headers.append(f"on {args.offload}")
+    if args.offload_param != "none":
+        headers.append(f"params on {args.offload_param} (stage 3)")
+    if args.offload_grad != "none":
+        headers.append(f"grads on {args.offload_grad} (stages 2-3)")
+    if activations:
+        headers.append("activation peak (fp32, memory model)")
+    print(f"{label}, world size {args.world_size}, mixed-precision Adam (ZeRO paper: 2 + 2 + 12 bytes per parameter)"
+          + (f", optimizer states offloaded to {args.offload}" if args.offload != "none" else "") + "; sizes per device")
+    print(tabulate(rows, headers=headers, tablefmt="simple", colalign=("right",) * len(headers), disable_numparse=True))
+    if tiers is not None:
+        print(tiers[0])
+    return 0
+
+
+def cmd_config_schema(args: argparse.Namespace) -> int:
+    """Print every config key zerofx knows, generated from ``zerofx.config.schema.SCHEMA``."""
+    from tabulate import tabulate
+
+    from zerofx.config.schema import schema_rows
+
+    rows = schema_rows()
+    if args.format == "json":
+        print(json.dumps([dict(zip(("key", "type", "accepted", "acted_on", "meaning"), r)) for r in rows], indent=1))
+    else:
+        print(tabulate(rows, headers=["key", "type", "accepted", "acted on", "meaning"], tablefmt="github"))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure collectives and compute on local gloo ranks; write a profile for ``plan --profile``."""
+    check_positive("--world-size", args.world_size)
+    check_positive("--repeats", args.repeats)
+    _check_output_file("--out", args.out)  # before about 11 s of measuring, not after
+    from zerofx.app.calibrate import calibrate, calibrate_across_nodes, is_multi_node
+
+    if is_multi_node(os.environ):  # under torchrun across nodes: the two links measured apart
+        result = calibrate_across_nodes(args.out, repeats=args.repeats)
+        if result is None:  # not rank 0: rank 0 writes and reports
+            return 0
+        comm, device = result
+        print(f"wrote {args.out}: within a node {comm.intra_alpha_s * 1e6:.1f} us per ring step, {comm.intra_bandwidth / 1e9:.3g} GB/s; "
+              f"across nodes {comm.inter_alpha_s * 1e6:.1f} us, {comm.inter_bandwidth / 1e9:.3g} GB/s ({comm.ranks_per_node} ranks per node)")
+        return 0
+    comm, device = calibrate(args.out, world_size=args.world_size, repeats=args.repeats)
+    print(f"wrote {args.out}: all-gather latency {comm.intra_alpha_s * 1e6:.0f} us per ring step, bus bandwidth "
+          f"{comm.intra_bandwidth / 1e9:.3g} GB/s; matmul {device.matmul_flops_per_s / 1e9:.3g} GFLOP/s, "
+          f"memory {device.memory_bytes_per_s / 1e9:.3g} GB/s per rank")
+    return 0
+
+
+# --------------------------------------------------------------------------- train
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a DNA LM with the parsed flags (``zerofx.app.training.train``)."""
+    from zerofx.app.training import Objective, TrainOptions, train
+
+    _freeze_imports(args)  # under torchrun this process is a rank (NOTE [Freezing the imports])
+    world_size = args.world_size
+    if world_size is None:  # the config may state it (a sequence-parallel example needs its 4 ranks)
+        from zerofx.config import parse_config
+
+        world_size = (parse_config(args.config).world_size if args.config is not None else None) or 2
+    train(
+        TrainOptions(
+            model=args.model, fasta=args.fasta, world_size=world_size, stage=args.stage, config=args.config,
+            steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+            print_graph=args.print_graph, print_graph_code=args.print_graph_code, output_dir=args.output_dir, save_every=args.save_every,
+            keep_last=args.keep_last, collective_timeout_s=args.collective_timeout_s,
+            objective=Objective(args.objective), kmer=args.kmer,
+        )
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------- consolidate
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    """Write a sharded checkpoint as one safetensors file, streaming tensor by tensor."""
+    from zerofx.runtime.checkpoint import consolidate, read_metadata, resolve_tag
+
+    tag = resolve_tag(args.ckpt_dir, args.tag).name  # one tag for the metadata and the data, even if a save lands now
+    meta = read_metadata(args.ckpt_dir, tag)
+    out = consolidate(args.ckpt_dir, args.out, tag=tag, dtype=args.dtype)
+    print(
+        f"wrote {out} ({format_bytes(out.stat().st_size)}, {args.dtype}): {len(meta['state_dict_keys'])} tensors of "
+        f"{meta['model_class']} at step {meta['step']}, from {meta['world_size']} rank files of {Path(args.ckpt_dir) / tag}"
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+# The largest world size zerofx plans for is zerofx.common.limits.MAX_WORLD_SIZE (2**20 ranks), far
+# beyond today's largest clusters and far inside the int64 group size the functional
+# collectives take (2**63 fails in C++); a bound that catches a typo (an extra 0) costs nothing.
+# Local ranks (train, calibrate) are processes on this machine, each with torch loaded (a few
+# hundred MiB) and cpu_count / world_size threads: beyond 256 they only contend. torchrun's
+# world size is not bounded by this.
+MAX_LOCAL_RANKS = 256
+# `zerofx estimate --params`: 10**15, about a thousand times any model trained so far; its 16
+# bytes per parameter stay far inside a float.
+MAX_PARAMS = 1e15
+
+
+def _int_arg(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer in low..high; argparse names the flag in the error."""
+    accepted = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}; accepted: {accepted}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range; accepted: {accepted}")
+        return value
+
+    return parse
+
+
+def _float_arg(low: float, high: float | None = None, *, low_inclusive: bool = True) -> Callable[[str], float]:
+    """An argparse ``type=``: a finite number in range (float() alone takes 'nan', 'inf', '1e999')."""
+    accepted = f"a finite number {'>=' if low_inclusive else '>'} {low:g}" + ("" if high is None else f" and <= {high:g}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {text!r}; accepted: {accepted}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number; accepted: {accepted}")
+        if not (value >= low if low_inclusive else value > low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; accepted: {accepted}")
+        return value
+
+    return parse
+
+
+def _bytes_arg(text: str) -> float:
+    """An argparse ``type=`` for --budget: a size such as 80GiB, finite and above 0."""
+    try:
+        value = parse_bytes(text)
+    except ZeroFXError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range; accepted: a finite size above 0, e.g. 80GiB")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    sizes = ", ".join(DNA_LM_SIZES)
+    parser = _Parser(prog="zerofx", description="ZeRO-style sharded training as torch.fx compiler passes.")
+    parser.add_argument("--version", action="version", version=f"zerofx {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                help="one of these; zerofx COMMAND --help lists its options")
+
+    model_help = f"a DNA LM size ({sizes}) or FILE.py:CALLABLE / MODULE:CALLABLE returning (model, example_inputs)"
+    p = sub.add_parser("plan", help="print the plan, communication schedule and memory per rank, before anything runs",
+                       description="Capture and plan a model on the meta device (no parameter memory): the sharding, one row "
+                                   "per collective, memory per rank with a fits verdict, and the estimated step time.")
+    p.add_argument("model", metavar="MODEL_SPEC", help=model_help)
+    p.add_argument("--world-size", type=_int_arg(1, MAX_WORLD_SIZE),
+                   help=f"number of ranks to plan for, 1..{MAX_WORLD_SIZE} (required unless the config implies it)")
+    p.add_argument("--stage", type=int, help="ZeRO stage 0, 1, 2 or 3 (required unless the config sets it)")
+    p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config (ds_config.json)")
+    p.add_argument("--seq-len", type=_int_arg(2),
+                   help="tokens per sequence in a bundled model's example batch, 2..max_seq_len (default: min(512, max_seq_len))")
+    p.add_argument("--batch-size", type=_int_arg(1), default=1, help="sequences in a bundled model's example batch, >= 1 (default: 1)")
+    p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
+    p.add_argument("--budget", type=_bytes_arg,
+                   help="memory per rank to fit in, e.g. 80GiB (units B, KB..TB, KiB..TiB): adds a fits / doesn't-fit verdict")
+    p.add_argument("--solve", choices=("seq_len", "batch_size"),
+                   help="answer the longest sequence (at the example's batch size) or the largest batch (at its "
+                        "sequence length) that fits --budget, from the memory model symbolic in both; with "
+                        "zerofx.sequence_parallel.size S in --config, per rank at that S (a multiple of S)")
+    p.add_argument("--max-seq-len", type=_int_arg(1), default=1 << 20,
+                   help="upper bound for --solve seq_len when the model states none, >= 1 (default: 1048576)")
+    p.add_argument("--max-batch-size", type=_int_arg(1), default=1 << 16, help="upper bound for --solve batch_size, >= 1 (default: 65536)")
+    p.add_argument("--plot", type=Path, help="draw the memory timeline and a compute/communication Gantt chart, on one time "
+                        "axis, to this PNG (its folder must exist and be writable; checked before planning; needs matplotlib "
+                        "and --fold off for models that fold)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help="hardware the times are estimated for: cpu (one core per rank, gloo), h100 or h200 (DGX: 8 GPUs per node, "
+                        f"NVLink and 8 x 400 Gb/s InfiniBand), or a file from zerofx calibrate (default: {DEFAULT_PROFILE})")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the FX node names the schedule rows and the peak refer to (issued after, waited at)")
+    p.add_argument("--rank", type=_int_arg(0), default=0,
+                   help="the rank to report, 0..world size - 1 (every rank runs the same graphs; default: 0)")
+    p.add_argument("--fold", choices=("auto", "on", "off"), default="auto",
+                   help="plan a model of N identical blocks from captures of 2 and 3 of them and extrapolate (fast; "
+                        f"auto: when N >= {AUTO_FOLD_MIN_BLOCKS}); off plans every block (exact rows)")
+    p.add_argument("--sweep", metavar="world-size=N1,N2,...",
+                   help="weak scaling: at each world size, the plan the planner chooses (shard group size, prefetch, buckets) "
+                        "and the flat stage-3 plan side by side, with predicted step time, efficiency relative to the smallest "
+                        "size and memory per rank, for --profile (default stage 3; --plot draws it; docs/scaling.md)")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("estimate", help="model-state memory per device per ZeRO stage (the ZeRO paper's accounting)",
+                       description="Per-device bytes of parameters, gradients and optimizer states for mixed-precision "
+                                   "Adam (2 + 2 + 12 bytes per parameter), per ZeRO stage; with --model, also the "
+                                   "activation peak from the memory model.")
+    p.add_argument("model", metavar="MODEL_SPEC", nargs="?", help=model_help)
+    p.add_argument("--params", type=_float_arg(0, MAX_PARAMS, low_inclusive=False),
+                   help=f"number of parameters, e.g. 7.5e9, above 0 and at most {MAX_PARAMS:g} (instead of MODEL_SPEC)")
+    p.add_argument("--world-size", type=_int_arg(1, MAX_WORLD_SIZE), required=True, help=f"number of ranks, 1..{MAX_WORLD_SIZE}")
+    p.add_argument("--stage", type=int, help="only this ZeRO stage (default: all of 0, 1, 2, 3)")
+    p.add_argument("--offload", choices=("none", "cpu", "nvme", "auto"), default="none",
+                   help="where optimizer states live (default: none); auto: the planner places them by bandwidth")
+    p.add_argument("--offload-param", choices=("none", "cpu", "nvme", "auto"), default="none",
+                   help="where stage-3 parameter shards live (default: none); auto: the planner places them by bandwidth")
+    p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config, for the --model activation estimate")
+    p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
+    add_infinity_arguments(p, int_arg=_int_arg, float_arg=_float_arg, bytes_arg=_bytes_arg)
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("config-schema", help="list every DeepSpeed/zerofx config key, its type and accepted values",
+                       description="The config's documentation, generated from the schema zerofx validates against.")
+    p.add_argument("--format", choices=("markdown", "json"), default="markdown", help="output format (default: markdown)")
+    p.set_defaults(func=cmd_config_schema)
+
+    p = sub.add_parser("calibrate", help="measure this machine's collectives and compute into a planner profile",
+                       description="Time all-gather, reduce-scatter, all-reduce and all-to-all on local gloo ranks and a "
+                                   "matmul and a copy on one core; fit the alpha-beta model; write a profile for zerofx plan "
+                                   "--profile. Under torchrun across nodes, the intra- and inter-node links are measured apart.")
+    p.add_argument("--world-size", type=_int_arg(1, MAX_LOCAL_RANKS), default=2,
+                   help=f"local ranks to measure with, 1..{MAX_LOCAL_RANKS} (default: 2)")
+    p.add_argument("--out", type=Path, default=Path("zerofx_profile.json"),
+                   help="profile file to write, in an existing writable folder (checked before measuring; "
+                        "default: zerofx_profile.json)")
+    p.add_argument("--repeats", type=_int_arg(1), default=5, help="timed repeats per measurement, >= 1 (default: 5)")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("train", help="train a DNA LM on local gloo (CPU) ranks, or as torchrun's ranks (NCCL on GPUs)",
+                       description="Spawn local gloo ranks and train a DNA LM with zerofx on a FASTA genome; under torchrun (one or "
+                                   "many nodes), run as one of its ranks instead, over NCCL where there are GPUs.")
+    p.add_argument("--model", default="tiny", metavar="MODEL_SPEC",
+                   help=f"a bundled DNA LM size ({sizes}), or FILE.py:CALLABLE / MODULE:CALLABLE returning (model, "
+                        "example_inputs) as for zerofx plan: any nn.Module called as model(input_ids, labels=labels) that "
+                        "returns the loss or an output with .loss (a Hugging Face model from a local config works); its "
+                        "input embedding needs at least the vocabulary's rows (default: tiny; docs/training.md)")
+    p.add_argument("--fasta", type=Path,
+                   help="FASTA genome, plain or .gz, one or more records (default: the bundled lambda phage genome): IUPAC "
+                        f"nucleotide codes; refused when empty, headers only, corrupt, or over {MAX_FOREIGN_FRACTION * 100:g}%% "
+                        "of its symbols are not nucleotide codes (a protein FASTA; the error names the first one's record and "
+                        "offset)")
+    p.add_argument("--objective", choices=("clm", "mlm"), default="clm",
+                   help="clm: next-token prediction, model(ids, labels=ids); mlm: masked LM, 15%% of tokens chosen, 80/10/10 "
+                        "<mask>/random/unchanged, model(masked_ids, labels=labels) with labels -100 where nothing was masked, "
+                        "masks reproducible from --seed; needs a --model spec (default: clm)")
+    p.add_argument("--kmer", type=_int_arg(1), metavar="K",
+                   help="tokenize into non-overlapping K-mers, 1..8, in the Nucleotide Transformer's vocabulary (<unk> <pad> "
+                        "<mask> <cls> <eos> <bos>, the 4**K K-mers, A T C G N: 4,107 ids for K=6); --seq-len counts K-mers "
+                        "(default: single bases A C G T N for clm, K=1 in that vocabulary for mlm)")
+    p.add_argument("--world-size", type=_int_arg(1, MAX_LOCAL_RANKS),
+                   help=f"number of local ranks to spawn, 1..{MAX_LOCAL_RANKS} (default: the config's zerofx.world_size, else 2; "
+                        "under torchrun, torchrun's)")
+    p.add_argument("--stage", type=int, help=f"ZeRO stage 0-3 (default: the config's, else {DEFAULT_TRAIN_STAGE})")
+    p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config; replaces the default AdamW and --lr")
+    p.add_argument("--steps", type=_int_arg(1), default=20,
+                   help="optimizer steps, >= 1; each takes the config's gradient_accumulation_steps micro-batches (default: 20)")
+    p.add_argument("--seq-len", type=_int_arg(2), default=128,
+                   help="tokens per window (K-mers with --kmer), 2..a bundled model's max_seq_len, >= 2 for a spec (default: 128)")
+    p.add_argument("--batch-size", type=_int_arg(1),
+                   help="windows per rank per micro-step, >= 1 (default: the config's train_micro_batch_size_per_gpu, or "
+                        "train_batch_size / (gradient_accumulation_steps x world size), else 2); with a config, it must agree")
+    p.add_argument("--lr", type=_float_arg(0), default=3e-3,
+                   help="AdamW learning rate when no --config, a finite number >= 0 (default: 3e-3)")
+    p.add_argument("--seed", type=_int_arg(0, MAX_SEED), default=0,
+                   help="seed for the model init, the data shuffle and the mlm masks, 0..2**64-1 (default: 0)")
+    p.add_argument("--print-graph", action="store_true",
+                   help="before training, print rank 0's graphs with their counts of all-gathers, reduce-scatters, all-reduces and waits")
+    p.add_argument("--print-graph-code", action="store_true", help="as --print-graph, and print each graph's code too (long)")
+    p.add_argument("--output-dir", type=Path,
+                   help="save sharded checkpoints here, and resume from its newest complete one (default: no checkpoints)")
+    p.add_argument("--save-every", type=_int_arg(1), help="save every K >= 1 training steps (default: only after the last step)")
+    p.add_argument("--keep-last", type=_int_arg(1),
+                   help="after each save, delete the oldest step-N checkpoints beyond the newest K >= 1 (default: keep all)")
+    p.add_argument("--collective-timeout", dest="collective_timeout_s", type=_float_arg(0, low_inclusive=False),
+                   help="seconds a collective waits for a dead or stalled peer before the run fails, > 0 (default: the "
+                        "config's zerofx.collective_timeout_s, else 300)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("consolidate", help="write a sharded checkpoint as one safetensors file",
+                       description="Stream a sharded zerofx checkpoint into one safetensors file with the model's "
+                                   "state_dict keys, tensor by tensor: memory stays bounded whatever the model's size.")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR", type=Path, help="the checkpoint directory (engine.save_checkpoint's save_dir)")
+    p.add_argument("out", metavar="OUT.safetensors", type=Path, help="the file to write")
+    p.add_argument("--tag", help="which checkpoint (default: the newest complete one)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="floating-point dtype of the output (default: fp32)")
+    p.set_defaults(func=cmd_consolidate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``zerofx`` command line; return the exit code (see the module docstring)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        args.as_program = argv is None  # NOTE [Freezing the imports]
+        return args.func(args)
+    except SystemExit as exc:  # --help and --version exit through argparse
+        return exc.code if isinstance(exc.code, int) else 0
+    except RankFailedError as exc:
+        print(f"zerofx: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except ZeroFXError as exc:
+        print(f"zerofx: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Layer folding: plan a deep model from shallow copies of it.
+
+A decoder is a prologue (embeddings), N identical blocks and an epilogue (norm, head, loss).
+Capturing and lowering cost time proportional to N: a 20B decoder with 44 blocks takes minutes.
+Folding captures the model with its block list cut to 2 and to 3 blocks (on the meta device:
+the cut copies share the original's modules and allocate nothing), plans each exactly, and
+extrapolates the whole-model figures.
+
+NOTE [Why linear extrapolation is exact here]
+Every figure the planner reports is a sum over the step's nodes or collectives (bytes moved,
+compute, communication and exposed time, model-state bytes), or a peak of live bytes. Buckets
+end at block boundaries (NOTE [Buckets end at block boundaries] in ``passes/plan_buckets.py``),
+so each extra block adds the same nodes and the same collectives, and a sum over the model with
+N blocks is ``f(2) + (N - 2) * (f(3) - f(2))``. Peaks are taken per graph. The first and the
+last block are special (the embedding's gradient meets the first; the head's small reduction
+is in flight during the last); every block between them behaves alike: its backward runs with
+the previous block's gradient reduction in flight (NOTE [A reduction holds its input until its
+wait] in ``passes/schedule_overlap.py``) and with every earlier block's saved activations
+alive. So the backward of a 3-block model is the first one with a middle block, and from 3
+blocks on each extra block adds what one block keeps alive to every point, which the two
+captures show where their nodes align (the end of forward, the start of backward). Captures
+of 1 and 2 blocks, which this used before the reductions' inputs were counted until their
+waits, have no middle block and under-estimated the 25m model's peak by 6%.
+``tests/test_planning.py`` checks every figure against a full capture (equal, not close).
+What the rows cannot show is per-collective issue and wait node names for blocks 2..N-1;
+``--fold off`` plans the whole model when those matter more than time.
+
+Only ``nn.ModuleList`` / ``nn.Sequential`` containers whose children have the same type and the
+same parameter and buffer shapes and dtypes count as repeated blocks; the model's forward must
+iterate over the container (``for block in self.blocks``), as decoders do.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import pickle
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from zerofx.passes.analyze_schedule import CollectiveRow, ScheduleReport, format_summary, schedule_table, summary_json
+from zerofx.common.limits import AUTO_FOLD_MIN_BLOCKS  # noqa: F401  (re-exported: zerofx.compiler.folding names it)
+from zerofx.common.units import format_bytes
+from zerofx.common.errors import PlanError
+
+log = logging.getLogger("zerofx.compiler.folding")
+
+# AUTO_FOLD_MIN_BLOCKS (zerofx.common.limits, where the command line's help reads it without torch):
+# ``zerofx plan --fold auto`` folds models with at least that many repeated blocks.
+
+
+@dataclass(frozen=True)
+class RepeatedBlocks:
+    """A container of identical blocks inside a model: its module path and length."""
+
+    path: str
+    count: int
+
+
+def _block_signature(block: nn.Module) -> tuple:
+    return (
+        type(block),
+        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()),
+        tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()),
+    )
+
+
+def find_repeated_blocks(model: nn.Module, *, min_count: int = 2) -> RepeatedBlocks | None:
+    """The container of identical blocks holding the most parameters, or None."""
+    best: tuple[int, RepeatedBlocks] | None = None
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < min_count:
+            continue
+        children = list(module)
+        if len({_block_signature(c) for c in children}) != 1:
+            continue
+        numel = sum(p.numel() for p in module.parameters())
+        if numel > 0 and (best is None or numel > best[0]):
+            best = (numel, RepeatedBlocks(path, len(children)))
+    return None if best is None else best[1]
+
+
+def with_num_blocks(model: nn.Module, blocks: RepeatedBlocks, keep: int) -> nn.Module:
+    """A shallow copy of ``model`` whose block container holds only its first ``keep`` blocks.
+
+    The copy shares every parameter and submodule with ``model`` (nothing is allocated, and on
+    the meta device nothing could be); only the modules on the path to the container are copied,
+    so ``model`` itself is left unchanged.
+    """
+    if not 1 <= keep <= blocks.count:
+        raise PlanError(f"keep={keep} blocks is outside 1..{blocks.count}")
+    root = copy.copy(model)
+    root._modules = dict(model._modules)  # copy.copy shares the child dict; detach it
+    parent, original = root, model
+    *parents, leaf = blocks.path.split(".")
+    for name in parents:
+        child = copy.copy(original._modules[name])
+        child._modules = dict(original._modules[name]._modules)
+        parent._modules[name] = child
+        parent, original = child, original._modules[name]
+    container = original._modules[leaf]
+    parent._modules[leaf] = type(container)(*list(container)[:keep]) if isinstance(container, nn.Sequential) else nn.ModuleList(list(container)[:keep])
+    return root
+
+
+# The block counts of the two captures folding extrapolates from (see NOTE [Why linear
+# extrapolation is exact here]).
+FOLD_BLOCKS = (2, 3)
+
+
+def extrapolate(first: float, second: float, count: int) -> float:
+    """The value at ``count`` blocks of a quantity that is ``first`` and ``second`` at the
+    ``FOLD_BLOCKS`` counts."""
+    low, high = FOLD_BLOCKS
+    return first + (count - low) * (second - first) / (high - low)
+
+
+@dataclass(frozen=True)
+class FoldedReport:
+    """Whole-model figures extrapolated from the 2- and 3-block captures, and the 2-block
+    capture's own report, whose rows ``zerofx plan`` prints."""
+
+    blocks: RepeatedBlocks
+    sample: ScheduleReport  # the 2-block capture
+    persistent_bytes: float
+    peak_bytes: float
+    bytes_moved_per_rank: float
+    compute_s: Mapping[str, float]
+    comm_s: float
+    exposed_s: float
+    step_s: float
+    num_collectives: int
+    repeats: Mapping[int, int] = field(default_factory=dict)  # row order -> times it repeats in the whole model
+
+    peak_graph: str = ""
+
+    @property
+    def peak_at(self) -> str:
+        return f"the {self.peak_graph} graph"
+
+
+def _is_block_one(row: CollectiveRow, blocks: RepeatedBlocks) -> bool:
+    prefix = f"{blocks.path}.1." if blocks.path else "1."
+    return bool(row.bucket) and all(f.startswith(prefix) for f in row.bucket)
+
+
+def _graph_points(report: ScheduleReport, graph: str) -> list[int]:
+    return [p.live_bytes for p in report.timeline if p.graph == graph]
+
+
+def _graph_peak(small: ScheduleReport, large: ScheduleReport, graph: str, count: int) -> float:
+    """A graph's peak live bytes at ``count`` blocks: the larger capture's peak (the first with a
+    middle block), grown by what each further block keeps alive, read at the graph's ends,
+    where the nodes of the two captures align."""
+    p1, p2 = _graph_points(small, graph), _graph_points(large, graph)
+    if not p2:
+        return 0.0
+    if not p1:
+        return float(max(p2))
+    per_block = max(p2[0] - p1[0], p2[-1] - p1[-1], 0)
+    return max(p2) + (count - FOLD_BLOCKS[1]) * per_block
+
+
+def fold_reports(small: ScheduleReport, large: ScheduleReport, blocks: RepeatedBlocks) -> FoldedReport:
+    """Fold the reports of the captures with ``FOLD_BLOCKS`` blocks into the whole model's."""
+    n = blocks.count
+
+    def ex(a: float, b: float) -> float:
+        return extrapolate(a, b, n)
+
+    graphs = sorted(set(small.compute_s) | set(large.compute_s))
+    return FoldedReport(
+        blocks=blocks,
+        sample=small,
+        persistent_bytes=ex(small.persistent_bytes, large.persistent_bytes),
+        # Per graph: a decoder's forward and backward peaks grow at different rates per block.
+        peak_bytes=max(_graph_peak(small, large, g, n) for g in {p.graph for p in large.timeline}),
+        bytes_moved_per_rank=ex(small.bytes_moved_per_rank, large.bytes_moved_per_rank),
+        compute_s={g: ex(small.compute_s.get(g, 0.0), large.compute_s.get(g, 0.0)) for g in graphs},
+        comm_s=ex(small.comm_s, large.comm_s),
+        exposed_s=ex(small.exposed_s, large.exposed_s),
+        step_s=ex(small.step_s, large.step_s),
+        num_collectives=round(ex(len(small.rows), len(large.rows))),
+        peak_graph=max({p.graph for p in large.timeline}, key=lambda g: _graph_peak(small, large, g, n)),
+        repeats={r.order: n - 1 for r in small.rows if _is_block_one(r, blocks)},
+    )
+
+
+def plan_folded(
+    model: nn.Module, blocks: RepeatedBlocks, report_for: Callable[[nn.Module], ScheduleReport], *, parallel: bool = False
+) -> FoldedReport:
+    """Plan ``model`` by folding: ``report_for`` captures, plans and reports a (cut) model.
+
+    With ``parallel``, the 2-block capture runs in a forked child while this process plans the
+    3-block one (NOTE [Planning the two captures in parallel])."""
+    low, high = FOLD_BLOCKS
+    if blocks.count < high:
+        raise PlanError(f"folding needs at least {high} repeated blocks, {blocks.path!r} has {blocks.count}")
+    small_cut = with_num_blocks(model, blocks, low)
+    # Fork only a meta model: one with real weights may have run OpenMP kernels, whose thread
+    # pool does not survive a fork.
+    on_meta = all(p.is_meta for p in model.parameters())
+    pending_small = _in_forked_child(report_for, small_cut) if parallel and on_meta else None
+    large = report_for(with_num_blocks(model, blocks, high))
+    small = pending_small() if pending_small is not None else report_for(small_cut)
+    return fold_reports(small, large, blocks)
+
+
+# NOTE [Planning the two captures in parallel]
+# The two captures are independent and each is single-threaded Python (tracing, partitioning),
+# so on a machine with two cores or more ``zerofx plan`` runs the 2-block one in a child
+# process made by fork: it inherits the imported torch and the meta model for free, where a
+# spawned process would pay the 6 s import again. The child pickles its ScheduleReport (plain
+# dataclasses) through a pipe. Only a model on the meta device is forked: nothing has run a
+# parallel ATen kernel then, so no OpenMP pool is copied half-alive. If the child fails
+# or dies, the parent plans the 2-block model itself: the answer never depends on the fork.
+def _in_forked_child(fn: Callable[[nn.Module], ScheduleReport], arg: nn.Module) -> Callable[[], ScheduleReport]:
+    if not hasattr(os, "fork") or (os.cpu_count() or 1) < 2:
+        return lambda: fn(arg)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, send, and leave without running the parent's atexit hooks
+        status = 1
+        try:  # whatever happens, the child must never return into the parent's code
+            os.close(read_fd)
+            payload = pickle.dumps(fn(arg))
+            with os.fdopen(write_fd, "wb") as out:
+                out.write(payload)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_fd)
+
+    def result() -> ScheduleReport:
+        with os.fdopen(read_fd, "rb") as pipe:
+            payload = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        if status != 0 or not payload:
+            log.info("the forked 2-block capture failed (wait status %d); planning it in this process", status)
+            return fn(arg)
+        return pickle.loads(payload)
+
+    return result
+
+
+def format_folded(report: FoldedReport, *, budget_bytes: float | None = None, verbose: bool = False, step_note: str = "") -> str:
+    """The 2-block capture's schedule, with how often each row repeats in the whole model, then
+    the whole model's memory and summary (extrapolated); as ``format_report``, with the same
+    ``verbose`` and ``step_note``."""
+    b = report.blocks
+    lines = [
+        f"communication schedule of the 2-block copy (one row per collective, in issue order; sizes per rank, times in ms, "
+        f"estimated{'' if verbose else '; --verbose adds the FX node names'}). Rows marked x{b.count - 1} are block 1's: "
+        f"blocks 1..{b.count - 1} each issue them; the whole model issues {report.num_collectives} collectives.",
+        schedule_table(report.sample.rows, verbose=verbose, repeats=report.repeats),
+        "",
+        f"memory per rank ({b.count} blocks, extrapolated): persistent model state {format_bytes(report.persistent_bytes)}, "
+        f"peak {format_bytes(report.peak_bytes)} in {report.peak_at}",
+    ]
+    if budget_bytes is not None:
+        verdict = "fits" if report.peak_bytes <= budget_bytes else "does NOT fit"
+        lines.append(f"budget {format_bytes(budget_bytes)}: {verdict}")
+    lines.append(format_summary(report, f"summary ({b.count} blocks, extrapolated)", step_note=step_note))
+    return "\n".join(lines)
+
+
+def folded_json(report: FoldedReport, plan_json: Mapping, budget_bytes: float | None) -> dict:
+    """The same keys as an unfolded ``zerofx plan --format json``, plus ``folded``."""
+    b = report.blocks
+    return {
+        "folded": {"path": b.path, "num_blocks": b.count, "captured_blocks": list(FOLD_BLOCKS), "num_collectives": report.num_collectives},
+        "plan": plan_json,  # of the 3-block capture (zerofx plan prints that one)
+        "schedule": [{**r.__dict__, "repeats": report.repeats.get(r.order, 1)} for r in report.sample.rows],
+        "memory": {
+            "persistent_bytes": report.persistent_bytes,
+            "peak_bytes": report.peak_bytes,
+            "peak_at": report.peak_at,
+            "budget_bytes": budget_bytes,
+            "fits": None if budget_bytes is None else report.peak_bytes <= budget_bytes,
+        },
+        "summary": summary_json(report),
+    }

@@ -1,0 +1,290 @@
+"""The compile spine: every stage of a compile, in order, each through one runner.
+
+NOTE [The compile spine]
+A training step becomes the graph modules one rank runs in seven stages. Each runs through
+``run_stage`` (its time logged, a failure that is not already a ``ZeroFXError`` raised as
+``CompileStageError`` naming the stage and those that ran), and each rewrite within a stage
+through ``run_passes`` (the same, per pass, plus a lint of the graph it returns and a
+``disabled`` switch by pass name):
+
+    stage          what it does                                         plan it reads
+    capture        the step recorded before autograd (make_fx,          -
+                   pre-dispatch: linear, SDPA, cross_entropy whole)
+    pre_autograd   sequence_parallel_pass, then tile_forward_pass       SequenceParallelPlan, TilingPlan
+    autograd       AOTAutograd's joint graph of the rewritten forward   -
+    joint          tile_weights_pass, shard_params_pass,                Plan
+                   reduce_grads_pass
+    partition      partition_joint: forward and backward                -
+    graph          prefetch_gathers_pass, sink_reduce_waits_pass,       Plan (its param_offload, offload_grads)
+                   fetch_params_pass, offload_grads_pass,
+                   gather_into_buffers_pass (last: NOTE [gloo's completion race])
+    sync           grad_sync (stage 1), param_sync (stages 1-2),        Plan
+                   each through gather_into_buffers_pass
+
+The first three are ``StepCapture`` (a ``CapturedStep``); the planners run between them
+(``plan_sequence_parallel`` and ``plan_tiling`` on the recorded forward, before its rewrite) and
+after (``zerofx.compiler.program.plan_program``: sharding, buckets, prefetch, shard groups,
+offload), and their ``Plan`` is the one input of the last four (``lower``). A step with neither
+sequence parallelism nor tiling skips the first two: AOTAutograd traces the model's call itself.
+Reading this file top to bottom gives the order; a new rewrite is a line in one of the pass
+lists below.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from zerofx.common.errors import CaptureError, CompileStageError, SequenceParallelError, ZeroFXError
+from zerofx.compiler.capture import CapturedStep, LossFn, StepTracer, TensorInfo
+from zerofx.passes import Plan, _compat, build_param_sync, meta, partition_joint, reduce_grads_pass, shard_params_pass
+from zerofx.passes.fetch_params import fetch_params_pass
+from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
+from zerofx.passes.grad_sync import build_grad_sync
+from zerofx.passes.offload_grads import offload_grads_pass
+from zerofx.passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
+from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
+from zerofx.passes.sequence_parallel import SequenceParallelPlan, SequenceParallelSpec, plan_sequence_parallel, sequence_parallel_pass
+from zerofx.passes.tile_forward import tile_forward_pass
+from zerofx.passes.tile_weights import tile_weights_pass
+
+log = logging.getLogger("zerofx.compiler.pipeline")
+
+STAGES = ("capture", "pre_autograd", "autograd", "joint", "partition", "graph", "sync")
+
+Pass = Callable[[fx.GraphModule], fx.GraphModule]
+Result = TypeVar("Result")
+
+
+# ----------------------------------------------------------------------------- the runner
+def run_stage(stage: str, fn: Callable[..., Result], *args: Any, done: Sequence[str] = (), **kwargs: Any) -> Result:
+    """Run stage ``stage`` of the spine: ``fn(*args, **kwargs)``, timed. A ``ZeroFXError`` (bad
+    input, named already) passes through; any other failure becomes ``CompileStageError``
+    naming the stage and the stages ``done`` before it."""
+    assert stage in STAGES, f"{stage!r} is not a stage of the spine {STAGES}"
+    start = time.perf_counter()
+    try:
+        result = fn(*args, **kwargs)
+    except ZeroFXError:
+        raise
+    except Exception as exc:
+        raise CompileStageError(f"compile stage {stage} failed (after {list(done) or 'no stages'}): {type(exc).__name__}: {exc}") from exc
+    log.debug("stage %s: %.3fs", stage, time.perf_counter() - start)
+    return result
+
+
+def run_passes(gm: fx.GraphModule, passes: Sequence[tuple[str, Pass]], *, disabled: Sequence[str] = ()) -> fx.GraphModule:
+    """Apply ``passes`` in order: check each returns a linted GraphModule, log its time and the
+    change in op count. A ``ZeroFXError`` passes through; any other failure becomes
+    ``CompileStageError`` naming the pass and the passes that already ran."""
+    done: list[str] = []
+    for name, fn in passes:
+        if name in disabled:
+            continue
+        before = len(gm.graph.nodes)
+        start = time.perf_counter()
+        try:
+            result = fn(gm)
+        except ZeroFXError:
+            raise
+        except Exception as exc:
+            raise CompileStageError(f"pass {name} failed (after {done or 'no passes'}): {exc}") from exc
+        assert isinstance(result, fx.GraphModule), f"pass {name} returned {type(result).__name__}, not a GraphModule"
+        result.graph.lint()
+        log.debug("%s: %.3fs, %+d nodes", name, time.perf_counter() - start, len(result.graph.nodes) - before)
+        gm = result
+        done.append(name)
+    return gm
+
+
+# ----------------------------------------------------------------------------- the pass lists
+def sequence_passes(plan: SequenceParallelPlan) -> list[tuple[str, Pass]]:
+    """Pre-autograd, first: the forward rewritten to run this rank's slice of the sequence
+    (NOTE [Sequence parallelism as a rewrite] in passes/sequence_parallel.py)."""
+    return [("sequence_parallel_pass", functools.partial(sequence_parallel_pass, plan=plan))]
+
+
+def tiling_passes(plan: TilingPlan) -> list[tuple[str, Pass]]:
+    """Pre-autograd, second: the forward tiled along the sequence (NOTE [Tiling before autograd])."""
+    return [("tile_forward_pass", functools.partial(tile_forward_pass, plan=plan))]
+
+
+def joint_passes(plan: Plan, *, group_name: str, replicate_group_name: str | None = None) -> list[tuple[str, Pass]]:
+    """The rewrites applied to the captured joint graph, in order. ``group_name`` is the shard
+    group's (the world's when sharding is flat), ``replicate_group_name`` the group across shard
+    groups (NOTE [Shard groups of consecutive ranks])."""
+    return [
+        ("tile_weights_pass", functools.partial(tile_weights_pass, plan=plan, group_name=group_name)),
+        ("shard_params_pass", functools.partial(shard_params_pass, plan=plan, group_name=group_name)),
+        ("reduce_grads_pass", functools.partial(reduce_grads_pass, plan=plan, group_name=group_name,
+                                                replicate_group_name=replicate_group_name)),
+    ]
+
+
+def graph_passes(plan: Plan, *, backward: bool = False) -> list[tuple[str, Pass]]:
+    """The rewrites applied to each partitioned forward and backward graph, in order. The
+    fetches of offloaded shards go in last: they follow the gathers wherever prefetch put them.
+    With ``plan.offload_grads`` the backward hands each reduced shard off right after its
+    bucket's wait, wherever ``sink_reduce_waits_pass`` put it."""
+    passes: list[tuple[str, Pass]] = [
+        ("prefetch_gathers_pass", functools.partial(prefetch_gathers_pass, plan=plan)),
+        ("sink_reduce_waits_pass", functools.partial(sink_reduce_waits_pass, plan=plan)),
+    ]
+    if plan.param_offload is not None:
+        passes.append(("fetch_params_pass", functools.partial(fetch_params_pass, plan=plan.param_offload)))
+    if backward and plan.offload_grads:
+        passes.append(("offload_grads_pass", functools.partial(offload_grads_pass, plan=plan)))
+    passes.append(("gather_into_buffers_pass", gather_into_buffers_pass))
+    return passes
+
+
+SYNC_PASSES: list[tuple[str, Pass]] = [("gather_into_buffers_pass", gather_into_buffers_pass)]
+
+
+# ----------------------------------------------------------------------------- stages 1-3
+class StepCapture:
+    """Stages capture, pre_autograd and autograd for one model call, repeatable with other
+    tiling options: ``capture(tiling)`` is the ``CapturedStep``.
+
+    NOTE [One forward record per capture search]
+    ``zerofx.tiling.enabled: "auto"`` captures the step with several tiling options (NOTE
+    [Tiling checked against the memory timeline] in zerofx/compiler/search.py). What comes before tiling
+    is the same for all of them: the fake inputs, the forward recorded before autograd, its
+    sequence-parallel rewrite. It is made once, on the first call that needs it, and each call
+    tiles a copy (``tile_forward_pass`` rewrites in place). The tiling plan is a function of that
+    forward and the options alone, so ``tiling_plan(options)`` answers without a capture, and
+    callers can skip options whose plan they have already captured.
+    """
+
+    def __init__(self, model: nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None = None, *,
+                 loss_fn: LossFn | None = None, param_infos: Sequence[TensorInfo] | None = None,
+                 device: torch.device | str | None = None, compute_dtype: torch.dtype | None = None,
+                 sequence_parallel: SequenceParallelSpec | None = None, disabled: Sequence[str] = ()) -> None:
+        self.tracer = StepTracer(model, example_args, example_kwargs, loss_fn=loss_fn, param_infos=param_infos, device=device,
+                                 compute_dtype=compute_dtype)
+        self.sequence_parallel = sequence_parallel if sequence_parallel is not None and sequence_parallel.size > 1 else None
+        self.disabled = tuple(disabled)
+        self._forward: tuple[fx.GraphModule, SequenceParallelPlan | None] | None = None
+
+    def sequence_forward(self) -> tuple[fx.GraphModule, SequenceParallelPlan | None]:
+        """Stage capture and the first rewrite of pre_autograd: the recorded forward, rewritten
+        for sequence parallelism when asked, and its plan; made once. Autograd derives the
+        backward of the rewritten forward, the exchanges included.
+
+        NOTE [Tiling a sequence-parallel forward]
+        With ``tiling`` too, the tiling planner reads the sequence-parallel forward, not the whole
+        one: each rank's activations are those of its T/S positions, so the plan is made for that
+        length (``plan_tiling(..., seq_len=T/S)``) and tiles the rank's own slice. The rewrite cuts
+        every source of the axis with one ``index_select`` by the rank's positions; the sequence
+        analysis takes such a cut of T/S positions as a source and a gather by token-wise positions
+        as token-wise (NOTE [Sequence dimension propagation] in passes/seq_regions.py), so regions
+        start at the cut inputs. The all-to-alls and the ring op read positions across the slice and
+        are barriers, as attention is. The rewrite marks each attention's output, the rank's slice
+        again (``meta.SEQUENCE_DIM`` through ``_compat.annotate``), and the analysis starts the
+        next region there, as it does after an SDPA. Ulysses' attention (the whole sequence for H/S
+        heads) is tiled like any SDPA, the ring op is already blockwise, and in fp32 the loss is one
+        summed ``cross_entropy`` of the rank's positions, which tiling chunks as it does without
+        sequence parallelism (in bf16 and fp16 it is per-token losses summed in fp32, left whole).
+        """
+        if self._forward is None:
+            forward = run_stage("capture", self.tracer.record)
+            sp_plan = None
+            if self.sequence_parallel is not None:
+                try:
+                    sp_plan = plan_sequence_parallel(forward, self.sequence_parallel)
+                except SequenceParallelError as exc:
+                    raise CaptureError(f"cannot run {self.tracer.model_name} sequence-parallel: {exc}") from exc
+                forward = run_stage("pre_autograd", run_passes, forward, sequence_passes(sp_plan), disabled=self.disabled,
+                                    done=("capture",))
+            self._forward = forward, sp_plan
+        return self._forward
+
+    def tiling_plan(self, tiling: TilingOptions | None) -> TilingPlan | None:
+        """The tiling plan a capture with ``tiling`` would use, without capturing."""
+        if tiling is None or tiling.enabled is False:
+            return None
+        forward, sp_plan = self.sequence_forward()
+        return plan_tiling(forward, tiling, seq_len=None if sp_plan is None else sp_plan.local_len)
+
+    def __call__(self, tiling: TilingOptions | None = None) -> CapturedStep:
+        """The joint graph, with the forward tiled by ``tiling`` (None: not tiled).
+
+        NOTE [Tiling before autograd]
+        The step is recorded before autograd (``make_fx(pre_dispatch=True)``, where
+        ``aten.linear``, SDPA and ``cross_entropy_loss`` are still whole), ``plan_tiling``
+        decides and ``tile_forward_pass`` rewrites it. AOTAutograd then traces the rewritten
+        graph through an ``fx.Interpreter`` under ``preserve_node_meta``, so the backward is
+        derived by autograd, not written by hand, and the per-chunk ``recompute`` tags reach
+        the joint graph."""
+        tiling_plan = self.tiling_plan(tiling)
+        if self.sequence_parallel is None and tiling_plan is None:
+            return run_stage("autograd", self.tracer.differentiate)
+        forward, sp_plan = self.sequence_forward()
+        if tiling_plan is not None and tiling_plan.ops:
+            forward = run_stage("pre_autograd", run_passes, meta.clone_graph_module(forward), tiling_passes(tiling_plan),
+                                disabled=self.disabled, done=("capture",))
+        captured = run_stage("autograd", self.tracer.differentiate, forward, done=("capture", "pre_autograd"))
+        return replace(captured, tiling=tiling_plan, sequence_parallel=sp_plan)
+
+
+def capture_step(model: nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None = None, *,
+                 tiling: TilingOptions | None = None, **options: Any) -> CapturedStep:
+    """Trace ``model``'s forward, loss and backward on fake tensors into one joint graph (stages
+    capture to autograd of NOTE [The compile spine]).
+
+    The parameters' shapes, dtypes and ``requires_grad`` come from ``param_infos`` when given
+    (the engine passes them once it has taken the parameters' memory), else from the model.
+    With ``compute_dtype`` (mixed precision), floating parameters and buffers are traced in it.
+    Fake tensors live on ``device`` (default: the parameters' device, CPU for meta).
+    With ``tiling`` (see NOTE [Tiling before autograd]), the forward is first recorded before
+    autograd, planned and tiled along the sequence, and the joint graph is traced from that.
+    With ``sequence_parallel`` (size > 1) the forward is recorded before autograd the same way
+    and rewritten to run this rank's slice of the sequence (NOTE [Sequence parallelism as a
+    rewrite] in passes/sequence_parallel.py).
+
+    ``options`` are ``StepCapture``'s: ``loss_fn``, ``param_infos``, ``device``,
+    ``compute_dtype``, ``sequence_parallel``.
+    """
+    return StepCapture(model, example_args, example_kwargs, **options)(tiling)
+
+
+# ----------------------------------------------------------------------------- stages 4-7
+def lower(joint: fx.GraphModule, plan: Plan, *, group_name: str, disabled: Sequence[str] = (),
+          replicate_group_name: str | None = None) -> dict[str, fx.GraphModule]:
+    """Stages joint, partition, graph and sync: rewrite a copy of the captured joint graph for
+    ``plan`` (its shard placement, offload and gradient hand-off included) and split it into
+    the graph modules one rank runs. ``joint`` itself is left alone."""
+    rewritten = run_stage("joint", run_passes, meta.clone_graph_module(joint),
+                          joint_passes(plan, group_name=group_name, replicate_group_name=replicate_group_name), disabled=disabled)
+    with _compat.lazy_graph_modules():  # NOTE [Code written on first use] in passes/_compat.py
+        forward, backward = run_stage("partition", partition_joint, rewritten, done=("joint",))
+    done = ("joint", "partition")
+    modules = {
+        "forward": run_stage("graph", run_passes, forward, graph_passes(plan), disabled=disabled, done=done),
+        "backward": run_stage("graph", run_passes, backward, graph_passes(plan, backward=True), disabled=disabled, done=done),
+    }
+    modules.update(run_stage("sync", sync_graphs, plan, group_name=group_name, replicate_group_name=replicate_group_name,
+                             disabled=disabled, done=(*done, "graph")))
+    return modules
+
+
+def sync_graphs(plan: Plan, *, group_name: str, replicate_group_name: str | None = None,
+                disabled: Sequence[str] = ()) -> dict[str, fx.GraphModule]:
+    """The graphs built from the plan alone: ``grad_sync`` (stage 1: NOTE [Stages 1 and 2 move 2
+    Psi]) and ``param_sync`` (stages 1 and 2), where the stage has them."""
+    modules = {}
+    grad_sync = build_grad_sync(plan, group_name=group_name, replicate_group_name=replicate_group_name)
+    if grad_sync is not None:
+        modules["grad_sync"] = run_passes(grad_sync, SYNC_PASSES, disabled=disabled)
+    param_sync = build_param_sync(plan, group_name=group_name)
+    if param_sync is not None:
+        modules["param_sync"] = run_passes(param_sync, SYNC_PASSES, disabled=disabled)
+    return modules

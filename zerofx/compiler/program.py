@@ -1,0 +1,495 @@
+"""``zerofx.compile``: plan a model for one world size, and capture and lower it, without running it.
+
+Planning needs no process group and no parameter memory: the sharding plan needs only the
+parameters' shapes, and capture runs on fake tensors, so a model built on the meta device plans
+for world size 8 or 1024 on a laptop. The graphs come from example inputs, given to ``compile``
+or later (NOTE [Capture on first need]).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from zerofx.cost_models.comm import CPU_GLOO, CommSpec
+from zerofx.cost_models.compute import CPU_CORE, DeviceSpec
+from zerofx.cost_models.memory import device_model_state_bytes, optimizer_kind
+from zerofx.cost_models.profiles import load_profile
+from zerofx.passes import Plan, ZeroStage, _compat, plan_sharding
+from zerofx.passes.analyze_schedule import ScheduleReport, analyze_schedule
+from zerofx.passes.plan import ScheduleOptions
+from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
+from zerofx.passes.plan_sharding import plan_sharding_from_shapes
+from zerofx.passes.plan_tiling import TilingOptions, TilingPlan
+from zerofx.passes.sequence_parallel import SequenceParallelSpec
+from zerofx.compiler.capture import CapturedStep, LossFn, flatten_call, traced_param_infos
+from zerofx.config import ZeroConfig, check_shard_group_size, parse_config
+from zerofx.config.options import GraphCompiler
+from zerofx.common.errors import MissingExampleInputsError, ZeroFXError
+from zerofx.common.limits import MAX_WORLD_SIZE
+from zerofx.compiler.pipeline import StepCapture, lower
+from zerofx.compiler.search import fit_prefetch, fit_tiling
+
+# The group name planned graphs carry when no process group exists; the engine lowers again
+# with the real group's name.
+PLANNING_GROUP = "zerofx_planning_group"
+# The group across shard groups that planned graphs carry (NOTE [Shard groups of consecutive ranks]).
+PLANNING_REPLICATE_GROUP = "zerofx_planning_replicate"
+
+
+@dataclass(frozen=True)
+class Source:
+    """What ``zerofx.compile`` was given, to capture from once example inputs come."""
+
+    model: nn.Module
+    cfg: ZeroConfig
+    loss_fn: LossFn | None
+
+
+class Program:
+    """A planned training step for one world size and stage, with its graphs captured and
+    lowered once example inputs are known (NOTE [Capture on first need])."""
+
+    def __init__(self, captured: CapturedStep | None, plan: Plan, *, group_name: str = PLANNING_GROUP,
+                 source: Source | None = None, plan_waits_for: str | None = None,
+                 replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> None:
+        assert captured is not None or source is not None, "a program captures, or has what to capture from"
+        self._captured = captured
+        self._plan = plan
+        self._source = source  # what zerofx.compile was given; None for a program planned from a capture (the engine's)
+        self._plan_waits_for = plan_waits_for  # why the plan itself needs the capture, when it does
+        self.group_name = group_name  # the shard group's (the world's when sharding is flat)
+        self.replicate_group_name = replicate_group_name  # across shard groups; unused when flat
+        self._modules: dict[str, fx.GraphModule] | None = None
+        self._runners: dict[tuple[int, str], Callable[[list[torch.Tensor]], Any]] = {}
+        self.compiled_graphs: set[str] = set()  # names of the graphs Inductor compiled
+        self.compile_s = 0.0  # seconds spent compiling this program's graphs (GraphCompiler.INDUCTOR)
+        # Seconds per setup phase, measured where each runs: "capture" and "plan" by
+        # capture_and_plan, "lower" by graph_modules the first time it lowers.
+        self.setup_times: dict[str, float] = {}
+        self.cache_entry: Path | None = None  # the plan-cache file this program was loaded from or written to
+
+    @classmethod
+    def from_lowered(cls, captured: CapturedStep, plan: Plan, modules: Mapping[str, fx.GraphModule], **options: Any) -> Program:
+        """A program whose graphs were lowered already (``zerofx.compiler.plan_cache`` loads them);
+        ``options`` are ``__init__``'s keyword arguments (the group names)."""
+        program = cls(captured, plan, **options)
+        program._modules = dict(modules)
+        return program
+
+    @property
+    def plan(self) -> Plan:
+        """The sharding plan. Without a capture it is planned from the parameters' shapes (NOTE [A
+        plan from shapes alone] in passes/plan_sharding.py), unless the config chooses from the
+        memory timeline (``zerofx.memory_budget``, ``zerofx.tiling``): then it needs the capture."""
+        if self._captured is None and self._plan_waits_for is not None:
+            raise MissingExampleInputsError(self._needs_inputs(f"program.plan ({self._plan_waits_for})"))
+        return self._plan
+
+    @property
+    def param_offload(self) -> ParamOffloadPlan | None:
+        """Stage 3 with offload_param: which shards live off the device and which graphs fetch them."""
+        return self._plan.param_offload
+
+    @property
+    def offload_grads(self) -> bool:
+        """Stages 2-3 with zerofx.offload_gradients: the backward hands each reduced shard off at
+        its bucket's wait (NOTE [Gradients leave at their bucket's wait] in passes/offload_grads.py)."""
+        return self._plan.offload_grads
+
+    @property
+    def captured(self) -> CapturedStep:
+        """The captured training step (joint graph, parameters, buffers, inputs)."""
+        return self._require_capture("program.captured")
+
+    @property
+    def world_size(self) -> int:
+        return self._plan.world_size
+
+    @property
+    def stage(self) -> ZeroStage:
+        return self._plan.stage
+
+    def _check_rank(self, rank: int) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ZeroFXError(f"rank={rank!r} is outside this program's world size {self.world_size}; accepted: 0..{self.world_size - 1}")
+
+    def _needs_inputs(self, what: str) -> str:
+        return (f"{what} needs the captured graphs, and {self!r} was compiled without example inputs; pass example_inputs "
+                "(and example_kwargs) to zerofx.compile, or to program.graph_modules(rank, example_inputs=..., example_kwargs=...)")
+
+    def _require_capture(self, what: str) -> CapturedStep:
+        if self._captured is None:
+            raise MissingExampleInputsError(self._needs_inputs(what))
+        return self._captured
+
+    def _take_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> None:
+        """Capture, plan and lower from these inputs if not done yet; else check they are the
+        inputs the graphs were captured for."""
+        if self._source is None:
+            raise ZeroFXError("this program was planned from a captured step (the engine's); its graphs come from that capture, "
+                              "so it takes no example_inputs")
+        source = self._source
+        if self._captured is None:
+            captured = capture_and_plan(
+                StepCapture(source.model, args, kwargs, loss_fn=source.loss_fn, compute_dtype=source.cfg.compute_dtype,
+                            sequence_parallel=planning_sequence_parallel(source.cfg, self.world_size)),
+                source.cfg, self.world_size, group_name=self.group_name, param_offload=self.param_offload,
+                replicate_group_name=self.replicate_group_name,
+            )
+            self._captured, self._plan, self._modules = captured._captured, captured._plan, captured._modules
+            self.setup_times = dict(captured.setup_times)
+            return
+        flatten_call(self._captured, source.model, args, kwargs or {}, source.loss_fn)  # InputMismatchError if not theirs
+
+    def graph_modules(self, rank: int, *, example_inputs: Sequence[Any] | None = None,
+                      example_kwargs: Mapping[str, Any] | None = None) -> dict[str, fx.GraphModule]:
+        """The graph modules rank ``rank`` runs: ``forward``, ``backward`` and, at stages 1 and 2,
+        ``param_sync`` (the all-gather of updated shards after the optimizer step), and at
+        stage 1 ``grad_sync`` (the reduce-scatter of the accumulated gradients before it).
+
+        A program compiled without example inputs captures from the first ones given here
+        (positional arguments, and keyword arguments such as ``labels``); later ones must match.
+        Every rank's shard has the same padded size, so the graphs are the same on every rank:
+        which slice of each parameter a rank holds is decided by its rank in the collectives.
+        """
+        self._check_rank(rank)
+        if example_inputs is not None or example_kwargs is not None:
+            self._take_inputs(check_example_inputs(example_inputs), example_kwargs)
+        if self._modules is None:
+            joint = self._require_capture("program.graph_modules(rank)").joint
+            start = time.perf_counter()
+            self._modules = lower(joint, self._plan, group_name=self.group_name, replicate_group_name=self.replicate_group_name)
+            self.setup_times["lower"] = time.perf_counter() - start
+        return dict(self._modules)
+
+    def run(self, rank: int, name: str, args_list: list[torch.Tensor], compiler: GraphCompiler) -> Any:
+        """Run graph ``name`` of rank ``rank`` on ``args_list``, which it empties (NOTE [Boxed
+        graphs]). With ``GraphCompiler.INDUCTOR`` the graph is compiled by Inductor for inputs
+        like these on the first call and cached; ``grad_sync`` and ``param_sync`` (collectives
+        and copies) never are."""
+        key = (rank, name)
+        if key not in self._runners:
+            self._runners[key] = self._runner(rank, name, args_list, compiler)
+        return self._runners[key](args_list)
+
+    def _runner(self, rank: int, name: str, example: list[torch.Tensor], compiler: GraphCompiler) -> Callable[[list[torch.Tensor]], Any]:
+        gm = self.graph_modules(rank)[name]
+        if compiler is GraphCompiler.NONE or name in ("grad_sync", "param_sync"):
+            boxed = _compat.boxed_graph_module(gm)
+            if boxed is not None:
+                return boxed
+            return lambda args_list: gm(*_take(args_list))
+        start = time.perf_counter()
+        compiled = _compat.inductor_compile(gm, list(example))
+        self.compile_s += time.perf_counter() - start
+        self.compiled_graphs.add(name)
+        return lambda args_list: compiled(*_take(args_list))
+
+    def with_decision(self, why: str) -> Program:
+        """This program with ``why`` added to its plan's decision notes. A note changes no graph,
+        so the copy keeps the graphs already lowered rather than lowering them again."""
+        program = Program(self._captured, replace(self._plan, decisions=(*self._plan.decisions, why)), group_name=self.group_name,
+                          source=self._source, plan_waits_for=self._plan_waits_for, replicate_group_name=self.replicate_group_name)
+        program._modules = self._modules
+        program.setup_times = dict(self.setup_times)
+        return program
+
+    def replan(self, config: str | Path | Mapping[str, Any] | None = None, *, world_size: int | None = None,
+               stage: int | None = None) -> Program:
+        """This program's captured step planned again, as ``zerofx.compile`` would plan it for
+        ``world_size``, ``stage`` and ``config``, without capturing again (NOTE [Planning again
+        from one capture]). What is not given stays this program's: without ``config`` its config
+        (``stage=`` then replaces the config's stage), and the stage and world size where the
+        config sets neither."""
+        source = self._source
+        if source is None:
+            raise ZeroFXError("this program was planned from a captured step (the engine's); replan a program from zerofx.compile")
+        captured = self._require_capture("program.replan()")
+        chosen = source.cfg.raw if config is None else config
+        if config is None and stage is not None:  # this program's config at another stage
+            chosen = {**chosen, "zero_optimization": {k: v for k, v in chosen.get("zero_optimization", {}).items() if k != "stage"}}
+        alone = parse_config(chosen)  # what the config fixes by itself; the rest stays this program's
+        cfg = resolve(chosen, stage=stage if stage is not None or alone.stage is not None else int(self.stage),
+                      world_size=world_size if world_size is not None or alone.world_size is not None else self.world_size)
+        if cfg.world_size is None:
+            raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
+        # NOTE [Planning again from one capture]
+        # The captured joint graph depends on the inputs, the compute dtype, the tiling chosen at
+        # capture and the sequence-parallel rewrite (its group names carry the world size); the
+        # plan (stage, world size, buckets, prefetch, shard groups, offload, profile) is read
+        # from the graph without changing it. So a new plan reuses the capture only when those
+        # capture-time settings are equal; otherwise replan refuses, naming the setting.
+        for what, old, new in (("the compute dtype (bf16/fp16)", source.cfg.compute_dtype, cfg.compute_dtype),
+                               ("zerofx.tiling", _tiling_at_capture(source.cfg), _tiling_at_capture(cfg)),
+                               ("zerofx.sequence_parallel (with the world size)", planning_sequence_parallel(source.cfg, self.world_size),
+                                planning_sequence_parallel(cfg, cfg.world_size))):
+            if old != new:
+                raise ZeroFXError(f"program.replan cannot change {what}: the captured graphs depend on it "
+                                  f"({old} here, {new} asked); call zerofx.compile for a new capture")
+        start = time.perf_counter()
+        program = plan_program(captured, cfg, cfg.world_size, group_name=self.group_name,
+                               replicate_group_name=self.replicate_group_name)
+        program._source = Source(source.model, cfg, source.loss_fn)
+        program.setup_times = {"plan": time.perf_counter() - start}
+        return program
+
+    def report(self, rank: int, *, comm: CommSpec = CPU_GLOO, device: DeviceSpec = CPU_CORE) -> ScheduleReport:
+        """The estimated schedule of rank ``rank``: one row per collective (where it is issued and
+        waited for, the compute it overlaps, its time), the memory timeline and its peak, and the
+        estimated step time with the communication left exposed. ``str(format_report(...))``
+        prints it."""
+        self._require_capture("program.report(rank) (the schedule, step time and memory timeline)")
+        return analyze_schedule(self.graph_modules(rank), self.plan, comm=comm, device=device)
+
+    def memory(self, rank: int) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer states rank ``rank`` holds between steps:
+        a function of the parameters' shapes, so known before any capture."""
+        self._check_rank(rank)
+        return dict(self._plan.estimates)
+
+    def __repr__(self) -> str:
+        model_class = self._captured.model_class if self._captured is not None else type(self._source.model).__qualname__
+        return f"Program({model_class}, stage={int(self.stage)}, world_size={self.world_size})"
+
+
+# NOTE [Capture on first need]
+# The sharding plan and the bytes per rank are functions of the parameters, so
+# ``zerofx.compile`` plans from them at once (``plan_sharding_from_shapes``) and keeps what
+# it was given (``Source``). The graphs need example inputs; as ``torch.compile`` captures on
+# its first call, a program captures, plans from the graph and lowers the first time example
+# inputs reach it (``compile(example_inputs=...)`` or ``graph_modules(rank, example_inputs=...)``)
+# and keeps the result: the captured plan replaces the shapes-only one (the same placements and
+# bytes; buckets and their order from the graph). Later example inputs must match those. Before
+# that, what needs the graphs (``graph_modules``, ``report``, ``captured``, and ``plan`` itself
+# where ``zerofx.memory_budget`` or ``zerofx.tiling`` chooses from the memory timeline) raises
+# ``MissingExampleInputsError`` naming both ways to give them.
+
+
+# NOTE [Boxed graphs]
+# The engine hands each graph its inputs in a list the graph empties, and the graph's Python
+# drops each input right after its last use. For the backward graph the inputs are the tensors
+# the forward saved: called the usual way, the caller's argument tuple kept every one of them
+# alive until the whole backward returned; boxed, each is freed as soon as the backward is done
+# with it, as eager autograd frees saved tensors node by node. AOTAutograd calls its compiled
+# graphs the same way (make_boxed_func); FX's own boxed codegen is private, hence ours in
+# passes/_compat.py. Inductor-compiled graphs are called unboxed: its entry point takes
+# positional inputs, so there the caller's copy lives to the end.
+def _take(args_list: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The list's items, leaving it empty (the boxed convention, for callables that are not)."""
+    items = list(args_list)
+    args_list.clear()
+    return items
+
+
+def check_stage(stage: Any) -> ZeroStage:
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        raise ZeroFXError(f"stage={stage!r} is not a ZeRO stage; accepted: 0, 1, 2 or 3")
+    return ZeroStage(stage)
+
+
+# MAX_WORLD_SIZE (zerofx.common.limits): the largest world size planned.
+
+
+def check_world_size(world_size: Any) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ZeroFXError(f"world_size={world_size!r} is invalid; accepted: an integer in 1..{MAX_WORLD_SIZE}")
+    return world_size
+
+
+def check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
+    if example_inputs is None:
+        raise ZeroFXError(
+            "example_inputs is missing; pass a tuple of the model's positional arguments, e.g. example_inputs=(input_ids,)"
+        )
+    if not isinstance(example_inputs, Sequence) or isinstance(example_inputs, (str, bytes)):
+        raise ZeroFXError(
+            f"example_inputs must be a tuple of the model's positional arguments, got {type(example_inputs).__name__}"
+        )
+    return tuple(example_inputs)
+
+
+def resolve(config: str | Path | Mapping[str, Any] | None, *, stage: int | None, world_size: int | None) -> ZeroConfig:
+    """Validate the arguments and the config together; both must be present between them."""
+    if stage is not None:
+        check_stage(stage)
+    if world_size is not None:
+        check_world_size(world_size)
+    cfg = parse_config(config, stage=stage, world_size=world_size)
+    if cfg.stage is None:
+        raise ZeroFXError("no ZeRO stage given; pass stage= (0, 1, 2 or 3) or set zero_optimization.stage in the config")
+    return cfg
+
+
+def _planner_args(cfg: ZeroConfig) -> tuple[ZeroStage, str, ScheduleOptions]:
+    """The stage, optimizer kind and schedule options both planners take from the config."""
+    return ZeroStage(cfg.stage), optimizer_kind(cfg.optimizer.type, dict(cfg.optimizer.params)), cfg.schedule_options()
+
+
+def resolve_shard_group_size(cfg: ZeroConfig, world_size: int) -> tuple[int, str | None]:
+    """The shard group size K for ``world_size`` ranks (``zerofx.shard_group_size``; the world
+    size when unset), and the decision line to record when the config left the choice to the
+    planner (``"auto"``)."""
+    value = cfg.shard_group_size
+    if value is None:
+        return world_size, None
+    if value == "auto":
+        # The captured step's planner chooses K (``plan_program``); planned from shapes alone there
+        # is no compute estimate to choose from, so sharding stays flat and the plan says so.
+        return world_size, f"shard group size {world_size} (flat): zerofx.shard_group_size \"auto\" chooses from the captured step"
+    check_shard_group_size(value, stage=cfg.stage, world_size=world_size)
+    return int(value), None
+
+
+def planning_sequence_parallel(cfg: ZeroConfig, world_size: int) -> SequenceParallelSpec | None:
+    """The config's sequence parallelism for a program planned without a process group: its
+    collectives carry the name the engine registers (NOTE [Sequence groups] in zerofx/runtime/rank_groups.py)."""
+    spec = cfg.sequence_parallel()
+    return None if spec is None else replace(spec, group_name=f"zerofx_sequence_{spec.size}of{world_size}")
+
+
+def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, group_name: str = PLANNING_GROUP,
+                 param_offload: ParamOffloadPlan | None = None, replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> Program:
+    """Plan ``captured``; under ``zerofx.memory_budget`` the prefetch distance is lowered until
+    the estimated peak fits (NOTE [Prefetch under a memory budget] in zerofx/compiler/search.py)."""
+    stage, optimizer, options = _planner_args(cfg)
+    comm, device = load_profile(cfg.profile)  # zerofx.profile: buckets, prefetch and K are sized for it
+    shard_group_size, decision = resolve_shard_group_size(cfg, world_size)
+    # NOTE [Hierarchical sharding cost]. A program for real process groups (the engine's) keeps
+    # the K its groups and shards were built with; planning alone chooses.
+    if cfg.shard_group_size == "auto" and group_name == PLANNING_GROUP:
+        shard_group_size, decision = plan_auto_shard_group_size(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer,
+                                                                options=options, comm=comm, device=device)
+    if "profile" in cfg.raw.get("zerofx", {}) and options.prefetch_distance is None and stage is ZeroStage.THREE:
+        planned = plan_sharding(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer, options=options, comm=comm,
+                                shard_group_size=shard_group_size)
+        options = replace(options, prefetch_distance=prefetch_from_profile(planned, compute_s=estimate_compute_s(captured.joint, device),
+                                                                           comm=comm))
+
+    def plan_with(opts: ScheduleOptions) -> Program:
+        plan = plan_sharding(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer, options=opts,
+                             shard_group_size=shard_group_size, comm=comm)
+        if decision is not None:
+            plan = replace(plan, decisions=(decision, *plan.decisions))
+        if captured.tiling is not None:
+            plan = replace(plan, tiling=captured.tiling)
+        if captured.sequence_parallel is not None:
+            plan = replace(plan, decisions=(*plan.decisions, *captured.sequence_parallel.decisions),
+                           sequence_parallel=captured.sequence_parallel)
+        plan = replace(with_offloaded_grads(plan, cfg), param_offload=param_offload)
+        return Program(captured, plan, group_name=group_name, replicate_group_name=replicate_group_name)
+
+    return fit_prefetch(plan_with(options), lambda d: plan_with(replace(options, prefetch_distance=d)), options.memory_budget_bytes)
+
+
+def capture_and_plan(capture: StepCapture, cfg: ZeroConfig, world_size: int, *, group_name: str = PLANNING_GROUP,
+                     param_offload: ParamOffloadPlan | None = None, replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> Program:
+    """``capture(tiling_options)``, then plan and lower it; with ``zerofx.tiling.enabled: auto``
+    the tiling is checked against the memory timeline (NOTE [Tiling checked against the memory
+    timeline] in zerofx/compiler/search.py), which may capture again: once per tiling plan, the options
+    whose plan is one already built getting that program (NOTE [One forward record per capture
+    search] in zerofx/compiler/capture.py)."""
+    options = cfg.tiling_options()
+    capture_s = 0.0
+    built: dict[TilingPlan | None, Program] = {}
+
+    def build(opts: TilingOptions | None) -> Program:
+        nonlocal capture_s
+        start = time.perf_counter()
+        tiling_plan = capture.tiling_plan(opts)
+        if tiling_plan not in built:
+            captured = capture(opts)
+            capture_s += time.perf_counter() - start
+            built[tiling_plan] = plan_program(captured, cfg, world_size, group_name=group_name, param_offload=param_offload,
+                                              replicate_group_name=replicate_group_name)
+        else:
+            capture_s += time.perf_counter() - start
+        return built[tiling_plan]
+
+    start = time.perf_counter()
+    program = fit_tiling(build(options), build, options)
+    # Planning is everything else, the searches included (they may lower candidates); the chosen
+    # program's own lowering, when a search did it, stays under "lower".
+    total_s = time.perf_counter() - start
+    program.setup_times.update(capture=capture_s, plan=total_s - capture_s - program.setup_times.get("lower", 0.0))
+    return program
+
+
+def with_offloaded_grads(plan: Plan, cfg: ZeroConfig) -> Plan:
+    """``plan`` with its gradient estimate taken off the device when ``zerofx.offload_gradients``
+    is on (NOTE [What each stage holds, fp32 training, Adam] in cost_models/memory.py): no
+    gradient buffer; the reduced buckets in flight are in the memory timeline."""
+    if cfg.grad_offload is None:
+        return plan
+    plan = replace(plan, offload_grads=True)
+    if plan.stage < ZeroStage.TWO:
+        return plan
+    return replace(plan, estimates=device_model_state_bytes(plan.estimates, stage=int(plan.stage), grads_offloaded=True))
+
+
+def plan_from_shapes(model: nn.Module, cfg: ZeroConfig, world_size: int) -> Plan:
+    """The plan from ``model``'s parameters alone, taken as capture takes them (NOTE [A plan from
+    shapes alone] in passes/plan_sharding.py)."""
+    stage, optimizer, options = _planner_args(cfg)
+    infos = traced_param_infos(model, compute_dtype=cfg.compute_dtype)
+    shard_group_size, decision = resolve_shard_group_size(cfg, world_size)
+    plan = plan_sharding_from_shapes([(i.fqn, i.shape, i.dtype, i.requires_grad) for i in infos], world_size=world_size,
+                                     stage=stage, optimizer=optimizer, options=options, shard_group_size=shard_group_size,
+                                     comm=load_profile(cfg.profile)[0])
+    plan = with_offloaded_grads(plan, cfg)
+    return plan if decision is None else replace(plan, decisions=(decision, *plan.decisions))
+
+
+def _tiling_at_capture(cfg: ZeroConfig) -> TilingOptions | None:
+    """The tiling options capture uses for ``cfg``; None when nothing is tiled."""
+    options = cfg.tiling_options()
+    return None if options is None or options.enabled is False else options
+
+
+def _plan_waits_for(cfg: ZeroConfig, plan: Plan) -> str | None:
+    """Why the config makes the plan depend on the captured graphs, or None."""
+    tiling = cfg.tiling_options()
+    if tiling is not None and tiling.enabled is not False:
+        return "zerofx.tiling chooses what to tile from the graph"
+    if cfg.schedule_options().memory_budget_bytes is not None and plan.prefetch_distance > 0:
+        return "zerofx.memory_budget fits the prefetch distance to the memory timeline"
+    if cfg.shard_group_size == "auto":
+        return "zerofx.shard_group_size \"auto\" chooses from the step's compute estimate"
+    return None
+
+
+def compile(
+    model: nn.Module,
+    world_size: int | None = None,
+    stage: int | None = None,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    config: str | Path | Mapping[str, Any] | None = None,
+    loss_fn: LossFn | None = None,
+) -> Program:
+    """Plan ``model``'s training step for ``world_size`` ranks at ZeRO ``stage``, and capture it.
+
+    Nothing runs and no process group is needed. ``example_inputs`` are the positional
+    arguments of one call, ``example_kwargs`` its keyword arguments (e.g. ``labels``). Without
+    them the program has its plan and ``memory``, and captures its graphs from the first
+    example inputs given to ``graph_modules`` (NOTE [Capture on first need]).
+    """
+    given = example_inputs is not None or example_kwargs is not None
+    args = check_example_inputs(example_inputs) if given else None
+    cfg = resolve(config, stage=stage, world_size=world_size)
+    if cfg.world_size is None:
+        raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
+    plan = plan_from_shapes(model, cfg, cfg.world_size)
+    program = Program(None, plan, source=Source(model, cfg, loss_fn), plan_waits_for=_plan_waits_for(cfg, plan))
+    if args is not None:
+        program._take_inputs(args, example_kwargs)
+    return program

@@ -1,0 +1,530 @@
+"""The DeepSpeed-shaped config: parsing and validation.
+
+A config is a dict or a path to a JSON file, in DeepSpeed's shape, so a team keeps its
+``ds_config.json``. zerofx's own additions live in a ``"zerofx"`` section, which DeepSpeed
+ignores.
+
+Every key is declared once in ``SCHEMA`` (``zerofx.config.schema``), with its type, its accepted values and whether
+zerofx acts on it yet. An unknown key, a wrong type or a bad value raises ``ConfigError``
+naming the key, the value and what is accepted; so does a number that is not finite (JSON as
+Python reads it allows ``Infinity`` and ``NaN``) or a ``true``/``false`` where a number belongs. A
+known key that zerofx does not act on yet is reported once, by name, as a warning.
+
+``parse_config`` returns a frozen ``ZeroConfig``: typed properties for what the runtime reads (the
+option classes and defaults in ``zerofx.config.options``), and
+``fingerprint_fields()``, the settings every rank must share (NOTE [What ranks must agree on]).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerofx.passes.plan import ScheduleOptions
+from zerofx.passes.plan_tiling import TilingOptions
+from zerofx.passes.sequence_parallel import SequenceAttention, SequenceParallelSpec
+from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_PROGRAM_CACHE_SIZE, OPTIMIZER_PARAMS, PLAN_CACHE_ENV, GraphCompiler,
+                                   LossScaleOptions, MonitorOptions, tiling_options)
+from zerofx.config.schema import SCHEMA, Key, type_names
+from zerofx.common.errors import ConfigError, did_you_mean
+from zerofx.config.offload_options import GradOffloadOptions, OffloadOptions, ParamOffloadOptions
+from zerofx.config.options import is_finite_number
+from zerofx.config.schedulers import SchedulerSpec
+from zerofx.common.units import parse_bytes
+
+_WARNED: set[str] = set()
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Which optimizer to build on each rank's shard, and with what arguments."""
+
+    type: str = "AdamW"
+    params: Mapping[str, Any] = field(default_factory=lambda: {"lr": 1e-3})
+
+    def resolved_params(self) -> dict[str, Any]:
+        """Every argument the config may set for this type, with torch's default where it is
+        silent: what each rank's optimizer runs with. Numbers as floats, betas as a list."""
+        defaults = inspect.signature(_TORCH_OPTIMIZERS[self.type]).parameters
+        out: dict[str, Any] = {}
+        for key in OPTIMIZER_PARAMS[self.type]:
+            v = self.params.get(key, defaults[key].default)
+            out[key] = bool(v) if key == "nesterov" else [float(b) for b in v] if key == "betas" else float(v)
+        return out
+
+
+_TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The validated config, as zerofx uses it."""
+
+    stage: int | None
+    world_size: int | None
+    optimizer: OptimizerSpec
+    raw: Mapping[str, Any]
+    scheduler: SchedulerSpec | None = None  # the ``scheduler`` section; None without one
+    offload: OffloadOptions | None = None  # ``offload_optimizer`` with ``zerofx.offload``; None when off
+    param_offload: ParamOffloadOptions | None = None  # ``offload_param``; None when off
+    grad_offload: GradOffloadOptions | None = None  # ``zerofx.offload_gradients``; None when off
+    loss_scaling: LossScaleOptions | None = None  # the ``fp16`` section's loss scaling; None unless fp16 is enabled
+    steps_per_print: int | None = None  # rank 0 logs every this many optimizer steps; None: never
+    monitors: MonitorOptions = MonitorOptions()  # tensorboard, csv_monitor, wandb; all None when off
+    # ``zerofx.shard_group_size``: an int dividing the world size, "auto" (the planner chooses),
+    # or None (flat: one group of all ranks). NOTE [Shard groups of consecutive ranks].
+    shard_group_size: int | str | None = None
+
+    @property
+    def collective_timeout_s(self) -> float:
+        """Seconds a collective waits for its peers before the process group raises
+        (``zerofx.collective_timeout_s``; NOTE [The collective timeout])."""
+        return float(self.raw.get("zerofx", {}).get("collective_timeout_s", DEFAULT_COLLECTIVE_TIMEOUT_S))
+
+    @property
+    def train_batch_size(self) -> int | None:
+        """The global batch (``train_batch_size``); None when the config leaves it out."""
+        return self.raw.get("train_batch_size")
+
+    @property
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        """The batch per rank per micro-step (``train_micro_batch_size_per_gpu``); None when left out."""
+        return self.raw.get("train_micro_batch_size_per_gpu")
+
+    @property
+    def profile(self) -> str:
+        """The hardware profile the planner plans for (``zerofx.profile``): a built-in name or a
+        file from ``zerofx calibrate``."""
+        return str(self.raw.get("zerofx", {}).get("profile", "cpu"))
+
+    @property
+    def program_cache_size(self) -> int:
+        """Compiled programs (one per input signature) kept at once, least recently used dropped
+        first (``zerofx.program_cache_size``)."""
+        return int(self.raw.get("zerofx", {}).get("program_cache_size", DEFAULT_PROGRAM_CACHE_SIZE))
+
+    @property
+    def plan_cache_dir(self) -> Path | None:
+        """Where the plan cache keeps its entries (``zerofx.compiler.plan_cache``, else ``$ZEROFX_PLAN_CACHE``,
+        else ``$XDG_CACHE_HOME/zerofx/plans`` or ``~/.cache/zerofx/plans``); None when it is off."""
+        value = self.raw.get("zerofx", {}).get("plan_cache")
+        if value is None:
+            value = os.environ.get(PLAN_CACHE_ENV)
+            if value is not None and value.strip().lower() in ("", "off", "0", "false", "no"):
+                return None
+        if value is False:
+            return None
+        if value is None:
+            base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+            return Path(base) / "zerofx" / "plans"
+        return Path(os.path.expanduser(str(value)))
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """bfloat16 or float16 when mixed precision is on, else None (train in the model's dtype)."""
+        if self.raw.get("bf16", {}).get("enabled"):
+            return torch.bfloat16
+        if self.raw.get("fp16", {}).get("enabled"):
+            return torch.float16
+        return None
+
+    @property
+    def graph_compiler(self) -> GraphCompiler:
+        return GraphCompiler(self.raw.get("zerofx", {}).get("compile", GraphCompiler.NONE.value))
+
+    @property
+    def fused_optimizer(self) -> bool:
+        return bool(self.raw.get("zerofx", {}).get("fused_optimizer", False))
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.raw.get("gradient_accumulation_steps", 1))
+
+    @property
+    def gradient_clipping(self) -> float:
+        return float(self.raw.get("gradient_clipping", 0.0))
+
+    def sequence_parallel(self) -> SequenceParallelSpec | None:
+        """``zerofx.sequence_parallel`` as a spec without its group (the engine names it); None
+        when the section is absent or its size is 1."""
+        section = self.raw.get("zerofx", {}).get("sequence_parallel")
+        if section is None or section.get("size", 1) == 1:
+            return None
+        return SequenceParallelSpec(size=section["size"], attention=SequenceAttention(section.get("attention", "ulysses")),
+                                    load_balance=section.get("load_balance", True))
+
+    def tiling_options(self) -> TilingOptions | None:
+        """The ``zerofx.tiling`` section as ``TilingOptions``; None when the section is absent."""
+        section = self.raw.get("zerofx", {}).get("tiling")
+        return None if section is None else tiling_options(section)
+
+    def schedule_options(self) -> ScheduleOptions:
+        """The communication-schedule limits the config sets (DeepSpeed's keys, in elements)."""
+        zero = self.raw.get("zero_optimization", {})
+        own = self.raw.get("zerofx", {})
+
+        def numel(key: str) -> int | None:
+            return int(zero[key]) if key in zero else None
+
+        return ScheduleOptions(
+            gather_bucket_numel=numel("stage3_prefetch_bucket_size"),
+            reduce_bucket_numel=numel("reduce_bucket_size"),
+            sync_bucket_numel=numel("allgather_bucket_size"),
+            prefetch_distance=own.get("prefetch_distance"),
+            max_live_numel=float(zero.get("stage3_max_live_parameters", float("inf"))),
+            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 0)),
+            overlap=zero.get("overlap_comm", True),
+            memory_budget_bytes=parse_bytes(own["memory_budget"]) if "memory_budget" in own else None,
+        )
+
+    # NOTE [What ranks must agree on]
+    # A setting that changes the collectives a rank issues (stage, buckets, prefetch, overlap,
+    # clipping, accumulation, offload and tiling choices, the program cache, whether a monitor is
+    # on: then every rank joins the gradient norm's all-reduce) or the numbers it
+    # computes (the optimizer and every argument, the schedule, precision and loss scaling, the
+    # compiler) must be the same on every rank: otherwise ranks hang in a collective or train
+    # silently apart. ``fingerprint_fields`` is those settings, resolved (defaults filled in, so
+    # ``"gradient_clipping": 0`` and no key agree, and ``lr`` 1 and 1.0 agree), as JSON; the engine
+    # compares them across ranks before the first collective, and ``first_config_difference`` names
+    # the first setting that differs. Left out: keys zerofx reads but does not act on, and the keys
+    # marked ``per_rank`` in ``SCHEMA`` (paths, pinning, I/O windows, measured bandwidths and
+    # per-rank budgets of the offload placement, logging): they change only where or how fast one
+    # rank keeps its own state, so ranks may differ in them (different mounts or NVMe drives).
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """The settings every rank must share (NOTE [What ranks must agree on]): a JSON-ready dict,
+        the same for equal settings however they were written."""
+        zero = self.raw.get("zero_optimization", {})
+        own = self.raw.get("zerofx", {})
+        zero_keys, own_keys = SCHEMA["zero_optimization"].children, SCHEMA["zerofx"].children
+        assert zero_keys is not None and own_keys is not None
+        tiling = self.tiling_options()
+        fields = {
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "train_batch_size": self.train_batch_size,
+            "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_clipping": self.gradient_clipping,
+            "optimizer": {"type": self.optimizer.type, "params": self.optimizer.resolved_params(), "fused": self.fused_optimizer},
+            "scheduler": None if self.scheduler is None else self.scheduler.to_json(),
+            "precision": {
+                "compute_dtype": None if self.compute_dtype is None else str(self.compute_dtype).removeprefix("torch."),
+                "loss_scaling": None if self.loss_scaling is None else asdict(self.loss_scaling),
+            },
+            "communication": asdict(self.schedule_options()),
+            "offload": {
+                "optimizer": _canonical(zero.get("offload_optimizer", {}), zero_keys["offload_optimizer"].children),
+                "param": _canonical(zero.get("offload_param", {}), zero_keys["offload_param"].children),
+                "gradients": _canonical(own.get("offload_gradients", {}), own_keys["offload_gradients"].children),
+                "zerofx": _canonical(own.get("offload", {}), own_keys["offload"].children),
+            },
+            "tiling": None if tiling is None else asdict(tiling),
+            "compile": self.graph_compiler.value,
+            "program_cache_size": self.program_cache_size,
+            "collective_timeout_s": self.collective_timeout_s,
+            "shard_group_size": self.shard_group_size,
+            "profile": self.profile,  # sizes buckets and prefetch: the collectives every rank issues
+            "sequence_parallel": _canonical(own.get("sequence_parallel", {}), own_keys["sequence_parallel"].children),
+            # A monitor on adds the gradient norm's all-reduce to every step (zerofx.runtime.monitors).
+            "monitors": {"tensorboard": self.monitors.tensorboard is not None, "csv_monitor": self.monitors.csv_monitor is not None,
+                         "wandb": self.monitors.wandb is not None},
+        }
+        return _jsonable(fields)
+
+    def fingerprint(self) -> str:
+        """A short hash of ``fingerprint_fields()``: equal on ranks whose settings agree."""
+        text = json.dumps(self.fingerprint_fields(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def first_config_difference(fields_by_rank: list[Mapping[str, Any]]) -> str | None:
+    """The first setting, in key order, on which ranks' ``fingerprint_fields()`` differ, as
+    ``"gradient_clipping: rank 0 has 0.0, rank 1 has 1.0"``; None when they all agree."""
+    flat = [_flatten(f) for f in fields_by_rank]
+    for path in sorted(set().union(*flat)):
+        values = [f.get(path, "(absent)") for f in flat]
+        if any(v != values[0] for v in values):
+            shown = ", ".join(f"rank {r} has {json.dumps(v)}" for r, v in enumerate(values[:8]))
+            return f"{path}: {shown}{', ...' if len(values) > 8 else ''}"
+    return None
+
+
+def _flatten(fields: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in fields.items():
+        if isinstance(v, Mapping) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _canonical(section: Mapping[str, Any], schema: Mapping[str, Key] | None) -> dict[str, Any]:
+    """A schema-checked section as the fingerprint sees it: keys that are acted on and not
+    ``per_rank``; numbers that may be fractional as floats, so 1 and 1.0 agree."""
+    assert schema is not None
+    out: dict[str, Any] = {}
+    for name, value in section.items():
+        key = schema[name]
+        if key.per_rank or not key.acted_on:
+            continue
+        if key.children is not None:
+            out[name] = _canonical(value, key.children)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and float in key.types:
+            out[name] = float(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON values: enums by value, tuples as lists, paths as strings, and the non-finite
+    floats an option may default to (an unbounded ``max_live_numel``) as strings."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Enum):
+        return _jsonable(value.value)
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    assert value is None or isinstance(value, (bool, int, float, str)), f"not JSON: {value!r}"
+    return value
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut short when a pasted value is very long (a 400-digit number)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
+
+
+def _not_finite(value: Any) -> bool:
+    """A number, or a list holding one, that is NaN, +-Infinity or too large for a float."""
+    if isinstance(value, (list, tuple)):
+        return any(_not_finite(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not is_finite_number(value)
+
+
+def _validate(section: Mapping[str, Any], schema: Mapping[str, Key], prefix: str) -> None:
+    for name, value in section.items():
+        path = f"{prefix}{name}"
+        if name not in schema:
+            raise ConfigError(
+                f"unknown config key {path!r}{did_you_mean(name, schema)}; accepted keys here: {', '.join(sorted(schema))}"
+            )
+        key = schema[name]
+        is_bool = isinstance(value, bool)
+        if not isinstance(value, key.types) or (is_bool and bool not in key.types):
+            raise ConfigError(f"config key {path!r} must be {_a(type_names(key.types))}, got {_show(value)}")
+        if _not_finite(value):
+            raise ConfigError(f"config key {path!r} got {_show(value)}, which is not a finite number; accepted: {key.accepted or 'a finite number'}")
+        if key.check is not None and not key.check(value):
+            raise ConfigError(f"config key {path!r} got {_show(value)}; accepted: {key.accepted}")
+        if key.children is not None:
+            _validate(value, key.children, f"{path}.")
+        elif not key.acted_on and path not in _WARNED:
+            _WARNED.add(path)
+            warnings.warn(f"zerofx reads config key {path!r} but does not act on it yet", stacklevel=4)
+
+
+def load_config(config: str | Path | Mapping[str, Any] | None) -> dict[str, Any]:
+    """Read a config from a dict, a JSON file path, or None (an empty config)."""
+    if config is None:
+        return {}
+    if isinstance(config, (str, Path)):
+        return _read_config_file(Path(config))
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise ConfigError(f"config must be a dict, a path to a JSON file, or None; got {type(config).__name__}")
+
+
+_FILE_ACCEPTED = "accepted: a JSON object ({...}) in UTF-8"
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """A config file's top-level JSON object. Every failure is one ``ConfigError`` line naming the
+    file and what is accepted: missing, unreadable, not UTF-8, not JSON, a key given twice in one
+    object (DeepSpeed refuses that too), or a top level that is not an object."""
+    name = str(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {name!r} does not exist; pass a path to a JSON file or a dict")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config file {name!r} cannot be read ({exc.strerror or exc}); {_FILE_ACCEPTED}") from None
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ConfigError(f"config file {name!r} is UTF-16 text (it starts with a UTF-16 byte-order mark); {_FILE_ACCEPTED}: save it as UTF-8")
+    try:
+        text = data.decode("utf-8-sig")  # a UTF-8 byte-order mark is harmless: skip it
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {name!r} is not UTF-8 text (byte {exc.start} is {data[exc.start:exc.start + 1]!r}); "
+                          f"{_FILE_ACCEPTED}") from None
+    try:
+        raw = json.loads(text, object_pairs_hook=_object_without_duplicates)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {name!r} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+                          f"{_FILE_ACCEPTED}") from None
+    except _DuplicateKey as exc:
+        raise ConfigError(f"config file {name!r} gives the key {exc.args[0]!r} twice in one object; {_FILE_ACCEPTED}, "
+                          "each key once") from None
+    if not isinstance(raw, dict):
+        kind = {list: "a list", str: "a string", bool: "true/false", type(None): "null"}.get(type(raw), "a number")
+        raise ConfigError(f"config file {name!r} holds {kind} at the top level, not an object; {_FILE_ACCEPTED}")
+    return raw
+
+
+class _DuplicateKey(Exception):
+    """Raised inside ``json.loads``; ``_read_config_file`` turns it into a ``ConfigError``."""
+
+
+def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def parse_config(
+    config: str | Path | Mapping[str, Any] | None,
+    *,
+    stage: int | None = None,
+    world_size: int | None = None,
+) -> ZeroConfig:
+    """Validate ``config`` and reconcile it with the ``stage=``/``world_size=`` arguments.
+
+    A value given both ways must agree; otherwise that is an error naming both.
+    """
+    raw = load_config(config)
+    _validate(raw, SCHEMA, "")
+    if raw.get("bf16", {}).get("enabled") and raw.get("fp16", {}).get("enabled"):
+        raise ConfigError("bf16.enabled and fp16.enabled are both true; enable at most one")
+    zero = raw.get("zero_optimization", {})
+    cfg_stage = zero.get("stage")
+    if stage is not None and cfg_stage is not None and stage != cfg_stage:
+        raise ConfigError(f"stage={stage} disagrees with the config's zero_optimization.stage={cfg_stage}; give one or make them equal")
+    cfg_world = _config_world_size(raw)
+    if world_size is not None and cfg_world is not None and world_size != cfg_world:
+        raise ConfigError(f"world_size={world_size} disagrees with the config, which implies world size {cfg_world}; give one or make them equal")
+    opt = raw.get("optimizer", {})
+    params = dict(opt.get("params", {"lr": 1e-3}))
+    params.setdefault("lr", 1e-3)
+    kind = opt.get("type", "AdamW")
+    bad = sorted(set(params) - set(OPTIMIZER_PARAMS[kind]))
+    if bad:
+        raise ConfigError(f"optimizer.params {bad} do not apply to optimizer type {kind!r}")
+    if params.get("nesterov") and (params.get("momentum", 0) <= 0 or params.get("dampening", 0) != 0):
+        # torch.optim.SGD refuses this when the engine builds it; say so at parse time.
+        raise ConfigError(f"config key 'optimizer.params.nesterov' is true with momentum={params.get('momentum', 0)!r} and "
+                          f"dampening={params.get('dampening', 0)!r}; accepted: nesterov with momentum > 0 and dampening 0")
+    scheduler = SchedulerSpec.from_config(raw["scheduler"]) if raw.get("scheduler") else None
+    offload, param_offload = OffloadOptions.from_config(raw), ParamOffloadOptions.from_config(raw)
+    if param_offload is not None and offload is None and raw.get("zerofx", {}).get("offload", {}).get("delayed_update"):
+        raise ConfigError("zerofx.offload.delayed_update needs zero_optimization.offload_optimizer; "
+                          "it is not supported with offload_param alone")
+    resolved_stage = stage if stage is not None else cfg_stage
+    resolved_world = world_size if world_size is not None else cfg_world
+    shard_group_size = raw.get("zerofx", {}).get("shard_group_size")
+    check_shard_group_size(shard_group_size, stage=resolved_stage, world_size=resolved_world)
+    check_sequence_parallel(raw, world_size=resolved_world)
+    return ZeroConfig(
+        stage=resolved_stage,
+        world_size=resolved_world,
+        shard_group_size=shard_group_size,
+        optimizer=OptimizerSpec(type=kind, params=params),
+        raw=raw,
+        scheduler=scheduler,
+        offload=offload,
+        param_offload=param_offload,
+        grad_offload=GradOffloadOptions.from_config(raw, stage=stage if stage is not None else cfg_stage),
+        loss_scaling=LossScaleOptions.from_config(raw["fp16"]) if raw.get("fp16", {}).get("enabled") else None,
+        steps_per_print=raw.get("steps_per_print"),
+        monitors=MonitorOptions.from_config(raw),
+    )
+
+
+def check_shard_group_size(value: int | str | None, *, stage: int | None, world_size: int | None) -> None:
+    """``zerofx.shard_group_size`` against what is known of the stage and world size: K must
+    divide the world size, and stage 0 (nothing sharded) takes no K below the world size. Called
+    at parse time and again at initialize, once the process group's size is known."""
+    if value is None or value == "auto":
+        return
+    if world_size is not None and world_size % value:
+        raise ConfigError(f"config key 'zerofx.shard_group_size' got {value}, which does not divide the world size {world_size}; "
+                          f"accepted: a divisor of {world_size} ({', '.join(str(k) for k in range(1, world_size + 1) if world_size % k == 0)}) "
+                          "or \"auto\"")
+    if stage == 0 and (world_size is None or value < world_size):
+        raise ConfigError(f"config key 'zerofx.shard_group_size' got {value} at ZeRO stage 0, which shards nothing; accepted at "
+                          "stage 0: leave it out (or the world size); shard groups apply at stages 1-3")
+
+
+def check_sequence_parallel(raw: Mapping[str, Any], *, world_size: int | None) -> None:
+    """``zerofx.sequence_parallel`` against the world size and the features it does not compose
+    with, each refused with the reason. Called at parse time and again at initialize, once the
+    process group's size is known. Offload (optimizer, parameters, gradients), bf16, fp16 and
+    shard groups compose: the rewrite acts on the forward before autograd and its exchanges run
+    over the sequence group; offload acts on the optimizer step, the stage-3 fetch of shards and
+    the backward's reduced shards; shard groups only change how gradients are averaged over all
+    ranks; the loss's sum and token count are exchanged in fp32 at least; tiling plans each
+    rank's slice (NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/capture.py)
+    (docs/sequence-parallel.md, "What composes with sequence parallelism")."""
+    section = raw.get("zerofx", {}).get("sequence_parallel")
+    if section is None:
+        return
+    if "size" not in section:
+        raise ConfigError("config key 'zerofx.sequence_parallel.size' is missing; accepted: an integer >= 1 that divides the world size")
+    size = section["size"]
+    if world_size is not None and world_size % size:
+        raise ConfigError(f"config key 'zerofx.sequence_parallel.size' got {size}, which does not divide the world size {world_size}; "
+                          f"accepted: a divisor of {world_size} ({', '.join(str(k) for k in range(1, world_size + 1) if world_size % k == 0)})")
+    if size == 1:
+        return
+    own = raw.get("zerofx", {})
+    refused = [  # (key, the value set, whether refused, why, what is accepted with sequence parallelism)
+        ("zerofx.compile", own.get("compile"), own.get("compile", "none") != "none",
+         "Inductor lowers and runs the rewritten forward (its all-to-alls are functional collectives; the ring's "
+         "zerofx::ring_attention is a custom op it calls as an opaque kernel), but no parity run "
+         "has checked Inductor-compiled sequence-parallel graphs against plain PyTorch yet", '"none" (the graphs run eagerly)'),
+    ]
+    for key, value, present, why, accepted in refused:
+        if present:
+            raise ConfigError(f"config key {key!r} got {value!r}, which zerofx.sequence_parallel (size {size}) does not compose "
+                              f"with: {why}; accepted with sequence parallelism: {accepted}")
+
+
+def _config_world_size(raw: Mapping[str, Any]) -> int | None:
+    """The world size a config states (``zerofx.world_size``) or implies (DeepSpeed's batch rule)."""
+    explicit = raw.get("zerofx", {}).get("world_size")
+    tbs, micro = raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu")
+    gas = raw.get("gradient_accumulation_steps", 1)
+    implied = None
+    if tbs is not None and micro is not None:
+        if tbs % (micro * gas):
+            raise ConfigError(
+                f"train_batch_size={tbs} is not train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x world size"
+            )
+        implied = tbs // (micro * gas)
+        # The ranks of a sequence group share their batch: the rule counts data-parallel groups.
+        implied *= raw.get("zerofx", {}).get("sequence_parallel", {}).get("size", 1)
+    if explicit is not None and implied is not None and explicit != implied:
+        raise ConfigError(f"zerofx.world_size={explicit} disagrees with the batch sizes, which imply {implied}")
+    return explicit if explicit is not None else implied

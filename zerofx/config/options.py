@@ -1,0 +1,169 @@
+"""The config's typed options and their defaults: what ``parse_config`` (``zerofx.config``)
+builds from the schema-checked config and the runtime reads, and the bounds the schema
+(``zerofx.config.schema``) checks against. No parsing here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+import math
+from typing import Any
+
+from zerofx.passes.plan_tiling import KINDS, TilingOptions
+from zerofx.common.units import parse_bytes
+
+def is_finite_number(v: Any) -> bool:
+    """A real number: not a bool, not NaN or +-Infinity, not an int too large for a float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+
+OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
+# The optimizer.params keys each type takes (torch's argument names).
+OPTIMIZER_PARAMS = {
+    "AdamW": ("lr", "betas", "eps", "weight_decay"),
+    "Adam": ("lr", "betas", "eps", "weight_decay"),
+    "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+}
+
+# NOTE [The collective timeout]
+# torch's process-group timeout defaults to 30 minutes (torch.distributed.constants.default_pg_timeout),
+# and DeepSpeed keeps that 30 unless DEEPSPEED_TIMEOUT (in minutes) says otherwise. A stalled peer
+# (SIGSTOP, a slow disk, a deadlocked data loader) then holds every rank, and the whole
+# allocation, silently for half an hour. zerofx defaults to 300 s: a stall costs minutes, and the
+# longest waits zerofx itself causes between ranks fit well inside it (a rank capturing a new
+# program, about 2 s for the tiny DNA LM, or compiling it with Inductor, a minute or two on 2 CPU
+# cores; a rank writing its checkpoint shard while the others wait). Raise it for Inductor compiles
+# of large models or slow checkpoint storage. The ceiling, one week, is far beyond any wait worth
+# having, and keeps the value inside what ``datetime.timedelta`` and the backends hold.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600.0
+# One compiled program per input signature, least recently used dropped first: each costs about
+# 2 s to build and a few MiB to keep (the tiny DNA LM), and 8 covers a training length, an
+# evaluation length and a ragged last batch of each with room to spare.
+DEFAULT_PROGRAM_CACHE_SIZE = 8
+# The plan cache's directory when the config names none (zerofx.compiler.plan_cache): this variable's
+# value ("off", "0" or "false" turns the cache off), else under the user's cache directory.
+PLAN_CACHE_ENV = "ZEROFX_PLAN_CACHE"
+# fp16.initial_scale_power: the scale 2**p multiplies an fp32 loss, and 2**128 is inf in fp32.
+MAX_INITIAL_SCALE_POWER = 127
+# fp16.loss_scale and fp16.min_loss_scale: the same bound for a static scale and the dynamic floor.
+MAX_LOSS_SCALE = 2.0**MAX_INITIAL_SCALE_POWER
+
+
+@dataclass(frozen=True)
+class LossScaleOptions:
+    """fp16 loss scaling (the ``fp16`` section, DeepSpeed's keys and defaults); ``zerofx.runtime.loss_scaling``
+    runs it. ``consecutive_hysteresis`` is read and warns: zerofx does not act on it."""
+
+    loss_scale: float = 0.0  # a static scale; 0: dynamic
+    initial_scale_power: int = 16  # the dynamic scale starts at 2**this
+    loss_scale_window: int = 1000  # overflow-free steps before the dynamic scale doubles
+    hysteresis: int = 2  # overflowing steps before it halves
+    min_loss_scale: float = 1.0  # the dynamic scale's floor
+
+    @classmethod
+    def from_config(cls, fp16: Mapping[str, Any]) -> LossScaleOptions:
+        """From the schema-checked ``fp16`` section; numbers that may be fractional as floats."""
+        default = cls()
+        return cls(
+            loss_scale=float(fp16.get("loss_scale", default.loss_scale)),
+            initial_scale_power=fp16.get("initial_scale_power", default.initial_scale_power),
+            loss_scale_window=fp16.get("loss_scale_window", default.loss_scale_window),
+            hysteresis=fp16.get("hysteresis", default.hysteresis),
+            min_loss_scale=float(fp16.get("min_loss_scale", default.min_loss_scale)),
+        )
+
+
+# The defaults of DeepSpeed's monitor sections (deepspeed/monitor/config.py), so a ds_config.json
+# writes where it did under DeepSpeed.
+DEFAULT_MONITOR_JOB_NAME = "DeepSpeedJobName"
+DEFAULT_WANDB_PROJECT = "deepspeed"
+
+
+@dataclass(frozen=True)
+class LogDirOptions:
+    """Where a file monitor (``tensorboard`` or ``csv_monitor``) writes: ``output_path/job_name``,
+    relative to the working directory unless ``output_path`` is absolute (DeepSpeed's keys)."""
+
+    output_path: str = ""
+    job_name: str = DEFAULT_MONITOR_JOB_NAME
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.output_path) / self.job_name
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any]) -> LogDirOptions:
+        return cls(output_path=section.get("output_path", ""), job_name=section.get("job_name", DEFAULT_MONITOR_JOB_NAME))
+
+
+@dataclass(frozen=True)
+class WandbOptions:
+    """The ``wandb`` section: ``wandb.init(project=project, group=group, entity=team)``."""
+
+    project: str = DEFAULT_WANDB_PROJECT
+    group: str | None = None
+    team: str | None = None  # wandb's entity
+
+
+@dataclass(frozen=True)
+class MonitorOptions:
+    """DeepSpeed's monitor sections (``tensorboard``, ``csv_monitor``, ``wandb``), each None when
+    it is absent or not enabled; ``zerofx.runtime.monitors`` writes them on rank 0."""
+
+    tensorboard: LogDirOptions | None = None
+    csv_monitor: LogDirOptions | None = None
+    wandb: WandbOptions | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Any monitor on: then every rank computes the gradient norm each step (a collective)."""
+        return self.tensorboard is not None or self.csv_monitor is not None or self.wandb is not None
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any]) -> MonitorOptions:
+        """From the schema-checked config; a section counts only with ``"enabled": true``, as in DeepSpeed."""
+        def on(name: str) -> Mapping[str, Any] | None:
+            section = raw.get(name, {})
+            return section if section.get("enabled", False) else None
+
+        tensorboard, csv_monitor, wandb = on("tensorboard"), on("csv_monitor"), on("wandb")
+        return cls(
+            tensorboard=None if tensorboard is None else LogDirOptions.from_config(tensorboard),
+            csv_monitor=None if csv_monitor is None else LogDirOptions.from_config(csv_monitor),
+            wandb=None if wandb is None else WandbOptions(
+                project=wandb.get("project", DEFAULT_WANDB_PROJECT), group=wandb.get("group"), team=wandb.get("team"),
+            ),
+        )
+
+
+class GraphCompiler(Enum):
+    """What runs each rank's forward and backward graphs (config key ``zerofx.compile``)."""
+
+    NONE = "none"  # the GraphModules' generated Python, op by op in eager ATen
+    INDUCTOR = "inductor"  # compiled once per program with TorchInductor
+
+
+def tiling_options(section: Mapping[str, Any] | None) -> TilingOptions:
+    """``TilingOptions`` from the config's ``zerofx.tiling`` section (already schema-checked)."""
+    section = dict(section or {})
+    kinds = tuple(k for k in KINDS if section.get(k, True))
+    budget, tile_bytes = section.get("budget"), section.get("weight_tile_bytes")
+    budget = int(parse_bytes(budget)) if isinstance(budget, str) else budget
+    tile_bytes = int(parse_bytes(tile_bytes)) if isinstance(tile_bytes, str) else tile_bytes
+    return TilingOptions(
+        enabled=section.get("enabled", "auto"),
+        block_size=section.get("block_size"),
+        attention_block_size=section.get("attention_block_size"),
+        budget_bytes=budget,
+        kinds=kinds,
+        weight_tile_bytes=tile_bytes,
+    )

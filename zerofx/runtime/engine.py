@@ -1,0 +1,796 @@
+"""The runtime: runs one rank's rewritten graphs inside a real process group.
+
+``zerofx.initialize`` returns an ``Engine`` with DeepSpeed's API: ``engine(...)`` runs the
+forward graph and returns the loss, ``engine.backward(loss)`` runs the backward graph,
+``engine.step()`` runs the optimizer on this rank's shard. The same code runs gloo on CPU and
+NCCL on CUDA: the device is the model's.
+
+Storage: ``EngineStorage`` in ``zerofx.runtime.engine_storage`` (NOTE [What the engine holds]) holds this
+rank's parameters, gradients and masters; the engine runs the graphs, the collectives around
+them and the optimizer over it. The checks that ranks agree before their first collective, and
+the one build per job rank 0 sends the others, are ``zerofx.runtime.rank_agreement``. fp16 loss scaling
+is ``zerofx.runtime.loss_scaling``.
+
+NOTE [Who owns a collective's buffers]
+Every buffer handed to another thread, or to a collective that completes later, has one owner
+until a named point, and nothing writes into it or frees it before then:
+- A graph's collective (``_c10d_functional``) takes its input and returns its output: a fresh
+  tensor, or for an all-gather the ``new_empty`` buffer allocated right before it, which
+  nothing else uses. The backend's work object holds both (gloo's reduce-scatter even clones
+  the input when it is issued, on the calling thread) until ``wait_tensor``; the graph reads
+  the output only after that wait, and the graphs hold no other in-place or ``out=`` op
+  (``tests/test_core_passes.py`` checks the lowered graphs), so nothing the graph frees or
+  reuses can be a buffer in flight.
+- The engine's own flats (shards, gradient buffers, masters) are written only between graphs:
+  ``backward`` adds the graph's outputs once the graph has returned (every wait done), the
+  optimizer steps after it, and ``param_sync`` copies each gathered bucket after its wait;
+  ``grad_sync`` (stage 1) copies each reduced shard into the gradient buffer that fed its
+  reduce-scatter, after that collective's waits.
+- Offload: an NVMe transfer's host buffer belongs to the store's I/O thread from ``submit``
+  until its future is taken (``acquire``, ``drain``); the delayed update's snapshot belongs to
+  the update thread until ``finish`` (NOTE [One-step delayed update] in zerofx.runtime.offload); a
+  parameter shard read ahead belongs to the store until ``fetch`` hands the graph a copy;
+  an offloaded gradient shard belongs to the gradient store once the backward graph's hand-off
+  op has passed it (the store copies what it keeps, so the graph may reuse that memory), and
+  with the delayed update the generation being read belongs to the update thread until
+  ``finish`` (NOTE [Offloaded gradients] in zerofx.runtime.offload.grads).
+- Inside torch, gloo's two worker threads share one unguarded string (the name of the last
+  completed collective); NOTE [gloo's completion race] in passes/gather_into_buffers.py says
+  why every collective zerofx issues has a name short enough to keep that string off the heap.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from zerofx.runtime.checkpoint import load_checkpoint, save_checkpoint
+from zerofx.cost_models.offload import Tier
+from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
+from zerofx.passes._compat import pytree
+from zerofx.passes.meta import is_wait
+from zerofx.passes.fetch_params import fetch_order
+from zerofx.passes.offload_grads import grad_sink
+from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan_sharding import place_param
+from zerofx.compiler.capture import CapturedStep, LossFn, TensorInfo, cast_info, flatten_call, split_loss_kwargs
+from zerofx.compiler.pipeline import StepCapture, capture_step
+from zerofx.config import OptimizerSpec, ZeroConfig
+from zerofx.common.errors import (
+    CollectiveTimeoutError,
+    EngineStateError,
+    MissingLossError,
+    ZeroFXError,
+)
+from zerofx.runtime.engine_storage import EngineStorage, storage_bytes
+from zerofx.runtime.loss_scaling import LossScaler
+from zerofx.compiler.materialize import InitFn, check_all_meta_or_none
+from zerofx.runtime.monitors import Monitor, check_monitor_packages, samples_and_tokens
+from zerofx.runtime.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, ParamOffloadOptions, ParamStore
+from zerofx.runtime.offload.grads import OffloadedGrads
+from zerofx.compiler import plan_cache
+from zerofx.runtime import rank_agreement
+from zerofx.runtime.rank_groups import sequence_groups, shard_groups
+from zerofx.compiler.program import (
+    PLANNING_REPLICATE_GROUP,
+    Program,
+    capture_and_plan,
+    check_example_inputs,
+    plan_program,
+    resolve,
+    resolve_shard_group_size,
+)
+from zerofx.runtime.schedulers import lr_at
+
+
+class WaitTimer:
+    """Runs graph modules through ``torch.fx.Interpreter`` and adds up the wall time spent in
+    ``wait_tensor`` nodes: communication the step was blocked on (exposed), per graph.
+
+    It costs some Python overhead per node, so compare runs that both use it.
+    """
+
+    def __init__(self) -> None:
+        self.blocked_s: dict[str, float] = {}
+
+    def run(self, name: str, gm: fx.GraphModule, args_list: list[torch.Tensor]) -> Any:
+        timer = self
+
+        class _Timed(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                if not is_wait(n):
+                    return super().run_node(n)
+                start = time.perf_counter()
+                out = super().run_node(n)
+                timer.blocked_s[name] = timer.blocked_s.get(name, 0.0) + time.perf_counter() - start
+                return out
+
+        return _Timed(gm).boxed_run(args_list)  # empties args_list, as the engine's graphs do
+
+    def reset(self) -> dict[str, float]:
+        out, self.blocked_s = self.blocked_s, {}
+        return out
+
+
+class ScheduleEndWarning(UserWarning):
+    """Training went past the learning-rate scheduler's ``total_num_steps``."""
+
+
+def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor], *, fused: bool = False) -> torch.optim.Optimizer:
+    kw = dict(spec.params)
+    if "betas" in kw:
+        kw["betas"] = tuple(kw["betas"])
+    if fused and spec.type in ("Adam", "AdamW"):  # config key zerofx.fused_optimizer
+        kw["fused"] = True
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[spec.type]
+    return cls(params, **kw)
+
+
+class Engine:
+    """One rank's view of a ZeRO-sharded training run. Build it with ``zerofx.initialize``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: ZeroConfig,
+        example_args: tuple[Any, ...],
+        example_kwargs: Mapping[str, Any] | None,
+        *,
+        loss_fn: LossFn | None = None,
+        group: dist.ProcessGroup | None = None,
+        init_fn: InitFn | None = None,
+        init_seed: int = 0,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ZeroFXError(
+                "zerofx.initialize needs an initialized torch.distributed process group (torchrun, or "
+                "dist.init_process_group in each spawned process); to plan without one, use zerofx.compile"
+            )
+        self.group = group if group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        if cfg.world_size is not None and cfg.world_size != self.world_size:
+            raise ZeroFXError(
+                f"world_size={cfg.world_size} differs from the process group's world size {self.world_size}; "
+                f"accepted: {self.world_size} or leave it out"
+            )
+        # A model built on the meta device is initialized by the storage, shard by shard: NOTE
+        # [Meta-device models] in zerofx/runtime/engine_storage.py.
+        self._from_meta = check_all_meta_or_none(model)
+        if not self._from_meta and (init_fn is not None or init_seed != 0):
+            raise ZeroFXError(
+                "init_fn= and init_seed= apply to a model built on the meta device; this model is materialized "
+                "(initialize it yourself, e.g. zerofx.init_weights_(model, seed=...))"
+            )
+        self.model = model
+        self.cfg = cfg
+        self.stage = ZeroStage(cfg.stage)
+        self.loss_fn = loss_fn
+        self.group_name = self.group.group_name
+        # On every rank and before any collective, so a missing package fails every rank alike
+        # (NOTE [Monitors: rank 0 writes, every rank joins the norm] in zerofx/runtime/monitors.py).
+        check_monitor_packages(cfg.monitors)
+        # Every setting that changes the collective sequence or the numerics must agree across
+        # ranks before anything else runs (NOTE [Ranks agree before any collective]).
+        rank_agreement.check_same_config(cfg, model, self.group, self.world_size)
+        self.collective_timeout_s = cfg.collective_timeout_s
+        _compat.set_group_timeout(self.group, timedelta(seconds=self.collective_timeout_s))
+        # NOTE [Sequence groups] (``zerofx.runtime.rank_groups``): the name its all-to-alls run over.
+        self.sequence_parallel, self._sequence_group = sequence_groups(cfg, self.group, self.world_size,
+                                                                          timedelta(seconds=self.collective_timeout_s))
+        _check_has_trainable_params(model)
+        self.device = _meta_init_device(self.group) if self._from_meta else next(model.parameters()).device
+        self.compute_dtype = cfg.compute_dtype
+        infos = [TensorInfo(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()]
+        if self.compute_dtype is not None:
+            infos = [cast_info(i, self.compute_dtype) for i in infos]
+        self.param_infos = tuple(infos)
+        # NOTE [Shard groups of consecutive ranks] (``zerofx.runtime.rank_groups``): the shard group's name
+        # goes into the graphs' gathers and reduce-scatters, the replicate group's into the
+        # all-reduces across groups. Flat: the shard group is the engine's group.
+        self.shard_group_size, self.shard_group_decision = self._choose_shard_group_size(cfg, example_args, example_kwargs)
+        if cfg.shard_group_size == "auto":  # the storage is laid out for this K: every later plan keeps it
+            cfg = self.cfg = replace(cfg, shard_group_size=self.shard_group_size)
+        self.shard_group, self.replicate_group = shard_groups(self.group, self.world_size, self.shard_group_size,
+                                                               timedelta(seconds=self.collective_timeout_s))
+        k, n = self.shard_group_size, self.world_size
+        self.group_name = self.group.group_name if k == n else f"zerofx_shard_{k}of{n}"
+        self.replicate_group_name = PLANNING_REPLICATE_GROUP if k == n else f"zerofx_replicate_{k}of{n}"
+        self.shard_index = self.rank % self.shard_group_size
+        self.placements: dict[str, ParamPlacement] = {
+            i.fqn: place_param(i.fqn, i.shape, i.dtype, i.requires_grad, self.world_size, self.shard_group_size) for i in self.param_infos
+        }
+        owner_of = {id(p): fqn for fqn, p in model.named_parameters()}
+        param_aliases = {name: owner_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+        self._state_keys = [
+            (key, param_aliases.get(key)) for key in model.state_dict().keys()
+        ]
+        self.storage = EngineStorage(model, cfg, self.placements, group=self.group, device=self.device, from_meta=self._from_meta,
+                                     init_fn=init_fn, init_seed=init_seed, shard_index=self.shard_index)
+        self._scheduled: Program | None = None  # the program whose fetch order the store reads ahead along
+        self.optimizer: torch.optim.Optimizer
+        if self.offload_store is not None:
+            self.optimizer = OffloadedOptimizer(self.optimizer_params, self.offload_store, cfg.optimizer.type, cfg.optimizer.params,
+                                                param_store=self.param_store, grad_store=self.storage.grad_store)
+        else:
+            self.optimizer = build_optimizer(cfg.optimizer, list(self.optimizer_params.values()), fused=cfg.fused_optimizer)
+        # NOTE [Offload files live as long as the engine]
+        # The NVMe files of offloaded state are scratch space, not a checkpoint: ``close()``, or the
+        # engine's collection, or a clean interpreter exit, waits for the transfers in flight and
+        # deletes them (``NvmeFiles.remove``). A killed process leaves them; the next run with the
+        # same nvme_path overwrites them.
+        self._closer = weakref.finalize(self, self.optimizer.close) if isinstance(self.optimizer, OffloadedOptimizer) else None
+        self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.loss_scaler = LossScaler.from_options(cfg.loss_scaling) if cfg.loss_scaling is not None else None
+        self._last_loss: torch.Tensor | None = None
+        # Compiled programs by input signature, least recently used first; at most
+        # ``program_cache_size`` of them (each holds its graphs, about 5 MiB for a small model).
+        self._programs: OrderedDict[Any, Program] = OrderedDict()
+        self._pending: tuple[Program, list[torch.Tensor], torch.Tensor] | None = None
+        self._plan_cache_dir = cfg.plan_cache_dir  # None: the plan cache is off
+        # NOTE [The engine's call order]
+        # step() needs a backward() since the last step, and a second backward() needs a step()
+        # in between (step runs every micro-step; it updates the parameters only at the
+        # gradient-accumulation boundary). Out of order is an EngineStateError that changes nothing.
+        self._backward_since_step = False
+        self.global_steps = 0
+        # Sequences trained on by all ranks (DeepSpeed's global_samples): the monitors' x-axis,
+        # kept in checkpoints so that a resume at another world size continues it.
+        self.global_samples = 0
+        self._step_samples = 0
+        # Set to a WaitTimer to measure exposed communication (time blocked in waits).
+        self.wait_timer: WaitTimer | None = None
+        try:
+            self._program_for(example_args, dict(example_kwargs or {}))
+        except MissingLossError:
+            pass  # the example may omit what the loss needs (e.g. labels); capture waits for the first call
+        # DeepSpeed's tensorboard / csv_monitor / wandb: rank 0 writes each optimizer step's
+        # metrics; built last, so a failed initialize leaves no files or wandb run behind.
+        self.monitor: Monitor | None = Monitor(cfg.monitors, world_size=self.world_size) if cfg.monitors.enabled and self.rank == 0 else None
+
+    def _choose_shard_group_size(self, cfg: ZeroConfig, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> tuple[int, str | None]:
+        """K, and with ``"auto"`` the planner's decision line. The storage and the groups are laid
+        out before the first program, so ``"auto"`` captures the example step once here and lets
+        the planner choose from it; every rank captures the same step and chooses the same K."""
+        if cfg.shard_group_size != "auto":
+            return resolve_shard_group_size(cfg, self.world_size)
+        try:
+            captured = capture_step(self.model, args, dict(kwargs or {}), loss_fn=self.loss_fn, param_infos=self.param_infos,
+                                    device=self.device, compute_dtype=self.compute_dtype, sequence_parallel=self.sequence_parallel)
+        except MissingLossError:
+            return self.world_size, (f"shard group size {self.world_size} (flat): zerofx.shard_group_size \"auto\" chooses from the "
+                                     "captured step, and the example inputs give no loss")
+        plan = plan_program(captured, cfg, self.world_size).plan
+        decision = next((d for d in plan.decisions if "shard group" in d), None)
+        if decision is not None and self.rank == 0:
+            print(f"[zerofx] decision: {decision}", flush=True)
+        return plan.shard_group_size, decision
+
+    # ----------------------------------------------------------------- storage (zerofx.runtime.engine_storage)
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The model's buffers, in the compute dtype: what the graphs take for them."""
+        return self.storage.buffers
+
+    @property
+    def shards(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of each parameter held here (none for an offloaded one)."""
+        return self.storage.shards
+
+    @property
+    def full(self) -> dict[str, torch.Tensor]:
+        """The padded full flat of each parameter the stage keeps whole."""
+        return self.storage.full
+
+    @property
+    def master(self) -> dict[str, torch.Tensor]:
+        """The fp32 masters of this rank's shards, in mixed precision without offload."""
+        return self.storage.master
+
+    @property
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The persistent gradient buffers; empty until the first backward."""
+        return self.storage.grads
+
+    @property
+    def persistent(self) -> frozenset[str]:
+        """The stage-3 parameters kept whole (below the persistence threshold)."""
+        return self.storage.persistent
+
+    @property
+    def optimizer_params(self) -> dict[str, torch.Tensor]:
+        """The tensors the optimizer steps, by FQN."""
+        return self.storage.optimizer_params
+
+    @property
+    def offload_options(self) -> OffloadOptions | None:
+        """The optimizer-state offload options; None when off."""
+        return self.storage.offload_options
+
+    @property
+    def param_offload_options(self) -> ParamOffloadOptions | None:
+        """The ``offload_param`` options; None when off."""
+        return self.storage.param_offload_options
+
+    @property
+    def offload_store(self) -> OffloadStore | None:
+        """The offloaded optimizer-state records; None without offload."""
+        return self.storage.offload_store
+
+    @property
+    def offload_plan(self) -> OffloadPlan | None:
+        """The tiers of the optimizer-state records; None without offload."""
+        return self.storage.offload_plan
+
+    @property
+    def param_store(self) -> ParamStore | None:
+        """The offloaded parameter shards (NOTE [offload_param]); None without."""
+        return self.storage.param_store
+
+    @property
+    def param_offload_plan(self) -> ParamOffloadPlan | None:
+        """The tiers of the parameter shards; None without ``offload_param``."""
+        return self.storage.param_offload_plan
+
+    def param_shard(self, fqn: str) -> torch.Tensor:
+        """This rank's shard of ``fqn`` (a copy read from the store when offloaded)."""
+        return self.storage.param_shard(fqn)
+
+    # ----------------------------------------------------------------- programs
+    def _signature(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        model_kw, loss_kw = split_loss_kwargs(self.model, kwargs, self.loss_fn)
+        leaves, spec = pytree.tree_flatten((tuple(args), model_kw, loss_kw))
+        # A tensor on the engine's device, or on meta (an example input, captured on the engine's
+        # device), counts as "engine": ranks on cuda:0 and cuda:1 have the same signature.
+        key = tuple((tuple(x.shape), x.dtype, "engine" if x.is_meta or x.device == self.device else str(x.device))
+                    if isinstance(x, torch.Tensor) else ("const", repr(x)) for x in leaves)
+        return (repr(spec), key)
+
+    def _misplaced_input(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+        """What is wrong with the first tensor argument not on the engine's device (a meta tensor
+        has no data to run on), naming it by position or keyword; None when all are there."""
+        named = [(f"positional argument {i}", a) for i, a in enumerate(args)] + [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+        for name, value in named:
+            for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+                if not isinstance(leaf, torch.Tensor) or (leaf.device == self.device and not leaf.is_meta):
+                    continue
+                where = f"{name}{pytree.keystr(path)}"
+                if leaf.is_meta:
+                    return (f"{where} is on device meta, which holds no data; the engine runs on {self.device}: pass real tensors "
+                            "(meta tensors are for zerofx.compile and for initialize's example_inputs)")
+                return f"{where} is on device {leaf.device}, but the engine runs on {self.device}: move it there first (.to({str(self.device)!r}))"
+        return None
+
+    def _program_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, misplaced: str | None = None) -> Program:
+        """The program for this call's input signature, captured now if new. ``misplaced`` (from
+        ``_misplaced_input``) is raised as a ``ZeroFXError`` once ranks agree on it, before any graph runs."""
+        sig = self._signature(args, kwargs)
+        rank_agreement.agree_on_inputs(sig, misplaced, group=self.group, world_size=self.world_size, device=self.device,
+                                       on_comm_failure=self._comm_failure)
+        if misplaced is not None:
+            raise ZeroFXError(misplaced)
+        program = self._programs.get(sig)
+        if program is not None:
+            self._programs.move_to_end(sig)
+        else:
+            program = self._build_once(sig, lambda: plan_cache.load_or_build(
+                # A second launch with the same key loads the lowered graphs (zerofx.compiler.plan_cache).
+                self._plan_cache_dir, self._plan_cache_key(sig), lambda: capture_and_plan(
+                    StepCapture(self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos, device=self.device,
+                                compute_dtype=self.compute_dtype, sequence_parallel=self.sequence_parallel),
+                    self.cfg, self.world_size, **self._program_options,
+                ), rank=self.rank, program_options=self._program_options))
+            rank_agreement.check_same_plan(program, self.rank, self.group, self.world_size)
+            self._programs[sig] = program
+            while len(self._programs) > self.cfg.program_cache_size:
+                self._programs.popitem(last=False)  # the least recently used; a pending backward keeps its own
+        if self.param_store is not None and program is not self._scheduled:
+            # Every use of an offloaded shard in one step, in order: the store reads ahead along it.
+            gms = program.graph_modules(self.rank)
+            updates = [f for f in self.offload_plan.update_order if f in self.param_store] if self.offload_plan else []
+            self.param_store.set_schedule(fetch_order(gms["forward"]) + fetch_order(gms["backward"]) + updates)
+            self._scheduled = program
+        return program
+
+    def _build_once(self, sig: Any, build: Callable[[], Program]) -> Program:
+        """``build()`` on rank 0, its program sent to the others (NOTE [One build per job])."""
+        key = plan_cache.cache_key(model=self.model, input_signature=sig, loss_fn=self.loss_fn, cfg=self.cfg,
+                                   world_size=self.world_size, rank=0, backend=str(dist.get_backend(self.group)),
+                                   device=self.device, program_options=self._program_options)
+        return rank_agreement.build_once(build, key=key, rank=self.rank, group=self.group, world_size=self.world_size,
+                                         timeout_s=self.collective_timeout_s, program_options=self._program_options)
+
+    def _plan_cache_key(self, sig: Any) -> dict[str, Any]:
+        """What this rank's program for input signature ``sig`` depends on (NOTE [What a
+        plan-cache key covers] in zerofx/compiler/plan_cache.py); empty when the cache is off."""
+        if self._plan_cache_dir is None:
+            return {}
+        return plan_cache.cache_key(model=self.model, input_signature=sig, loss_fn=self.loss_fn, cfg=self.cfg, world_size=self.world_size,
+                                    rank=self.rank, backend=str(dist.get_backend(self.group)), device=self.device,
+                                    program_options=self._program_options)
+
+    @property
+    def _program_options(self) -> dict[str, Any]:
+        """The keyword arguments this rank's programs are built with (``capture_and_plan``,
+        ``Program``): the groups their collectives name and the parameter-offload placement."""
+        return {"group_name": self.group_name, "param_offload": self.param_offload_plan, "replicate_group_name": self.replicate_group_name}
+
+    @property
+    def program(self) -> Program | None:
+        """The most recently compiled program."""
+        return next(reversed(self._programs.values()), None)
+
+    def graph_modules(self) -> dict[str, fx.GraphModule]:
+        if self.program is None:
+            raise ZeroFXError("nothing compiled yet: call the engine once first")
+        return self.program.graph_modules(self.rank)
+
+    # ----------------------------------------------------------------- training
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Run the forward graph on this rank's batch; return the loss (a scalar tensor). Every
+        tensor argument must be on the engine's device (``ZeroFXError`` naming the one that is not)."""
+        program = self._program_for(args, kwargs, misplaced=self._misplaced_input(args, kwargs))
+        self._warn_past_schedule()
+        captured: CapturedStep = program.captured
+        inputs = flatten_call(captured, self.model, args, kwargs, self.loss_fn)
+        if self._sequence_group is not None:
+            rank_agreement.check_same_batch_in_group(inputs, rank=self.rank, sequence_group=self._sequence_group,
+                                                     size=self.sequence_parallel.size, device=self.device)
+        primals = [self.storage.param_input(p.fqn) for p in captured.params]
+        primals += [self.buffers[b.fqn] for b in captured.buffers]
+        primals += inputs
+        outputs = self._run(program, "forward", primals)
+        loss = outputs[0]
+        self._pending = (program, list(outputs[1:]), loss)
+        self._last_loss = loss
+        return loss
+
+    forward = __call__
+
+    _schedule_end_warned = False  # set on the instance by its first warning
+
+    def _warn_past_schedule(self) -> None:
+        """Warn once when the coming optimizer step is past the scheduler's ``total_num_steps``:
+        from there on the learning rate stays at its final value."""
+        schedule = self.cfg.scheduler
+        total = None if schedule is None else schedule.total_num_steps
+        if schedule is None or total is None or self.global_steps < total or self._schedule_end_warned:
+            return
+        self._schedule_end_warned = True
+        final = lr_at(schedule, total, self._base_lrs[0])
+        warnings.warn(ScheduleEndWarning(
+            f"optimizer step {self.global_steps + 1} is past the scheduler's total_num_steps {total}: lr stays at its final "
+            f"value {final:.3g} from here on; raise scheduler.params.total_num_steps to decay over more steps"), stacklevel=3)
+
+    def _run(self, program: Program, name: str, args_list: list[torch.Tensor]) -> Any:
+        """Run graph ``name`` of ``program`` on ``args_list``, which it empties, freeing each input
+        after its last use (NOTE [Boxed graphs] in zerofx/compiler/program.py): compiled per
+        ``zerofx.compile``, or op by op under the WaitTimer when one is set (it times the FX
+        graph's own wait nodes)."""
+        try:
+            if self.wait_timer is not None:
+                return self.wait_timer.run(name, program.graph_modules(self.rank)[name], args_list)
+            return program.run(self.rank, name, args_list, self.cfg.graph_compiler)
+        except RuntimeError as exc:
+            if isinstance(exc, ZeroFXError) or not rank_agreement.is_comm_failure(exc):
+                raise
+            raise self._comm_failure(f"the {name} graph, at {rank_agreement.failing_collective(exc)}", exc) from exc
+
+    def _comm_failure(self, where: str, exc: BaseException) -> CollectiveTimeoutError:
+        return rank_agreement.comm_failure(self.rank, self.collective_timeout_s, where, exc)
+
+    @property
+    def setup_times(self) -> dict[str, float]:
+        """Seconds the most recent program took to set up, by phase: ``capture`` (the joint graph
+        on fake tensors), ``plan`` (sharding, buckets, and any budget search) and ``lower`` (the
+        rewrite passes and the split into this rank's graphs); or, when the plan cache had them,
+        ``cache`` alone (reading and rebuilding the lowered graphs); on ranks other than 0,
+        ``from rank 0`` alone (rebuilding the graphs rank 0 sent, NOTE [One build per job]). Empty
+        before the first capture."""
+        program = self.program
+        phases = ("capture", "plan", "lower", "cache", "from rank 0")
+        return {} if program is None else {k: program.setup_times[k] for k in phases if k in program.setup_times}
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling graphs with Inductor so far (0 unless ``zerofx.compile`` is set)."""
+        return sum(p.compile_s for p in self._programs.values())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Run the backward graph for the last forward; accumulate this rank's gradients."""
+        if self._pending is None or loss is not self._pending[2]:
+            raise EngineStateError("engine.backward(loss) needs the loss returned by the engine's most recent forward call")
+        if self._backward_since_step:
+            raise EngineStateError(
+                "engine.backward() was called twice without engine.step() in between; call step() after every "
+                "backward (it updates the parameters only at the gradient-accumulation boundary)"
+            )
+        # The saved tensors' only references go into the list the backward graph empties, so
+        # each is freed once the backward has used it (NOTE [Boxed graphs]).
+        program, args_list, _ = self._pending
+        self._pending = None
+        if self.offload_store is not None and self.is_gradient_accumulation_boundary():
+            self.optimizer.prefetch()  # the first NVMe records load while backward runs
+        # d(loss)/d(loss): 1 over the accumulation steps (DeepSpeed averages micro-batches), times
+        # the fp16 loss scale.
+        seed = (self.loss_scaler.scale if self.loss_scaler else 1.0) / self.gradient_accumulation_steps
+        args_list.append(torch.full_like(loss, seed))
+        # With gradient offload the graph hands each reduced shard to the store at its bucket's
+        # wait and returns None for it (NOTE [Gradients leave at their bucket's wait]).
+        grad_store = self.storage.grad_store
+        with grad_sink(grad_store.add if grad_store is not None else None):
+            grads = self._run(program, "backward", args_list)
+        self._backward_since_step = True
+        self.storage.accumulate_grads([info.fqn for info in program.captured.params], grads)
+        self._step_samples += samples_and_tokens(program.captured.inputs)[0]
+        if self.monitor is not None:
+            self.monitor.record_micro_batch(loss, program.captured.inputs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Call after every ``backward``. At each gradient-accumulation boundary: clip, update this
+        rank's shard with the optimizer, and bring back full parameters where the stage keeps them."""
+        if not self._backward_since_step:
+            raise EngineStateError(
+                "engine.step() was called without engine.backward() since the last step; the order is "
+                "loss = engine(...); engine.backward(loss); engine.step()"
+            )
+        self._backward_since_step = False
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        self._sync_grads()
+        # Gradients of what the optimizer steps, unscaled (in mixed precision fp32 copies).
+        grads = self.storage.optimizer_grads(1.0 / self.loss_scaler.scale if self.loss_scaler else 1.0)
+        if self.loss_scaler is not None and not self._finite(grads):
+            self.loss_scaler.update(overflow=True)
+            self.skipped_steps += 1
+            self._after_step(updated=False)
+            return
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
+        grad_norm: float | torch.Tensor | None = None
+        if self.cfg.gradient_clipping > 0:
+            grad_norm = self._clip(grads, self.cfg.gradient_clipping)
+        elif self.cfg.monitors.enabled:
+            # On every rank: a collective (NOTE [Monitors: rank 0 writes, every rank joins the norm]).
+            grad_norm = self._grad_norm(grads)
+        schedule = self.cfg.scheduler
+        if schedule is not None:
+            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+                group["lr"] = lr_at(schedule, self.global_steps, base)
+        if isinstance(self.optimizer, OffloadedOptimizer):
+            applied = self.optimizer.finish()  # delayed update: the previous step's, now
+            self.optimizer.step(grads=grads)
+            self._after_step(updated=applied or not self.optimizer.delayed, grad_norm=grad_norm)
+            return
+        self.optimizer.step()
+        self._after_step(updated=True, grad_norm=grad_norm)
+
+    def _finite(self, grads: dict[str, torch.Tensor]) -> bool:
+        bad = torch.zeros(1, device=self.device)
+        for f, g in grads.items():
+            if not torch.isfinite(self.storage.owned(f, g)).all():
+                bad.fill_(1)
+                break
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)  # every rank skips together
+        return bad.item() == 0
+
+    def _grad_norm(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of the gradients over all ranks' shards, in fp64 (shape (1,)): each
+        element read once, then one 8-byte all-reduce (a collective)."""
+        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for f, g in grads.items():
+            squares += self.storage.owned(f, g).double().pow(2).sum()
+        dist.all_reduce(squares, group=self.group)
+        # Every shard group holds the same shards (NOTE [Shard groups of consecutive ranks]): each
+        # element was counted once per group.
+        return (squares / (self.world_size // self.shard_group_size)).sqrt()
+
+    def _clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> float:
+        """Scale gradients so their global L2 norm (over all ranks' shards) is at most ``max_norm``;
+        return the norm before clipping."""
+        norm = self._grad_norm(grads).item()
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1:
+            if isinstance(grads, OffloadedGrads):
+                grads.scale_(coef)  # applied as each is read from its tier (NOTE [Offloaded gradients])
+            else:
+                for g in grads.values():
+                    g.mul_(coef)
+        return norm
+
+    def _after_step(self, *, updated: bool, grad_norm: float | torch.Tensor | None = None) -> None:
+        self.storage.end_step(updated=updated)
+        self.global_steps += 1
+        # Ranks agree on input shapes; the ranks of a sequence group share their sequences.
+        self.global_samples += self._step_samples * self.world_size // (self.sequence_parallel.size if self.sequence_parallel else 1)
+        self._step_samples = 0
+        every = self.cfg.steps_per_print
+        if every and self.global_steps % every == 0 and self.rank == 0:
+            loss = f"{self._last_loss.item():.4f}" if self._last_loss is not None else "n/a"
+            scale = f", loss scale {self.loss_scaler.scale:g}" if self.loss_scaler else ""
+            print(f"[zerofx] step {self.global_steps}: loss {loss}, lr {self.optimizer.param_groups[0]['lr']:.3g}{scale}", flush=True)
+        if updated:
+            self._sync_params()
+        if self.monitor is not None:
+            self.monitor.record_step(samples=self.global_samples, lr=self.optimizer.param_groups[0]["lr"],
+                                     loss_scale=self.loss_scaler.scale if self.loss_scaler else None, grad_norm=grad_norm,
+                                     model_state_bytes=sum(self.memory().values()))
+
+    def _sync_grads(self) -> None:
+        """Stage 1, at the accumulation boundary: reduce-scatter the accumulated local gradients
+        into this rank's shard of each buffer (a collective; NOTE [Stages 1 and 2 move 2 Psi] in
+        passes/grad_sync.py)."""
+        program = self.program
+        if program is not None and "grad_sync" in program.graph_modules(self.rank):
+            order = [f for bucket in program.plan.reduce_buckets for f in bucket]
+            self._run(program, "grad_sync", [self.storage.grads[f] for f in order] + [self.storage.grad_shard(f) for f in order])
+
+    def _sync_params(self) -> None:
+        """Where the stage keeps parameters whole, all-gather the updated shards (a collective)."""
+        program = self.program
+        if program is not None and "param_sync" in program.graph_modules(self.rank):
+            order = [f for bucket in program.plan.sync_buckets for f in bucket]
+            # The graph writes each gathered bucket into the full flats in place (passes/param_sync.py).
+            self._run(program, "param_sync", [self.shards[f] for f in order] + [self.full[f] for f in order])
+
+    # ----------------------------------------------------------------- state
+    def flush(self) -> None:
+        """With the one-step delayed update, apply the update still in flight (a collective at
+        stages 1-2, which re-gather the parameters), wait for offloaded state's write-backs, and
+        write the monitors' waiting records. Reading state and saving a checkpoint call it first."""
+        if self.monitor is not None:
+            self.monitor.flush()  # the curves on disk reach at least the last checkpoint
+        if isinstance(self.optimizer, OffloadedOptimizer):
+            if self.optimizer.finish():
+                self._sync_params()
+            self.optimizer.store.drain()  # the write-backs still going on; raises their errors
+            if self.param_store is not None:
+                self.param_store.drain()
+            if self.storage.grad_store is not None:
+                self.storage.grad_store.drain()
+
+    def close(self) -> None:
+        """Write the monitors' last records and close their files and wandb run; finish offloaded
+        transfers and delete the offload files (NOTE [Offload files live as long as the engine]).
+        The engine cannot train after this. Not a collective."""
+        if self.monitor is not None:
+            self.monitor.close()
+        if self._closer is not None:
+            self._closer()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict (same keys and shapes as ``model.state_dict()``) on every rank.
+        At stage 3 this all-gathers every parameter: a collective, so call it on all ranks."""
+        self.flush()
+        out: dict[str, torch.Tensor] = {}
+        gathered: dict[str, torch.Tensor] = {}
+        for key, owner in self._state_keys:
+            if owner is None:
+                out[key] = self.buffers[key].detach().clone()
+                continue
+            if owner not in gathered:
+                p = self.placements[owner]
+                if owner not in self.full:
+                    flat = torch.empty(p.padded_numel, dtype=p.torch_dtype, device=self.device)
+                    _compat.all_gather_flat(flat, self.param_shard(owner), group=self.shard_group)
+                else:
+                    flat = self.full[owner].clone()
+                gathered[owner] = flat[: p.numel].view(p.shape)
+            out[key] = gathered[owner]
+        return out
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank really holds: parameter, gradient and optimizer-state tensors. With
+        offload, ``optimizer_states`` is what stays on the device, and ``offload_cpu_bytes`` /
+        ``offload_nvme_bytes`` what host memory and the NVMe files hold (``offload_window_bytes``:
+        the host buffers NVMe records pass through; ``offload_staging_bytes``: the delayed
+        update's copy of the shards). With ``offload_param``, ``params`` counts only what stays
+        on the device; ``offload_param_cpu_bytes`` / ``offload_param_nvme_bytes`` the shards on
+        the other tiers and ``offload_param_window_bytes`` the NVMe read-ahead bound."""
+        out = self.storage.memory()
+        if isinstance(self.optimizer, OffloadedOptimizer):
+            store = self.offload_store
+            assert store is not None
+            steps = [r.step for r in store.records.values()] if self.cfg.optimizer.type in ("AdamW", "Adam") else []
+            out["optimizer_states"] = store.resident_bytes(Tier.DEVICE) + sum(t.untyped_storage().nbytes() for t in steps)
+            out["offload_cpu_bytes"] = store.resident_bytes(Tier.CPU)
+            out["offload_nvme_bytes"] = store.nvme_bytes()
+            out["offload_window_bytes"] = store.window_bytes()
+            out["offload_staging_bytes"] = self.optimizer.staging_bytes()
+            if self.param_store is not None:
+                ps = self.param_store
+                out["offload_param_cpu_bytes"] = ps.cpu_bytes()
+                out["offload_param_nvme_bytes"] = ps.nvme_bytes()
+                out["offload_param_window_bytes"] = ps.window_bytes()
+            gs = self.storage.grad_store
+            if gs is not None:  # NOTE [Offloaded gradients]: ``grads`` (on the device) is 0
+                out["offload_grad_cpu_bytes"] = gs.cpu_bytes()
+                out["offload_grad_nvme_bytes"] = gs.nvme_bytes()
+                out["offload_grad_window_bytes"] = gs.window_bytes()
+            return out
+        states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        states += list(self.master.values())  # the fp32 master copy counts with the optimizer states, as in ZeRO
+        out["optimizer_states"] = storage_bytes(states)
+        return out
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: Mapping[str, Any] | None = None, *,
+                        keep_last: int | None = None) -> None:
+        """Save this rank's shards under ``save_dir/tag`` (default ``step-<global_steps>``),
+        atomically; a collective, call on every rank. With ``keep_last=K``, then delete the
+        oldest ``step-<N>`` checkpoints beyond the newest K. See ``zerofx.runtime.checkpoint``."""
+        self.flush()
+        save_checkpoint(self, save_dir, tag=tag, client_state=client_state, keep_last=keep_last)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True) -> dict[str, Any]:
+        """Load a checkpoint saved at any world size and stage (default: the newest complete one);
+        return this rank's ``client_state``. A collective, call on every rank. See ``zerofx.runtime.checkpoint``."""
+        self.flush()  # an update in flight must not land on the loaded parameters
+        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states)
+
+
+def _check_has_trainable_params(model: nn.Module) -> None:
+    params = list(model.parameters())
+    if not params:
+        raise ZeroFXError(f"{type(model).__name__} has no parameters; zerofx shards a model's parameters, so it has nothing to train")
+    if not any(p.requires_grad for p in params):
+        raise ZeroFXError(
+            f"every parameter of {type(model).__name__} is frozen (requires_grad=False); unfreeze the ones to train "
+            "(zerofx trains with an optimizer over them)"
+        )
+
+
+def _meta_init_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a meta-built model's shards live: the current CUDA device under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def initialize(
+    model: nn.Module,
+    config: str | Path | Mapping[str, Any] | None = None,
+    *,
+    example_inputs: tuple[Any, ...] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    stage: int | None = None,
+    world_size: int | None = None,
+    loss_fn: LossFn | None = None,
+    group: dist.ProcessGroup | None = None,
+    init_fn: InitFn | None = None,
+    init_seed: int = 0,
+) -> Engine:
+    """Shard ``model`` across the process group and return this rank's training engine.
+
+    Call it on every rank, inside an initialized ``torch.distributed`` process group.
+
+    ``model`` may be built on the meta device (``with torch.device("meta"): model = ...``).
+    Each rank then computes its own shards, module by module, from ``init_seed`` and the
+    modules' init functions (``init_fn(module)``, else the model's ``_init_weights(module)``,
+    else each module's ``reset_parameters()``): NOTE [The init scheme] in
+    ``zerofx.compiler.materialize``. No rank ever holds more than one module's full tensors beyond what
+    its stage keeps, and the values are the same at every world size.
+    """
+    args = check_example_inputs(example_inputs)
+    cfg = resolve(config, stage=stage, world_size=world_size)
+    return Engine(model, cfg, args, example_kwargs, loss_fn=loss_fn, group=group, init_fn=init_fn, init_seed=init_seed)
