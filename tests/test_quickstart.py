@@ -37,13 +37,28 @@ def test_readme_first_command_parses_and_fits_its_config() -> None:
     """The first command installs, then trains with flags the CLI takes, a config that exists,
     and a scheduler that spans every step (else the run would warn)."""
     first = _blocks("bash")[0].strip()
-    assert "\n" not in first and first.startswith("pip install torch==2.13.0 && pip install -e")
+    assert "\n" not in first and first.startswith(
+        'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[test]" && ')
     train = shlex.split(first.split("&&")[-1])
     assert train[:2] == ["zerofx", "train"] and "--print-graph" not in train
     args = build_parser().parse_args(train[1:])
     config = parse_config(ROOT / args.config)
     assert config.scheduler is not None and args.steps <= config.scheduler.total_num_steps
     assert args.model == "small" and args.output_dir is not None
+
+
+def test_ci_runs_the_readme_commands_in_a_fresh_venv() -> None:
+    """``.ci/run`` makes a venv of its own and activates it before installing, installs with the
+    README's first command's steps, in order, and ends with the README's test command exactly: a
+    step the README lacks fails CI as it would fail a new user."""
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    first, tests = (b.strip() for b in _blocks("bash")[:2])
+    installs = [step.strip() for step in first.split("&&") if step.strip().startswith("pip install")]
+    venv = next(i for i, line in enumerate(ci) if line.startswith("python3 -m venv "))
+    activate = next(i for i, line in enumerate(ci) if line.startswith(". ") and line.endswith("/bin/activate\""))
+    found = [next(i for i, line in enumerate(ci) if line.split(" -q")[0] + line.split(" -q", 1)[-1] == step) for step in installs]
+    assert venv < activate < found[0] and found == sorted(found) and len(installs) == 2
+    assert ci[-1] == tests == "python -m pytest -q -n 2 --dist loadfile tests"
 
 
 @pytest.mark.slow
