@@ -26,8 +26,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-# One thread per rank: the multi-process tests run several ranks on two cores.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# NOTE [Threads per test process]
+# One torch thread per process: the two xdist workers and the up to four ranks each multi-rank
+# test starts already outnumber CI's two cores, and more threads per process only add context
+# switches. A caller's OMP_NUM_THREADS is kept when it is at most the cores this process may
+# use (os.sched_getaffinity), and capped there otherwise: a shell set up for a larger machine
+# (OMP_NUM_THREADS=16) does not oversubscribe a small one. The ranks and commands the tests
+# start inherit the variable.
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_asked = os.environ.get("OMP_NUM_THREADS", "1")
+os.environ["OMP_NUM_THREADS"] = str(max(1, min(int(_asked) if _asked.isdigit() else 1, _CORES)))
 # NOTE [The suite's plan cache]
 # The plan cache is on, as it is for users (docs/plan-cache.md), in a directory this run
 # creates and removes, shared by the xdist workers and every rank and command they start (they

@@ -383,7 +383,10 @@ def _program_from_payload(payload: bytes, program_options: Mapping[str, Any]) ->
     data = _loads(payload, fake_mode)
     captured = _CachedCapture(lambda: _loads(data["joint"], fake_mode), data["captured"])
     modules = {name: graph_from_record(record) for name, record in data["modules"].items()}
-    return Program.from_lowered(captured, data["plan"], modules, **program_options)
+    # The build's options name the shard placement (param_offload) the key was made with; the
+    # cached plan carries it, so the program takes only the group names.
+    groups = {k: v for k, v in program_options.items() if k != "param_offload"}
+    return Program.from_lowered(captured, data["plan"], modules, **groups)
 
 
 # ------------------------------------------------------------------ entries
