@@ -28,7 +28,7 @@ Systems, per world size W:
   (Ulysses all-to-all): the S ranks of a group share one sequence, T/S tokens each, untiled.
 - ``zerofx3_sp4_tiled``: ``zerofx3_sp4`` with ``zerofx.tiling`` as ``zerofx3_tiled`` has it,
   planned for each rank's T/4 positions (NOTE [Tiling a sequence-parallel forward] in
-  zerofx/compiler/capture.py).
+  zerofx/compiler/pipeline.py).
 - ``fsdp2_cp``: FSDP2 (``fully_shard`` per block) inside
   ``torch.distributed.tensor.experimental.context_parallel`` over the W ranks, with the token ids
   and labels sharded along the sequence. Where it does not run on CPU with gloo, its row holds

@@ -12,7 +12,7 @@ Every node gets ``sdim``: the dimension of its output that is the sequence axis 
 ``seq_len``), or None. Sources are the user's inputs with a dimension of that length,
 ``arange(seq_len)``, a ``slice(table, d, 0, seq_len)`` of a sequence-free tensor (rotary
 tables) and an ``index_select`` of seq_len positions of one (a sequence-parallel rank's slice of
-an input or table, NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/capture.py). A node is
+an input or table, NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/pipeline.py). A node is
 *token-wise* when its output at position t depends only on its inputs at t; each op kind has a
 rule (elementwise with broadcasting, reductions and normalizations over other dims, linear over
 the last dim, views that keep the axis whole, a gather ``index_select(x, d, positions)`` by

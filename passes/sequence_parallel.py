@@ -335,7 +335,7 @@ def _heads_to_seq(y: torch.Tensor, size: int, group_name: str) -> torch.Tensor:
     b, hs, t, d = y.shape  # (B, H/S, T, D)
     y = y.reshape(b, hs, size, t // size, d).permute(2, 0, 1, 3, 4).contiguous()  # (S, B, H/S, T/S, D): chunk j to rank j
     x = _all_to_all(y, size, group_name, grad=True).permute(1, 0, 2, 3, 4)  # (B, S, H/S, T/S, D): chunk j is rank j's heads
-    with _compat.annotate({meta.SEQUENCE_DIM: 2}):  # NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/capture.py
+    with _compat.annotate({meta.SEQUENCE_DIM: 2}):  # NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/pipeline.py
         return x.reshape(b, size * hs, t // size, d)  # (B, H, T/S, D)
 
 
@@ -408,7 +408,7 @@ class _Sharded(fx.Interpreter):
         if self.plan.attention is SequenceAttention.RING:
             named = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest)) | kwargs
             scale = named.get("scale") or q.shape[-1] ** -0.5
-            with _compat.annotate({meta.SEQUENCE_DIM: 2}):  # NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/capture.py
+            with _compat.annotate({meta.SEQUENCE_DIM: 2}):  # NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/pipeline.py
                 return ring_attention(q, k, v, named.get("attn_mask"), is_causal=bool(named.get("is_causal", False)), scale=scale,
                                       size=size, group_name=group, zigzag=self.plan.zigzag)  # (B, H, T/S, D)
         if k.shape[1] % size:  # key/value heads S does not divide: repeat them to the query heads

@@ -22,7 +22,7 @@ from zerofx.data.genome import (
 )
 from zerofx.common.errors import ZeroFXError
 from zerofx.models import DNA_LM_SIZES
-from zerofx.models.dna_lm import DNA_VOCAB
+from zerofx.common.vocab import DNA_VOCAB
 
 LAMBDA_BP = 48_502
 

@@ -63,7 +63,7 @@ def _user_frames(frames: traceback.StackSummary) -> list[traceback.FrameSummary]
     # With a trailing separator, so a folder matches and a longer name beside it does not.
     outside = tuple(os.path.join(Path(p).resolve(), "") for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
                                                      sysconfig.get_paths()["stdlib"], site.getusersitepackages(),
-                                                     Path(nn.__file__).resolve().parents[1], Path(__file__).resolve().parent,
+                                                     Path(nn.__file__).resolve().parents[1], Path(__file__).resolve().parents[1],
                                                      Path(passes.__file__).resolve().parent, Path(cost_models.__file__).resolve().parent})
     mine = [f for f in frames if not str(Path(f.filename).resolve()).startswith(outside)]
     return mine or list(frames)

@@ -50,7 +50,7 @@ from zerofx.common.errors import RankFailedError, UsageError, ZeroFXError
 from zerofx.common.limits import DEFAULT_TRAIN_STAGE, MAX_SEED, check_positive, check_stage
 from zerofx.models.sizes import model_config
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
-from zerofx.models.dna_lm import DNA_VOCAB
+from zerofx.common.vocab import DNA_VOCAB
 from zerofx.compiler.program import resolve
 from zerofx.common.rss import peak_rss_bytes
 from zerofx.runtime.schedulers import lr_at

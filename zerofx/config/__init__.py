@@ -116,7 +116,7 @@ class ZeroConfig:
 
     @property
     def plan_cache_dir(self) -> Path | None:
-        """Where the plan cache keeps its entries (``zerofx.compiler.plan_cache``, else ``$ZEROFX_PLAN_CACHE``,
+        """Where the plan cache keeps its entries (``zerofx.plan_cache``, else ``$ZEROFX_PLAN_CACHE``,
         else ``$XDG_CACHE_HOME/zerofx/plans`` or ``~/.cache/zerofx/plans``); None when it is off."""
         value = self.raw.get("zerofx", {}).get("plan_cache")
         if value is None:
@@ -485,7 +485,7 @@ def check_sequence_parallel(raw: Mapping[str, Any], *, world_size: int | None) -
     over the sequence group; offload acts on the optimizer step, the stage-3 fetch of shards and
     the backward's reduced shards; shard groups only change how gradients are averaged over all
     ranks; the loss's sum and token count are exchanged in fp32 at least; tiling plans each
-    rank's slice (NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/capture.py)
+    rank's slice (NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/pipeline.py)
     (docs/sequence-parallel.md, "What composes with sequence parallelism")."""
     section = raw.get("zerofx", {}).get("sequence_parallel")
     if section is None:

@@ -49,7 +49,7 @@ MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600.0
 # 2 s to build and a few MiB to keep (the tiny DNA LM), and 8 covers a training length, an
 # evaluation length and a ragged last batch of each with room to spare.
 DEFAULT_PROGRAM_CACHE_SIZE = 8
-# The plan cache's directory when the config names none (zerofx.compiler.plan_cache): this variable's
+# The plan cache's directory when the config names none (zerofx.plan_cache): this variable's
 # value ("off", "0" or "false" turns the cache off), else under the user's cache directory.
 PLAN_CACHE_ENV = "ZEROFX_PLAN_CACHE"
 # fp16.initial_scale_power: the scale 2**p multiplies an fp32 loss, and 2**128 is inf in fp32.

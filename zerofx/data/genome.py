@@ -4,7 +4,7 @@ Nothing here holds a whole genome: ``read_fasta`` yields bounded chunks, and
 ``genome_windows`` keeps one partial window, one pending window and a bounded shuffle buffer,
 so a 3 Gbp human assembly streams in the same memory as the bundled 48,502 bp lambda phage.
 
-Tokens follow ``zerofx.models.dna_lm.DNA_VOCAB``: A, C, G, T are 0..3, U (RNA) reads as T, and
+Tokens follow ``zerofx.common.vocab.DNA_VOCAB``: A, C, G, T are 0..3, U (RNA) reads as T, and
 every other symbol is 4, N. Lowercase (soft-masked repeats) reads as uppercase. With a
 ``KmerTokenizer`` (``zerofx.data.tokenizers``), windows hold the Nucleotide Transformer's k-mer
 ids instead, cut from each record's token stream.
@@ -60,7 +60,7 @@ import torch
 from zerofx.data.tokenizers import KmerTokenizer
 from zerofx.common.errors import ZeroFXError
 from zerofx.common.limits import MAX_FOREIGN_FRACTION
-from zerofx.models.dna_lm import DNA_VOCAB
+from zerofx.common.vocab import DNA_VOCAB
 
 N_TOKEN = DNA_VOCAB.index("N")
 # Maps each token to its complement's token: A<->T, C<->G, N stays N.

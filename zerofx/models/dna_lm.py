@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zerofx.models.sizes import DNA_LM_SIZES, DNA_VOCAB, DNALMConfig  # noqa: F401  (re-exported: zerofx.models.dna_lm names them)
+from zerofx.models.sizes import DNA_LM_SIZES, DNALMConfig  # noqa: F401  (re-exported: zerofx.models.dna_lm names them)
 from zerofx.common.errors import ZeroFXError
 
 

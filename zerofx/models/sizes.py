@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerofx.common.errors import UsageError, did_you_mean
+from zerofx.common.vocab import DNA_VOCAB
 
-DNA_VOCAB = ("A", "C", "G", "T", "N")
 
 
 @dataclass(frozen=True)
