@@ -3,7 +3,6 @@ top-level passes/ and cost_models/ never land in site-packages under generic nam
 
 from __future__ import annotations
 
-import site
 import subprocess
 import sys
 import venv
@@ -40,14 +39,17 @@ def test_editable_install_exposes_only_zerofx_names(tmp_path: Path) -> None:
 
 def _see_this_interpreters_packages(python: str) -> None:
     """Let the venv at ``python`` import torch and its dependencies from the interpreter that runs
-    the tests, wherever that one has them: its own venv (as the README installs), the user site or
-    the system. A ``.pth`` file lists those site-packages folders after the venv's own, so the
-    wheel installed into the venv is found first. The folders' own ``.pth`` files are not run,
-    so this interpreter's editable install of zerofx stays out."""
-    folders = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    the tests, wherever that one has them: its own venv (as the README installs), a folder another
+    ``.pth`` file added, the user site or the system. A ``.pth`` file lists the folders on this
+    interpreter's ``sys.path`` after the venv's own, so the wheel installed into the venv is found
+    first. The checkout is left out (its ``passes/`` would be importable under that generic name),
+    and the listed folders' own ``.pth`` files are not run, so this interpreter's editable install
+    of zerofx stays out too."""
+    checkout = {ROOT, ROOT / "tests"}
+    folders = [f for f in sys.path if f and Path(f).is_dir() and Path(f).resolve() not in checkout]
     own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                          check=True, capture_output=True, text=True, timeout=60).stdout.strip()
-    Path(own, "zerofx-test-parent-env.pth").write_text("".join(f"{f}\n" for f in folders if Path(f).is_dir()))
+    Path(own, "zerofx-test-parent-env.pth").write_text("".join(f"{f}\n" for f in folders))
 
 
 def test_wheel_installs_passes_under_zerofx(tmp_path: Path) -> None:
