@@ -39,11 +39,20 @@ FP32_BYTES = 4
 
 
 class Tier(str, enum.Enum):
-    """Where an optimizer-state record lives between steps."""
+    """Where an optimizer-state record, parameter shard or gradient shard lives between uses. The
+    values are the config's spellings (``zero_optimization.offload_optimizer.device`` and the
+    other ``device`` keys), and the runtime gives each member a backend
+    (``zerofx.runtime.offload.tiers``, NOTE [Tier backends])."""
 
     DEVICE = "device"
     CPU = "cpu"
     NVME = "nvme"
+
+
+# The config's ``device`` keys name a tier to offload to, or ``NO_OFFLOAD`` to keep the state on
+# the device: every tier but the device itself, whose config spelling is "none" (DeepSpeed's).
+NO_OFFLOAD = "none"
+OFFLOAD_TIERS: tuple[Tier, ...] = tuple(t for t in Tier if t is not Tier.DEVICE)
 
 
 @dataclass(frozen=True)

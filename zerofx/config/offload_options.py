@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zerofx.cost_models.offload import Tier, TierSpec
+from zerofx.cost_models.offload import NO_OFFLOAD, OFFLOAD_TIERS, Tier, TierSpec
 from zerofx.common.errors import ConfigError
 
 # Defaults when the config gives no measured bandwidth: a PCIe 4 x16 link (host <-> device) and
@@ -19,6 +19,8 @@ DEFAULT_HOST_COPY_BYTES_PER_S = 12e9
 DEFAULT_NVME_READ_BYTES_PER_S = 3e9
 DEFAULT_NVME_WRITE_BYTES_PER_S = 1.5e9
 
+# "cpu or nvme": the tiers a ``device`` key may name, as its messages list them.
+_OFFLOAD_TIER_NAMES = " or ".join(t.value for t in OFFLOAD_TIERS)
 
 
 @dataclass(frozen=True)
@@ -43,12 +45,12 @@ class OffloadOptions:
         zero = raw.get("zero_optimization", {})
         own = raw.get("zerofx", {}).get("offload", {})
         section = zero.get("offload_optimizer", {})
-        device = section.get("device", "none")
-        if device == "none":
-            if own and zero.get("offload_param", {}).get("device", "none") == "none":
-                raise ConfigError("zerofx.offload is set but zero_optimization.offload_optimizer.device is not; set it to cpu or nvme")
+        device = section.get("device", NO_OFFLOAD)
+        if device == NO_OFFLOAD:
+            if own and zero.get("offload_param", {}).get("device", NO_OFFLOAD) == NO_OFFLOAD:
+                raise ConfigError(f"zerofx.offload is set but zero_optimization.offload_optimizer.device is not; set it to {_OFFLOAD_TIER_NAMES}")
             return None
-        if device == "nvme" and not section.get("nvme_path"):
+        if Tier(device) is Tier.NVME and not section.get("nvme_path"):
             raise ConfigError("zero_optimization.offload_optimizer.device is nvme but nvme_path is missing; accepted: a writable folder")
         ratio = float(section.get("ratio", 1.0))
         if not 0.0 <= ratio <= 1.0:
@@ -116,10 +118,10 @@ class ParamOffloadOptions:
         """None when parameter offload is off. ``ConfigError`` for settings that contradict."""
         section = raw.get("zero_optimization", {}).get("offload_param", {})
         own = raw.get("zerofx", {}).get("offload", {})
-        device = section.get("device", "none")
-        if device == "none":
+        device = section.get("device", NO_OFFLOAD)
+        if device == NO_OFFLOAD:
             return None
-        if device == "nvme" and not section.get("nvme_path"):
+        if Tier(device) is Tier.NVME and not section.get("nvme_path"):
             raise ConfigError("zero_optimization.offload_param.device is nvme but nvme_path is missing; accepted: a writable folder")
         return cls(
             device=Tier(device),
@@ -163,15 +165,15 @@ class GradOffloadOptions:
         """None when gradient offload is off. ``ConfigError`` naming both keys for settings that
         contradict (``stage`` is the resolved ZeRO stage, None when not known yet)."""
         section = raw.get("zerofx", {}).get("offload_gradients", {})
-        device = section.get("device", "none")
-        if device == "none":
+        device = section.get("device", NO_OFFLOAD)
+        if device == NO_OFFLOAD:
             return None
         if stage is not None and stage < 2:
             raise ConfigError(
                 f"zerofx.offload_gradients.device is {device} but zero_optimization.stage is {stage}; gradients are "
                 "sharded only at stages 2 and 3: set stage 2 or 3, or offload_gradients.device none"
             )
-        if device == "nvme" and not section.get("nvme_path"):
+        if Tier(device) is Tier.NVME and not section.get("nvme_path"):
             raise ConfigError("zerofx.offload_gradients.device is nvme but zerofx.offload_gradients.nvme_path is missing; "
                               "accepted: a writable folder")
         return cls(

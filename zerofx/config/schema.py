@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zerofx.cost_models.offload import NO_OFFLOAD, OFFLOAD_TIERS
 from zerofx.cost_models.profiles import BUILTIN as BUILTIN_PROFILES
 from zerofx.passes.sequence_parallel import SequenceAttention
 from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_MONITOR_JOB_NAME, DEFAULT_PROGRAM_CACHE_SIZE, DEFAULT_WANDB_PROJECT,
@@ -77,7 +78,16 @@ def _size(v: Any) -> bool:
         return False
 
 
-_OFFLOAD_DEVICE = Key((str,), "where the state lives", lambda v: v in ("none", "cpu", "nvme"), "none, cpu or nvme")
+# The offload ``device`` keys' spellings, from the tier enum: "none", "cpu", "nvme".
+_OFFLOAD_DEVICES = (NO_OFFLOAD, *(t.value for t in OFFLOAD_TIERS))
+_OFFLOAD_DEVICES_ACCEPTED = f"{', '.join(_OFFLOAD_DEVICES[:-1])} or {_OFFLOAD_DEVICES[-1]}"
+
+
+def _offload_device(v: Any) -> bool:
+    return v in _OFFLOAD_DEVICES
+
+
+_OFFLOAD_DEVICE = Key((str,), "where the state lives", _offload_device, _OFFLOAD_DEVICES_ACCEPTED)
 _OFFLOAD_OPTIMIZER = {
     "device": _OFFLOAD_DEVICE,
     "nvme_path": Key((str,), "folder for NVMe offload files (one subfolder per rank)", per_rank=True),
@@ -86,7 +96,7 @@ _OFFLOAD_OPTIMIZER = {
     "ratio": Key(_NUM, "fraction of the optimizer state to offload (the rest stays on the device)", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
 }
 _OFFLOAD_PARAM = {
-    "device": Key((str,), "where stage-3 parameter shards live between uses", lambda v: v in ("none", "cpu", "nvme"), "none, cpu or nvme"),
+    "device": Key((str,), "where stage-3 parameter shards live between uses", _offload_device, _OFFLOAD_DEVICES_ACCEPTED),
     "nvme_path": Key((str,), "folder for NVMe parameter files (one subfolder per rank)", per_rank=True),
     "pin_memory": Key((bool,), "pin host memory for offloaded parameters (CUDA)", per_rank=True),
     "buffer_count": Key((int,), "NVMe parameter reads in flight ahead of use: the window", _pos_int, "an integer >= 1", per_rank=True),
@@ -94,8 +104,7 @@ _OFFLOAD_PARAM = {
     "buffer_size": Key(_NUM, "elements per NVMe buffer (zerofx sizes each read to its shard)", lambda v: v > 0, "a number > 0", False),
 }
 _OFFLOAD_GRADIENTS = {
-    "device": Key((str,), "where reduced gradient shards live until the optimizer step", lambda v: v in ("none", "cpu", "nvme"),
-                  "none, cpu or nvme"),
+    "device": Key((str,), "where reduced gradient shards live until the optimizer step", _offload_device, _OFFLOAD_DEVICES_ACCEPTED),
     "nvme_path": Key((str,), "folder for NVMe gradient files (one subfolder per rank)", per_rank=True),
     "pin_memory": Key((bool,), "pin host memory for offloaded gradients (CUDA)", per_rank=True),
     "buffer_count": Key((int,), "NVMe gradient reads ahead of the update, and accumulations in flight", _pos_int, "an integer >= 1",

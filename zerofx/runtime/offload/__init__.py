@@ -3,7 +3,9 @@ and stage-2/3 gradient shards on the device, in host memory or in files on NVMe,
 windows with the I/O overlapped, from the typed options ``parse_config`` builds
 (``zerofx.config.offload_options``). One job per module, listed bottom layer first:
 
-- ``files``: the NVMe tier's files and I/O threads (NOTE [NVMe I/O]);
+- ``files``: the NVMe tier's files and aligned buffers (NOTE [NVMe I/O]);
+- ``tiers``: the tier backends the stores keep records through and the stores' I/O lifecycle
+  (NOTE [Tier backends]); a new tier adds its backend here;
 - ``store``: the optimizer-state records and their NVMe window (``OffloadStore``);
 - ``copies``: host <-> device copies on a CUDA side stream (``HostCopies``);
 - ``grads``: the stage-2/3 gradient store (``GradStore``) and the view the step reads it through;
@@ -18,6 +20,7 @@ sees each import where it is.
 
 from zerofx.config.offload_options import GradOffloadOptions, OffloadOptions, ParamOffloadOptions
 from zerofx.runtime.offload.files import NvmeFiles, OffloadError, measure_nvme_bytes_per_s
+from zerofx.runtime.offload.tiers import MemoryTier, TierBackend, open_tier
 from zerofx.runtime.offload.store import OffloadStore
 from zerofx.runtime.offload.optimizer import OffloadedOptimizer
 from zerofx.runtime.offload.params import ParamStore
@@ -27,6 +30,7 @@ from zerofx.runtime.offload.plan import ProgramOffload, plan_engine_offload, pla
 __all__ = [
     "GradOffloadOptions",
     "GradStore",
+    "MemoryTier",
     "NvmeFiles",
     "OffloadError",
     "OffloadOptions",
@@ -36,8 +40,10 @@ __all__ = [
     "ParamOffloadOptions",
     "ParamStore",
     "ProgramOffload",
+    "TierBackend",
     "measure_nvme_bytes_per_s",
     "plan_engine_offload",
     "plan_engine_param_offload",
+    "open_tier",
     "plan_for_program",
 ]

@@ -1,8 +1,7 @@
 """The NVMe tier's files: one file per record or shard, moved whole with ``O_DIRECT`` where the
 file system takes it, by a pool of I/O threads. Owns ``NvmeFiles``, the aligned host buffers
 they move (``aligned_empty``), the drive calibration (``measure_nvme_bytes_per_s``),
-``OffloadError``, and ``BackgroundIO``, the drain-and-close lifecycle that the optimizer-state
-store (``zerofx.runtime.offload.store``) and the parameter store (``zerofx.runtime.offload.params``) share.
+and ``OffloadError``. ``NvmeFiles`` is the NVMe ``TierBackend`` (``zerofx.runtime.offload.tiers``).
 
 NOTE [NVMe I/O]
 One file per record, ``<nvme_path>/rank-<r>/<fqn>.state``, holding the record's fp32 tensors
@@ -39,7 +38,6 @@ from a value still in memory, carry no trailer.
 
 from __future__ import annotations
 
-import abc
 import errno
 import mmap
 import os
@@ -48,7 +46,6 @@ import struct
 import threading
 import time
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
 import torch
@@ -104,10 +101,18 @@ def _takes_direct_io(folder: Path) -> bool:
 
 class NvmeFiles:
     """The NVMe tier of one rank: one file per record under ``<root>/rank-<r>``, whole-file
-    transfers in aligned blocks (NOTE [NVMe I/O]); counts the bytes moved."""
+    transfers in aligned blocks (NOTE [NVMe I/O]); counts the bytes moved. A ``TierBackend``
+    (``zerofx.runtime.offload.tiers``, NOTE [Tier backends]) that holds no record in place: its
+    host buffers come from ``allocate``, pinned with ``pin_memory``."""
 
-    def __init__(self, root: Path, rank: int, *, suffix: str = ".state", what: str = "optimizer state", versioned: bool = False) -> None:
+    in_place = False
+
+    def __init__(
+        self, root: Path, rank: int, *, suffix: str = ".state", what: str = "optimizer state", versioned: bool = False,
+        pin_memory: bool = False,
+    ) -> None:
         self.suffix, self.what = suffix, what
+        self.pin_memory = pin_memory
         self.versioned = versioned  # NOTE [Gradient files carry their version]
         self._owner = secrets.randbits(64)  # in every trailer: a file another store (or process) left never matches
         self.root = Path(root) / f"rank-{rank:05d}"
@@ -132,6 +137,11 @@ class NvmeFiles:
 
     def path(self, fqn: str) -> Path:
         return self.root / f"{quote(fqn, safe='')}{self.suffix}"
+
+    def allocate(self, key: str, nbytes: int) -> torch.Tensor:
+        """A host buffer of ``nbytes`` for ``key``'s record, aligned for ``O_DIRECT``; the record
+        itself stays in its file."""
+        return aligned_empty(nbytes, pin_memory=self.pin_memory)
 
     def remove(self) -> None:
         """Delete this tier's files (``*<suffix>`` in the rank folder), then the rank folder if
@@ -242,6 +252,13 @@ class NvmeFiles:
         """Bytes of the record files on disk now."""
         return sum(self.path(f).stat().st_size for f in fqns if self.path(f).exists())
 
+    def io_bytes(self) -> tuple[int, int]:
+        return self.bytes_read, self.bytes_written
+
+    def close(self) -> None:
+        """The ``TierBackend`` close: delete this tier's files (``remove``)."""
+        self.remove()
+
 
 def measure_nvme_bytes_per_s(nvme_path: Path, *, nbytes: int = 64 << 20, rank: int = 0) -> tuple[float, float]:
     """(read, write) bytes per second of whole-record transfers under ``nvme_path``, the way the
@@ -264,29 +281,3 @@ def measure_nvme_bytes_per_s(nvme_path: Path, *, nbytes: int = 64 << 20, rank: i
     read_s = time.perf_counter() - start
     files.path(".calibration").unlink()
     return nbytes / read_s, nbytes / write_s
-
-
-# --------------------------------------------------------------------------- the stores' I/O lifecycle
-class BackgroundIO(abc.ABC):
-    """A store whose transfers run on a thread pool (``self._io``, None once closed)."""
-
-    _io: Any
-
-    @abc.abstractmethod
-    def drain(self) -> None:
-        """Wait for every transfer in flight; raise the first failure."""
-
-    files: NvmeFiles | None
-
-    def close(self) -> None:
-        """Finish every transfer, stop the I/O threads and delete the NVMe files: the state they
-        held is gone after this (save a checkpoint first to keep it)."""
-        if self._io is not None:
-            try:
-                self.drain()
-            finally:
-                self._io.shutdown(wait=True)
-                self._io = None
-                if self.files is not None:
-                    self.files.remove()
-

@@ -1,5 +1,6 @@
 """Gradient offload at run time (stages 2-3, ``zerofx.offload_gradients``): ``GradStore``, this
-rank's reduced gradient shards in host memory or in files on NVMe (``zerofx.runtime.offload.files``), and
+rank's reduced gradient shards in host memory or in files on NVMe, kept by one tier backend per
+generation (``zerofx.runtime.offload.tiers``), and
 ``OffloadedGrads``, the read-only mapping through which the step (clipping, the norm, the fp16
 overflow check) and the optimizer read them there. See NOTE [Offloaded gradients].
 """
@@ -13,8 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from zerofx.cost_models.offload import Tier
-from zerofx.runtime.offload.files import IO_THREADS, BackgroundIO, NvmeFiles, aligned_empty
+from zerofx.runtime.offload.files import IO_THREADS, NvmeFiles
+from zerofx.runtime.offload.tiers import BackgroundIO, TierBackend, TierRequest, open_tier
 from zerofx.config.offload_options import GradOffloadOptions
 
 # NOTE [Offloaded gradients]
@@ -66,19 +67,21 @@ class GradStore(BackgroundIO):
         self.numels, self.dtypes = dict(numels), dict(dtypes)
         self.order = [f for f in order if f in self.numels]  # the update order: reads ahead follow it
         self.tier = options.device
-        self._pin = options.pin_memory and device.type == "cuda"
         self._generations = generations
         self.gen = 0  # the generation ``add`` writes
         self._filled: list[set[str]] = [set() for _ in range(generations)]  # shards holding a value this accumulation
         self.host: list[dict[str, torch.Tensor]] = [{} for _ in range(generations)]  # allocated by the first add
-        self.files: NvmeFiles | None = None
-        self._gen_files: list[NvmeFiles] = []
-        if self.tier is Tier.NVME:
-            assert options.nvme_path is not None
-            self._gen_files = [NvmeFiles(options.nvme_path, rank, suffix=".grad" if g == 0 else f".grad{g}", what="gradient shard",
-                                         versioned=True) for g in range(generations)]
-            self.files = self._gen_files[0]
-        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-grad-io") if self.tier is Tier.NVME else None
+        # One backend per generation: a streamed tier's ``.grad`` and ``.grad1`` files.
+        self.backends: list[TierBackend] = [
+            open_tier(self.tier, TierRequest(device, options.pin_memory, options.nvme_path, rank,
+                                             suffix=".grad" if g == 0 else f".grad{g}", what="gradient shard", versioned=True))
+            for g in range(generations)
+        ]
+        self.in_place = self.backends[0].in_place
+        # Closed last generation first: the rank folder goes once every generation's files are gone.
+        self.streamed = [] if self.in_place else self.backends[::-1]
+        self.files: NvmeFiles | None = None if self.in_place else self.backends[0]  # for inspection: generation 0's files
+        self._io = None if self.in_place else ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-grad-io")
         self._lock = threading.Lock()
         self._last_write: dict[tuple[int, str], Future] = {}  # a file's newest accumulation, which its next use must follow
         self._versions: dict[tuple[int, str], int] = {}  # a file's writes so far (NOTE [Gradient files carry their version])
@@ -96,12 +99,12 @@ class GradStore(BackgroundIO):
         gen = self.gen
         first = fqn not in self._filled[gen]
         self._filled[gen].add(fqn)
-        if self.tier is Tier.CPU:
+        if self.in_place:
             if grad.device.type != "cpu":
                 grad = grad.to("cpu")  # host memory is where the value lives from here on
             buf = self.host[gen].get(fqn)
             if buf is None:
-                buf = self.host[gen][fqn] = torch.empty(self.numels[fqn], dtype=self.dtypes[fqn], pin_memory=self._pin)
+                buf = self.host[gen][fqn] = self.backends[gen].allocate(fqn, self.nbytes(fqn)).view(self.dtypes[fqn])
             if first:
                 buf.zero_()
             buf.add_(grad)
@@ -124,16 +127,16 @@ class GradStore(BackgroundIO):
         as write ``version`` of the file (the stored value is write ``version - 1``)."""
         if previous is not None:
             previous.result()
-        files = self._gen_files[gen]
+        backend = self.backends[gen]
         nbytes = self.nbytes(fqn)
-        raw = aligned_empty(nbytes, pin_memory=self._pin)
+        raw = backend.allocate(fqn, nbytes)
         buf = raw.view(self.dtypes[fqn])
         if first:
             buf.zero_()
         else:
-            files.read(fqn, raw, nbytes, version=version - 1)
+            backend.read(fqn, raw, nbytes, version=version - 1)
         buf.add_(grad)
-        files.write(fqn, raw, nbytes, version=version)
+        backend.write(fqn, raw, nbytes, version=version)
 
     def end_step(self) -> None:
         """The step has read this accumulation: the next ``add`` starts a new one, in the other
@@ -150,7 +153,7 @@ class GradStore(BackgroundIO):
         """``fqn``'s stored gradient of generation ``gen`` (zeros when no backward produced one)."""
         if fqn not in self._filled[gen]:
             return torch.zeros(self.numels[fqn], dtype=self.dtypes[fqn])
-        if self.tier is Tier.CPU:
+        if self.in_place:
             return self.host[gen][fqn]
         with self._lock:
             previous = self._last_write.get((gen, fqn))
@@ -158,8 +161,8 @@ class GradStore(BackgroundIO):
         if previous is not None:
             previous.result()  # raises the accumulation's own OffloadError
         nbytes = self.nbytes(fqn)
-        raw = aligned_empty(nbytes, pin_memory=self._pin)
-        self._gen_files[gen].read(fqn, raw, nbytes, version=version)
+        raw = self.backends[gen].allocate(fqn, nbytes)
+        self.backends[gen].read(fqn, raw, nbytes, version=version)
         return raw.view(self.dtypes[fqn])
 
     # ------------------------------------------------------------- lifecycle and accounting
@@ -178,32 +181,24 @@ class GradStore(BackgroundIO):
         if first is not None:
             raise first
 
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            for files in self._gen_files[1:]:
-                files.remove()
-            if self._gen_files:
-                self._gen_files[0].remove()  # the rank folder goes once every generation's files are gone
-
     def cpu_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for gen in self.host for t in gen.values())
 
     def nvme_bytes(self) -> int:
-        return sum(files.stored_bytes(list(self.numels)) for files in self._gen_files)
+        return sum(backend.stored_bytes(list(self.numels)) for backend in self.streamed)
 
     def window_bytes(self) -> int:
-        """Host memory of the NVMe path at most: ``buffer_count`` reads ahead, one shard of the
-        largest gradient each, and as many accumulations in flight, two shards each (the copy of
-        the graph's shard and the buffer it is added into)."""
-        if self.tier is not Tier.NVME:
+        """Host memory of the streamed (NVMe) path at most: ``buffer_count`` reads ahead, one shard
+        of the largest gradient each, and as many accumulations in flight, two shards each (the
+        copy of the graph's shard and the buffer it is added into)."""
+        if self.in_place:
             return 0
         return 3 * self.options.buffer_count * max((self.nbytes(f) for f in self.numels), default=0)
 
     def io_bytes(self) -> tuple[int, int]:
         """(read, written) bytes of gradient files so far."""
-        return (sum(f.bytes_read for f in self._gen_files), sum(f.bytes_written for f in self._gen_files))
+        moved = [backend.io_bytes() for backend in self.streamed]
+        return sum(r for r, _ in moved), sum(w for _, w in moved)
 
 
 class OffloadedGrads(Mapping):

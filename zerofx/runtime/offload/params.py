@@ -1,5 +1,5 @@
 """``offload_param`` at run time (stage 3): ``ParamStore``, this rank's parameter shards in host
-memory or in files on NVMe (``zerofx.runtime.offload.files``), fetched into the graphs through
+memory or in files on NVMe, each tier kept by its backend (``zerofx.runtime.offload.tiers``), fetched into the graphs through
 ``zerofx::fetch_shard`` (``passes.fetch_params``; its kernel is registered here) and streamed
 through the optimizer's update. See NOTE [The parameter store].
 """
@@ -16,7 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from zerofx.cost_models.offload import Tier
-from zerofx.runtime.offload.files import IO_THREADS, BackgroundIO, NvmeFiles, OffloadError, aligned_empty
+from zerofx.runtime.offload.files import IO_THREADS, NvmeFiles, OffloadError, aligned_empty
+from zerofx.runtime.offload.tiers import BackgroundIO, TierBackend, TierRequest, open_tier
 from zerofx.config.offload_options import ParamOffloadOptions
 from zerofx.passes.fetch_params import fetch_shard
 from zerofx.passes.plan_offload import ParamOffloadPlan
@@ -25,10 +26,11 @@ from zerofx.passes.plan_offload import ParamOffloadPlan
 # --------------------------------------------------------------------------- the parameter store
 # NOTE [The parameter store]
 # At stage 3 with ``offload_param`` the engine keeps no offloaded shard itself. ``ParamStore``
-# holds them on their tiers: host tensors (pinned on CUDA with ``pin_memory``) or one file per
-# shard, ``<nvme_path>/rank-<r>/<fqn>.param``, read and written whole through ``NvmeFiles`` (NOTE
-# [NVMe I/O]). The graphs ask for a shard with ``zerofx::fetch_shard`` (``passes.fetch_params``)
-# right before its bucket's all-gather; the optimizer asks for it to update it (``acquire`` /
+# holds them on their tiers' backends (NOTE [Tier backends]): host tensors held in place (pinned
+# on CUDA with ``pin_memory``) or one file per shard, ``<nvme_path>/rank-<r>/<fqn>.param``, read
+# and written whole through ``NvmeFiles`` (NOTE [NVMe I/O]); the NVMe shards are the streamed
+# ones. The graphs ask for a shard with ``zerofx::fetch_shard`` (``passes.fetch_params``) right
+# before its bucket's all-gather; the optimizer asks for it to update it (``acquire`` /
 # ``release``, which writes it back).
 #
 # Read-ahead: the engine gives the store the *schedule*, the order of every use in a step
@@ -66,10 +68,16 @@ class ParamStore(BackgroundIO):
         self.tier = {f: plan.tier_of(f) for f in self.numels}
         self._pin = options.pin_memory and device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # for fetch()
-        self.host = {f: torch.zeros(n, dtype=dtype, pin_memory=self._pin) for f, n in self.numels.items() if self.tier[f] is Tier.CPU}
-        self._nvme = [f for f in self.numels if self.tier[f] is Tier.NVME]
-        self.files = NvmeFiles(options.nvme_path, rank, suffix=".param", what="parameter shard") if self._nvme else None
-        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-param-io") if self._nvme else None
+        self.tiers: dict[Tier, TierBackend] = {
+            tier: open_tier(tier, TierRequest(device, options.pin_memory, options.nvme_path, rank, ".param", "parameter shard"))
+            for tier in dict.fromkeys(self.tier.values())
+        }
+        self.backend = {f: self.tiers[t] for f, t in self.tier.items()}
+        self.host = {f: self.backend[f].allocate(f, self.nbytes(f)).view(dtype) for f in self.numels if self.backend[f].in_place}
+        self._streamed = [f for f in self.numels if not self.backend[f].in_place]
+        self.streamed = [b for b in self.tiers.values() if not b.in_place]
+        self.files: NvmeFiles | None = self.tiers.get(Tier.NVME)  # for inspection: the shard files
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-param-io") if self._streamed else None
         self._reads: dict[str, Future] = {}  # NVMe reads issued ahead of their use
         self._last_write: dict[str, Future] = {}
         self._writes: deque[Future] = deque()  # write-backs in flight, at most buffer_count
@@ -110,7 +118,7 @@ class ParamStore(BackgroundIO):
             if len(self._reads) >= self.options.buffer_count:
                 return
             f = self._schedule[(self._cursor + step) % n]
-            if self.tier[f] is Tier.NVME and f not in self._reads:
+            if not self.backend[f].in_place and f not in self._reads:
                 self._reads[f] = self._io.submit(self._read, f)
 
     def _read(self, fqn: str) -> torch.Tensor:
@@ -118,9 +126,10 @@ class ParamStore(BackgroundIO):
         previous = self._last_write.get(fqn)
         if previous is not None:
             previous.result()
-        buf = aligned_empty(self.nbytes(fqn), pin_memory=self._pin).view(self.dtype)  # O_DIRECT-ready (NOTE [NVMe I/O])
+        backend = self.backend[fqn]
+        buf = backend.allocate(fqn, self.nbytes(fqn)).view(self.dtype)  # O_DIRECT-ready (NOTE [NVMe I/O])
         self._track(buf)
-        self.files.read(fqn, buf.view(torch.uint8), self.nbytes(fqn))
+        backend.read(fqn, buf.view(torch.uint8), self.nbytes(fqn))
         return buf
 
     def _track(self, buf: torch.Tensor) -> None:
@@ -142,10 +151,10 @@ class ParamStore(BackgroundIO):
             self.peak_held_shards, self.peak_held_bytes = self.held_shards, self.held_bytes
 
     def _take(self, fqn: str) -> torch.Tensor:
-        """The host tensor of ``fqn``'s shard: the CPU tier's own, or an NVMe read (read ahead,
-        else issued now); the next reads go out before this one is waited for."""
+        """The host tensor of ``fqn``'s shard: the one held in place, or a streamed read (read
+        ahead, else issued now); the next reads go out before this one is waited for."""
         self._advance(fqn)
-        if self.tier[fqn] is Tier.CPU:
+        if self.backend[fqn].in_place:
             self._read_ahead()
             return self.host[fqn]
         future = self._reads.pop(fqn, None)
@@ -160,8 +169,8 @@ class ParamStore(BackgroundIO):
         host = self._take(fqn)
         if self.device.type == "cpu":
             # The op's output must be a fresh tensor (torch.library's contract; Inductor may reuse
-            # it): an NVMe read is; a host-tier shard is copied.
-            return host if self.tier[fqn] is Tier.NVME else host.clone()
+            # it): a streamed read is; a shard held in place is copied.
+            return host.clone() if self.backend[fqn].in_place else host
         if self._copy_stream is None:
             return host.to(self.device, non_blocking=self._pin)
         # From pinned memory the copy is asynchronous. It runs on a side stream, so it overlaps
@@ -186,11 +195,12 @@ class ParamStore(BackgroundIO):
         return self._take(fqn)
 
     def release(self, fqn: str, host: torch.Tensor) -> None:
-        """The update of ``fqn`` is done: write an NVMe shard back, behind the next updates."""
-        if self.tier[fqn] is not Tier.NVME:
+        """The update of ``fqn`` is done: write a streamed shard back, behind the next updates."""
+        backend = self.backend[fqn]
+        if backend.in_place:
             return
         stale = self._reads.pop(fqn, None)  # read before this write: drop it
-        future = self._io.submit(self.files.write, fqn, host.view(torch.uint8), self.nbytes(fqn))
+        future = self._io.submit(backend.write, fqn, host.view(torch.uint8), self.nbytes(fqn))
         self._last_write[fqn] = future
         self._writes.append(future)
         while len(self._writes) > self.options.buffer_count:  # each holds its shard's host buffer
@@ -201,20 +211,20 @@ class ParamStore(BackgroundIO):
     # ------------------------------------------------------------- whole-shard access
     def init_shard(self, fqn: str, value: torch.Tensor) -> None:
         """Store ``fqn``'s shard (initialization, checkpoint loading)."""
-        if self.tier[fqn] is Tier.CPU:
+        if self.backend[fqn].in_place:
             self.host[fqn].copy_(value)
             return
         self._wait_for(fqn)
         buf = value.detach().to("cpu", self.dtype).contiguous()
-        self.files.write(fqn, buf.view(torch.uint8), self.nbytes(fqn))
+        self.backend[fqn].write(fqn, buf.view(torch.uint8), self.nbytes(fqn))
 
     def read_shard(self, fqn: str) -> torch.Tensor:
         """A host copy of ``fqn``'s shard (checkpoints, ``full_state_dict``)."""
-        if self.tier[fqn] is Tier.CPU:
+        if self.backend[fqn].in_place:
             return self.host[fqn].clone()
         self._wait_for(fqn)
-        buf = aligned_empty(self.nbytes(fqn)).view(self.dtype)
-        self.files.read(fqn, buf.view(torch.uint8), self.nbytes(fqn))
+        buf = aligned_empty(self.nbytes(fqn)).view(self.dtype)  # the caller's copy, never pinned
+        self.backend[fqn].read(fqn, buf.view(torch.uint8), self.nbytes(fqn))
         return buf
 
     def _wait_for(self, fqn: str) -> None:
@@ -247,14 +257,16 @@ class ParamStore(BackgroundIO):
         return sum(t.untyped_storage().nbytes() for t in self.host.values())
 
     def nvme_bytes(self) -> int:
-        return self.files.stored_bytes(self._nvme) if self.files is not None else 0
+        """Bytes of the streamed shards' storage (the NVMe files' sizes)."""
+        return sum(backend.stored_bytes(self._streamed) for backend in self.streamed)
 
     def window_bytes(self) -> int:
-        """The read-ahead bound: ``buffer_count`` reads of the largest NVMe shard."""
-        return self.options.buffer_count * max((self.nbytes(f) for f in self._nvme), default=0)
+        """The read-ahead bound: ``buffer_count`` reads of the largest streamed shard."""
+        return self.options.buffer_count * max((self.nbytes(f) for f in self._streamed), default=0)
 
     def io_bytes(self) -> tuple[int, int]:
-        return (self.files.bytes_read, self.files.bytes_written) if self.files is not None else (0, 0)
+        moved = [backend.io_bytes() for backend in self.streamed]
+        return sum(r for r, _ in moved), sum(w for _, w in moved)
 
 
 @fetch_shard.register_kernel("cpu")

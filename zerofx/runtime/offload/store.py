@@ -1,8 +1,9 @@
 """The optimizer-state records of one rank (ZeRO-Offload / ZeRO-Infinity): each parameter's
 fp32 master (mixed precision) and optimizer states as one flat ``Record``, on the tier the
 ``OffloadPlan`` chose, in an ``OffloadStore`` that hands records to the update and takes them
-back. Device and host records are tensors; NVMe records are files (``zerofx.runtime.offload.files``,
-NOTE [NVMe I/O]) that pass through a window of host buffers.
+back. Each tier's records are kept by its backend (``zerofx.runtime.offload.tiers``, NOTE [Tier
+backends]): device and host records are tensors held in place; NVMe records are files
+(``zerofx.runtime.offload.files``, NOTE [NVMe I/O]) that pass through a window of host buffers.
 
 The window: records are read in update order into free buffers, at most ``buffer_count``
 ahead; a buffer is free again when its record's write-back has finished. The first
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from zerofx.cost_models.offload import FP32_BYTES, Tier
-from zerofx.runtime.offload.files import IO_THREADS, BackgroundIO, NvmeFiles, aligned_empty
+from zerofx.runtime.offload.files import IO_THREADS, NvmeFiles
+from zerofx.runtime.offload.tiers import BackgroundIO, TierBackend, TierRequest, open_tier
 from zerofx.config.offload_options import OffloadOptions
 from zerofx.passes.plan_offload import OffloadPlan
 
@@ -51,7 +53,7 @@ def state_names(optimizer: str) -> tuple[str, ...]:
 
 class OffloadStore(BackgroundIO):
     """The records of one rank, on the tiers the plan chose, and the window of host buffers
-    that NVMe records pass through (the window, in the module docstring)."""
+    that the records of the tiers not held in place pass through (the window, in the module docstring)."""
 
     def __init__(
         self, plan: OffloadPlan, options: OffloadOptions, owned_numels: Mapping[str, int], *,
@@ -62,31 +64,36 @@ class OffloadStore(BackgroundIO):
         names = (("master",) if mixed_precision else ()) + state_names(optimizer)
         self._pin = options.pin_memory and device.type == "cuda"
         self.records: dict[str, Record] = {}
+        self.tiers: dict[Tier, TierBackend] = {}
+        request = TierRequest(device, options.pin_memory, options.nvme_path, rank)
         for fqn in plan.update_order:
             tier = plan.tier_of(fqn)
+            if tier not in self.tiers:
+                self.tiers[tier] = open_tier(tier, request)
             rec = Record(fqn, tier, names, owned_numels[fqn], None, torch.tensor(0.0, dtype=torch.float32))
-            if tier is not Tier.NVME:
-                where = device if tier is Tier.DEVICE else torch.device("cpu")
-                rec.flat = torch.zeros(rec.numel * len(names), dtype=torch.float32, device=where, pin_memory=self._pin and tier is Tier.CPU)
+            if self.tiers[tier].in_place:
+                rec.flat = self.tiers[tier].allocate(fqn, rec.nbytes).view(torch.float32)
             self.records[fqn] = rec
-        nvme = [r for r in self.records.values() if r.tier is Tier.NVME]
-        self.files = NvmeFiles(options.nvme_path, rank) if nvme and options.nvme_path is not None else None
-        self._buffer_bytes = max((r.nbytes for r in nvme), default=0)
+        streamed = [r for r in self.records.values() if not self.tiers[r.tier].in_place]
+        self.streamed = [b for b in self.tiers.values() if not b.in_place]
+        self.files: NvmeFiles | None = self.tiers.get(Tier.NVME)  # for inspection: the record files
+        self._buffer_bytes = max((r.nbytes for r in streamed), default=0)
+        # One buffer fits every record: any streamed backend's allocate() gives an aligned host buffer.
         self._free: list[torch.Tensor] = [
-            aligned_empty(self._buffer_bytes, pin_memory=self._pin) for _ in range(options.buffer_count if nvme else 0)
+            self.streamed[0].allocate("", self._buffer_bytes) for _ in range(options.buffer_count if streamed else 0)
         ]
-        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-offload-io") if nvme else None
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-offload-io") if streamed else None
         self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
         self._writes: deque[tuple[Future, torch.Tensor]] = deque()
         self._last_write: dict[str, Future] = {}  # a record's newest write-back, which its next read must follow
-        self._nvme_order = [r.fqn for r in nvme]
+        self._streamed_order = [r.fqn for r in streamed]
         self._next_read = 0
 
     # ------------------------------------------------------------- initial values, state access
     def init_record(self, fqn: str, master: torch.Tensor | None) -> None:
         """Write ``fqn``'s first record: its fp32 master (mixed precision) and zero states."""
         rec = self.records[fqn]
-        if rec.tier is not Tier.NVME:
+        if self.tiers[rec.tier].in_place:
             if master is not None:
                 rec.views(rec.flat)["master"].copy_(master)
             return
@@ -96,7 +103,7 @@ class OffloadStore(BackgroundIO):
         if master is not None:
             rec.views(flat)["master"].copy_(master)
         try:
-            self.files.write(fqn, buf, rec.nbytes)
+            self.tiers[rec.tier].write(fqn, buf, rec.nbytes)
         finally:
             self._free.append(buf)
 
@@ -104,11 +111,11 @@ class OffloadStore(BackgroundIO):
         """A copy of ``fqn``'s record segments (for checkpoints), on the host."""
         self.drain()
         rec = self.records[fqn]
-        if rec.tier is not Tier.NVME:
+        if self.tiers[rec.tier].in_place:
             return {k: v.detach().to("cpu", copy=True) for k, v in rec.views(rec.flat).items()}
         buf = self._take_buffer()
         try:
-            self.files.read(fqn, buf, rec.nbytes)
+            self.tiers[rec.tier].read(fqn, buf, rec.nbytes)
             return {k: v.clone() for k, v in rec.views(self._as_fp32(buf, rec)).items()}
         finally:
             self._free.append(buf)
@@ -117,18 +124,19 @@ class OffloadStore(BackgroundIO):
         """Overwrite some of ``fqn``'s segments (checkpoint loading); the others are kept."""
         self.drain()
         rec = self.records[fqn]
-        if rec.tier is not Tier.NVME:
+        backend = self.tiers[rec.tier]
+        if backend.in_place:
             views = rec.views(rec.flat)
             for k, v in values.items():
                 views[k].copy_(v)
             return
         buf = self._take_buffer()
         try:
-            self.files.read(fqn, buf, rec.nbytes)
+            backend.read(fqn, buf, rec.nbytes)
             views = rec.views(self._as_fp32(buf, rec))
             for k, v in values.items():
                 views[k].copy_(v)
-            self.files.write(fqn, buf, rec.nbytes)
+            backend.write(fqn, buf, rec.nbytes)
         finally:
             self._free.append(buf)
 
@@ -153,16 +161,16 @@ class OffloadStore(BackgroundIO):
         return None
 
     def prefetch(self, count: int | None = None, *, block: bool = False) -> None:
-        """Issue reads of the next NVMe records in update order, up to ``count`` (default: the
+        """Issue reads of the next streamed records in update order, up to ``count`` (default: the
         whole window) ahead, into the buffers free now (with ``block``, waiting for write-backs)."""
         if self._io is None:
             return
         ahead = self.options.buffer_count if count is None else count
-        while self._next_read < len(self._nvme_order) and len(self._reads) < ahead:
+        while self._next_read < len(self._streamed_order) and len(self._reads) < ahead:
             buf = self._take_buffer(block=block)
             if buf is None:
                 return  # the next acquire issues it, once a write-back frees a buffer
-            fqn = self._nvme_order[self._next_read]
+            fqn = self._streamed_order[self._next_read]
             self._reads[fqn] = (self._io.submit(self._read_after_write, fqn, buf), buf)
             self._next_read += 1
 
@@ -172,12 +180,13 @@ class OffloadStore(BackgroundIO):
         previous = self._last_write.get(fqn)
         if previous is not None:
             previous.result()
-        self.files.read(fqn, buf, self.records[fqn].nbytes)
+        rec = self.records[fqn]
+        self.tiers[rec.tier].read(fqn, buf, rec.nbytes)
 
     def acquire(self, fqn: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The record's fp32 flat, in memory; and the host buffer holding it (NVMe only)."""
+        """The record's fp32 flat, in memory; and the host buffer holding it (streamed records only)."""
         rec = self.records[fqn]
-        if rec.tier is not Tier.NVME:
+        if self.tiers[rec.tier].in_place:
             return rec.flat, None
         if fqn not in self._reads:
             self.prefetch(count=len(self._reads) + 1, block=True)
@@ -191,7 +200,7 @@ class OffloadStore(BackgroundIO):
         return self._as_fp32(buf, rec), buf
 
     def release(self, fqn: str, buf: torch.Tensor | None, *, after: torch.cuda.Event | None = None) -> None:
-        """Write an NVMe record back, behind the next updates; with ``after``, once that event
+        """Write a streamed record back, behind the next updates; with ``after``, once that event
         (a copy to the device that reads the buffer) has passed, so the buffer outlives it."""
         if buf is not None:
             future = self._io.submit(self._write_after, fqn, buf, after)
@@ -201,7 +210,8 @@ class OffloadStore(BackgroundIO):
     def _write_after(self, fqn: str, buf: torch.Tensor, after: torch.cuda.Event | None) -> None:
         if after is not None:
             after.synchronize()
-        self.files.write(fqn, buf, self.records[fqn].nbytes)
+        rec = self.records[fqn]
+        self.tiers[rec.tier].write(fqn, buf, rec.nbytes)
 
     def end_step(self) -> None:
         """The step's records are all updated: the next step reads from the first again."""
@@ -242,14 +252,15 @@ class OffloadStore(BackgroundIO):
         return sum(r.flat.untyped_storage().nbytes() for r in self.records.values() if r.tier is tier and r.flat is not None)
 
     def nvme_bytes(self) -> int:
-        """Bytes of optimizer state the NVMe tier holds (the record files' sizes)."""
-        return self.files.stored_bytes(self._nvme_order) if self.files is not None else 0
+        """Bytes of optimizer state the streamed tiers hold (the NVMe record files' sizes)."""
+        return sum(backend.stored_bytes(self._streamed_order) for backend in self.streamed)
 
     def window_bytes(self) -> int:
-        """Host memory of the NVMe window: ``buffer_count`` buffers of the largest record."""
-        return self._buffer_bytes * (self.options.buffer_count if self._nvme_order else 0)
+        """Host memory of the window: ``buffer_count`` buffers of the largest streamed record."""
+        return self._buffer_bytes * (self.options.buffer_count if self._streamed_order else 0)
 
     def io_bytes(self) -> tuple[int, int]:
-        """(read, written) bytes to NVMe so far."""
-        return (self.files.bytes_read, self.files.bytes_written) if self.files is not None else (0, 0)
+        """(read, written) bytes to the streamed tiers (NVMe) so far."""
+        moved = [backend.io_bytes() for backend in self.streamed]
+        return sum(r for r, _ in moved), sum(w for _, w in moved)
 
