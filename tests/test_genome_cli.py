@@ -21,7 +21,7 @@ from zerofx.data.genome import (
     tokenize,
 )
 from zerofx.common.errors import ZeroFXError
-from zerofx.models import DNA_LM_SIZES
+from zerofx.models import MODEL_SIZES
 from zerofx.common.vocab import DNA_VOCAB
 
 LAMBDA_BP = 48_502
@@ -166,7 +166,7 @@ def test_cli_estimate_matches_the_paper(capsys: pytest.CaptureFixture[str]) -> N
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["plan", "13b", "--world-size", "8", "--stage", "3"], "accepted: " + ", ".join(DNA_LM_SIZES)),
+        (["plan", "13b", "--world-size", "8", "--stage", "3"], "accepted: " + ", ".join(MODEL_SIZES)),
         (["plan", "tiny", "--world-size", "0", "--stage", "3"], "argument --world-size: 0 is out of range"),
         (["plan", "tiny", "--world-size", "8", "--stage", "4"], "--stage 4"),
         (["estimate", "tiny", "--world-size", "8", "--stage", "-1"], "--stage -1"),

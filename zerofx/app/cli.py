@@ -1,4 +1,4 @@
-"""The ``zerofx`` command line: plan, estimate and train the bundled DNA language models.
+"""The ``zerofx`` command line: plan, estimate and train the bundled DNA models (docs/models.md).
 
     zerofx plan 1b --world-size 1024 --stage 3      # the plan, on the meta device: no real memory
     zerofx estimate 7b --world-size 64               # model-state GiB per rank, stages 0-3
@@ -46,14 +46,15 @@ from zerofx.common.limits import (
     check_positive,
     check_stage,
 )
-from zerofx.models.sizes import DNA_LM_SIZES, DNALMConfig, model_config
+from zerofx.models.sizes import MODEL_SIZES, model_config
 from zerofx.common.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     import torch
 
+    import torch.nn as nn
+
     from zerofx.compiler.folding import FoldedReport, RepeatedBlocks
-    from zerofx.models import DNADecoderLM
     from zerofx.app.planning import ModelSpec
     from zerofx.compiler.program import Program
 
@@ -65,19 +66,20 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def _meta_example(cfg: DNALMConfig, batch_size: int, seq_len: int | None) -> tuple[DNADecoderLM, torch.Tensor]:
-    """The model and a (B, T) batch of input ids on the meta device: shapes only, no memory."""
+def _meta_example(name: str, batch_size: int, seq_len: int | None) -> tuple[nn.Module, torch.Tensor]:
+    """The bundled model of size ``name`` and a (B, T) batch of input ids on the meta device:
+    shapes only, no memory."""
     import torch
 
-    from zerofx.models import DNADecoderLM
+    from zerofx.models.registry import build_model
 
+    cfg = model_config(name)
     t = min(512, cfg.max_seq_len) if seq_len is None else seq_len
     check_positive("--batch-size", batch_size)
     if not 2 <= t <= cfg.max_seq_len:
         raise UsageError(f"--seq-len {t} is invalid for this model; accepted: 2..{cfg.max_seq_len}")
-    with torch.device("meta"):
-        model = DNADecoderLM(cfg)
-        ids = torch.zeros(batch_size, t, dtype=torch.long)  # (B, T)
+    model = build_model(name, device="meta")
+    ids = torch.zeros(batch_size, t, dtype=torch.long, device="meta")  # (B, T)
     return model, ids
 
 
@@ -99,13 +101,12 @@ def _freeze_imports(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- plan, estimate
 def _load_model(args: argparse.Namespace) -> ModelSpec:
-    """A bundled DNA LM size (built on the meta device) or a FILE.py:CALLABLE / MODULE:CALLABLE spec."""
+    """A bundled model size (built on the meta device) or a FILE.py:CALLABLE / MODULE:CALLABLE spec."""
     from zerofx.app.planning import ModelSpec, load_model_spec
 
     if ":" in args.model:
         return load_model_spec(args.model)
-    cfg = model_config(args.model)
-    model, ids = _meta_example(cfg, getattr(args, "batch_size", 1), getattr(args, "seq_len", None))
+    model, ids = _meta_example(args.model, getattr(args, "batch_size", 1), getattr(args, "seq_len", None))
     return ModelSpec(model, (ids,), {"labels": ids}, args.model)
 
 
@@ -520,7 +521,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- train
 def cmd_train(args: argparse.Namespace) -> int:
-    """Train a DNA LM with the parsed flags (``zerofx.app.training.train``)."""
+    """Train a bundled DNA model or a model spec with the parsed flags (``zerofx.app.training.train``)."""
     from zerofx.app.training import Objective, TrainOptions, train
 
     _freeze_imports(args)  # under torchrun this process is a rank (NOTE [Freezing the imports])
@@ -615,13 +616,13 @@ def _bytes_arg(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    sizes = ", ".join(DNA_LM_SIZES)
+    sizes = ", ".join(MODEL_SIZES)
     parser = _Parser(prog="zerofx", description="ZeRO-style sharded training as torch.fx compiler passes.")
     parser.add_argument("--version", action="version", version=f"zerofx {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                 help="one of these; zerofx COMMAND --help lists its options")
 
-    model_help = f"a DNA LM size ({sizes}) or FILE.py:CALLABLE / MODULE:CALLABLE returning (model, example_inputs)"
+    model_help = f"a bundled model size ({sizes}; docs/models.md) or FILE.py:CALLABLE / MODULE:CALLABLE returning (model, example_inputs)"
     p = sub.add_parser("plan", help="print the plan, communication schedule and memory per rank, before anything runs",
                        description="Capture and plan a model on the meta device (no parameter memory): the sharding, one row "
                                    "per collective, memory per rank with a fits verdict, and the estimated step time.")
@@ -697,11 +698,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_int_arg(1), default=5, help="timed repeats per measurement, >= 1 (default: 5)")
     p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("train", help="train a DNA LM on local gloo (CPU) ranks, or as torchrun's ranks (NCCL on GPUs)",
-                       description="Spawn local gloo ranks and train a DNA LM with zerofx on a FASTA genome; under torchrun (one or "
+    p = sub.add_parser("train", help="train a DNA model on local gloo (CPU) ranks, or as torchrun's ranks (NCCL on GPUs)",
+                       description="Spawn local gloo ranks and train a DNA model with zerofx on a FASTA genome; under torchrun (one or "
                                    "many nodes), run as one of its ranks instead, over NCCL where there are GPUs.")
     p.add_argument("--model", default="tiny", metavar="MODEL_SPEC",
-                   help=f"a bundled DNA LM size ({sizes}), or FILE.py:CALLABLE / MODULE:CALLABLE returning (model, "
+                   help=f"a bundled model size ({sizes}; docs/models.md), or FILE.py:CALLABLE / MODULE:CALLABLE returning (model, "
                         "example_inputs) as for zerofx plan: any nn.Module called as model(input_ids, labels=labels) that "
                         "returns the loss or an output with .loss (a Hugging Face model from a local config works); its "
                         "input embedding needs at least the vocabulary's rows (default: tiny; docs/training.md)")
@@ -713,7 +714,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", choices=("clm", "mlm"), default="clm",
                    help="clm: next-token prediction, model(ids, labels=ids); mlm: masked LM, 15%% of tokens chosen, 80/10/10 "
                         "<mask>/random/unchanged, model(masked_ids, labels=labels) with labels -100 where nothing was masked, "
-                        "masks reproducible from --seed; needs a --model spec (default: clm)")
+                        "masks reproducible from --seed; needs a bidirectional model, a bimamba size or a --model spec, and those "
+                        "sizes train only with it (default: clm)")
     p.add_argument("--kmer", type=_int_arg(1), metavar="K",
                    help="tokenize into non-overlapping K-mers, 1..8, in the Nucleotide Transformer's vocabulary (<unk> <pad> "
                         "<mask> <cls> <eos> <bos>, the 4**K K-mers, A T C G N: 4,107 ids for K=6); --seq-len counts K-mers "

@@ -4,7 +4,7 @@
 
 ``train`` checks the options in the calling process, before any process starts, then spawns
 ``world_size`` local gloo ranks (or, under torchrun, runs as one of torchrun's ranks). Each rank
-builds the model (a bundled DNA LM, or a model spec's: docs/training.md), tokenizes its windows
+builds the model (a bundled size, docs/models.md, or a model spec's: docs/training.md), tokenizes its windows
 of the genome (masking them for ``Objective.MLM``), initializes a zerofx ``Engine`` from its
 first batch, resumes from the newest complete checkpoint in ``output_dir`` if there is one,
 trains, saves, and evaluates on the held-out slice of the genome. Rank 0 prints each step's
@@ -48,8 +48,8 @@ from zerofx.data.tokenizers import MAX_KMER, KmerTokenizer
 from zerofx.runtime.engine import Engine, ScheduleEndWarning, initialize
 from zerofx.common.errors import RankFailedError, UsageError, ZeroFXError
 from zerofx.common.limits import DEFAULT_TRAIN_STAGE, MAX_SEED, check_positive, check_stage
+from zerofx.models.registry import build_model as build_bundled_model
 from zerofx.models.sizes import model_config
-from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 from zerofx.common.vocab import DNA_VOCAB
 from zerofx.compiler.program import resolve
 from zerofx.common.rss import peak_rss_bytes
@@ -69,7 +69,7 @@ class Objective(str, Enum):
 class TrainOptions:
     """Everything a training run needs; picklable, so each spawned rank gets a copy."""
 
-    model: str = "tiny"  # a bundled DNA LM size, or a model spec FILE.py:CALLABLE / MODULE:CALLABLE
+    model: str = "tiny"  # a bundled model size (zerofx.models.MODEL_SIZES), or a model spec FILE.py:CALLABLE / MODULE:CALLABLE
     fasta: Path | None = None  # None: the bundled lambda phage genome
     world_size: int = 2
     stage: int | None = None  # None: the config's stage, else DEFAULT_TRAIN_STAGE
@@ -223,11 +223,16 @@ def _check_model_and_objective(opts: TrainOptions) -> TrainOptions:
     if opts.kmer is not None and (isinstance(opts.kmer, bool) or not isinstance(opts.kmer, int) or not 1 <= opts.kmer <= MAX_KMER):
         raise UsageError(f"--kmer {opts.kmer!r} is invalid; accepted: an integer in 1..{MAX_KMER} (the Nucleotide Transformer uses 6)")
     if not is_model_spec(opts.model):
-        model_config(opts.model)
-        if objective is Objective.MLM:
+        causal = model_config(opts.model).is_causal
+        if objective is Objective.MLM and causal:
             raise UsageError(
                 f"--objective mlm needs a bidirectional model with a masked-LM head; the bundled {opts.model} is a causal "
-                "decoder. Pass --model FILE.py:CALLABLE, e.g. examples/own_models.py:esm_mlm (docs/training.md)"
+                "decoder. Pass a bimamba size or --model FILE.py:CALLABLE, e.g. examples/own_models.py:esm_mlm (docs/training.md)"
+            )
+        if objective is Objective.CLM and not causal:
+            raise UsageError(
+                f"the bundled {opts.model} is bidirectional: every position sees the token it would predict under "
+                "--objective clm; train it with --objective mlm (docs/models.md)"
             )
     return replace(opts, objective=objective)
 
@@ -295,7 +300,7 @@ def build_model(opts: TrainOptions, device: torch.device) -> nn.Module:
         model = load_spec_model(opts.model)
         check_vocabulary(model, opts)
     else:
-        model = DNADecoderLM(replace(DNA_LM_SIZES[opts.model], vocab_size=vocabulary_size(opts)))
+        model = build_bundled_model(opts.model, vocab_size=vocabulary_size(opts))
     on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
     return model if on_meta else model.to(device)
 

@@ -1,5 +1,6 @@
-"""The DNA LM's vocabulary, its config and the named sizes: torch-free, so the command line
-names the sizes (``zerofx --help``, argument checks) without loading torch."""
+"""The DNA LM's config, and every bundled model's named size (``MODEL_SIZES``): torch-free, so
+the command line names the sizes (``zerofx --help``, argument checks) without loading torch.
+``zerofx.models.registry`` builds a model from a size name."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ from dataclasses import dataclass
 
 from zerofx.common.errors import UsageError, did_you_mean
 from zerofx.common.vocab import DNA_VOCAB
-
-
+from zerofx.models.genomic_sizes import HYENA_SIZES, MAMBA_SIZES, STRIPED_HYENA_SIZES, HyenaConfig, MambaConfig, StripedHyenaConfig
 
 @dataclass(frozen=True)
 class DNALMConfig:
@@ -26,6 +26,10 @@ class DNALMConfig:
     def head_dim(self) -> int:
         return self.dim // self.num_heads
 
+    @property
+    def is_causal(self) -> bool:
+        return True
+
 
 # Named sizes for the CLI and benchmarks; the parameter counts are approximate.
 DNA_LM_SIZES = {
@@ -41,10 +45,16 @@ DNA_LM_SIZES = {
 }
 
 
-def model_config(name: str) -> DNALMConfig:
-    """The DNA LM config for a size name; ``UsageError`` naming the accepted sizes otherwise."""
-    if name not in DNA_LM_SIZES:
+ModelConfig = DNALMConfig | HyenaConfig | StripedHyenaConfig | MambaConfig
+
+# Every bundled size, the names ``zerofx train --model`` and ``zerofx plan`` accept.
+MODEL_SIZES: dict[str, ModelConfig] = {**DNA_LM_SIZES, **HYENA_SIZES, **STRIPED_HYENA_SIZES, **MAMBA_SIZES}
+
+
+def model_config(name: str) -> ModelConfig:
+    """The config of a bundled size name; ``UsageError`` naming the accepted sizes otherwise."""
+    if name not in MODEL_SIZES:
         raise UsageError(
-            f"unknown model size {name!r}{did_you_mean(name, DNA_LM_SIZES)}; accepted: {', '.join(DNA_LM_SIZES)}"
+            f"unknown model size {name!r}{did_you_mean(name, MODEL_SIZES)}; accepted: {', '.join(MODEL_SIZES)}"
         )
-    return DNA_LM_SIZES[name]
+    return MODEL_SIZES[name]
