@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import site
+import sys
 import sysconfig
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -64,7 +65,9 @@ def _user_frames(frames: traceback.StackSummary) -> list[traceback.FrameSummary]
     outside = tuple(os.path.join(Path(p).resolve(), "") for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
                                                      sysconfig.get_paths()["stdlib"], site.getusersitepackages(),
                                                      Path(nn.__file__).resolve().parents[1], Path(__file__).resolve().parents[1],
-                                                     Path(passes.__file__).resolve().parent, Path(cost_models.__file__).resolve().parent})
+                                                     Path(passes.__file__).resolve().parent, Path(cost_models.__file__).resolve().parent,
+                                                     # packages another environment's folder provides (a .pth file's entry)
+                                                     *(p for p in sys.path if Path(p).name in ("site-packages", "dist-packages"))})
     mine = [f for f in frames if not str(Path(f.filename).resolve()).startswith(outside)]
     return mine or list(frames)
 
