@@ -27,13 +27,41 @@ counts (NOTE [Gradients leave at their bucket's wait] in passes/offload_grads.py
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
+
 from zerofx.common.errors import PlanError
 
-# torch.optim keeps per-parameter state of this many parameter-sized tensors:
-STATE_TENSORS_PER_PARAM = {"AdamW": 2, "Adam": 2, "SGD": 0, "SGD+momentum": 1}
-# ... and this many bytes of scalar state (Adam's float32 `step` tensor) per parameter tensor.
-SCALAR_STATE_BYTES_PER_PARAM = {"AdamW": 4, "Adam": 4, "SGD": 0, "SGD+momentum": 0}
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """One optimizer as zerofx builds and accounts for it: a row of ``OPTIMIZERS``."""
+
+    type: str  # the config's ``optimizer.type``
+    torch_class: str  # its class in ``torch.optim``, looked up by name where it is built
+    params: tuple[str, ...]  # the ``optimizer.params`` keys it takes (torch's argument names)
+    state: tuple[str, ...]  # the parameter-sized state tensors torch keeps per parameter (torch's names)
+    step: bool  # torch keeps a float32 ``step`` tensor per parameter tensor (Adam's)
+    fusable: bool  # takes ``fused=True`` (``zerofx.fused_optimizer``)
+
+
+_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay")
+_SGD_PARAMS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+
+# NOTE [One optimizer table]
+# Every optimizer zerofx accepts, keyed by kind: the config's type, except that SGD with
+# momentum is its own kind, since it keeps a momentum buffer per parameter and plain SGD keeps
+# nothing. The schema's accepted types, the parameters each takes, the torch class the engine
+# builds, the state an offloaded record holds and the model-state bytes all come from here.
+OPTIMIZERS: dict[str, OptimizerKind] = {
+    "AdamW": OptimizerKind("AdamW", "AdamW", _ADAM_PARAMS, ("exp_avg", "exp_avg_sq"), step=True, fusable=True),
+    "Adam": OptimizerKind("Adam", "Adam", _ADAM_PARAMS, ("exp_avg", "exp_avg_sq"), step=True, fusable=True),
+    "SGD": OptimizerKind("SGD", "SGD", _SGD_PARAMS, (), step=False, fusable=False),
+    "SGD+momentum": OptimizerKind("SGD", "SGD", _SGD_PARAMS, ("momentum_buffer",), step=False, fusable=False),
+}
+# The config's ``optimizer.type`` values, in the table's order.
+OPTIMIZER_TYPES = tuple(dict.fromkeys(kind.type for kind in OPTIMIZERS.values()))
+STEP_BYTES = 4  # Adam's float32 ``step``, one per parameter tensor
 
 
 class ParamSizes(Protocol):
@@ -45,8 +73,8 @@ class ParamSizes(Protocol):
     requires_grad: bool
 
 
-def optimizer_kind(opt_type: str, params: dict) -> str:
-    """The key into the tables above for an optimizer type and its arguments."""
+def optimizer_kind(opt_type: str, params: Mapping[str, Any]) -> str:
+    """The key into ``OPTIMIZERS`` for an optimizer type and its arguments."""
     if opt_type == "SGD" and params.get("momentum", 0):
         return "SGD+momentum"
     return opt_type
@@ -69,10 +97,11 @@ def estimate_model_state_bytes(
         # Optimizer states are fp32 whatever the parameter dtype (ZeRO's accounting), and 16-bit
         # parameters keep an fp32 master copy of the owned elements: 2 + 2 + 12 bytes for Adam.
         owned_numel = owned // p.itemsize
-        out["optimizer_states"] += STATE_TENSORS_PER_PARAM[optimizer] * owned_numel * 4
+        kind = OPTIMIZERS[optimizer]
+        out["optimizer_states"] += len(kind.state) * owned_numel * 4
         if p.itemsize < 4:
             out["optimizer_states"] += owned_numel * 4
-        out["optimizer_states"] += SCALAR_STATE_BYTES_PER_PARAM[optimizer]
+        out["optimizer_states"] += STEP_BYTES if kind.step else 0
     return out
 
 

@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from zerofx.common.errors import PlanError
-from zerofx.cost_models.memory import STATE_TENSORS_PER_PARAM
+from zerofx.cost_models.memory import OPTIMIZERS
 
 FP32_BYTES = 4
 
@@ -96,9 +96,9 @@ def record_numels(owned_numel: int, *, optimizer: str, mixed_precision: bool) ->
     """Element counts of a record's fp32 tensors, in file order (see NOTE [What an offloaded
     record holds]): (master,)? + one per optimizer state tensor."""
 
-    if optimizer not in STATE_TENSORS_PER_PARAM:
-        raise PlanError(f"optimizer={optimizer!r}; accepted: {', '.join(STATE_TENSORS_PER_PARAM)}")
-    count = STATE_TENSORS_PER_PARAM[optimizer] + (1 if mixed_precision else 0)
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"optimizer={optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+    count = len(OPTIMIZERS[optimizer].state) + (1 if mixed_precision else 0)
     return (owned_numel,) * count
 
 

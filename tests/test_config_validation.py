@@ -5,6 +5,8 @@ program cache keys, and the settings fingerprint ranks compare. Single process, 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import json
 import math
 import re
@@ -13,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from zerofx.app.cli import main
-from zerofx.config import first_config_difference, parse_config
-from zerofx.config.options import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_PROGRAM_CACHE_SIZE, OPTIMIZER_PARAMS, LossScaleOptions
+from zerofx.config import OptimizerSpec, first_config_difference, parse_config, torch_optimizer_class
+from zerofx.config.compile_options import compile_options
+from zerofx.cost_models.memory import OPTIMIZER_TYPES, OPTIMIZERS
+from zerofx.config.options import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_PROGRAM_CACHE_SIZE, LossScaleOptions
 from zerofx.config.schema import SCHEMA, Key
 from zerofx.common.errors import ConfigError
 from zerofx.runtime.loss_scaling import LossScaler
@@ -82,9 +87,9 @@ def test_true_false_is_not_a_number(path: str) -> None:
 
 
 def test_schedule_options_of_a_refused_bucket_size_never_overflow() -> None:
-    # What used to pass parse_config and then raise OverflowError in schedule_options().
+    # What used to pass parse_config and then raise OverflowError in building the schedule options.
     with pytest.raises(ConfigError, match=r"reduce_bucket_size' got inf"):
-        parse_config({"zero_optimization": {"reduce_bucket_size": math.inf}}).schedule_options()
+        parse_config({"zero_optimization": {"reduce_bucket_size": math.inf}})
 
 
 @pytest.mark.parametrize(
@@ -152,7 +157,7 @@ def test_sgd_params_in_range(params: dict, message: str) -> None:
 
 def test_optimizer_param_lists_cover_the_schema() -> None:
     schema_params = SCHEMA["optimizer"].children["params"].children  # type: ignore[index]
-    assert set().union(*map(set, OPTIMIZER_PARAMS.values())) == set(schema_params)
+    assert set().union(*(set(kind.params) for kind in OPTIMIZERS.values())) == set(schema_params)
 
 
 # --------------------------------------------------------------------------- schedulers (item 10)
@@ -546,3 +551,60 @@ def test_first_config_difference_names_the_setting_and_each_rank() -> None:
     fields = [parse_config({"gradient_accumulation_steps": g}).fingerprint_fields() for g in (1, 2)]
     assert first_config_difference(fields) == "gradient_accumulation_steps: rank 0 has 1, rank 1 has 2"
     assert first_config_difference([parse_config(BASE).fingerprint_fields()] * 4) is None
+
+
+# --------------------------------------------------------------------------- options parsed once
+RICH = {
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": 500, "overlap_comm": False, "offload_optimizer": {"device": "cpu", "ratio": 1}},
+    "optimizer": {"type": "SGD", "params": {"lr": 1, "momentum": 0.9}}, "gradient_clipping": 1, "bf16": {"enabled": True},
+    "zerofx": {"prefetch_distance": 2, "memory_budget": "1GiB", "collective_timeout_s": 10, "program_cache_size": 3, "profile": "cpu",
+               "plan_cache": False, "tiling": {"enabled": "auto", "budget": "2GiB"}, "shard_group_size": 2,
+               "sequence_parallel": {"size": 2, "attention": "ring"}},
+}
+
+
+def test_options_are_never_read_from_the_config_dict() -> None:
+    # Emptying raw after parsing changes no option: every one was filled in by parse_config.
+    cfg = parse_config(RICH, world_size=4)
+    emptied = dataclasses.replace(cfg, raw={})
+    assert emptied.fingerprint_fields() == cfg.fingerprint_fields()
+    assert compile_options(emptied, 4) == compile_options(cfg, 4)
+    assert (cfg.profile_is_explicit, parse_config({}).profile_is_explicit) == (True, False)
+    assert cfg.zerofx_section == {k: v for k, v in RICH["zerofx"].items() if k != "plan_cache"}
+
+
+def test_compile_options_resolve_and_check_the_world_size() -> None:
+    cfg = parse_config(RICH)  # no world size yet: checked when one is given
+    options = compile_options(cfg, 4)
+    assert options.sequence_parallel is not None and options.sequence_parallel.group_name == "zerofx_sequence_2of4"
+    assert cfg.sequence_parallel is not None and cfg.sequence_parallel.group_name == ""
+    assert (options.shard_group_size, options.choose_shard_group_size, options.shard_group_decision) == (2, False, None)
+    assert options.optimizer == "SGD+momentum" and options.schedule.reduce_bucket_numel == 500 and options.tiling_at_capture is not None
+    with pytest.raises(ConfigError, match=r"'zerofx.shard_group_size' got 2, which does not divide the world size 3"):
+        compile_options(cfg, 3)
+    sp_only = parse_config({"zero_optimization": {"stage": 2}, "zerofx": {"sequence_parallel": {"size": 4}}})
+    with pytest.raises(ConfigError, match=r"'zerofx.sequence_parallel.size' got 4, which does not divide the world size 6; accepted: "
+                                          r"a divisor of 6 \(1, 2, 3, 6\)"):
+        compile_options(sp_only, 6)
+    auto = compile_options(parse_config({"zero_optimization": {"stage": 3}, "zerofx": {"shard_group_size": "auto"}}), 8)
+    assert (auto.shard_group_size, auto.choose_shard_group_size) == (8, True) and "\"auto\" chooses" in str(auto.shard_group_decision)
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_the_optimizer_table_matches_torch(kind: str) -> None:
+    """Each row's class, parameters and state are torch's: the state after one step is the row's."""
+    row = OPTIMIZERS[kind]
+    cls = torch_optimizer_class(row.type)
+    assert cls.__name__ == row.torch_class and set(row.params) <= set(inspect.signature(cls).parameters)
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = cls([param], lr=0.1, **({"momentum": 0.9} if kind == "SGD+momentum" else {}))
+    param.grad = torch.ones(3)
+    optimizer.step()
+    state = optimizer.state[param]
+    assert {k for k, v in state.items() if v is not None and k != "step"} == set(row.state) and ("step" in state) == row.step
+    assert OptimizerSpec(row.type, {"lr": 0.1, **({"momentum": 0.9} if kind == "SGD+momentum" else {})}).kind == kind
+
+
+def test_the_schema_accepts_the_tables_optimizer_types() -> None:
+    assert SCHEMA["optimizer"].children["type"].accepted == ", ".join(OPTIMIZER_TYPES)  # type: ignore[index]
+    assert OPTIMIZER_TYPES == ("AdamW", "Adam", "SGD")

@@ -197,7 +197,7 @@ def test_offload_and_mixed_precision_are_accepted() -> None:
         extra = workers.FEATURES[feature]
         config = {**extra, "zero_optimization": {"stage": 3, **extra.get("zero_optimization", {})},
                   "zerofx": {**extra.get("zerofx", {}), "sequence_parallel": {"size": 2}}}
-        assert zerofx.parse_config(config, world_size=4).sequence_parallel().size == 2
+        assert zerofx.parse_config(config, world_size=4).sequence_parallel.size == 2
 
 
 @pytest.mark.parametrize("model, op, module", [

@@ -127,7 +127,7 @@ def test_reads_deepspeed_documentation_configs(name: str) -> None:
         parsed = zerofx.parse_config(DEEPSPEED_DOC_CONFIGS[name])
     assert parsed.stage == DEEPSPEED_DOC_CONFIGS[name]["zero_optimization"]["stage"]
     if name == "stage3_nvme":
-        assert parsed.compute_dtype is torch.bfloat16 and parsed.schedule_options().persistence_threshold == 10**6
+        assert parsed.compute_dtype is torch.bfloat16 and parsed.schedule.persistence_threshold == 10**6
         # offload_param is acted on now (no warning); stage3_max_reuse_distance is read and warns, once.
         assert not any("offload_param.device" in str(w.message) for w in caught)
         assert any("stage3_max_reuse_distance" in str(w.message) for w in caught)

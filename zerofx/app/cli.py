@@ -432,6 +432,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         import zerofx
         from zerofx.app.planning import running_model_code
         from zerofx.compiler.program import plan_program, resolve
+        from zerofx.config.compile_options import compile_options
 
         _freeze_imports(args)
         spec = _load_model(args)
@@ -439,7 +440,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         with running_model_code(spec.label):
             captured = zerofx.capture_step(spec.model, spec.args, spec.kwargs)
         for s in stages:
-            program = plan_program(captured, resolve(args.config, stage=s, world_size=args.world_size), args.world_size)
+            cfg = resolve(args.config, stage=s, world_size=args.world_size)
+            program = plan_program(captured, cfg, compile_options(cfg, args.world_size))
             report = program.report(0)
             activations[s] = report.peak.live_bytes - report.persistent_bytes
         num_params = float(sum(p.numel for p in captured.params))

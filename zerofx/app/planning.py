@@ -214,7 +214,7 @@ class SolveResult:
 # that fits.
 def sequence_parallel_size(config: Any, *, world_size: int, stage: int) -> int:
     """The config's ``zerofx.sequence_parallel.size``, 1 without it."""
-    spec = resolve(config, stage=stage, world_size=world_size).sequence_parallel()
+    spec = resolve(config, stage=stage, world_size=world_size).sequence_parallel
     return 1 if spec is None else spec.size
 
 

@@ -26,7 +26,6 @@ from zerofx.cost_models.hierarchy import estimate_step_comm_s, estimate_step_s
 from zerofx.passes import Plan, ZeroStage
 from zerofx.passes.plan_shard_groups import bucket_bytes, device_budget, estimate_compute_s, plan_shard_group_size, prefetch_from_profile
 from zerofx.passes.plan_sharding import plan_sharding_from_shapes
-from zerofx.compiler.program import _planner_args
 from zerofx.common.errors import UsageError
 from zerofx.common.units import format_bytes
 
@@ -84,7 +83,7 @@ def sweep_world_sizes(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, An
                       world_sizes: Sequence[int], comm: CommSpec, device: DeviceSpec, profile: str) -> Sweep:
     """The chosen and the flat plan at each world size (``cfg`` gives the stage, optimizer,
     precision and limits; its own world size and shard group size are ignored)."""
-    stage, optimizer, options = _planner_args(cfg)
+    stage, optimizer, options = ZeroStage(cfg.stage), cfg.optimizer.kind, cfg.schedule
     captured = capture_step(model, args, kwargs, compute_dtype=cfg.compute_dtype)
     compute_s = estimate_compute_s(captured.joint, device)
     tokens = max((a.numel() for a in args if hasattr(a, "numel")), default=0)

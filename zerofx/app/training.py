@@ -119,7 +119,7 @@ def data_layout(opts: TrainOptions, rank: int) -> tuple[int, int]:
     """(this rank's data-parallel index, the number of data-parallel groups). Without sequence
     parallelism every rank is its own group; with it, the ranks of a sequence group (r // S,
     NOTE [Sequence groups] in zerofx/runtime/rank_groups.py) get the same windows, and the groups different ones."""
-    spec = parse_config(_engine_config(opts)).sequence_parallel() if opts.config is not None else None
+    spec = parse_config(_engine_config(opts)).sequence_parallel if opts.config is not None else None
     size = 1 if spec is None else spec.size
     return rank // size, opts.world_size // size
 

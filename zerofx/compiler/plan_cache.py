@@ -188,7 +188,6 @@ def cache_key(*, model: nn.Module, input_signature: Any, loss_fn: Callable[..., 
     """Everything one rank's program depends on (NOTE [What a plan-cache key covers]), as a
     JSON-ready dict. ``program_options`` are the keyword arguments the engine builds its
     programs with (process group names, the parameter-offload placement)."""
-    own = {k: v for k, v in dict(cfg.raw.get("zerofx", {})).items() if k != "plan_cache"}
     loss = None if loss_fn is None else f"{getattr(loss_fn, '__module__', '?')}.{getattr(loss_fn, '__qualname__', repr(type(loss_fn)))} " \
                                         f"[{_source_digest(loss_fn)}] {captured_values(loss_fn)}"
     return {
@@ -197,7 +196,7 @@ def cache_key(*, model: nn.Module, input_signature: Any, loss_fn: Callable[..., 
         "inputs": repr(input_signature),
         "loss_fn": loss,
         "config": cfg.fingerprint_fields(),
-        "zerofx_section": json.loads(json.dumps(own, sort_keys=True, default=repr)),
+        "zerofx_section": json.loads(json.dumps(cfg.zerofx_section, sort_keys=True, default=repr)),
         "program_options": {k: repr(v) for k, v in sorted(program_options.items())},
         "world": {"world_size": world_size, "rank": rank, "backend": backend, "device": str(device)},
     }

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from zerofx.cost_models.comm import CPU_GLOO, CommSpec
 from zerofx.cost_models.compute import CPU_CORE, DeviceSpec
-from zerofx.cost_models.memory import device_model_state_bytes, optimizer_kind
+from zerofx.cost_models.memory import device_model_state_bytes
 from zerofx.cost_models.profiles import load_profile
 from zerofx.passes import Plan, ZeroStage, _compat, plan_sharding
 from zerofx.passes.analyze_schedule import ScheduleReport, analyze_schedule
@@ -29,9 +29,9 @@ from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
 from zerofx.passes.plan_sharding import plan_sharding_from_shapes
 from zerofx.passes.plan_tiling import TilingOptions, TilingPlan
-from zerofx.passes.sequence_parallel import SequenceParallelSpec
 from zerofx.compiler.capture import CapturedStep, LossFn, flatten_call, traced_param_infos
-from zerofx.config import ZeroConfig, check_shard_group_size, parse_config
+from zerofx.config import ZeroConfig, parse_config, source_config
+from zerofx.config.compile_options import CompileOptions, compile_options
 from zerofx.config.options import GraphCompiler
 from zerofx.common.errors import MissingExampleInputsError, ZeroFXError
 from zerofx.common.limits import MAX_WORLD_SIZE
@@ -51,6 +51,7 @@ class Source:
 
     model: nn.Module
     cfg: ZeroConfig
+    options: CompileOptions  # ``cfg``'s, for the program's world size
     loss_fn: LossFn | None
 
 
@@ -141,8 +142,8 @@ class Program:
         if self._captured is None:
             captured = capture_and_plan(
                 StepCapture(source.model, args, kwargs, loss_fn=source.loss_fn, compute_dtype=source.cfg.compute_dtype,
-                            sequence_parallel=planning_sequence_parallel(source.cfg, self.world_size)),
-                source.cfg, self.world_size, group_name=self.group_name, param_offload=self.param_offload,
+                            sequence_parallel=source.options.sequence_parallel),
+                source.cfg, source.options, group_name=self.group_name, param_offload=self.param_offload,
                 replicate_group_name=self.replicate_group_name,
             )
             self._captured, self._plan, self._modules = captured._captured, captured._plan, captured._modules
@@ -214,14 +215,14 @@ class Program:
         if source is None:
             raise ZeroFXError("this program was planned from a captured step (the engine's); replan a program from zerofx.compile")
         captured = self._require_capture("program.replan()")
-        chosen = source.cfg.raw if config is None else config
-        if config is None and stage is not None:  # this program's config at another stage
-            chosen = {**chosen, "zero_optimization": {k: v for k, v in chosen.get("zero_optimization", {}).items() if k != "stage"}}
+        # Without ``config``, this program's config again (at another stage when ``stage=`` is given).
+        chosen = source_config(source.cfg, without_stage=stage is not None) if config is None else config
         alone = parse_config(chosen)  # what the config fixes by itself; the rest stays this program's
         cfg = resolve(chosen, stage=stage if stage is not None or alone.stage is not None else int(self.stage),
                       world_size=world_size if world_size is not None or alone.world_size is not None else self.world_size)
         if cfg.world_size is None:
             raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
+        options = compile_options(cfg, cfg.world_size)
         # NOTE [Planning again from one capture]
         # The captured joint graph depends on the inputs, the compute dtype, the tiling chosen at
         # capture and the sequence-parallel rewrite (its group names carry the world size); the
@@ -229,16 +230,14 @@ class Program:
         # from the graph without changing it. So a new plan reuses the capture only when those
         # capture-time settings are equal; otherwise replan refuses, naming the setting.
         for what, old, new in (("the compute dtype (bf16/fp16)", source.cfg.compute_dtype, cfg.compute_dtype),
-                               ("zerofx.tiling", _tiling_at_capture(source.cfg), _tiling_at_capture(cfg)),
-                               ("zerofx.sequence_parallel (with the world size)", planning_sequence_parallel(source.cfg, self.world_size),
-                                planning_sequence_parallel(cfg, cfg.world_size))):
+                               ("zerofx.tiling", source.options.tiling_at_capture, options.tiling_at_capture),
+                               ("zerofx.sequence_parallel (with the world size)", source.options.sequence_parallel, options.sequence_parallel)):
             if old != new:
                 raise ZeroFXError(f"program.replan cannot change {what}: the captured graphs depend on it "
                                   f"({old} here, {new} asked); call zerofx.compile for a new capture")
         start = time.perf_counter()
-        program = plan_program(captured, cfg, cfg.world_size, group_name=self.group_name,
-                               replicate_group_name=self.replicate_group_name)
-        program._source = Source(source.model, cfg, source.loss_fn)
+        program = plan_program(captured, cfg, options, group_name=self.group_name, replicate_group_name=self.replicate_group_name)
+        program._source = Source(source.model, cfg, options, source.loss_fn)
         program.setup_times = {"plan": time.perf_counter() - start}
         return program
 
@@ -329,46 +328,20 @@ def resolve(config: str | Path | Mapping[str, Any] | None, *, stage: int | None,
     return cfg
 
 
-def _planner_args(cfg: ZeroConfig) -> tuple[ZeroStage, str, ScheduleOptions]:
-    """The stage, optimizer kind and schedule options both planners take from the config."""
-    return ZeroStage(cfg.stage), optimizer_kind(cfg.optimizer.type, dict(cfg.optimizer.params)), cfg.schedule_options()
-
-
-def resolve_shard_group_size(cfg: ZeroConfig, world_size: int) -> tuple[int, str | None]:
-    """The shard group size K for ``world_size`` ranks (``zerofx.shard_group_size``; the world
-    size when unset), and the decision line to record when the config left the choice to the
-    planner (``"auto"``)."""
-    value = cfg.shard_group_size
-    if value is None:
-        return world_size, None
-    if value == "auto":
-        # The captured step's planner chooses K (``plan_program``); planned from shapes alone there
-        # is no compute estimate to choose from, so sharding stays flat and the plan says so.
-        return world_size, f"shard group size {world_size} (flat): zerofx.shard_group_size \"auto\" chooses from the captured step"
-    check_shard_group_size(value, stage=cfg.stage, world_size=world_size)
-    return int(value), None
-
-
-def planning_sequence_parallel(cfg: ZeroConfig, world_size: int) -> SequenceParallelSpec | None:
-    """The config's sequence parallelism for a program planned without a process group: its
-    collectives carry the name the engine registers (NOTE [Sequence groups] in zerofx/runtime/rank_groups.py)."""
-    spec = cfg.sequence_parallel()
-    return None if spec is None else replace(spec, group_name=f"zerofx_sequence_{spec.size}of{world_size}")
-
-
-def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, group_name: str = PLANNING_GROUP,
+def plan_program(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOptions, *, group_name: str = PLANNING_GROUP,
                  param_offload: ParamOffloadPlan | None = None, replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> Program:
-    """Plan ``captured``; under ``zerofx.memory_budget`` the prefetch distance is lowered until
-    the estimated peak fits (NOTE [Prefetch under a memory budget] in zerofx/compiler/search.py)."""
-    stage, optimizer, options = _planner_args(cfg)
+    """Plan ``captured`` for ``compile_opts.world_size`` ranks; under ``zerofx.memory_budget`` the
+    prefetch distance is lowered until the estimated peak fits (NOTE [Prefetch under a memory
+    budget] in zerofx/compiler/search.py)."""
+    world_size, stage, optimizer, options = compile_opts.world_size, compile_opts.stage, compile_opts.optimizer, compile_opts.schedule
     comm, device = load_profile(cfg.profile)  # zerofx.profile: buckets, prefetch and K are sized for it
-    shard_group_size, decision = resolve_shard_group_size(cfg, world_size)
+    shard_group_size, decision = compile_opts.shard_group_size, compile_opts.shard_group_decision
     # NOTE [Hierarchical sharding cost]. A program for real process groups (the engine's) keeps
     # the K its groups and shards were built with; planning alone chooses.
-    if cfg.shard_group_size == "auto" and group_name == PLANNING_GROUP:
+    if compile_opts.choose_shard_group_size and group_name == PLANNING_GROUP:
         shard_group_size, decision = plan_auto_shard_group_size(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer,
                                                                 options=options, comm=comm, device=device)
-    if "profile" in cfg.raw.get("zerofx", {}) and options.prefetch_distance is None and stage is ZeroStage.THREE:
+    if cfg.profile_is_explicit and options.prefetch_distance is None and stage is ZeroStage.THREE:
         planned = plan_sharding(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer, options=options, comm=comm,
                                 shard_group_size=shard_group_size)
         options = replace(options, prefetch_distance=prefetch_from_profile(planned, compute_s=estimate_compute_s(captured.joint, device),
@@ -390,14 +363,14 @@ def plan_program(captured: CapturedStep, cfg: ZeroConfig, world_size: int, *, gr
     return fit_prefetch(plan_with(options), lambda d: plan_with(replace(options, prefetch_distance=d)), options.memory_budget_bytes)
 
 
-def capture_and_plan(capture: StepCapture, cfg: ZeroConfig, world_size: int, *, group_name: str = PLANNING_GROUP,
+def capture_and_plan(capture: StepCapture, cfg: ZeroConfig, compile_opts: CompileOptions, *, group_name: str = PLANNING_GROUP,
                      param_offload: ParamOffloadPlan | None = None, replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> Program:
     """``capture(tiling_options)``, then plan and lower it; with ``zerofx.tiling.enabled: auto``
     the tiling is checked against the memory timeline (NOTE [Tiling checked against the memory
     timeline] in zerofx/compiler/search.py), which may capture again: once per tiling plan, the options
     whose plan is one already built getting that program (NOTE [One forward record per capture
     search] in zerofx/compiler/capture.py)."""
-    options = cfg.tiling_options()
+    options = compile_opts.tiling
     capture_s = 0.0
     built: dict[TilingPlan | None, Program] = {}
 
@@ -408,7 +381,7 @@ def capture_and_plan(capture: StepCapture, cfg: ZeroConfig, world_size: int, *, 
         if tiling_plan not in built:
             captured = capture(opts)
             capture_s += time.perf_counter() - start
-            built[tiling_plan] = plan_program(captured, cfg, world_size, group_name=group_name, param_offload=param_offload,
+            built[tiling_plan] = plan_program(captured, cfg, compile_opts, group_name=group_name, param_offload=param_offload,
                                               replicate_group_name=replicate_group_name)
         else:
             capture_s += time.perf_counter() - start
@@ -435,33 +408,25 @@ def with_offloaded_grads(plan: Plan, cfg: ZeroConfig) -> Plan:
     return replace(plan, estimates=device_model_state_bytes(plan.estimates, stage=int(plan.stage), grads_offloaded=True))
 
 
-def plan_from_shapes(model: nn.Module, cfg: ZeroConfig, world_size: int) -> Plan:
+def plan_from_shapes(model: nn.Module, cfg: ZeroConfig, compile_opts: CompileOptions) -> Plan:
     """The plan from ``model``'s parameters alone, taken as capture takes them (NOTE [A plan from
     shapes alone] in passes/plan_sharding.py)."""
-    stage, optimizer, options = _planner_args(cfg)
     infos = traced_param_infos(model, compute_dtype=cfg.compute_dtype)
-    shard_group_size, decision = resolve_shard_group_size(cfg, world_size)
-    plan = plan_sharding_from_shapes([(i.fqn, i.shape, i.dtype, i.requires_grad) for i in infos], world_size=world_size,
-                                     stage=stage, optimizer=optimizer, options=options, shard_group_size=shard_group_size,
-                                     comm=load_profile(cfg.profile)[0])
+    plan = plan_sharding_from_shapes([(i.fqn, i.shape, i.dtype, i.requires_grad) for i in infos], world_size=compile_opts.world_size,
+                                     stage=compile_opts.stage, optimizer=compile_opts.optimizer, options=compile_opts.schedule,
+                                     shard_group_size=compile_opts.shard_group_size, comm=load_profile(cfg.profile)[0])
     plan = with_offloaded_grads(plan, cfg)
+    decision = compile_opts.shard_group_decision
     return plan if decision is None else replace(plan, decisions=(decision, *plan.decisions))
 
 
-def _tiling_at_capture(cfg: ZeroConfig) -> TilingOptions | None:
-    """The tiling options capture uses for ``cfg``; None when nothing is tiled."""
-    options = cfg.tiling_options()
-    return None if options is None or options.enabled is False else options
-
-
-def _plan_waits_for(cfg: ZeroConfig, plan: Plan) -> str | None:
+def _plan_waits_for(compile_opts: CompileOptions, plan: Plan) -> str | None:
     """Why the config makes the plan depend on the captured graphs, or None."""
-    tiling = cfg.tiling_options()
-    if tiling is not None and tiling.enabled is not False:
+    if compile_opts.tiling_at_capture is not None:
         return "zerofx.tiling chooses what to tile from the graph"
-    if cfg.schedule_options().memory_budget_bytes is not None and plan.prefetch_distance > 0:
+    if compile_opts.schedule.memory_budget_bytes is not None and plan.prefetch_distance > 0:
         return "zerofx.memory_budget fits the prefetch distance to the memory timeline"
-    if cfg.shard_group_size == "auto":
+    if compile_opts.choose_shard_group_size:
         return "zerofx.shard_group_size \"auto\" chooses from the step's compute estimate"
     return None
 
@@ -488,8 +453,9 @@ def compile(
     cfg = resolve(config, stage=stage, world_size=world_size)
     if cfg.world_size is None:
         raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
-    plan = plan_from_shapes(model, cfg, cfg.world_size)
-    program = Program(None, plan, source=Source(model, cfg, loss_fn), plan_waits_for=_plan_waits_for(cfg, plan))
+    options = compile_options(cfg, cfg.world_size)
+    plan = plan_from_shapes(model, cfg, options)
+    program = Program(None, plan, source=Source(model, cfg, options, loss_fn), plan_waits_for=_plan_waits_for(options, plan))
     if args is not None:
         program._take_inputs(args, example_kwargs)
     return program

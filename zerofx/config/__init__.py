@@ -10,18 +10,19 @@ naming the key, the value and what is accepted; so does a number that is not fin
 Python reads it allows ``Infinity`` and ``NaN``) or a ``true``/``false`` where a number belongs. A
 known key that zerofx does not act on yet is reported once, by name, as a warning.
 
-``parse_config`` returns a frozen ``ZeroConfig``: typed properties for what the runtime reads (the
-option classes and defaults in ``zerofx.config.options``), and
-``fingerprint_fields()``, the settings every rank must share (NOTE [What ranks must agree on]).
+``parse_config`` returns a frozen ``ZeroConfig`` whose fields are every option, typed and with
+its default filled in (NOTE [Options are parsed once]; the defaults in ``zerofx.config.options``),
+and ``fingerprint_fields()``, the settings every rank must share (NOTE [What ranks must agree on]).
+What also needs the world size is resolved by ``zerofx.config.compile_options``.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import json
 import math
-import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -31,50 +32,98 @@ from typing import Any
 
 import torch
 
+from zerofx.cost_models.memory import OPTIMIZERS, optimizer_kind
 from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_tiling import TilingOptions
-from zerofx.passes.sequence_parallel import SequenceAttention, SequenceParallelSpec
-from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_PROGRAM_CACHE_SIZE, OPTIMIZER_PARAMS, PLAN_CACHE_ENV, GraphCompiler,
-                                   LossScaleOptions, MonitorOptions, tiling_options)
+from zerofx.passes.sequence_parallel import SequenceParallelSpec
+from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_GRADIENT_ACCUMULATION_STEPS, DEFAULT_GRADIENT_CLIPPING, DEFAULT_LR,
+                                   DEFAULT_OPTIMIZER_TYPE, DEFAULT_PROFILE, DEFAULT_PROGRAM_CACHE_SIZE, GraphCompiler, LossScaleOptions,
+                                   MonitorOptions, plan_cache_dir, schedule_options, sequence_parallel_spec, tiling_options)
 from zerofx.config.schema import SCHEMA, Key, type_names
 from zerofx.common.errors import ConfigError, did_you_mean
 from zerofx.config.offload_options import GradOffloadOptions, OffloadOptions, ParamOffloadOptions
 from zerofx.config.options import is_finite_number
 from zerofx.config.schedulers import SchedulerSpec
-from zerofx.common.units import parse_bytes
+from zerofx.common.units import parse_bytes as parse_bytes  # the byte sizes config values take, as ``zerofx.config.parse_bytes``
 
 _WARNED: set[str] = set()
+
+
+def torch_optimizer_class(optimizer_type: str) -> type[torch.optim.Optimizer]:
+    """The ``torch.optim`` class of an optimizer type (NOTE [One optimizer table] in cost_models/memory.py)."""
+    return getattr(torch.optim, OPTIMIZERS[optimizer_type].torch_class)
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
     """Which optimizer to build on each rank's shard, and with what arguments."""
 
-    type: str = "AdamW"
-    params: Mapping[str, Any] = field(default_factory=lambda: {"lr": 1e-3})
+    type: str = DEFAULT_OPTIMIZER_TYPE
+    params: Mapping[str, Any] = field(default_factory=lambda: {"lr": DEFAULT_LR})
+
+    @property
+    def kind(self) -> str:
+        """The row of ``OPTIMIZERS`` (cost_models/memory.py) the planner and the offload store account with."""
+        return optimizer_kind(self.type, self.params)
 
     def resolved_params(self) -> dict[str, Any]:
         """Every argument the config may set for this type, with torch's default where it is
         silent: what each rank's optimizer runs with. Numbers as floats, betas as a list."""
-        defaults = inspect.signature(_TORCH_OPTIMIZERS[self.type]).parameters
+        defaults = inspect.signature(torch_optimizer_class(self.type)).parameters
         out: dict[str, Any] = {}
-        for key in OPTIMIZER_PARAMS[self.type]:
+        for key in OPTIMIZERS[self.type].params:
             v = self.params.get(key, defaults[key].default)
             out[key] = bool(v) if key == "nesterov" else [float(b) for b in v] if key == "betas" else float(v)
         return out
 
 
-_TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
+# NOTE [Options are parsed once]
+# ``parse_config`` validates the config against ``SCHEMA`` and fills every field of
+# ``ZeroConfig`` from it, defaults included (the constants and option classes of
+# ``zerofx.config.options``); nothing reads an option from the config dict afterwards. ``raw``
+# is kept only as what a checkpoint stores and what ``source_config`` hands back to parse again
+# (``Program.replan``). Options that also need the world size (the sequence group's name, the
+# shard group size, checked against it) are resolved once per world size by ``compile_options``
+# (zerofx/config/compile_options.py), which the compiler and the runtime read.
 
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """The validated config, as zerofx uses it."""
+    """The validated config, as zerofx uses it: every field filled by ``parse_config``."""
 
     stage: int | None
     world_size: int | None
     optimizer: OptimizerSpec
-    raw: Mapping[str, Any]
+    raw: Mapping[str, Any]  # the config as given: stored in checkpoint metadata, never read for an option
+    train_batch_size: int | None  # the global batch (``train_batch_size``); None when left out
+    train_micro_batch_size_per_gpu: int | None  # the batch per rank per micro-step; None when left out
+    gradient_accumulation_steps: int
+    gradient_clipping: float  # the largest global gradient norm; 0: no clipping
+    compute_dtype: torch.dtype | None  # bfloat16 or float16 when mixed precision is on; None: the model's dtype
+    graph_compiler: GraphCompiler  # ``zerofx.compile``
+    fused_optimizer: bool  # ``zerofx.fused_optimizer``
+    # Seconds a collective waits for its peers before the process group raises
+    # (``zerofx.collective_timeout_s``; NOTE [The collective timeout]).
+    collective_timeout_s: float
+    # Compiled programs (one per input signature) kept at once, least recently used dropped first.
+    program_cache_size: int
+    # The hardware profile the planner plans for (``zerofx.profile``): a built-in name or a file
+    # from ``zerofx calibrate``; ``profile_is_explicit`` when the config names it (then stage 3
+    # sizes its prefetch distance from it).
+    profile: str
+    profile_is_explicit: bool
+    plan_cache_dir: Path | None  # where the plan cache keeps its entries; None when it is off
+    schedule: ScheduleOptions  # the communication-schedule limits (DeepSpeed's keys, in elements)
+    tiling: TilingOptions | None  # the ``zerofx.tiling`` section; None when it is absent
+    # ``zerofx.sequence_parallel`` without its group (``compile_options`` names it); None when
+    # the section is absent or its size is 1.
+    sequence_parallel: SequenceParallelSpec | None
+    # The offload and sequence-parallel sections as ranks must share them (``_canonical``,
+    # NOTE [What ranks must agree on]).
+    shared_sections: Mapping[str, Any]
+    # The ``zerofx`` section as given, less ``plan_cache`` (where the cache is, not what a program
+    # is): part of the plan-cache key (NOTE [What a plan-cache key covers] in zerofx/compiler/plan_cache.py).
+    zerofx_section: Mapping[str, Any]
     scheduler: SchedulerSpec | None = None  # the ``scheduler`` section; None without one
     offload: OffloadOptions | None = None  # ``offload_optimizer`` with ``zerofx.offload``; None when off
     param_offload: ParamOffloadOptions | None = None  # ``offload_param``; None when off
@@ -85,108 +134,6 @@ class ZeroConfig:
     # ``zerofx.shard_group_size``: an int dividing the world size, "auto" (the planner chooses),
     # or None (flat: one group of all ranks). NOTE [Shard groups of consecutive ranks].
     shard_group_size: int | str | None = None
-
-    @property
-    def collective_timeout_s(self) -> float:
-        """Seconds a collective waits for its peers before the process group raises
-        (``zerofx.collective_timeout_s``; NOTE [The collective timeout])."""
-        return float(self.raw.get("zerofx", {}).get("collective_timeout_s", DEFAULT_COLLECTIVE_TIMEOUT_S))
-
-    @property
-    def train_batch_size(self) -> int | None:
-        """The global batch (``train_batch_size``); None when the config leaves it out."""
-        return self.raw.get("train_batch_size")
-
-    @property
-    def train_micro_batch_size_per_gpu(self) -> int | None:
-        """The batch per rank per micro-step (``train_micro_batch_size_per_gpu``); None when left out."""
-        return self.raw.get("train_micro_batch_size_per_gpu")
-
-    @property
-    def profile(self) -> str:
-        """The hardware profile the planner plans for (``zerofx.profile``): a built-in name or a
-        file from ``zerofx calibrate``."""
-        return str(self.raw.get("zerofx", {}).get("profile", "cpu"))
-
-    @property
-    def program_cache_size(self) -> int:
-        """Compiled programs (one per input signature) kept at once, least recently used dropped
-        first (``zerofx.program_cache_size``)."""
-        return int(self.raw.get("zerofx", {}).get("program_cache_size", DEFAULT_PROGRAM_CACHE_SIZE))
-
-    @property
-    def plan_cache_dir(self) -> Path | None:
-        """Where the plan cache keeps its entries (``zerofx.plan_cache``, else ``$ZEROFX_PLAN_CACHE``,
-        else ``$XDG_CACHE_HOME/zerofx/plans`` or ``~/.cache/zerofx/plans``); None when it is off."""
-        value = self.raw.get("zerofx", {}).get("plan_cache")
-        if value is None:
-            value = os.environ.get(PLAN_CACHE_ENV)
-            if value is not None and value.strip().lower() in ("", "off", "0", "false", "no"):
-                return None
-        if value is False:
-            return None
-        if value is None:
-            base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-            return Path(base) / "zerofx" / "plans"
-        return Path(os.path.expanduser(str(value)))
-
-    @property
-    def compute_dtype(self) -> torch.dtype | None:
-        """bfloat16 or float16 when mixed precision is on, else None (train in the model's dtype)."""
-        if self.raw.get("bf16", {}).get("enabled"):
-            return torch.bfloat16
-        if self.raw.get("fp16", {}).get("enabled"):
-            return torch.float16
-        return None
-
-    @property
-    def graph_compiler(self) -> GraphCompiler:
-        return GraphCompiler(self.raw.get("zerofx", {}).get("compile", GraphCompiler.NONE.value))
-
-    @property
-    def fused_optimizer(self) -> bool:
-        return bool(self.raw.get("zerofx", {}).get("fused_optimizer", False))
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return int(self.raw.get("gradient_accumulation_steps", 1))
-
-    @property
-    def gradient_clipping(self) -> float:
-        return float(self.raw.get("gradient_clipping", 0.0))
-
-    def sequence_parallel(self) -> SequenceParallelSpec | None:
-        """``zerofx.sequence_parallel`` as a spec without its group (the engine names it); None
-        when the section is absent or its size is 1."""
-        section = self.raw.get("zerofx", {}).get("sequence_parallel")
-        if section is None or section.get("size", 1) == 1:
-            return None
-        return SequenceParallelSpec(size=section["size"], attention=SequenceAttention(section.get("attention", "ulysses")),
-                                    load_balance=section.get("load_balance", True))
-
-    def tiling_options(self) -> TilingOptions | None:
-        """The ``zerofx.tiling`` section as ``TilingOptions``; None when the section is absent."""
-        section = self.raw.get("zerofx", {}).get("tiling")
-        return None if section is None else tiling_options(section)
-
-    def schedule_options(self) -> ScheduleOptions:
-        """The communication-schedule limits the config sets (DeepSpeed's keys, in elements)."""
-        zero = self.raw.get("zero_optimization", {})
-        own = self.raw.get("zerofx", {})
-
-        def numel(key: str) -> int | None:
-            return int(zero[key]) if key in zero else None
-
-        return ScheduleOptions(
-            gather_bucket_numel=numel("stage3_prefetch_bucket_size"),
-            reduce_bucket_numel=numel("reduce_bucket_size"),
-            sync_bucket_numel=numel("allgather_bucket_size"),
-            prefetch_distance=own.get("prefetch_distance"),
-            max_live_numel=float(zero.get("stage3_max_live_parameters", float("inf"))),
-            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 0)),
-            overlap=zero.get("overlap_comm", True),
-            memory_budget_bytes=parse_bytes(own["memory_budget"]) if "memory_budget" in own else None,
-        )
 
     # NOTE [What ranks must agree on]
     # A setting that changes the collectives a rank issues (stage, buckets, prefetch, overlap,
@@ -205,11 +152,7 @@ class ZeroConfig:
     def fingerprint_fields(self) -> dict[str, Any]:
         """The settings every rank must share (NOTE [What ranks must agree on]): a JSON-ready dict,
         the same for equal settings however they were written."""
-        zero = self.raw.get("zero_optimization", {})
-        own = self.raw.get("zerofx", {})
-        zero_keys, own_keys = SCHEMA["zero_optimization"].children, SCHEMA["zerofx"].children
-        assert zero_keys is not None and own_keys is not None
-        tiling = self.tiling_options()
+        tiling, shared = self.tiling, self.shared_sections
         fields = {
             "stage": self.stage,
             "world_size": self.world_size,
@@ -223,20 +166,16 @@ class ZeroConfig:
                 "compute_dtype": None if self.compute_dtype is None else str(self.compute_dtype).removeprefix("torch."),
                 "loss_scaling": None if self.loss_scaling is None else asdict(self.loss_scaling),
             },
-            "communication": asdict(self.schedule_options()),
-            "offload": {
-                "optimizer": _canonical(zero.get("offload_optimizer", {}), zero_keys["offload_optimizer"].children),
-                "param": _canonical(zero.get("offload_param", {}), zero_keys["offload_param"].children),
-                "gradients": _canonical(own.get("offload_gradients", {}), own_keys["offload_gradients"].children),
-                "zerofx": _canonical(own.get("offload", {}), own_keys["offload"].children),
-            },
+            "communication": asdict(self.schedule),
+            "offload": {"optimizer": shared["offload_optimizer"], "param": shared["offload_param"], "gradients": shared["offload_gradients"],
+                        "zerofx": shared["offload"]},
             "tiling": None if tiling is None else asdict(tiling),
             "compile": self.graph_compiler.value,
             "program_cache_size": self.program_cache_size,
             "collective_timeout_s": self.collective_timeout_s,
             "shard_group_size": self.shard_group_size,
             "profile": self.profile,  # sizes buckets and prefetch: the collectives every rank issues
-            "sequence_parallel": _canonical(own.get("sequence_parallel", {}), own_keys["sequence_parallel"].children),
+            "sequence_parallel": shared["sequence_parallel"],
             # A monitor on adds the gradient norm's all-reduce to every step (zerofx.runtime.monitors).
             "monitors": {"tensorboard": self.monitors.tensorboard is not None, "csv_monitor": self.monitors.csv_monitor is not None,
                          "wandb": self.monitors.wandb is not None},
@@ -426,10 +365,10 @@ def parse_config(
     if world_size is not None and cfg_world is not None and world_size != cfg_world:
         raise ConfigError(f"world_size={world_size} disagrees with the config, which implies world size {cfg_world}; give one or make them equal")
     opt = raw.get("optimizer", {})
-    params = dict(opt.get("params", {"lr": 1e-3}))
-    params.setdefault("lr", 1e-3)
-    kind = opt.get("type", "AdamW")
-    bad = sorted(set(params) - set(OPTIMIZER_PARAMS[kind]))
+    params = dict(opt.get("params", {"lr": DEFAULT_LR}))
+    params.setdefault("lr", DEFAULT_LR)
+    kind = opt.get("type", DEFAULT_OPTIMIZER_TYPE)
+    bad = sorted(set(params) - set(OPTIMIZERS[kind].params))
     if bad:
         raise ConfigError(f"optimizer.params {bad} do not apply to optimizer type {kind!r}")
     if params.get("nesterov") and (params.get("momentum", 0) <= 0 or params.get("dampening", 0) != 0):
@@ -438,34 +377,76 @@ def parse_config(
                           f"dampening={params.get('dampening', 0)!r}; accepted: nesterov with momentum > 0 and dampening 0")
     scheduler = SchedulerSpec.from_config(raw["scheduler"]) if raw.get("scheduler") else None
     offload, param_offload = OffloadOptions.from_config(raw), ParamOffloadOptions.from_config(raw)
-    if param_offload is not None and offload is None and raw.get("zerofx", {}).get("offload", {}).get("delayed_update"):
+    own = raw.get("zerofx", {})
+    if param_offload is not None and offload is None and own.get("offload", {}).get("delayed_update"):
         raise ConfigError("zerofx.offload.delayed_update needs zero_optimization.offload_optimizer; "
                           "it is not supported with offload_param alone")
     resolved_stage = stage if stage is not None else cfg_stage
     resolved_world = world_size if world_size is not None else cfg_world
-    shard_group_size = raw.get("zerofx", {}).get("shard_group_size")
+    shard_group_size = own.get("shard_group_size")
     check_shard_group_size(shard_group_size, stage=resolved_stage, world_size=resolved_world)
-    check_sequence_parallel(raw, world_size=resolved_world)
+    check_sequence_parallel(own, world_size=resolved_world)
+    bf16, fp16 = raw.get("bf16", {}).get("enabled", False), raw.get("fp16", {}).get("enabled", False)
     return ZeroConfig(
         stage=resolved_stage,
         world_size=resolved_world,
         shard_group_size=shard_group_size,
         optimizer=OptimizerSpec(type=kind, params=params),
         raw=raw,
+        train_batch_size=raw.get("train_batch_size"),
+        train_micro_batch_size_per_gpu=raw.get("train_micro_batch_size_per_gpu"),
+        gradient_accumulation_steps=int(raw.get("gradient_accumulation_steps", DEFAULT_GRADIENT_ACCUMULATION_STEPS)),
+        gradient_clipping=float(raw.get("gradient_clipping", DEFAULT_GRADIENT_CLIPPING)),
+        compute_dtype=torch.bfloat16 if bf16 else torch.float16 if fp16 else None,
+        graph_compiler=GraphCompiler(own.get("compile", GraphCompiler.NONE.value)),
+        fused_optimizer=bool(own.get("fused_optimizer", False)),
+        collective_timeout_s=float(own.get("collective_timeout_s", DEFAULT_COLLECTIVE_TIMEOUT_S)),
+        program_cache_size=int(own.get("program_cache_size", DEFAULT_PROGRAM_CACHE_SIZE)),
+        profile=str(own.get("profile", DEFAULT_PROFILE)),
+        profile_is_explicit="profile" in own,
+        plan_cache_dir=plan_cache_dir(own.get("plan_cache")),
+        schedule=schedule_options(zero, own),
+        tiling=None if own.get("tiling") is None else tiling_options(own["tiling"]),
+        sequence_parallel=sequence_parallel_spec(own.get("sequence_parallel")),
+        shared_sections=_shared_sections(zero, own),
+        zerofx_section=copy.deepcopy({k: v for k, v in own.items() if k != "plan_cache"}),
         scheduler=scheduler,
         offload=offload,
         param_offload=param_offload,
         grad_offload=GradOffloadOptions.from_config(raw, stage=stage if stage is not None else cfg_stage),
-        loss_scaling=LossScaleOptions.from_config(raw["fp16"]) if raw.get("fp16", {}).get("enabled") else None,
+        loss_scaling=LossScaleOptions.from_config(raw["fp16"]) if fp16 else None,
         steps_per_print=raw.get("steps_per_print"),
         monitors=MonitorOptions.from_config(raw),
     )
 
 
+def _shared_sections(zero: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
+    """The sections the fingerprint compares as written (``_canonical``): the offload sections and
+    ``zerofx.sequence_parallel``, each {} when absent."""
+    zero_keys, own_keys = SCHEMA["zero_optimization"].children, SCHEMA["zerofx"].children
+    assert zero_keys is not None and own_keys is not None
+    return {
+        "offload_optimizer": _canonical(zero.get("offload_optimizer", {}), zero_keys["offload_optimizer"].children),
+        "offload_param": _canonical(zero.get("offload_param", {}), zero_keys["offload_param"].children),
+        "offload_gradients": _canonical(own.get("offload_gradients", {}), own_keys["offload_gradients"].children),
+        "offload": _canonical(own.get("offload", {}), own_keys["offload"].children),
+        "sequence_parallel": _canonical(own.get("sequence_parallel", {}), own_keys["sequence_parallel"].children),
+    }
+
+
+def source_config(cfg: ZeroConfig, *, without_stage: bool = False) -> dict[str, Any]:
+    """The config ``cfg`` was parsed from, to parse again (``Program.replan``); with
+    ``without_stage`` less its ``zero_optimization.stage``, so that another stage may be given."""
+    chosen = copy.deepcopy(dict(cfg.raw))
+    if without_stage:
+        chosen["zero_optimization"] = {k: v for k, v in chosen.get("zero_optimization", {}).items() if k != "stage"}
+    return chosen
+
+
 def check_shard_group_size(value: int | str | None, *, stage: int | None, world_size: int | None) -> None:
     """``zerofx.shard_group_size`` against what is known of the stage and world size: K must
     divide the world size, and stage 0 (nothing sharded) takes no K below the world size. Called
-    at parse time and again at initialize, once the process group's size is known."""
+    at parse time and again by ``compile_options``, for the world size planned or run."""
     if value is None or value == "auto":
         return
     if world_size is not None and world_size % value:
@@ -477,28 +458,26 @@ def check_shard_group_size(value: int | str | None, *, stage: int | None, world_
                           "stage 0: leave it out (or the world size); shard groups apply at stages 1-3")
 
 
-def check_sequence_parallel(raw: Mapping[str, Any], *, world_size: int | None) -> None:
-    """``zerofx.sequence_parallel`` against the world size and the features it does not compose
-    with, each refused with the reason. Called at parse time and again at initialize, once the
-    process group's size is known. Offload (optimizer, parameters, gradients), bf16, fp16 and
-    shard groups compose: the rewrite acts on the forward before autograd and its exchanges run
-    over the sequence group; offload acts on the optimizer step, the stage-3 fetch of shards and
-    the backward's reduced shards; shard groups only change how gradients are averaged over all
-    ranks; the loss's sum and token count are exchanged in fp32 at least; tiling plans each
-    rank's slice (NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/pipeline.py)
-    (docs/sequence-parallel.md, "What composes with sequence parallelism")."""
-    section = raw.get("zerofx", {}).get("sequence_parallel")
+def check_sequence_parallel(own: Mapping[str, Any], *, world_size: int | None) -> None:
+    """The schema-checked ``zerofx`` section's ``sequence_parallel`` against the world size when
+    known and the features it does not compose with, each refused with the reason. The world
+    size known only at initialize is checked by ``compile_options``. Offload (optimizer,
+    parameters, gradients), bf16, fp16 and shard groups compose: the rewrite acts on the forward
+    before autograd and its exchanges run over the sequence group; offload acts on the optimizer
+    step, the stage-3 fetch of shards and the backward's reduced shards; shard groups only change
+    how gradients are averaged over all ranks; the loss's sum and token count are exchanged in
+    fp32 at least; tiling plans each rank's slice (NOTE [Tiling a sequence-parallel forward] in
+    zerofx/compiler/pipeline.py) (docs/sequence-parallel.md, "What composes with sequence parallelism")."""
+    section = own.get("sequence_parallel")
     if section is None:
         return
     if "size" not in section:
         raise ConfigError("config key 'zerofx.sequence_parallel.size' is missing; accepted: an integer >= 1 that divides the world size")
     size = section["size"]
-    if world_size is not None and world_size % size:
-        raise ConfigError(f"config key 'zerofx.sequence_parallel.size' got {size}, which does not divide the world size {world_size}; "
-                          f"accepted: a divisor of {world_size} ({', '.join(str(k) for k in range(1, world_size + 1) if world_size % k == 0)})")
+    if world_size is not None:
+        check_sequence_parallel_size(size, world_size=world_size)
     if size == 1:
         return
-    own = raw.get("zerofx", {})
     refused = [  # (key, the value set, whether refused, why, what is accepted with sequence parallelism)
         ("zerofx.compile", own.get("compile"), own.get("compile", "none") != "none",
          "Inductor lowers and runs the rewritten forward (its all-to-alls are functional collectives; the ring's "
@@ -511,11 +490,19 @@ def check_sequence_parallel(raw: Mapping[str, Any], *, world_size: int | None) -
                               f"with: {why}; accepted with sequence parallelism: {accepted}")
 
 
+def check_sequence_parallel_size(size: int, *, world_size: int) -> None:
+    """``zerofx.sequence_parallel.size`` must divide the world size: at parse time when the
+    config or the arguments give it, else by ``compile_options`` at initialize."""
+    if world_size % size:
+        raise ConfigError(f"config key 'zerofx.sequence_parallel.size' got {size}, which does not divide the world size {world_size}; "
+                          f"accepted: a divisor of {world_size} ({', '.join(str(k) for k in range(1, world_size + 1) if world_size % k == 0)})")
+
+
 def _config_world_size(raw: Mapping[str, Any]) -> int | None:
     """The world size a config states (``zerofx.world_size``) or implies (DeepSpeed's batch rule)."""
     explicit = raw.get("zerofx", {}).get("world_size")
     tbs, micro = raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu")
-    gas = raw.get("gradient_accumulation_steps", 1)
+    gas = raw.get("gradient_accumulation_steps", DEFAULT_GRADIENT_ACCUMULATION_STEPS)
     implied = None
     if tbs is not None and micro is not None:
         if tbs % (micro * gas):

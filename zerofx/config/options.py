@@ -1,6 +1,7 @@
 """The config's typed options and their defaults: what ``parse_config`` (``zerofx.config``)
-builds from the schema-checked config and the runtime reads, and the bounds the schema
-(``zerofx.config.schema``) checks against. No parsing here."""
+builds from the schema-checked config and the runtime reads, the bounds the schema
+(``zerofx.config.schema``) checks against, and the functions that turn one schema-checked
+section into its options. No validation here: every value reaching these was checked."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 import math
+import os
 from typing import Any
 
+from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_tiling import KINDS, TilingOptions
+from zerofx.passes.sequence_parallel import SequenceAttention, SequenceParallelSpec
 from zerofx.common.units import parse_bytes
+
 
 def is_finite_number(v: Any) -> bool:
     """A real number: not a bool, not NaN or +-Infinity, not an int too large for a float."""
@@ -23,15 +28,14 @@ def is_finite_number(v: Any) -> bool:
     except OverflowError:  # an int too large for a float
         return False
 
-
-
-OPTIMIZER_TYPES = ("AdamW", "Adam", "SGD")
-# The optimizer.params keys each type takes (torch's argument names).
-OPTIMIZER_PARAMS = {
-    "AdamW": ("lr", "betas", "eps", "weight_decay"),
-    "Adam": ("lr", "betas", "eps", "weight_decay"),
-    "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
-}
+# The optimizer when the config names none, and its learning rate when ``optimizer.params``
+# leaves it out (the types and their parameters: NOTE [One optimizer table] in cost_models/memory.py).
+DEFAULT_OPTIMIZER_TYPE = "AdamW"
+DEFAULT_LR = 1e-3
+DEFAULT_GRADIENT_ACCUMULATION_STEPS = 1
+DEFAULT_GRADIENT_CLIPPING = 0.0  # 0: no clipping
+# The hardware profile the planner plans for without ``zerofx.profile``: gloo on CPU cores.
+DEFAULT_PROFILE = "cpu"
 
 # NOTE [The collective timeout]
 # torch's process-group timeout defaults to 30 minutes (torch.distributed.constants.default_pg_timeout),
@@ -52,6 +56,7 @@ DEFAULT_PROGRAM_CACHE_SIZE = 8
 # The plan cache's directory when the config names none (zerofx.plan_cache): this variable's
 # value ("off", "0" or "false" turns the cache off), else under the user's cache directory.
 PLAN_CACHE_ENV = "ZEROFX_PLAN_CACHE"
+_PLAN_CACHE_OFF = ("", "off", "0", "false", "no")
 # fp16.initial_scale_power: the scale 2**p multiplies an fp32 loss, and 2**128 is inf in fp32.
 MAX_INITIAL_SCALE_POWER = 127
 # fp16.loss_scale and fp16.min_loss_scale: the same bound for a static scale and the dynamic floor.
@@ -167,3 +172,48 @@ def tiling_options(section: Mapping[str, Any] | None) -> TilingOptions:
         kinds=kinds,
         weight_tile_bytes=tile_bytes,
     )
+
+
+def schedule_options(zero: Mapping[str, Any], own: Mapping[str, Any]) -> ScheduleOptions:
+    """The communication-schedule limits of the ``zero_optimization`` section (DeepSpeed's keys,
+    in elements) and the ``zerofx`` section (``prefetch_distance``, ``memory_budget``)."""
+    def numel(key: str) -> int | None:
+        return int(zero[key]) if key in zero else None
+
+    default = ScheduleOptions()
+    return ScheduleOptions(
+        gather_bucket_numel=numel("stage3_prefetch_bucket_size"),
+        reduce_bucket_numel=numel("reduce_bucket_size"),
+        sync_bucket_numel=numel("allgather_bucket_size"),
+        prefetch_distance=own.get("prefetch_distance"),
+        max_live_numel=float(zero.get("stage3_max_live_parameters", default.max_live_numel)),
+        persistence_threshold=int(zero.get("stage3_param_persistence_threshold", default.persistence_threshold)),
+        overlap=zero.get("overlap_comm", default.overlap),
+        memory_budget_bytes=parse_bytes(own["memory_budget"]) if "memory_budget" in own else None,
+    )
+
+
+def sequence_parallel_spec(section: Mapping[str, Any] | None) -> SequenceParallelSpec | None:
+    """The ``zerofx.sequence_parallel`` section (schema-checked, its size present) as a spec
+    without its group, which ``zerofx.config.compile_options`` names; None when the section is
+    absent or its size is 1."""
+    if section is None or section.get("size", 1) == 1:
+        return None
+    return SequenceParallelSpec(size=section["size"], attention=SequenceAttention(section.get("attention", SequenceAttention.ULYSSES.value)),
+                                load_balance=section.get("load_balance", True))
+
+
+def plan_cache_dir(value: str | bool | None) -> Path | None:
+    """Where the plan cache keeps its entries: ``zerofx.plan_cache`` (``value``), else
+    ``$ZEROFX_PLAN_CACHE``, else ``$XDG_CACHE_HOME/zerofx/plans`` or ``~/.cache/zerofx/plans``;
+    None when it is off (``false``, or the variable set to ``off``)."""
+    if value is None:
+        value = os.environ.get(PLAN_CACHE_ENV)
+        if value is not None and value.strip().lower() in _PLAN_CACHE_OFF:
+            return None
+    if value is False:
+        return None
+    if value is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "zerofx" / "plans"
+    return Path(os.path.expanduser(str(value)))

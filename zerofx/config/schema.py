@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zerofx.cost_models.memory import OPTIMIZER_TYPES
 from zerofx.cost_models.offload import NO_OFFLOAD, OFFLOAD_TIERS
 from zerofx.cost_models.profiles import BUILTIN as BUILTIN_PROFILES
 from zerofx.passes.sequence_parallel import SequenceAttention
 from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_MONITOR_JOB_NAME, DEFAULT_PROGRAM_CACHE_SIZE, DEFAULT_WANDB_PROJECT,
-                                   MAX_COLLECTIVE_TIMEOUT_S, MAX_INITIAL_SCALE_POWER, MAX_LOSS_SCALE, OPTIMIZER_TYPES, PLAN_CACHE_ENV,
+                                   MAX_COLLECTIVE_TIMEOUT_S, MAX_INITIAL_SCALE_POWER, MAX_LOSS_SCALE, PLAN_CACHE_ENV,
                                    GraphCompiler, LossScaleOptions)
 from zerofx.common.errors import ConfigError
 from zerofx.config.options import is_finite_number

@@ -57,6 +57,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from zerofx.runtime.checkpoint import load_checkpoint, save_checkpoint
+from zerofx.cost_models.memory import OPTIMIZERS
 from zerofx.cost_models.offload import Tier
 from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
 from zerofx.passes._compat import pytree
@@ -67,7 +68,8 @@ from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_sharding import place_param
 from zerofx.compiler.capture import CapturedStep, LossFn, TensorInfo, cast_info, flatten_call, split_loss_kwargs
 from zerofx.compiler.pipeline import StepCapture, capture_step
-from zerofx.config import OptimizerSpec, ZeroConfig
+from zerofx.config import OptimizerSpec, ZeroConfig, torch_optimizer_class
+from zerofx.config.compile_options import compile_options
 from zerofx.common.errors import (
     CollectiveTimeoutError,
     EngineStateError,
@@ -82,7 +84,7 @@ from zerofx.runtime.offload import OffloadedOptimizer, OffloadOptions, OffloadSt
 from zerofx.runtime.offload.grads import OffloadedGrads
 from zerofx.compiler import plan_cache
 from zerofx.runtime import rank_agreement
-from zerofx.runtime.rank_groups import sequence_groups, shard_groups
+from zerofx.runtime.rank_groups import sequence_group, shard_groups
 from zerofx.compiler.program import (
     PLANNING_REPLICATE_GROUP,
     Program,
@@ -90,7 +92,6 @@ from zerofx.compiler.program import (
     check_example_inputs,
     plan_program,
     resolve,
-    resolve_shard_group_size,
 )
 from zerofx.runtime.schedulers import lr_at
 
@@ -132,10 +133,9 @@ def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor], *, fused: b
     kw = dict(spec.params)
     if "betas" in kw:
         kw["betas"] = tuple(kw["betas"])
-    if fused and spec.type in ("Adam", "AdamW"):  # config key zerofx.fused_optimizer
+    if fused and OPTIMIZERS[spec.type].fusable:  # config key zerofx.fused_optimizer
         kw["fused"] = True
-    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[spec.type]
-    return cls(params, **kw)
+    return torch_optimizer_class(spec.type)(params, **kw)
 
 
 class Engine:
@@ -187,9 +187,11 @@ class Engine:
         rank_agreement.check_same_config(cfg, model, self.group, self.world_size)
         self.collective_timeout_s = cfg.collective_timeout_s
         _compat.set_group_timeout(self.group, timedelta(seconds=self.collective_timeout_s))
+        # The config's options for this world size, checked against it (zerofx.config.compile_options).
+        self.compile_options = compile_options(cfg, self.world_size)
         # NOTE [Sequence groups] (``zerofx.runtime.rank_groups``): the name its all-to-alls run over.
-        self.sequence_parallel, self._sequence_group = sequence_groups(cfg, self.group, self.world_size,
-                                                                          timedelta(seconds=self.collective_timeout_s))
+        self.sequence_parallel = self.compile_options.sequence_parallel
+        self._sequence_group = sequence_group(self.compile_options, self.group, timedelta(seconds=self.collective_timeout_s))
         _check_has_trainable_params(model)
         self.device = _meta_init_device(self.group) if self._from_meta else next(model.parameters()).device
         self.compute_dtype = cfg.compute_dtype
@@ -203,6 +205,7 @@ class Engine:
         self.shard_group_size, self.shard_group_decision = self._choose_shard_group_size(cfg, example_args, example_kwargs)
         if cfg.shard_group_size == "auto":  # the storage is laid out for this K: every later plan keeps it
             cfg = self.cfg = replace(cfg, shard_group_size=self.shard_group_size)
+            self.compile_options = compile_options(cfg, self.world_size)
         self.shard_group, self.replicate_group = shard_groups(self.group, self.world_size, self.shard_group_size,
                                                                timedelta(seconds=self.collective_timeout_s))
         k, n = self.shard_group_size, self.world_size
@@ -267,15 +270,15 @@ class Engine:
         """K, and with ``"auto"`` the planner's decision line. The storage and the groups are laid
         out before the first program, so ``"auto"`` captures the example step once here and lets
         the planner choose from it; every rank captures the same step and chooses the same K."""
-        if cfg.shard_group_size != "auto":
-            return resolve_shard_group_size(cfg, self.world_size)
+        if not self.compile_options.choose_shard_group_size:
+            return self.compile_options.shard_group_size, self.compile_options.shard_group_decision
         try:
             captured = capture_step(self.model, args, dict(kwargs or {}), loss_fn=self.loss_fn, param_infos=self.param_infos,
                                     device=self.device, compute_dtype=self.compute_dtype, sequence_parallel=self.sequence_parallel)
         except MissingLossError:
             return self.world_size, (f"shard group size {self.world_size} (flat): zerofx.shard_group_size \"auto\" chooses from the "
                                      "captured step, and the example inputs give no loss")
-        plan = plan_program(captured, cfg, self.world_size).plan
+        plan = plan_program(captured, cfg, self.compile_options).plan
         decision = next((d for d in plan.decisions if "shard group" in d), None)
         if decision is not None and self.rank == 0:
             print(f"[zerofx] decision: {decision}", flush=True)
@@ -393,7 +396,7 @@ class Engine:
                 self._plan_cache_dir, self._plan_cache_key(sig), lambda: capture_and_plan(
                     StepCapture(self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos, device=self.device,
                                 compute_dtype=self.compute_dtype, sequence_parallel=self.sequence_parallel),
-                    self.cfg, self.world_size, **self._program_options,
+                    self.cfg, self.compile_options, **self._program_options,
                 ), rank=self.rank, program_options=self._program_options))
             rank_agreement.check_same_plan(program, self.rank, self.group, self.world_size)
             self._programs[sig] = program
@@ -711,7 +714,7 @@ class Engine:
         if isinstance(self.optimizer, OffloadedOptimizer):
             store = self.offload_store
             assert store is not None
-            steps = [r.step for r in store.records.values()] if self.cfg.optimizer.type in ("AdamW", "Adam") else []
+            steps = [r.step for r in store.records.values()] if OPTIMIZERS[self.cfg.optimizer.type].step else []
             out["optimizer_states"] = store.resident_bytes(Tier.DEVICE) + sum(t.untyped_storage().nbytes() for t in steps)
             out["offload_cpu_bytes"] = store.resident_bytes(Tier.CPU)
             out["offload_nvme_bytes"] = store.nvme_bytes()

@@ -51,7 +51,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerofx.cost_models.memory import optimizer_kind
 from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage
 from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_sharding import persistent_params
@@ -128,7 +127,7 @@ class EngineStorage:
         self.param_store: ParamStore | None = None
         self.param_offload_plan: ParamOffloadPlan | None = None
         self.grad_store: GradStore | None = None
-        self._init_storage(model, cfg.schedule_options().persistence_threshold, from_meta=from_meta, init_fn=init_fn, init_seed=init_seed)
+        self._init_storage(model, cfg.schedule.persistence_threshold, from_meta=from_meta, init_fn=init_fn, init_seed=init_seed)
         trainable = [f for f, p in self.placements.items() if p.requires_grad]
         # The tensors the optimizer steps: fp32 master copies of this rank's shards in mixed
         # precision, else the shards themselves (their gradients are the persistent buffers).
@@ -240,7 +239,7 @@ class EngineStorage:
         fills each). The plan is a function of the config and the shapes: the same on every rank."""
         assert self.offload_options is not None
         owned = {f: self._owned_numel(f) for f, p in self.placements.items() if p.requires_grad}
-        kind = optimizer_kind(self._optimizer_spec.type, dict(self._optimizer_spec.params))
+        kind = self._optimizer_spec.kind
         mixed = self.compute_dtype is not None
         self.offload_plan = plan_engine_offload(owned, self.offload_options, optimizer=kind, mixed_precision=mixed,
                                                 device_is_cpu=self.device.type == "cpu")

@@ -5,26 +5,24 @@ process, and registered under a name every rank shares, so every rank lowers the
 
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from zerofx.config import ZeroConfig, check_sequence_parallel
+from zerofx.config.compile_options import CompileOptions
 from zerofx.common.errors import ZeroFXError
 from zerofx.passes import _compat
-from zerofx.passes.sequence_parallel import SequenceParallelSpec
 
 
-_SEQUENCE_GROUPS: dict[tuple[Any, int, int], tuple[str, dist.ProcessGroup]] = {}
+_SEQUENCE_GROUPS: dict[tuple[Any, int, int], dist.ProcessGroup] = {}
 
 
-def sequence_groups(cfg: ZeroConfig, group: dist.ProcessGroup, world_size: int,
-                    timeout: timedelta) -> tuple[SequenceParallelSpec | None, dist.ProcessGroup | None]:
-    """The config's sequence parallelism with this rank's sequence group named, and that group;
-    (None, None) without it. A collective when set: every rank creates every group.
+def sequence_group(options: CompileOptions, group: dist.ProcessGroup, timeout: timedelta) -> dist.ProcessGroup | None:
+    """This rank's sequence group, registered under the name ``options.sequence_parallel``
+    carries; None without sequence parallelism. A collective when set: every rank creates every
+    group.
 
     NOTE [Sequence groups]
     With ``zerofx.sequence_parallel.size`` S, ranks r with the same r // S form one sequence
@@ -33,19 +31,19 @@ def sequence_groups(cfg: ZeroConfig, group: dist.ProcessGroup, world_size: int,
     rank of a group is given the same batch and runs its 1/S of each sequence (NOTE [Sequence
     parallelism as a rewrite] in passes/sequence_parallel.py). ZeRO is unchanged: model state is
     sharded over all N ranks and gradients are reduced over all N of them. Each rank registers
-    its own group under the shared name ``zerofx_sequence_SofN``, so every rank lowers the same
-    graph code. Each forward first compares a checksum of the inputs over the group (one small
-    all-reduce): ranks of a group that pass different batches raise ``RankDivergenceError``
-    instead of training on a mix of slices.
+    its own group under the shared name ``zerofx_sequence_SofN`` (``sequence_group_name`` in
+    zerofx/config/compile_options.py), so every rank lowers the same graph code. Each forward
+    first compares a checksum of the inputs over the group (one small all-reduce): ranks of a
+    group that pass different batches raise ``RankDivergenceError`` instead of training on a mix
+    of slices.
     """
-    spec = cfg.sequence_parallel()
-    check_sequence_parallel(cfg.raw, world_size=world_size)
+    spec, world_size = options.sequence_parallel, options.world_size
     if spec is None:
-        return None, None
+        return None
     if group is not dist.group.WORLD and dist.get_world_size() != world_size:
         raise ZeroFXError("zerofx.sequence_parallel needs the engine to run on the default process group; drop group= or "
                           "the sequence_parallel section")
-    size, name = spec.size, f"zerofx_sequence_{spec.size}of{world_size}"
+    size = spec.size
     key = (dist.group.WORLD, world_size, size)
     for stale in [k for k in _SEQUENCE_GROUPS if k[0] is not dist.group.WORLD]:  # of a process group since destroyed
         del _SEQUENCE_GROUPS[stale]
@@ -55,10 +53,9 @@ def sequence_groups(cfg: ZeroConfig, group: dist.ProcessGroup, world_size: int,
             members = list(range(first, first + size))
             g = dist.new_group(members, timeout=timeout)
             if rank in members:
-                _compat.register_group_name(name, g)
-                _SEQUENCE_GROUPS[key] = name, g
-    name, mine = _SEQUENCE_GROUPS[key]
-    return replace(spec, group_name=name), mine
+                _compat.register_group_name(spec.group_name, g)
+                _SEQUENCE_GROUPS[key] = g
+    return _SEQUENCE_GROUPS[key]
 
 
 def shard_groups(group: dist.ProcessGroup, world_size: int, shard_group_size: int,

@@ -40,7 +40,9 @@ from torch.optim.adam import adam as adam_update
 from torch.optim.adamw import adamw as adamw_update
 from torch.optim.sgd import sgd as sgd_update
 
+from zerofx.cost_models.memory import OPTIMIZERS
 from zerofx.cost_models.offload import Tier
+from zerofx.config import torch_optimizer_class
 from zerofx.common.errors import ConfigError, ZeroFXError
 from zerofx.runtime.offload.copies import HostCopies
 from zerofx.runtime.offload.grads import GradStore, OffloadedGrads
@@ -80,7 +82,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         kw = dict(hyper)
         if "betas" in kw:
             kw["betas"] = tuple(kw["betas"])
-        cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[optimizer_type]
+        cls = torch_optimizer_class(optimizer_type)
         # torch's defaults for every hyperparameter the config leaves out, from the class itself.
         defaults = cls([torch.zeros(1)], **kw).defaults
         super().__init__(list(params.values()), defaults)
@@ -270,7 +272,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         shard, plus Adam's ``step``. Read from its tier (a copy)."""
         rec = self.store.records[fqn]
         out: dict[str, Any] = {}
-        if self.optimizer_type in ("AdamW", "Adam"):
+        if OPTIMIZERS[self.optimizer_type].step:
             out["step"] = rec.step.detach().clone()
         if rec.names == ("master",) or not (set(rec.names) - {"master"}):
             return out

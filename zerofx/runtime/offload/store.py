@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zerofx.cost_models.memory import OPTIMIZERS
 from zerofx.cost_models.offload import FP32_BYTES, Tier
 from zerofx.runtime.offload.files import IO_THREADS, NvmeFiles
 from zerofx.runtime.offload.tiers import BackgroundIO, TierBackend, TierRequest, open_tier
@@ -47,10 +48,6 @@ class Record:
         return {name: flat[i * self.numel : (i + 1) * self.numel] for i, name in enumerate(self.names)}
 
 
-def state_names(optimizer: str) -> tuple[str, ...]:
-    return {"AdamW": ("exp_avg", "exp_avg_sq"), "Adam": ("exp_avg", "exp_avg_sq"), "SGD": (), "SGD+momentum": ("momentum_buffer",)}[optimizer]
-
-
 class OffloadStore(BackgroundIO):
     """The records of one rank, on the tiers the plan chose, and the window of host buffers
     that the records of the tiers not held in place pass through (the window, in the module docstring)."""
@@ -61,7 +58,7 @@ class OffloadStore(BackgroundIO):
     ) -> None:
         self.plan, self.options, self.device = plan, options, device
         self.optimizer_kind, self.mixed_precision = optimizer, mixed_precision
-        names = (("master",) if mixed_precision else ()) + state_names(optimizer)
+        names = (("master",) if mixed_precision else ()) + OPTIMIZERS[optimizer].state
         self._pin = options.pin_memory and device.type == "cuda"
         self.records: dict[str, Record] = {}
         self.tiers: dict[Tier, TierBackend] = {}
