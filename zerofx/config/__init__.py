@@ -33,7 +33,7 @@ import torch
 
 from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_tiling import TilingOptions
-from zerofx.passes.sequence_parallel import SequenceAttention, SequenceParallelSpec
+from zerofx.passes.sequence_parallel import MIXERS, SequenceParallelSpec
 from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_PROGRAM_CACHE_SIZE, OPTIMIZER_PARAMS, PLAN_CACHE_ENV, GraphCompiler,
                                    LossScaleOptions, MonitorOptions, tiling_options)
 from zerofx.config.schema import SCHEMA, Key, type_names
@@ -161,7 +161,11 @@ class ZeroConfig:
         section = self.raw.get("zerofx", {}).get("sequence_parallel")
         if section is None or section.get("size", 1) == 1:
             return None
-        return SequenceParallelSpec(size=section["size"], attention=SequenceAttention(section.get("attention", "ulysses")),
+        # ``attention`` and ``mixers.attention`` are one setting (check_sequence_parallel refuses them differing);
+        # every mixer is named, with its default where the config leaves it out, so equal settings give equal specs.
+        asked = {"attention": section["attention"]} if "attention" in section else {}
+        asked |= section.get("mixers", {})
+        return SequenceParallelSpec(size=section["size"], mixers=tuple((m.name, asked.get(m.name, m.strategies[0])) for m in MIXERS),
                                     load_balance=section.get("load_balance", True))
 
     def tiling_options(self) -> TilingOptions | None:
@@ -496,6 +500,11 @@ def check_sequence_parallel(raw: Mapping[str, Any], *, world_size: int | None) -
     if world_size is not None and world_size % size:
         raise ConfigError(f"config key 'zerofx.sequence_parallel.size' got {size}, which does not divide the world size {world_size}; "
                           f"accepted: a divisor of {world_size} ({', '.join(str(k) for k in range(1, world_size + 1) if world_size % k == 0)})")
+    both = section.get("mixers", {}).get("attention")
+    if "attention" in section and both is not None and both != section["attention"]:
+        raise ConfigError(f"config keys 'zerofx.sequence_parallel.attention' ({section['attention']!r}) and "
+                          f"'zerofx.sequence_parallel.mixers.attention' ({both!r}) are one setting and disagree; accepted: one of them, "
+                          "or both the same")
     if size == 1:
         return
     own = raw.get("zerofx", {})
