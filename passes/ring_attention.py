@@ -50,7 +50,7 @@ accumulators; no rank gathers the sequence's keys and values, and no (T/S) x T s
 exists. Communication per attention and rank: the forward sends k and v S - 1 times (2 · B ·
 Hkv · T/S · D elements each time); the backward sends k and v S - 1 times and their fp32
 gradients S times. ``ring_exchanges`` lists those sends for the schedule (NOTE [The overlap
-model] in passes/analyze_schedule.py); ``estimate_exchange_bytes`` counts them for ``"auto"``.
+model] in passes/analyze_schedule.py); ``ring_exchange_bytes`` in cost_models/sequence.py counts them for ``"auto"``.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ import torch.fx as fx
 
 from zerofx.passes import _compat, tiled_kernels  # noqa: F401  (registers zerofx::blocked_attention)
 from zerofx.common.units import format_bytes
+from zerofx.cost_models.sequence import AttentionDims, ring_exchange_bytes, ulysses_exchange_bytes
 
 Tensor = torch.Tensor
 
@@ -76,31 +77,15 @@ class SequenceAttention(enum.Enum):
 
 
 @dataclass(frozen=True)
-class AttentionShape:
+class AttentionShape(AttentionDims):
     """One attention as the choice between Ulysses and ring sees it (whole sequence)."""
 
-    batch: int
-    seq_len: int
-    q_heads: int
-    kv_heads: int
-    qk_dim: int
-    v_dim: int
-    itemsize: int
     ulysses_refusal: str | None  # why Ulysses cannot run it, or None
 
 
-def estimate_exchange_bytes(h: AttentionShape, size: int) -> dict[SequenceAttention, float]:
-    """Bytes one rank sends for one attention's forward and backward. Ulysses sends (S-1)/S of q,
-    k, v (key/value heads repeated to the query heads when S does not divide them) and of the
-    output in the forward, and as many gradients in the backward; ring sends its k and v block
-    S - 1 times in the forward, and in the backward S - 1 times again and their fp32 gradients S
-    times (NOTE [Ring attention])."""
-    tokens = h.batch * (h.seq_len // size)  # of one rank's slice
-    kv_heads = h.kv_heads if h.kv_heads % size == 0 else h.q_heads
-    ulysses = 2 * (size - 1) / size * tokens * h.itemsize * (h.q_heads * h.qk_dim + kv_heads * (h.qk_dim + h.v_dim) + h.q_heads * h.v_dim)
-    kv = tokens * h.kv_heads * (h.qk_dim + h.v_dim)  # elements of one k and v block
-    ring = 2 * (size - 1) * kv * h.itemsize + size * kv * 4
-    return {SequenceAttention.ULYSSES: ulysses, SequenceAttention.RING: ring}
+def exchange_bytes(h: AttentionDims, size: int) -> dict[SequenceAttention, float]:
+    """Bytes one rank sends for one attention's forward and backward by each strategy (cost_models/sequence.py)."""
+    return {SequenceAttention.ULYSSES: ulysses_exchange_bytes(h, size), SequenceAttention.RING: ring_exchange_bytes(h, size)}
 
 
 def choose_attention(heads: list[AttentionShape], size: int) -> tuple[SequenceAttention, str]:
@@ -110,7 +95,7 @@ def choose_attention(heads: list[AttentionShape], size: int) -> tuple[SequenceAt
     refused = next((h.ulysses_refusal for h in heads if h.ulysses_refusal), None)
     if refused:
         return SequenceAttention.RING, f"sequence parallelism: ring chosen ({refused})"
-    sent = {kind: sum(estimate_exchange_bytes(h, size)[kind] for h in heads) for kind in (SequenceAttention.ULYSSES, SequenceAttention.RING)}
+    sent = {kind: sum(exchange_bytes(h, size)[kind] for h in heads) for kind in (SequenceAttention.ULYSSES, SequenceAttention.RING)}
     kind = SequenceAttention.RING if sent[SequenceAttention.RING] < sent[SequenceAttention.ULYSSES] else SequenceAttention.ULYSSES
     q, kv = heads[0].q_heads, heads[0].kv_heads
     repeat = f", key/value heads repeated to {q} since {size} does not divide {kv}" if kv % size else ""

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -266,8 +266,10 @@ def _source_sdim(node: fx.Node, t: int) -> int | None:
     return None
 
 
-def analyze(gm: fx.GraphModule, seq_len: int) -> SeqAnalysis:
-    """Sequence dims, token-wise nodes, regions by level, attention and loss matches."""
+def analyze(gm: fx.GraphModule, seq_len: int, mixes: Callable[[fx.Node], bool] | None = None) -> SeqAnalysis:
+    """Sequence dims, token-wise nodes, regions by level, attention and loss matches. ``mixes``:
+    the other ops whose output runs along their first argument's sequence axis, as attention's
+    does (sequence parallelism's mixers, NOTE [Sequence mixers] in passes/sequence_mixers.py)."""
     res = SeqAnalysis(seq_len=seq_len)
     sd, tok, dep, level = res.sdim, res.tokenwise, {}, res.level
     res.attention = _find_attention(gm)
@@ -288,7 +290,7 @@ def analyze(gm: fx.GraphModule, seq_len: int) -> SeqAnalysis:
         if node not in tok:
             if meta.marked_sequence_dim(node) is not None:  # an attention output of a sequence-parallel rank's slice
                 sd[node] = meta.marked_sequence_dim(node)
-            elif is_sdpa(node) or is_blocked_attention(node):
+            elif is_sdpa(node) or is_blocked_attention(node) or (mixes is not None and mixes(node)):
                 sd[node] = sd.get(node.args[0])
             elif node in attention_out:
                 sd[node] = sd.get(attention_out[node])

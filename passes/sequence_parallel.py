@@ -19,7 +19,10 @@ is traced again with three changes:
   (norms, projections, MLP, residuals, rotary products) run on the local slice, their shape
   arguments with T/S in place of T. Rotary tables and position ids are cut the same way, so
   each rank applies its own offset.
-- Each attention core (SDPA) runs in one of two ways, as ``sequence_parallel.attention`` says
+- Each op that mixes positions runs through the mixer that owns it (NOTE [Sequence mixers] in
+  passes/sequence_mixers.py; ``MIXERS`` lists them). Each attention core (SDPA), the mixer of
+  passes/mixer_attention.py, runs in one of two ways, as ``sequence_parallel.mixers.attention``
+  (or ``sequence_parallel.attention``) says
   (``"auto"``: ``choose_attention`` in passes/ring_attention.py, ring where S does not divide
   the query heads or where Ulysses sends more bytes, recorded in the plan's decisions).
   Ulysses: an all-to-all turns q, k and v from sequence-sharded ``(B, H, T/S, D)`` into
@@ -43,9 +46,9 @@ sends inside ring attention's ``zerofx::ring_attention`` op (which reads its ran
 at run time); the ZeRO rewrites act on all-gathers, reduce-scatters and all-reduces only, and
 leave these alone.
 
-What is refused: any other op that reads the axis across positions (a cumsum, a convolution or
-scan along the sequence, a shifted slice outside the loss, attention written as matmuls and
-softmax, a mask computed from sequence-sharded values; for Ulysses also query heads S does not
+What is refused: any other op that reads the axis across positions, one no mixer owns (a
+cumsum, a convolution or scan along the sequence, a shifted slice outside the loss, attention
+written as matmuls and softmax, a mask computed from sequence-sharded values; for Ulysses also query heads S does not
 divide and a mask that differs per head) makes ``plan_sequence_parallel`` raise
 ``SequenceParallelError`` naming the op and its module (NOTE [Naming a node by its module] in
 passes/analyze_schedule.py).
@@ -53,6 +56,7 @@ passes/analyze_schedule.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +64,10 @@ import torch
 import torch.fx as fx
 
 from zerofx.passes import _compat, meta
-from zerofx.passes.ring_attention import AttentionShape, SequenceAttention, choose_attention, rank_positions, ring_attention
-from zerofx.passes.seq_regions import SeqAnalysis, analyze, is_sdpa, op_packet, sequence_length
+from zerofx.passes.mixer_attention import ATTENTION
+from zerofx.passes.ring_attention import rank_positions
+from zerofx.passes.seq_regions import SeqAnalysis, analyze, op_packet, sequence_length
+from zerofx.passes.sequence_mixers import AUTO, MixerCheck, MixerRewrite, SequenceMixer, all_to_all
 from zerofx.common.errors import SequenceParallelError
 
 aten = torch.ops.aten
@@ -71,6 +77,13 @@ _FLATTEN = {aten.view, aten.reshape, aten._unsafe_view}
 _SHAPED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
 SUPPORTED = ("token-wise ops (elementwise, norms, linear/matmul with a weight, embedding, views that keep the sequence axis "
              "whole), scaled_dot_product_attention, and cross_entropy over the sequence (shifted or not)")
+# The ops that mix positions and how each shards, in the order they are asked (NOTE [Sequence mixers] in passes/sequence_mixers.py).
+MIXERS: tuple[SequenceMixer, ...] = (ATTENTION,)
+
+
+def mixer_of(node: fx.Node) -> SequenceMixer | None:
+    """The first mixer of ``MIXERS`` that owns ``node``, or None."""
+    return next((m for m in MIXERS if m.matches(node)), None)
 
 
 @dataclass(frozen=True)
@@ -78,9 +91,13 @@ class SequenceParallelSpec:
     """What the config asks for, and the sequence group the collectives run over."""
 
     size: int
-    attention: SequenceAttention = SequenceAttention.ULYSSES
+    mixers: tuple[tuple[str, str], ...] = ()  # (op class, strategy or "auto"); an op class left out runs by its mixer's default
     group_name: str = ""
     load_balance: bool = True  # zigzag layout for causal ring attention (NOTE [Zigzag layout for causal rings])
+
+    def strategy(self, mixer: SequenceMixer) -> str:
+        """The strategy asked for ``mixer``: as given, else its default (the first of its strategies)."""
+        return dict(self.mixers).get(mixer.name, mixer.strategies[0])
 
 
 @dataclass(frozen=True)
@@ -105,8 +122,7 @@ class SequenceParallelPlan:
     size: int
     group_name: str
     seq_len: int
-    attention: SequenceAttention  # as resolved: ULYSSES or RING
-    num_attention: int
+    strategies: tuple[tuple[str, str], ...]  # (op class, strategy as resolved) of every mixer whose ops the forward has
     loss_shift: int
     decisions: tuple[str, ...]
     zigzag: bool = False  # each rank holds chunks r and 2S - 1 - r of 2S (NOTE [Zigzag layout for causal rings])
@@ -114,6 +130,9 @@ class SequenceParallelPlan:
     @property
     def local_len(self) -> int:
         return self.seq_len // self.size
+
+    def strategy(self, mixer: SequenceMixer) -> str:
+        return dict(self.strategies)[mixer.name]
 
 
 def module_of_nodes(gm: fx.GraphModule) -> dict[fx.Node, str]:
@@ -191,14 +210,14 @@ def _analyze(gm: fx.GraphModule, size: int) -> tuple[SeqAnalysis, set[fx.Node], 
     if t % size:
         raise SequenceParallelError(f"sequence length {t} is not divisible by sequence_parallel.size={size}; pad the sequence "
                                     f"to a multiple of {size}")
-    an = analyze(gm, t)
+    an = analyze(gm, t, mixes=lambda n: mixer_of(n) is not None)
     # Sharded: token-wise nodes computed from parameters or from other sharded nodes, and attention
     # outputs. Token-wise nodes computed from the inputs and buffers alone (position ids, rotary
     # tables, label casts) stay whole on every rank, cut to the rank's positions where a sharded op reads them.
     params = set(meta.placeholders(gm.graph, meta.Role.PARAM))
     local: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        if is_sdpa(n) and an.sdim.get(n) is not None:
+        if mixer_of(n) is not None and an.sdim.get(n) is not None:
             local.add(n)
         elif n in an.tokenwise and any(a in params or a in local for a in n.all_input_nodes):
             local.add(n)
@@ -209,16 +228,18 @@ def _analyze(gm: fx.GraphModule, size: int) -> tuple[SeqAnalysis, set[fx.Node], 
 def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> SequenceParallelPlan:
     """Check every op that reads the sharded sequence can run sharded, and record how."""
     size = spec.size
+    _check_spec(spec)
     an, local, losses = _analyze(gm, size)
     handled = {s.loss for s in losses} | {n for s in losses for n in s.skipped}
     modules = module_of_nodes(gm)
-    heads = []
+    sites: dict[str, list[Any]] = {m.name: [] for m in MIXERS}
     for node in gm.graph.nodes:
-        if node in local and not is_sdpa(node):
+        mixer = mixer_of(node)
+        if node in local and mixer is None:
             continue
         reads_local = [a for a in node.all_input_nodes if a in local]
-        if is_sdpa(node):
-            heads.append(_check_attention(node, an, local, size, modules[node]))
+        if mixer is not None:
+            sites[mixer.name].append(mixer.check(node, MixerCheck(an, local, size, modules[node])))
             continue
         if not reads_local or node in handled:
             continue
@@ -229,29 +250,44 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
     if not losses:
         raise SequenceParallelError("sequence parallelism found no cross_entropy loss over the sequence; the loss must be "
                                     f"cross_entropy of the sequence's logits (shifted or not) against labels given as input. Supported are {SUPPORTED}")
-    if not heads:
+    if not any(sites.values()):
         raise SequenceParallelError("sequence parallelism found no scaled_dot_product_attention; attention written as matmuls "
                                     "and softmax is not supported (use F.scaled_dot_product_attention)")
-    attention, decisions = spec.attention, []
-    if attention is SequenceAttention.AUTO:
-        attention, why = choose_attention(heads, size)
-        decisions.append(why)
-    for h in heads:
-        if attention is SequenceAttention.ULYSSES and h.ulysses_refusal:
-            raise SequenceParallelError(f"{h.ulysses_refusal}; sequence_parallel.attention \"ring\" or \"auto\" accepts it")
-    how = ("each an all-to-all to heads before (one per q/k/v shape) and one back after" if attention is SequenceAttention.ULYSSES
-           else f"each one zerofx::ring_attention op: {size - 1} send(s) of k and v forward, {size - 1} of k and v and {size} of "
-                f"their gradients backward, {an.seq_len // size} keys and values saved per rank (NOTE [Ring attention] in "
-                "passes/ring_attention.py)")
-    decisions.append(f"sequence parallelism ({attention.value}) over {size} ranks: {an.seq_len} tokens -> {an.seq_len // size} per rank, "
-                     f"{len(heads)} attention(s), {how}, loss shift {losses[0].shift}")
-    zigzag, layout = _choose_layout(gm, spec, attention, an.seq_len)
+    decisions: list[str] = []
+    strategies: dict[str, str] = {}
+    parts: list[str] = []
+    for mixer in MIXERS:
+        found = sites[mixer.name]
+        if not found:
+            continue
+        strategy = spec.strategy(mixer)
+        if strategy == AUTO:
+            strategy, why = mixer.choose(found, size)
+            decisions.append(why)
+        mixer.accept(found, strategy, size)
+        strategies[mixer.name] = strategy
+        parts.append(mixer.describe(found, strategy, size, an.seq_len))
+    decisions.append(f"sequence parallelism ({', '.join(strategies.values())}) over {size} ranks: {an.seq_len} tokens -> "
+                     f"{an.seq_len // size} per rank, {', '.join(parts)}, loss shift {losses[0].shift}")
+    zigzag, layout = _choose_layout(gm, spec, strategies, an.seq_len)
     decisions.append(layout)
-    return SequenceParallelPlan(size=size, group_name=spec.group_name, seq_len=an.seq_len, attention=attention,
-                                num_attention=len(heads), loss_shift=losses[0].shift, decisions=tuple(decisions), zigzag=zigzag)
+    return SequenceParallelPlan(size=size, group_name=spec.group_name, seq_len=an.seq_len, strategies=tuple(strategies.items()),
+                                loss_shift=losses[0].shift, decisions=tuple(decisions), zigzag=zigzag)
 
 
-def _choose_layout(gm: fx.GraphModule, spec: SequenceParallelSpec, attention: SequenceAttention, seq_len: int) -> tuple[bool, str]:
+def _check_spec(spec: SequenceParallelSpec) -> None:
+    """A spec built by hand is refused as the config refuses it: an unknown op class or strategy."""
+    known = {m.name: m for m in MIXERS}
+    for name, strategy in spec.mixers:
+        if name not in known:
+            raise SequenceParallelError(f"sequence parallelism has no mixer for op class {name!r}; accepted: {', '.join(known)}")
+        accepted = (*known[name].strategies, AUTO)
+        if strategy not in accepted:
+            raise SequenceParallelError(f"sequence parallelism cannot run {name} by {strategy!r}; accepted: "
+                                        f"{', '.join(repr(a) for a in accepted)}")
+
+
+def _choose_layout(gm: fx.GraphModule, spec: SequenceParallelSpec, strategies: Mapping[str, str], seq_len: int) -> tuple[bool, str]:
     """NOTE [Zigzag layout for causal rings]
     With causal ring attention and contiguous slices, rank r attends to r + 1 of the S key/value
     blocks (its own half of them causally), so rank S - 1 does about 2S - 1 times the attention
@@ -264,9 +300,9 @@ def _choose_layout(gm: fx.GraphModule, spec: SequenceParallelSpec, attention: Se
     see contiguous slices; the ring op reads it for the causal blocks and the mask's rows and
     columns. Chosen for ring attention with any ``is_causal`` attention when 2S divides T and
     ``sequence_parallel.load_balance`` is on (the default); Ulysses gathers the whole sequence in
-    rank order, so it keeps contiguous slices."""
-    causal = any(is_sdpa(n) and bool(n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False)) for n in gm.graph.nodes)
-    if attention is not SequenceAttention.RING or not causal:
+    rank order, so it keeps contiguous slices. Each mixer says whether the layout balances it
+    (``SequenceMixer.zigzag_balances``)."""
+    if not any(m.zigzag_balances(gm.graph, strategies[m.name]) for m in MIXERS if m.name in strategies):
         return False, "sequence layout: contiguous slices (zigzag balances causal ring attention only)"
     if not spec.load_balance:
         return False, "sequence layout: contiguous slices (sequence_parallel.load_balance is off)"
@@ -278,67 +314,7 @@ def _choose_layout(gm: fx.GraphModule, spec: SequenceParallelSpec, attention: Se
                   f"{2 * spec.size} ({chunk} tokens each), so every rank does the same attention work")
 
 
-def _check_attention(node: fx.Node, an: SeqAnalysis, local: set[fx.Node], size: int, module: str) -> AttentionShape:
-    q, k, v = node.args[:3]
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-    where = f"scaled_dot_product_attention in module {module!r}"
-    if not all(x in local and an.sdim.get(x) == 2 and x.meta["val"].dim() == 4 for x in (q, k, v)):
-        raise SequenceParallelError(f"sequence parallelism needs q, k and v of {where} as (batch, heads, sequence, head_dim) "
-                                    "computed token by token")
-    qv, kv, vv = (x.meta["val"] for x in (q, k, v))
-    h, hkv = qv.shape[1], kv.shape[1]
-    if h % hkv:
-        raise SequenceParallelError(f"{where}: {h} query heads are not a multiple of {hkv} key/value heads")
-    if dropout:
-        raise SequenceParallelError(f"{where} has dropout_p={dropout}; sequence parallelism supports dropout-free attention (0.0)")
-    refusal = None if h % size == 0 else (f"{where} has {h} query heads, which sequence_parallel.size={size} does not divide, "
-                                          "as Ulysses needs")
-    if isinstance(mask, fx.Node):
-        mv = mask.meta["val"]
-        if mask in local:
-            raise SequenceParallelError(f"{where} has a mask computed from sequence-sharded values; supported are no mask, is_causal, "
-                                        "or a mask computed from the inputs alone")
-        if mv.dim() >= 3 and mv.shape[-3] != 1:
-            refusal = refusal or f"{where} has a mask that differs per head, which Ulysses cannot split by heads"
-    return AttentionShape(batch=qv.shape[0], seq_len=an.seq_len, q_heads=h, kv_heads=hkv, qk_dim=qv.shape[-1], v_dim=vv.shape[-1],
-                          itemsize=qv.element_size(), ulysses_refusal=refusal)
-
-
 # --------------------------------------------------------------------------- the rewrite
-def _all_to_all(x: torch.Tensor, size: int, group_name: str, *, grad: bool) -> torch.Tensor:
-    """Rank r's chunk j of ``x`` (dim 0, ``size`` equal chunks) goes to rank j, as chunk r."""
-    splits = [x.shape[0] // size] * size
-    return _compat.WAIT((_compat.ALL_TO_ALL_AUTOGRAD if grad else _compat.ALL_TO_ALL)(x, splits, splits, group_name))
-
-
-def _seq_to_heads(xs: list[torch.Tensor], size: int, group_name: str) -> list[torch.Tensor]:
-    """Each of ``xs`` from (B, H, T/S, D) to (B, H/S, T, D); one all-to-all per distinct shape
-    (one for q, k and v; two under grouped-query attention)."""
-    shapes = [tuple(x.shape) for x in xs]
-    if len(set(shapes)) != 1:  # grouped-query attention: q apart, k and v together
-        out: dict[int, torch.Tensor] = {}
-        for shape in dict.fromkeys(shapes):
-            same = [i for i, s in enumerate(shapes) if s == shape]
-            out.update(zip(same, _seq_to_heads([xs[i] for i in same], size, group_name)))
-        return [out[i] for i in range(len(xs))]
-    n = len(xs)
-    b, h, tl, d = xs[0].shape  # (B, H, T/S, D)
-    x = torch.stack(xs).reshape(n, b, size, h // size, tl, d)
-    x = x.permute(2, 0, 1, 3, 4, 5).contiguous()  # (S, n, B, H/S, T/S, D): chunk j to rank j
-    y = _all_to_all(x, size, group_name, grad=True)  # (S, n, B, H/S, T/S, D): chunk j is rank j's positions
-    y = y.permute(1, 2, 3, 0, 4, 5).reshape(n, b, h // size, size * tl, d)  # (n, B, H/S, T, D)
-    return list(y.unbind(0))
-
-
-def _heads_to_seq(y: torch.Tensor, size: int, group_name: str) -> torch.Tensor:
-    b, hs, t, d = y.shape  # (B, H/S, T, D)
-    y = y.reshape(b, hs, size, t // size, d).permute(2, 0, 1, 3, 4).contiguous()  # (S, B, H/S, T/S, D): chunk j to rank j
-    x = _all_to_all(y, size, group_name, grad=True).permute(1, 0, 2, 3, 4)  # (B, S, H/S, T/S, D): chunk j is rank j's heads
-    with _compat.annotate({meta.SEQUENCE_DIM: 2}):  # NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/pipeline.py
-        return x.reshape(b, size * hs, t // size, d)  # (B, H, T/S, D)
-
-
 class _Sharded(fx.Interpreter):
     """Runs the forward with each sequence-sharded value held as this rank's slice."""
 
@@ -355,7 +331,7 @@ class _Sharded(fx.Interpreter):
         if self.positions is None:
             p = self.plan
             # Rank r receives element r from every rank: S copies of its own rank in the group.
-            ranks = _all_to_all(torch.arange(p.size, dtype=torch.int64, device=like.device), p.size, p.group_name, grad=False)
+            ranks = all_to_all(torch.arange(p.size, dtype=torch.int64, device=like.device), p.size, p.group_name, grad=False)
             # NOTE [Zigzag layout for causal rings]: contiguous, or chunks r and 2S - 1 - r.
             self.positions = rank_positions(ranks[0], p.size, p.local_len, p.zigzag, like.device)
         return self.positions
@@ -383,8 +359,10 @@ class _Sharded(fx.Interpreter):
         with self._set_current_node(n):
             args = fx.node.map_arg(n.args, self._local)
             kwargs = fx.node.map_arg(n.kwargs, self._local)
-            if is_sdpa(n):
-                return self._attention(n, args, kwargs)
+            if (mixer := mixer_of(n)) is not None:
+                p = self.plan
+                ctx = MixerRewrite(p.strategy(mixer), p.size, p.group_name, p.zigzag, self.env.__getitem__, self._positions)
+                return mixer.rewrite(n, args, kwargs, ctx)
             pk, sd, p = op_packet(n), self.an.sdim[n], self.plan
             if pk in _SHAPED:
                 shape = list(args[1])
@@ -394,30 +372,6 @@ class _Sharded(fx.Interpreter):
             elif pk in (aten.slice, aten.narrow) and (args[1] % n.args[0].meta["val"].dim()) == self.an.sdim.get(n.args[0]):
                 return args[0]  # a whole slice of the sequence: the local slice itself
             return n.target(*args, **kwargs)
-
-    def _attention(self, n: fx.Node, args: tuple, kwargs: dict) -> torch.Tensor:
-        size, group = self.plan.size, self.plan.group_name
-        q, k, v, *rest = args
-        kwargs = dict(kwargs)
-        mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
-        if isinstance(mask, fx.Node):  # whole, as attention reads it (never sequence-sharded: _check_attention)
-            if len(n.args) > 3:
-                rest[0] = self.env[mask]
-            else:
-                kwargs["attn_mask"] = self.env[mask]
-        if self.plan.attention is SequenceAttention.RING:
-            named = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest)) | kwargs
-            scale = named.get("scale") or q.shape[-1] ** -0.5
-            with _compat.annotate({meta.SEQUENCE_DIM: 2}):  # NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/pipeline.py
-                return ring_attention(q, k, v, named.get("attn_mask"), is_causal=bool(named.get("is_causal", False)), scale=scale,
-                                      size=size, group_name=group, zigzag=self.plan.zigzag)  # (B, H, T/S, D)
-        if k.shape[1] % size:  # key/value heads S does not divide: repeat them to the query heads
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            kwargs.pop("enable_gqa", None)
-        q, k, v = _seq_to_heads([q, k, v], size, group)  # each (B, H/S, T, D)
-        y = n.target(q, k, v, *rest, **kwargs)  # the whole sequence for this rank's heads, mask and is_causal unchanged
-        return _heads_to_seq(y, size, group)  # (B, H, T/S, D), its last op marked with the sequence dim
 
     def _loss(self, site: LossSite) -> torch.Tensor:
         p, node = self.plan, site.loss
@@ -445,7 +399,7 @@ class _Sharded(fx.Interpreter):
             local_sum = aten.cross_entropy_loss(logits, labels, None, 0, ignore).sum(dtype=acc)  # 0 where ignored
         count = (labels != ignore).sum().to(acc) if reduction == 1 else torch.ones_like(local_sum)
         mine = torch.stack([local_sum.detach(), count]).expand(p.size, 2).contiguous()  # one row to each rank
-        total_sum, total_count = _all_to_all(mine, p.size, p.group_name, grad=False).sum(0).unbind(0)
+        total_sum, total_count = all_to_all(mine, p.size, p.group_name, grad=False).sum(0).unbind(0)
         carrier = local_sum * p.size / total_count  # the gradient: S x this rank's share
         return (carrier + (total_sum / total_count - carrier).detach()).to(logits.dtype)  # the value: the group's mean
 

@@ -430,8 +430,18 @@ def _shared_sections(zero: Mapping[str, Any], own: Mapping[str, Any]) -> dict[st
         "offload_param": _canonical(zero.get("offload_param", {}), zero_keys["offload_param"].children),
         "offload_gradients": _canonical(own.get("offload_gradients", {}), own_keys["offload_gradients"].children),
         "offload": _canonical(own.get("offload", {}), own_keys["offload"].children),
-        "sequence_parallel": _canonical(own.get("sequence_parallel", {}), own_keys["sequence_parallel"].children),
+        "sequence_parallel": _canonical(_one_spelling(own.get("sequence_parallel", {})), own_keys["sequence_parallel"].children),
     }
+
+
+def _one_spelling(section: Mapping[str, Any]) -> dict[str, Any]:
+    """``zerofx.sequence_parallel`` with ``attention`` written as ``mixers.attention``: the two are
+    one setting (``check_sequence_parallel`` refuses them differing), so ranks that spell it
+    differently agree."""
+    out = {k: v for k, v in section.items() if k != "attention"}
+    if "attention" in section:
+        out["mixers"] = {**section.get("mixers", {}), "attention": section["attention"]}
+    return out
 
 
 def source_config(cfg: ZeroConfig, *, without_stage: bool = False) -> dict[str, Any]:
@@ -476,6 +486,11 @@ def check_sequence_parallel(own: Mapping[str, Any], *, world_size: int | None) -
     size = section["size"]
     if world_size is not None:
         check_sequence_parallel_size(size, world_size=world_size)
+    both = section.get("mixers", {}).get("attention")
+    if "attention" in section and both is not None and both != section["attention"]:
+        raise ConfigError(f"config keys 'zerofx.sequence_parallel.attention' ({section['attention']!r}) and "
+                          f"'zerofx.sequence_parallel.mixers.attention' ({both!r}) are one setting and disagree; accepted: one of them, "
+                          "or both the same")
     if size == 1:
         return
     refused = [  # (key, the value set, whether refused, why, what is accepted with sequence parallelism)

@@ -15,7 +15,7 @@ from typing import Any
 
 from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_tiling import KINDS, TilingOptions
-from zerofx.passes.sequence_parallel import SequenceAttention, SequenceParallelSpec
+from zerofx.passes.sequence_parallel import MIXERS, SequenceParallelSpec
 from zerofx.common.units import parse_bytes
 
 
@@ -199,7 +199,11 @@ def sequence_parallel_spec(section: Mapping[str, Any] | None) -> SequenceParalle
     absent or its size is 1."""
     if section is None or section.get("size", 1) == 1:
         return None
-    return SequenceParallelSpec(size=section["size"], attention=SequenceAttention(section.get("attention", SequenceAttention.ULYSSES.value)),
+    # ``attention`` and ``mixers.attention`` are one setting (check_sequence_parallel refuses them differing);
+    # every mixer is named, with its default where the config leaves it out, so equal settings give equal specs.
+    asked = {"attention": section["attention"]} if "attention" in section else {}
+    asked |= section.get("mixers", {})
+    return SequenceParallelSpec(size=section["size"], mixers=tuple((m.name, asked.get(m.name, m.strategies[0])) for m in MIXERS),
                                 load_balance=section.get("load_balance", True))
 
 

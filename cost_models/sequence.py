@@ -1,0 +1,85 @@
+"""Communication of sequence parallelism's mixers: what one rank sends for one op that mixes
+positions (attention, today), in bytes and in seconds, from its shapes, its dtype's item size,
+the sequence group's size and a frozen ``CommSpec``.
+
+Pure: nothing here reads a graph. ``choose_attention`` in passes/ring_attention.py reads the
+bytes for ``sequence_parallel.attention: "auto"`` (NOTE [Sequence mixers] in
+passes/sequence_mixers.py); the sends themselves are described in NOTE [Ring attention] and
+NOTE [Sequence parallelism as a rewrite].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerofx.cost_models.comm import CommSpec, estimate_all_to_all_s
+
+FP32_BYTES = 4  # the ring's key/value gradient accumulators
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """One attention over the whole sequence: q (B, H, T, Dqk), k (B, Hkv, T, Dqk), v (B, Hkv, T, Dv)."""
+
+    batch: int
+    seq_len: int
+    q_heads: int
+    kv_heads: int
+    qk_dim: int
+    v_dim: int
+    itemsize: int
+
+
+def _local_tokens(dims: AttentionDims, size: int) -> int:
+    return dims.batch * (dims.seq_len // size)  # of one rank's slice
+
+
+def _ulysses_kv_heads(dims: AttentionDims, size: int) -> int:
+    """Key/value heads S does not divide are repeated to the query heads before the all-to-all."""
+    return dims.kv_heads if dims.kv_heads % size == 0 else dims.q_heads
+
+
+def ulysses_inputs_bytes(dims: AttentionDims, size: int) -> float:
+    """One rank's q, k and v slices, the input of the forward's all-to-alls to head sharding."""
+    return _local_tokens(dims, size) * dims.itemsize * (dims.q_heads * dims.qk_dim + _ulysses_kv_heads(dims, size) * (dims.qk_dim + dims.v_dim))
+
+
+def ulysses_output_bytes(dims: AttentionDims, size: int) -> float:
+    """One rank's share of the output, the input of the all-to-all back to sequence sharding."""
+    return _local_tokens(dims, size) * dims.itemsize * dims.q_heads * dims.v_dim
+
+
+def ulysses_exchange_bytes(dims: AttentionDims, size: int) -> float:
+    """Bytes one rank sends for one attention's forward and backward under Ulysses: (S-1)/S of q,
+    k, v and of the output in the forward, and as many gradients in the backward."""
+    return 2 * (size - 1) / size * (ulysses_inputs_bytes(dims, size) + ulysses_output_bytes(dims, size))
+
+
+def ring_block_bytes(dims: AttentionDims, size: int) -> float:
+    """One rank's k and v block, as it travels the ring."""
+    return _local_tokens(dims, size) * dims.kv_heads * (dims.qk_dim + dims.v_dim) * dims.itemsize
+
+
+def ring_exchange_bytes(dims: AttentionDims, size: int) -> float:
+    """Bytes one rank sends for one attention's forward and backward under ring attention: its k
+    and v block S - 1 times in the forward, S - 1 times again in the backward, and their fp32
+    gradients S times."""
+    block = ring_block_bytes(dims, size)
+    return 2 * (size - 1) * block + size * block / dims.itemsize * FP32_BYTES
+
+
+def ulysses_exchange_s(dims: AttentionDims, size: int, spec: CommSpec) -> float:
+    """Seconds of one attention's Ulysses all-to-alls, forward and backward: to heads and back in
+    each direction (grouped-query attention's second all-to-all counted in the bytes, not as a launch)."""
+    return 2 * (estimate_all_to_all_s(ulysses_inputs_bytes(dims, size), size, spec)
+                + estimate_all_to_all_s(ulysses_output_bytes(dims, size), size, spec))
+
+
+def ring_exchange_s(dims: AttentionDims, size: int, spec: CommSpec) -> float:
+    """Seconds of one attention's ring sends, forward and backward, each to the neighbour over the
+    slowest link the group crosses; not hidden behind the blocks' compute here (the schedule's
+    overlap model does that, NOTE [The overlap model] in passes/analyze_schedule.py)."""
+    alpha_s, bandwidth = spec.link(size)
+    block = ring_block_bytes(dims, size)
+    grads = block / dims.itemsize * FP32_BYTES
+    return 2 * (size - 1) * (alpha_s + block / bandwidth) + size * (alpha_s + grads / bandwidth)
