@@ -110,7 +110,7 @@ def test_an_op_no_mixer_owns_is_refused_by_op_and_module() -> None:
 
 def test_old_and_new_spellings_are_one_spec() -> None:
     def spec(section: dict) -> SequenceParallelSpec:
-        found = parse_config({"zerofx": {"sequence_parallel": section}}, world_size=4).sequence_parallel()
+        found = parse_config({"zerofx": {"sequence_parallel": section}}, world_size=4).sequence_parallel
         assert found is not None
         return found
 
@@ -119,6 +119,10 @@ def test_old_and_new_spellings_are_one_spec() -> None:
         assert old == new == spec({"size": 2, "attention": strategy, "mixers": {"attention": strategy}})
         assert old.strategy(ATTENTION) == strategy
     assert spec({"size": 2}) == spec({"size": 2, "attention": "ulysses"}) == spec({"size": 2, "mixers": {}})
+    # Ranks that spell the one setting differently agree (NOTE [What ranks must agree on]).
+    fields = [parse_config({"zerofx": {"sequence_parallel": section}}, world_size=4).fingerprint_fields()
+              for section in ({"size": 2, "attention": "ring"}, {"size": 2, "mixers": {"attention": "ring"}})]
+    assert fields[0] == fields[1]
 
 
 @pytest.mark.parametrize("section, words", [
