@@ -76,7 +76,7 @@ from zerofx.runtime.engine_storage import EngineStorage, storage_bytes
 from zerofx.runtime.loss_scaling import LossScaler
 from zerofx.compiler.materialize import InitFn, check_all_meta_or_none
 from zerofx.runtime.monitors import Monitor, check_monitor_packages, samples_and_tokens
-from zerofx.runtime.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, ParamOffloadOptions, ParamStore
+from zerofx.runtime.offload import OffloadedOptimizer, OffloadStore, ParamStore
 from zerofx.runtime.offload.grads import OffloadedGrads
 from zerofx.runtime import rank_agreement
 from zerofx.runtime.program_cache import ProgramCache, misplaced_input
@@ -275,7 +275,7 @@ class Engine:
             print(f"[zerofx] decision: {decision}", flush=True)
         return plan.shard_group_size, decision
 
-    # ----------------------------------------------------------------- storage (zerofx.runtime.engine_storage)
+    # ----------------------------------------------------------------- storage (zerofx.runtime.engine_storage; the rest is ``engine.storage``)
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
         """The model's buffers, in the compute dtype: what the graphs take for them."""
@@ -285,11 +285,6 @@ class Engine:
     def shards(self) -> dict[str, torch.Tensor]:
         """This rank's shard of each parameter held here (none for an offloaded one)."""
         return self.storage.shards
-
-    @property
-    def full(self) -> dict[str, torch.Tensor]:
-        """The padded full flat of each parameter the stage keeps whole."""
-        return self.storage.full
 
     @property
     def master(self) -> dict[str, torch.Tensor]:
@@ -302,24 +297,9 @@ class Engine:
         return self.storage.grads
 
     @property
-    def persistent(self) -> frozenset[str]:
-        """The stage-3 parameters kept whole (below the persistence threshold)."""
-        return self.storage.persistent
-
-    @property
     def optimizer_params(self) -> dict[str, torch.Tensor]:
         """The tensors the optimizer steps, by FQN."""
         return self.storage.optimizer_params
-
-    @property
-    def offload_options(self) -> OffloadOptions | None:
-        """The optimizer-state offload options; None when off."""
-        return self.storage.offload_options
-
-    @property
-    def param_offload_options(self) -> ParamOffloadOptions | None:
-        """The ``offload_param`` options; None when off."""
-        return self.storage.param_offload_options
 
     @property
     def offload_store(self) -> OffloadStore | None:
@@ -340,10 +320,6 @@ class Engine:
     def param_offload_plan(self) -> ParamOffloadPlan | None:
         """The tiers of the parameter shards; None without ``offload_param``."""
         return self.storage.param_offload_plan
-
-    def param_shard(self, fqn: str) -> torch.Tensor:
-        """This rank's shard of ``fqn`` (a copy read from the store when offloaded)."""
-        return self.storage.param_shard(fqn)
 
     # ----------------------------------------------------------------- step counters (kept in checkpoints)
     @property
@@ -616,7 +592,7 @@ class Engine:
         if program is not None and "param_sync" in program.graph_modules(self.rank):
             order = [f for bucket in program.plan.sync_buckets for f in bucket]
             # The graph writes each gathered bucket into the full flats in place (passes/param_sync.py).
-            self._run(program, "param_sync", [self.shards[f] for f in order] + [self.full[f] for f in order])
+            self._run(program, "param_sync", [self.shards[f] for f in order] + [self.storage.full[f] for f in order])
 
     # ----------------------------------------------------------------- state
     def flush(self) -> None:
@@ -655,11 +631,11 @@ class Engine:
                 continue
             if owner not in gathered:
                 p = self.placements[owner]
-                if owner not in self.full:
+                if owner not in self.storage.full:
                     flat = torch.empty(p.padded_numel, dtype=p.torch_dtype, device=self.device)
-                    _compat.all_gather_flat(flat, self.param_shard(owner), group=self.shard_group)
+                    _compat.all_gather_flat(flat, self.storage.param_shard(owner), group=self.shard_group)
                 else:
-                    flat = self.full[owner].clone()
+                    flat = self.storage.full[owner].clone()
                 gathered[owner] = flat[: p.numel].view(p.shape)
             out[key] = gathered[owner]
         return out
