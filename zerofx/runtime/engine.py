@@ -9,7 +9,9 @@ Storage: ``EngineStorage`` in ``zerofx.runtime.engine_storage`` (NOTE [What the 
 rank's parameters, gradients and masters; the engine runs the graphs, the collectives around
 them and the optimizer over it. The checks that ranks agree before their first collective, and
 the one build per job rank 0 sends the others, are ``zerofx.runtime.rank_agreement``. fp16 loss scaling
-is ``zerofx.runtime.loss_scaling``.
+is ``zerofx.runtime.loss_scaling``. The programs, one per input signature, are kept by
+``ProgramCache`` in ``zerofx.runtime.program_cache``; checkpoints read and restore the run through
+the ``TrainState`` the engine hands them (``zerofx.runtime.train_state``), never the engine itself.
 
 NOTE [Who owns a collective's buffers]
 Every buffer handed to another thread, or to a collective that completes later, has one owner
