@@ -69,7 +69,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import safetensors
 import torch
@@ -107,9 +107,8 @@ from zerofx.runtime.checkpoint_format import (
 )
 from zerofx.runtime.consolidation import consolidate
 from zerofx.passes import _compat
+from zerofx.runtime.train_state import TrainState
 
-if TYPE_CHECKING:
-    from zerofx.runtime.engine import Engine
 
 __all__ = [
     "CheckpointError",
@@ -167,10 +166,10 @@ def _one_line(exc: BaseException) -> str:
     return text if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {text}".rstrip(": ")
 
 
-def _all_gather(engine: Engine, status: dict[str, Any]) -> list[dict[str, Any]]:
+def _all_gather(state: TrainState, status: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's ``status``, by rank: the ranks' agreement on an outcome."""
-    out: list[Any] = [None] * engine.world_size
-    dist.all_gather_object(out, status, group=engine.group)
+    out: list[Any] = [None] * state.world_size
+    dist.all_gather_object(out, status, group=state.group)
     return out
 
 
@@ -212,103 +211,102 @@ def _rng_states() -> dict[str, Any]:
     return states
 
 
-def _optimizer_tensors(engine: Engine) -> dict[str, torch.Tensor]:
+def _optimizer_tensors(state: TrainState) -> dict[str, torch.Tensor]:
     """FQN -> the tensor the optimizer steps: the fp32 master in mixed precision, else the
     shard (the whole flat at stage 0)."""
-    return dict(getattr(engine, "optimizer_params", None) or {f: engine.shards[f] for f, p in engine.placements.items() if p.requires_grad})
+    return dict(state.optimizer_params or {f: state.shards[f] for f, p in state.placements.items() if p.requires_grad})
 
 
-def _masters(engine: Engine) -> dict[str, torch.Tensor]:
+def _masters(state: TrainState) -> dict[str, torch.Tensor]:
     """FQN -> fp32 master of this rank's owned elements: the engine's, or copies read back from
     the offload tiers (``OffloadedOptimizer.master_tensors``)."""
-    out = dict(getattr(engine, "master", {}))
-    offloaded = getattr(engine.optimizer, "master_tensors", None)
+    out = dict(state.master)
+    offloaded = getattr(state.optimizer, "master_tensors", None)
     if offloaded is not None:
         out.update(offloaded())
     return out
 
 
-def _param_groups(engine: Engine) -> list[list[str]]:
+def _param_groups(state: TrainState) -> list[list[str]]:
     """The FQNs of each optimizer param group's tensors, in order."""
-    fqn_of = {id(t): f for f, t in _optimizer_tensors(engine).items()}
-    return [[fqn_of[id(p)] for p in g["params"]] for g in engine.optimizer.param_groups]
+    fqn_of = {id(t): f for f, t in _optimizer_tensors(state).items()}
+    return [[fqn_of[id(p)] for p in g["params"]] for g in state.optimizer.param_groups]
 
 
-def _my_slice(engine: Engine, fqn: str, t: torch.Tensor) -> torch.Tensor:
+def _my_slice(state: TrainState, fqn: str, t: torch.Tensor) -> torch.Tensor:
     """This rank's slice of a parameter-shaped tensor, whether it holds the slice or the flat."""
-    p, r = engine.placements[fqn], _shard_index(engine)
+    p, r = state.placements[fqn], _shard_index(state)
     if t.numel() == p.shard_numel:
         return t
     assert t.numel() == p.padded_numel, (fqn, t.shape)
     return t[r * p.shard_numel : (r + 1) * p.shard_numel]
 
 
-def _shard_index(engine: Engine) -> int:
+def _shard_index(state: TrainState) -> int:
     """Which slice of each padded flat this rank holds (NOTE [Shard groups of consecutive ranks]
     in zerofx/runtime/rank_groups.py): its rank when sharding is flat."""
-    return getattr(engine, "shard_index", engine.rank)
+    return state.shard_index
 
 
-def _num_shards(engine: Engine) -> int:
+def _num_shards(state: TrainState) -> int:
     """How many slices each padded flat is cut into: the world size, or the shard group size."""
-    return getattr(engine, "shard_group_size", engine.world_size)
+    return state.num_shards
 
 
-def _rank_tensors(engine: Engine) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+def _rank_tensors(state: TrainState) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """This rank's slice of every parameter, fp32 master and optimizer-state tensor, and the
     scalar optimizer states (Adam's ``step``)."""
     # Offloaded parameter shards (stage 3 offload_param) are read back from their tier.
-    shard = getattr(engine, "param_shard", None) or engine.shards.__getitem__
-    tensors = {f"param/{f}": _my_slice(engine, f, shard(f)) for f in engine.placements}
-    tensors.update({f"master/{f}": _my_slice(engine, f, t) for f, t in _masters(engine).items()})
+    shard = state.param_shard
+    tensors = {f"param/{f}": _my_slice(state, f, shard(f)) for f in state.placements}
+    tensors.update({f"master/{f}": _my_slice(state, f, t) for f, t in _masters(state).items()})
     scalars: dict[str, dict[str, Any]] = {}
-    for fqn, param in _optimizer_tensors(engine).items():
+    for fqn, param in _optimizer_tensors(state).items():
         # Offloaded states are read back from their tier here, one parameter at a time.
-        for name, v in engine.optimizer.state.get(param, {}).items():
+        for name, v in state.optimizer.state.get(param, {}).items():
             if isinstance(v, torch.Tensor) and v.shape == param.shape:
-                tensors[f"state/{fqn}/{name}"] = _my_slice(engine, fqn, v)
+                tensors[f"state/{fqn}/{name}"] = _my_slice(state, fqn, v)
             elif isinstance(v, torch.Tensor) and v.dim() == 0:
                 scalars.setdefault(fqn, {})[name] = {"value": v.item(), "dtype": str(v.dtype)}
             elif v is None or isinstance(v, (bool, int, float)):
                 scalars.setdefault(fqn, {})[name] = {"value": v, "dtype": None}
             else:
                 raise CheckpointError(f"optimizer state {name!r} of {fqn} ({type(v).__name__}) cannot be checkpointed")
-    if engine.rank == 0:
-        tensors.update({f"buffer/{k}": engine.buffers[k] for k, owner in state_dict_keys(engine.model) if owner is None})
+    if state.rank == 0:
+        tensors.update({f"buffer/{k}": state.buffers[k] for k, owner in state_dict_keys(state.model) if owner is None})
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, scalars
 
 
-def engine_structure(engine: Engine) -> dict[str, Any]:
+def train_structure(state: TrainState) -> dict[str, Any]:
     """``structure`` with the model's own dtypes (not a mixed-precision compute dtype), so fp32 and
     bf16 runs of one model load each other's checkpoints."""
-    dtypes = {f: str(p.dtype) for f, p in engine.model.named_parameters()}
-    params = [(p.fqn, p.shape, dtypes[p.fqn], p.requires_grad) for p in engine.placements.values()]
-    return structure(params, state_dict_keys(engine.model))
+    dtypes = {f: str(p.dtype) for f, p in state.model.named_parameters()}
+    params = [(p.fqn, p.shape, dtypes[p.fqn], p.requires_grad) for p in state.placements.values()]
+    return structure(params, state_dict_keys(state.model))
 
 
-def _layout(engine: Engine) -> dict[str, int]:
+def _layout(state: TrainState) -> dict[str, int]:
     """The rank layout (NOTE [Checkpoints across rank layouts]): world size, sequence-parallel
     size, data groups and shard group size."""
-    spec = getattr(engine, "sequence_parallel", None)
-    size = spec.size if spec is not None else 1
-    return {"world_size": engine.world_size, "sequence_parallel_size": size, "data_parallel_size": engine.world_size // size,
-            "shard_group_size": _num_shards(engine)}
+    size = state.sequence_parallel_size
+    return {"world_size": state.world_size, "sequence_parallel_size": size, "data_parallel_size": state.world_size // size,
+            "shard_group_size": _num_shards(state)}
 
 
-def _engine_counters(engine: Engine) -> dict[str, Any]:
-    """Step counters and the fp16 loss scaler's numbers, for the engines that have them."""
-    out = {k: getattr(engine, k) for k in ("micro_steps", "skipped_steps", "global_samples") if hasattr(engine, k)}
-    scaler = getattr(engine, "loss_scaler", None)
+def _step_counters(state: TrainState) -> dict[str, Any]:
+    """Step counters and the fp16 loss scaler's numbers, when there is a scaler."""
+    counters = state.counters
+    out = {"micro_steps": counters.micro_steps, "skipped_steps": counters.skipped_steps, "global_samples": counters.global_samples}
+    scaler = state.loss_scaler
     if scaler is not None:
         out["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
     return out
 
 
 def _metadata(
-    engine: Engine, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any], tag: str, save_id: str, client_crc32: list[str]
+    state: TrainState, tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, Any], tag: str, save_id: str, client_crc32: list[str]
 ) -> dict[str, Any]:
-    program = engine.program
-    groups = _param_groups(engine)
+    groups = _param_groups(state)
     return {
         "format_version": FORMAT_VERSION,
         "tag": tag,
@@ -317,27 +315,27 @@ def _metadata(
         "zerofx_version": __version__,
         "torch_version": torch.__version__,
         "safetensors_version": safetensors.__version__,
-        "model_class": model_class(engine.model),
-        **engine_structure(engine),
+        "model_class": model_class(state.model),
+        **train_structure(state),
         "placements": {
             p.fqn: {"numel": p.numel, "shard_numel": p.shard_numel, "padded_numel": p.padded_numel, "dtype": p.dtype}
-            for p in engine.placements.values()
+            for p in state.placements.values()
         },
         "masters": sorted(k.removeprefix("master/") for k in tensors if k.startswith("master/")),
         "buffers": {
             k.removeprefix("buffer/"): {"shape": list(t.shape), "dtype": str(t.dtype)} for k, t in tensors.items() if k.startswith("buffer/")
         },
-        "config": engine.cfg.raw,
-        "world_size": engine.world_size,
-        "num_shards": _num_shards(engine),
-        "layout": _layout(engine),
-        "stage": int(engine.stage),
-        "step": engine.global_steps,
-        "counters": _engine_counters(engine),
+        "config": state.cfg.raw,
+        "world_size": state.world_size,
+        "num_shards": _num_shards(state),
+        "layout": _layout(state),
+        "stage": int(state.stage),
+        "step": state.counters.global_steps,
+        "counters": _step_counters(state),
         "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "plan_fingerprint": program.plan.fingerprint() if program is not None else None,
+        "plan_fingerprint": state.plan.fingerprint() if state.plan is not None else None,
         "optimizer": {
-            "type": engine.cfg.optimizer.type,
+            "type": state.cfg.optimizer.type,
             "param_groups": groups,
             "tensor_states": {f: sorted(k.rsplit("/", 1)[1] for k in tensors if k.startswith(f"state/{f}/")) for g in groups for f in g},
             "scalar_states": scalars,
@@ -405,23 +403,23 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def save_checkpoint(
-    engine: Engine,
+    state: TrainState,
     save_dir: str | Path,
     tag: str | None = None,
     client_state: Mapping[str, Any] | None = None,
     *,
     keep_last: int | None = None,
 ) -> None:
-    """Save ``engine`` under ``save_dir/tag`` (default tag ``step-<global_steps>``). A collective:
+    """Save ``state`` (``Engine.train_state()``) under ``save_dir/tag`` (default tag ``step-<global_steps>``). A collective:
     call on every rank. ``client_state`` (this rank's; tensors, numbers, strings and containers
     of them) comes back from ``load_checkpoint``. With ``keep_last`` K, rank 0 then deletes the
     oldest complete ``step-<N>`` checkpoints in ``save_dir`` beyond the newest K (other tags are
     never deleted). A failure on any rank raises ``CheckpointError`` on every rank, naming the
     rank and the reason, and leaves ``save_dir`` as it was. See NOTE [Why a save is atomic]."""
-    tag = _check_tag(tag if tag is not None else f"step-{engine.global_steps:08d}")
+    tag = _check_tag(tag if tag is not None else f"step-{state.counters.global_steps:08d}")
     _check_keep_last(keep_last)
     client = dict(client_state or {})
-    root, rank, n = Path(save_dir), engine.rank, engine.world_size
+    root, rank, n = Path(save_dir), state.rank, state.world_size
     staging = root / f".{tag}.partial"
     not_saved = f"checkpoint {tag!r} in {str(root)!r} was not saved"
     unchanged = f"no rank marked it {COMPLETE}; {LATEST!r} and earlier checkpoints are unchanged"
@@ -443,7 +441,7 @@ def save_checkpoint(
             staging.mkdir()
     except (CheckpointError, OSError) as exc:
         error = exc
-    setup = _all_gather(engine, {"error": error and _one_line(error), "tag": tag, "save_id": secrets.token_hex(8)})
+    setup = _all_gather(state, {"error": error and _one_line(error), "tag": tag, "save_id": secrets.token_hex(8)})
     if len({s["tag"] for s in setup}) > 1:  # ranks at different steps: each would write its own directory
         setup = [{**s, "error": s["error"] or f"saving under tag {s['tag']!r}, not one tag on every rank"} for s in setup]
     fail(setup, error)
@@ -451,8 +449,8 @@ def save_checkpoint(
 
     crc = None
     try:
-        tensors, scalars = _rank_tensors(engine)
-        shards = _num_shards(engine)
+        tensors, scalars = _rank_tensors(state)
+        shards = _num_shards(state)
         if rank < shards:  # with shard groups, group 0 holds every slice once: its ranks write them
             header = rank_file_header(rank, shards, tag, save_id, tensors)
             _write_atomically(staging / rank_file(rank, shards), lambda p: save_file(tensors, p, metadata=header))
@@ -461,91 +459,91 @@ def save_checkpoint(
         crc = f"{zlib.crc32(data):08x}"
     except Exception as exc:  # a full disk, an I/O error, state that cannot be saved: tell every rank
         error = exc
-    written = _all_gather(engine, {"error": error and _one_line(error), "crc32": crc})
+    written = _all_gather(state, {"error": error and _one_line(error), "crc32": crc})
     fail(written, error)
 
     if rank == 0:
         try:
-            meta = json.dumps(_metadata(engine, tensors, scalars, tag, save_id, [s["crc32"] for s in written]), indent=1, default=str)
+            meta = json.dumps(_metadata(state, tensors, scalars, tag, save_id, [s["crc32"] for s in written]), indent=1, default=str)
             _publish(root, staging, tag, meta)
         except Exception as exc:
             error = exc
         if error is None and keep_last is not None:
             _prune(root, keep_last)
-    fail(_all_gather(engine, {"error": error and _one_line(error)}), error)
+    fail(_all_gather(state, {"error": error and _one_line(error)}), error)
 
 
 # --------------------------------------------------------------------------- loading
-def _fill(engine: Engine, fqn: str, target: torch.Tensor, mine: torch.Tensor) -> None:
+def _fill(state: TrainState, fqn: str, target: torch.Tensor, mine: torch.Tensor) -> None:
     """Copy this rank's new shard into ``target``: itself when ``target`` is a shard, else the
     all-gathered padded flat (stage 0 flats, stage 0-2 full parameters)."""
-    p = engine.placements[fqn]
+    p = state.placements[fqn]
     if target.numel() == p.shard_numel:
         target.copy_(mine)
         return
     flat = torch.empty(p.padded_numel, dtype=mine.dtype, device=mine.device)
-    _compat.all_gather_flat(flat, mine, group=getattr(engine, "shard_group", engine.group))  # the slices of one group
+    _compat.all_gather_flat(flat, mine, group=state.shard_group)  # the slices of one group
     target.copy_(flat)
 
 
-def _read_shard(engine: Engine, files: RankFiles, meta: Mapping[str, Any], key: str, fqn: str, dtype: torch.dtype) -> torch.Tensor:
+def _read_shard(state: TrainState, files: RankFiles, meta: Mapping[str, Any], key: str, fqn: str, dtype: torch.dtype) -> torch.Tensor:
     """This rank's new shard of saved flat ``key``: its real elements from the saved slices,
     then zeros for the padding."""
-    p = engine.placements[fqn]
-    start, stop = p.owned_range(_shard_index(engine))
-    mine = torch.zeros(p.shard_numel, dtype=dtype, device=engine.device)
+    p = state.placements[fqn]
+    start, stop = p.owned_range(_shard_index(state))
+    mine = torch.zeros(p.shard_numel, dtype=dtype, device=state.device)
     if stop > start:  # the last ranks may own only padding
         mine[: stop - start].copy_(files.read_range(key, meta["placements"][fqn]["shard_numel"], start, stop))
     return mine
 
 
-def _planned_reads(engine: Engine, meta: Mapping[str, Any], load_optimizer_states: bool) -> list[tuple[int, str, int | None]]:
+def _planned_reads(state: TrainState, meta: Mapping[str, Any], load_optimizer_states: bool) -> list[tuple[int, str, int | None]]:
     """(saved rank, tensor key, saved shard_numel or None for a buffer) of every slice or buffer
     this rank's load reads, in reading order."""
     reads: list[tuple[int, str, int | None]] = []
-    for fqn, p in engine.placements.items():
+    for fqn, p in state.placements.items():
         keys = [f"{'master' if fqn in meta['masters'] else 'param'}/{fqn}"]
         if load_optimizer_states and p.requires_grad:
             keys += [f"state/{fqn}/{name}" for name in meta["optimizer"]["tensor_states"].get(fqn, [])]
-        start, stop = p.owned_range(_shard_index(engine))
+        start, stop = p.owned_range(_shard_index(state))
         shard_numel = meta["placements"][fqn]["shard_numel"]
         if stop > start:
             reads += [(k, key, shard_numel) for key in keys for k in saved_ranks(shard_numel, start, stop)]
-    reads += [(0, f"buffer/{key}", None) for key, owner in state_dict_keys(engine.model) if owner is None]
+    reads += [(0, f"buffer/{key}", None) for key, owner in state_dict_keys(state.model) if owner is None]
     return reads
 
 
 def _prepare_load(
-    engine: Engine, load_dir: str | Path, tag: str | None, load_optimizer_states: bool
+    state: TrainState, load_dir: str | Path, tag: str | None, load_optimizer_states: bool
 ) -> tuple[Path, dict[str, Any], RankFiles, dict[str, Any]]:
     """Everything this rank's load reads, checked: see NOTE [Loading checks before it changes anything]."""
     path = resolve_tag(load_dir, tag)
     meta = read_metadata(load_dir, path.name)
-    check_structure(meta, engine_structure(engine), repr(str(path)))
+    check_structure(meta, train_structure(state), repr(str(path)))
     opt = meta["optimizer"]
-    if load_optimizer_states and opt["type"] != engine.cfg.optimizer.type:
+    if load_optimizer_states and opt["type"] != state.cfg.optimizer.type:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} holds {opt['type']} states but the engine's optimizer is {engine.cfg.optimizer.type}; "
+            f"checkpoint {str(path)!r} holds {opt['type']} states but the engine's optimizer is {state.cfg.optimizer.type}; "
             f"accepted: the same optimizer type, or load_optimizer_states=False"
         )
-    if load_optimizer_states and opt["param_groups"] != _param_groups(engine):
+    if load_optimizer_states and opt["param_groups"] != _param_groups(state):
         raise CheckpointError(
-            f"checkpoint {str(path)!r}: optimizer param groups {opt['param_groups']} differ from the engine's {_param_groups(engine)}"
+            f"checkpoint {str(path)!r}: optimizer param groups {opt['param_groups']} differ from the engine's {_param_groups(state)}"
         )
     n = meta["world_size"]
     files = RankFiles(check_rank_files(path, num_shards(meta)), meta)
     try:
-        for k, key, shard_numel in _planned_reads(engine, meta, load_optimizer_states):
+        for k, key, shard_numel in _planned_reads(state, meta, load_optimizer_states):
             files.verify(k, key, shard_numel)
-        client = read_client(path, meta, engine.rank % n)
+        client = read_client(path, meta, state.rank % n)
     except BaseException:
         files.close()
         raise
     return path, meta, files, client
 
 
-def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True) -> dict[str, Any]:
-    """Load a checkpoint saved at any world size and stage into ``engine``; return this rank's
+def load_checkpoint(state: TrainState, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True) -> dict[str, Any]:
+    """Load a checkpoint saved at any world size and stage into ``state`` (``Engine.train_state()``, changed in place); return this rank's
     ``client_state`` (saved rank ``rank % N``'s at a new world size). A collective: call on every
     rank. Restores parameters (and fp32 masters), persistent buffers, optimizer states and the
     step counters; at the saved world size also each rank's torch and Python RNG states.
@@ -555,11 +553,11 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
     before it changes anything])."""
     error: BaseException | None = None
     try:
-        path, meta, files, saved = _prepare_load(engine, load_dir, tag, load_optimizer_states)
+        path, meta, files, saved = _prepare_load(state, load_dir, tag, load_optimizer_states)
     except Exception as exc:  # every rank must hear of it, or its peers wait in the first all-gather
         error = exc
     found = None if error is not None else (path.name, meta.get("save_id"))
-    statuses = _all_gather(engine, {"error": error and _one_line(error), "found": found})
+    statuses = _all_gather(state, {"error": error and _one_line(error), "found": found})
     reasons = _failures(statuses)
     if reasons is None and len({s["found"] for s in statuses}) > 1:
         reasons = "ranks found different checkpoints (" + ", ".join(f"rank {r}: {s['found'][0]!r}" for r, s in enumerate(statuses))
@@ -573,65 +571,65 @@ def load_checkpoint(engine: Engine, load_dir: str | Path, tag: str | None = None
 
     n = meta["world_size"]
     with files:
-        masters = getattr(engine, "master", {})
-        load_offloaded_master = getattr(engine.optimizer, "load_master", None) if getattr(engine, "offload_store", None) else None
-        for fqn, p in engine.placements.items():
+        masters = state.master
+        load_offloaded_master = getattr(state.optimizer, "load_master", None) if state.offload_store is not None else None
+        for fqn, p in state.placements.items():
             # The most precise saved copy: the fp32 master when the run had one.
             master = fqn in meta["masters"]
             saved_dtype = torch.float32 if master else torch_dtype(meta["placements"][fqn]["dtype"])
-            value = _read_shard(engine, files, meta, f"{'master' if master else 'param'}/{fqn}", fqn, saved_dtype)
-            param_store = getattr(engine, "param_store", None)
+            value = _read_shard(state, files, meta, f"{'master' if master else 'param'}/{fqn}", fqn, saved_dtype)
+            param_store = state.param_store
             if param_store is not None and fqn in param_store:
                 param_store.init_shard(fqn, value.to(p.torch_dtype))  # this rank's new shard, to its tier
             else:
-                _fill(engine, fqn, engine.shards[fqn], value.to(p.torch_dtype))
-            if fqn in engine.full and engine.full[fqn] is not engine.shards[fqn]:
-                _fill(engine, fqn, engine.full[fqn], value.to(p.torch_dtype))
+                _fill(state, fqn, state.shards[fqn], value.to(p.torch_dtype))
+            if fqn in state.full and state.full[fqn] is not state.shards[fqn]:
+                _fill(state, fqn, state.full[fqn], value.to(p.torch_dtype))
             if fqn in masters:
-                _fill(engine, fqn, masters[fqn], value.to(masters[fqn].dtype))
-            elif load_offloaded_master is not None and p.requires_grad and engine.compute_dtype is not None:
-                owned = torch.empty(engine.optimizer_params[fqn].numel(), dtype=torch.float32, device=engine.device)
-                _fill(engine, fqn, owned, value)
+                _fill(state, fqn, masters[fqn], value.to(masters[fqn].dtype))
+            elif load_offloaded_master is not None and p.requires_grad and state.compute_dtype is not None:
+                owned = torch.empty(state.optimizer_params[fqn].numel(), dtype=torch.float32, device=state.device)
+                _fill(state, fqn, owned, value)
                 load_offloaded_master(fqn, owned)
-        for key, owner in state_dict_keys(engine.model):
+        for key, owner in state_dict_keys(state.model):
             if owner is None:
-                engine.buffers[key].copy_(files.tensor(0, f"buffer/{key}"))
+                state.buffers[key].copy_(files.tensor(0, f"buffer/{key}"))
         if load_optimizer_states:
-            _load_optimizer(engine, files, meta)
-    engine.global_steps = meta["step"]
+            _load_optimizer(state, files, meta)
+    state.counters.global_steps = meta["step"]
     counters = meta.get("counters", {})
     for name in ("micro_steps", "skipped_steps", "global_samples"):
-        if name in counters and hasattr(engine, name):
-            setattr(engine, name, counters[name])
-    scaler = getattr(engine, "loss_scaler", None)
+        if name in counters:
+            setattr(state.counters, name, counters[name])
+    scaler = state.loss_scaler
     for name, value in counters.get("loss_scaler", {}).items() if scaler is not None else ():
         if hasattr(scaler, name):
             setattr(scaler, name, value)
-    if n == engine.world_size:  # at another world size two ranks would share rank r % N's stream
+    if n == state.world_size:  # at another world size two ranks would share rank r % N's stream
         torch.set_rng_state(saved["rng"]["torch"])
         random.setstate(saved["rng"]["python"])
         if "cuda" in saved["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
-    dist.barrier(group=engine.group)  # nobody saves over this tag while a peer still reads it
+    dist.barrier(group=state.group)  # nobody saves over this tag while a peer still reads it
     return saved["client_state"]
 
 
-def _load_optimizer(engine: Engine, files: RankFiles, meta: Mapping[str, Any]) -> None:
+def _load_optimizer(state: TrainState, files: RankFiles, meta: Mapping[str, Any]) -> None:
     """Rebuild ``optimizer.state`` on this rank's tensors through ``optimizer.load_state_dict``
     (which keys state by parameter index); the hyperparameters stay the engine's."""
     opt = meta["optimizer"]
-    tensors = _optimizer_tensors(engine)
-    state: dict[int, dict[str, Any]] = {}
-    for index, fqn in enumerate(f for group in _param_groups(engine) for f in group):
+    tensors = _optimizer_tensors(state)
+    by_index: dict[int, dict[str, Any]] = {}
+    for index, fqn in enumerate(f for group in _param_groups(state) for f in group):
         param = tensors[fqn]
         entry: dict[str, Any] = {}
         for name, s in opt["scalar_states"].get(fqn, {}).items():
             entry[name] = s["value"] if s["dtype"] is None else torch.tensor(s["value"], dtype=torch_dtype(s["dtype"]))
         # Offloaded states are fp32 whatever the parameters' dtype (the optimizer steps the shards).
-        dtype = torch.float32 if getattr(engine, "offload_store", None) is not None else param.dtype
+        dtype = torch.float32 if state.offload_store is not None else param.dtype
         for name in opt["tensor_states"].get(fqn, []):
             entry[name] = torch.empty(param.shape, dtype=dtype, device=param.device)
-            _fill(engine, fqn, entry[name], _read_shard(engine, files, meta, f"state/{fqn}/{name}", fqn, dtype))
+            _fill(state, fqn, entry[name], _read_shard(state, files, meta, f"state/{fqn}/{name}", fqn, dtype))
         if entry:
-            state[index] = entry
-    engine.optimizer.load_state_dict({"state": state, "param_groups": engine.optimizer.state_dict()["param_groups"]})
+            by_index[index] = entry
+    state.optimizer.load_state_dict({"state": by_index, "param_groups": state.optimizer.state_dict()["param_groups"]})

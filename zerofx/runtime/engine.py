@@ -9,7 +9,9 @@ Storage: ``EngineStorage`` in ``zerofx.runtime.engine_storage`` (NOTE [What the 
 rank's parameters, gradients and masters; the engine runs the graphs, the collectives around
 them and the optimizer over it. The checks that ranks agree before their first collective, and
 the one build per job rank 0 sends the others, are ``zerofx.runtime.rank_agreement``. fp16 loss scaling
-is ``zerofx.runtime.loss_scaling``.
+is ``zerofx.runtime.loss_scaling``. The programs, one per input signature, are kept by
+``ProgramCache`` in ``zerofx.runtime.program_cache``; checkpoints read and restore the run through
+the ``TrainState`` the engine hands them (``zerofx.runtime.train_state``), never the engine itself.
 
 NOTE [Who owns a collective's buffers]
 Every buffer handed to another thread, or to a collective that completes later, has one owner
@@ -44,8 +46,7 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -56,18 +57,16 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from zerofx.runtime.checkpoint import load_checkpoint, save_checkpoint
 from zerofx.cost_models.memory import OPTIMIZERS
 from zerofx.cost_models.offload import Tier
 from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
-from zerofx.passes._compat import pytree
 from zerofx.passes.meta import is_wait
 from zerofx.passes.fetch_params import fetch_order
 from zerofx.passes.offload_grads import grad_sink
 from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_sharding import place_param
-from zerofx.compiler.capture import CapturedStep, LossFn, TensorInfo, cast_info, flatten_call, split_loss_kwargs
-from zerofx.compiler.pipeline import StepCapture, capture_step
+from zerofx.compiler.capture import CapturedStep, LossFn, TensorInfo, cast_info, flatten_call
+from zerofx.compiler.pipeline import capture_step
 from zerofx.config import OptimizerSpec, ZeroConfig, torch_optimizer_class
 from zerofx.config.compile_options import compile_options
 from zerofx.common.errors import (
@@ -76,24 +75,25 @@ from zerofx.common.errors import (
     MissingLossError,
     ZeroFXError,
 )
+from zerofx.runtime.checkpoint import load_checkpoint, save_checkpoint
 from zerofx.runtime.engine_storage import EngineStorage, storage_bytes
 from zerofx.runtime.loss_scaling import LossScaler
 from zerofx.compiler.materialize import InitFn, check_all_meta_or_none
 from zerofx.runtime.monitors import Monitor, check_monitor_packages, samples_and_tokens
-from zerofx.runtime.offload import OffloadedOptimizer, OffloadOptions, OffloadStore, ParamOffloadOptions, ParamStore
+from zerofx.runtime.offload import OffloadedOptimizer, OffloadStore, ParamStore
 from zerofx.runtime.offload.grads import OffloadedGrads
-from zerofx.compiler import plan_cache
 from zerofx.runtime import rank_agreement
+from zerofx.runtime.program_cache import ProgramCache, misplaced_input
 from zerofx.runtime.rank_groups import sequence_group, shard_groups
 from zerofx.compiler.program import (
     PLANNING_REPLICATE_GROUP,
     Program,
-    capture_and_plan,
     check_example_inputs,
     plan_program,
     resolve,
 )
 from zerofx.runtime.schedulers import lr_at
+from zerofx.runtime.train_state import StepCounters, TrainState
 
 
 class WaitTimer:
@@ -237,24 +237,20 @@ class Engine:
         self._closer = weakref.finalize(self, self.optimizer.close) if isinstance(self.optimizer, OffloadedOptimizer) else None
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.counters = StepCounters()
         self.loss_scaler = LossScaler.from_options(cfg.loss_scaling) if cfg.loss_scaling is not None else None
         self._last_loss: torch.Tensor | None = None
-        # Compiled programs by input signature, least recently used first; at most
-        # ``program_cache_size`` of them (each holds its graphs, about 5 MiB for a small model).
-        self._programs: OrderedDict[Any, Program] = OrderedDict()
+        self._programs = ProgramCache(model, cfg, loss_fn=loss_fn, param_infos=self.param_infos, device=self.device,
+                                      compute_dtype=self.compute_dtype, compile_options=self.compile_options, group=self.group,
+                                      rank=self.rank, world_size=self.world_size, timeout_s=self.collective_timeout_s,
+                                      group_name=self.group_name, replicate_group_name=self.replicate_group_name,
+                                      param_offload=self.param_offload_plan, on_comm_failure=self._comm_failure)
         self._pending: tuple[Program, list[torch.Tensor], torch.Tensor] | None = None
-        self._plan_cache_dir = cfg.plan_cache_dir  # None: the plan cache is off
         # NOTE [The engine's call order]
         # step() needs a backward() since the last step, and a second backward() needs a step()
         # in between (step runs every micro-step; it updates the parameters only at the
         # gradient-accumulation boundary). Out of order is an EngineStateError that changes nothing.
         self._backward_since_step = False
-        self.global_steps = 0
-        # Sequences trained on by all ranks (DeepSpeed's global_samples): the monitors' x-axis,
-        # kept in checkpoints so that a resume at another world size continues it.
-        self.global_samples = 0
         self._step_samples = 0
         # Set to a WaitTimer to measure exposed communication (time blocked in waits).
         self.wait_timer: WaitTimer | None = None
@@ -284,7 +280,7 @@ class Engine:
             print(f"[zerofx] decision: {decision}", flush=True)
         return plan.shard_group_size, decision
 
-    # ----------------------------------------------------------------- storage (zerofx.runtime.engine_storage)
+    # ----------------------------------------------------------------- storage (zerofx.runtime.engine_storage; the rest is ``engine.storage``)
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
         """The model's buffers, in the compute dtype: what the graphs take for them."""
@@ -294,11 +290,6 @@ class Engine:
     def shards(self) -> dict[str, torch.Tensor]:
         """This rank's shard of each parameter held here (none for an offloaded one)."""
         return self.storage.shards
-
-    @property
-    def full(self) -> dict[str, torch.Tensor]:
-        """The padded full flat of each parameter the stage keeps whole."""
-        return self.storage.full
 
     @property
     def master(self) -> dict[str, torch.Tensor]:
@@ -311,24 +302,9 @@ class Engine:
         return self.storage.grads
 
     @property
-    def persistent(self) -> frozenset[str]:
-        """The stage-3 parameters kept whole (below the persistence threshold)."""
-        return self.storage.persistent
-
-    @property
     def optimizer_params(self) -> dict[str, torch.Tensor]:
         """The tensors the optimizer steps, by FQN."""
         return self.storage.optimizer_params
-
-    @property
-    def offload_options(self) -> OffloadOptions | None:
-        """The optimizer-state offload options; None when off."""
-        return self.storage.offload_options
-
-    @property
-    def param_offload_options(self) -> ParamOffloadOptions | None:
-        """The ``offload_param`` options; None when off."""
-        return self.storage.param_offload_options
 
     @property
     def offload_store(self) -> OffloadStore | None:
@@ -350,58 +326,48 @@ class Engine:
         """The tiers of the parameter shards; None without ``offload_param``."""
         return self.storage.param_offload_plan
 
-    def param_shard(self, fqn: str) -> torch.Tensor:
-        """This rank's shard of ``fqn`` (a copy read from the store when offloaded)."""
-        return self.storage.param_shard(fqn)
+    # ----------------------------------------------------------------- step counters (kept in checkpoints)
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken, skipped ones included."""
+        return self.counters.global_steps
 
-    # ----------------------------------------------------------------- programs
-    def _signature(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
-        model_kw, loss_kw = split_loss_kwargs(self.model, kwargs, self.loss_fn)
-        leaves, spec = pytree.tree_flatten((tuple(args), model_kw, loss_kw))
-        # A tensor on the engine's device, or on meta (an example input, captured on the engine's
-        # device), counts as "engine": ranks on cuda:0 and cuda:1 have the same signature.
-        key = tuple((tuple(x.shape), x.dtype, "engine" if x.is_meta or x.device == self.device else str(x.device))
-                    if isinstance(x, torch.Tensor) else ("const", repr(x)) for x in leaves)
-        return (repr(spec), key)
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.counters.global_steps = value
 
-    def _misplaced_input(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
-        """What is wrong with the first tensor argument not on the engine's device (a meta tensor
-        has no data to run on), naming it by position or keyword; None when all are there."""
-        named = [(f"positional argument {i}", a) for i, a in enumerate(args)] + [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
-        for name, value in named:
-            for path, leaf in pytree.tree_flatten_with_path(value)[0]:
-                if not isinstance(leaf, torch.Tensor) or (leaf.device == self.device and not leaf.is_meta):
-                    continue
-                where = f"{name}{pytree.keystr(path)}"
-                if leaf.is_meta:
-                    return (f"{where} is on device meta, which holds no data; the engine runs on {self.device}: pass real tensors "
-                            "(meta tensors are for zerofx.compile and for initialize's example_inputs)")
-                return f"{where} is on device {leaf.device}, but the engine runs on {self.device}: move it there first (.to({str(self.device)!r}))"
-        return None
+    @property
+    def micro_steps(self) -> int:
+        """``step()`` calls: micro-batches, across accumulation boundaries."""
+        return self.counters.micro_steps
 
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.counters.micro_steps = value
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 steps skipped because a gradient overflowed."""
+        return self.counters.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.counters.skipped_steps = value
+
+    @property
+    def global_samples(self) -> int:
+        """Sequences trained on by all ranks (DeepSpeed's ``global_samples``), kept in checkpoints."""
+        return self.counters.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        self.counters.global_samples = value
+
+    # ----------------------------------------------------------------- programs (zerofx.runtime.program_cache)
     def _program_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, misplaced: str | None = None) -> Program:
-        """The program for this call's input signature, captured now if new. ``misplaced`` (from
-        ``_misplaced_input``) is raised as a ``ZeroFXError`` once ranks agree on it, before any graph runs."""
-        sig = self._signature(args, kwargs)
-        rank_agreement.agree_on_inputs(sig, misplaced, group=self.group, world_size=self.world_size, device=self.device,
-                                       on_comm_failure=self._comm_failure)
-        if misplaced is not None:
-            raise ZeroFXError(misplaced)
-        program = self._programs.get(sig)
-        if program is not None:
-            self._programs.move_to_end(sig)
-        else:
-            program = self._build_once(sig, lambda: plan_cache.load_or_build(
-                # A second launch with the same key loads the lowered graphs (zerofx.compiler.plan_cache).
-                self._plan_cache_dir, self._plan_cache_key(sig), lambda: capture_and_plan(
-                    StepCapture(self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos, device=self.device,
-                                compute_dtype=self.compute_dtype, sequence_parallel=self.sequence_parallel),
-                    self.cfg, self.compile_options, **self._program_options,
-                ), rank=self.rank, program_options=self._program_options))
-            rank_agreement.check_same_plan(program, self.rank, self.group, self.world_size)
-            self._programs[sig] = program
-            while len(self._programs) > self.cfg.program_cache_size:
-                self._programs.popitem(last=False)  # the least recently used; a pending backward keeps its own
+        """The program for this call's input signature (``ProgramCache.program_for``), with the
+        parameter store reading ahead along it."""
+        program = self._programs.program_for(args, kwargs, misplaced=misplaced)
         if self.param_store is not None and program is not self._scheduled:
             # Every use of an offloaded shard in one step, in order: the store reads ahead along it.
             gms = program.graph_modules(self.rank)
@@ -410,33 +376,10 @@ class Engine:
             self._scheduled = program
         return program
 
-    def _build_once(self, sig: Any, build: Callable[[], Program]) -> Program:
-        """``build()`` on rank 0, its program sent to the others (NOTE [One build per job])."""
-        key = plan_cache.cache_key(model=self.model, input_signature=sig, loss_fn=self.loss_fn, cfg=self.cfg,
-                                   world_size=self.world_size, rank=0, backend=str(dist.get_backend(self.group)),
-                                   device=self.device, program_options=self._program_options)
-        return rank_agreement.build_once(build, key=key, rank=self.rank, group=self.group, world_size=self.world_size,
-                                         timeout_s=self.collective_timeout_s, program_options=self._program_options)
-
-    def _plan_cache_key(self, sig: Any) -> dict[str, Any]:
-        """What this rank's program for input signature ``sig`` depends on (NOTE [What a
-        plan-cache key covers] in zerofx/compiler/plan_cache.py); empty when the cache is off."""
-        if self._plan_cache_dir is None:
-            return {}
-        return plan_cache.cache_key(model=self.model, input_signature=sig, loss_fn=self.loss_fn, cfg=self.cfg, world_size=self.world_size,
-                                    rank=self.rank, backend=str(dist.get_backend(self.group)), device=self.device,
-                                    program_options=self._program_options)
-
-    @property
-    def _program_options(self) -> dict[str, Any]:
-        """The keyword arguments this rank's programs are built with (``capture_and_plan``,
-        ``Program``): the groups their collectives name and the parameter-offload placement."""
-        return {"group_name": self.group_name, "param_offload": self.param_offload_plan, "replicate_group_name": self.replicate_group_name}
-
     @property
     def program(self) -> Program | None:
         """The most recently compiled program."""
-        return next(reversed(self._programs.values()), None)
+        return self._programs.latest
 
     def graph_modules(self) -> dict[str, fx.GraphModule]:
         if self.program is None:
@@ -447,7 +390,7 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Run the forward graph on this rank's batch; return the loss (a scalar tensor). Every
         tensor argument must be on the engine's device (``ZeroFXError`` naming the one that is not)."""
-        program = self._program_for(args, kwargs, misplaced=self._misplaced_input(args, kwargs))
+        program = self._program_for(args, kwargs, misplaced=misplaced_input(args, kwargs, self.device))
         self._warn_past_schedule()
         captured: CapturedStep = program.captured
         inputs = flatten_call(captured, self.model, args, kwargs, self.loss_fn)
@@ -512,7 +455,7 @@ class Engine:
     @property
     def compile_s(self) -> float:
         """Seconds spent compiling graphs with Inductor so far (0 unless ``zerofx.compile`` is set)."""
-        return sum(p.compile_s for p in self._programs.values())
+        return sum(p.compile_s for p in self._programs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Run the backward graph for the last forward; accumulate this rank's gradients."""
@@ -654,7 +597,7 @@ class Engine:
         if program is not None and "param_sync" in program.graph_modules(self.rank):
             order = [f for bucket in program.plan.sync_buckets for f in bucket]
             # The graph writes each gathered bucket into the full flats in place (passes/param_sync.py).
-            self._run(program, "param_sync", [self.shards[f] for f in order] + [self.full[f] for f in order])
+            self._run(program, "param_sync", [self.shards[f] for f in order] + [self.storage.full[f] for f in order])
 
     # ----------------------------------------------------------------- state
     def flush(self) -> None:
@@ -693,11 +636,11 @@ class Engine:
                 continue
             if owner not in gathered:
                 p = self.placements[owner]
-                if owner not in self.full:
+                if owner not in self.storage.full:
                     flat = torch.empty(p.padded_numel, dtype=p.torch_dtype, device=self.device)
-                    _compat.all_gather_flat(flat, self.param_shard(owner), group=self.shard_group)
+                    _compat.all_gather_flat(flat, self.storage.param_shard(owner), group=self.shard_group)
                 else:
-                    flat = self.full[owner].clone()
+                    flat = self.storage.full[owner].clone()
                 gathered[owner] = flat[: p.numel].view(p.shape)
             out[key] = gathered[owner]
         return out
@@ -737,19 +680,34 @@ class Engine:
         return out
 
     # ----------------------------------------------------------------- checkpoints
+    def train_state(self) -> TrainState:
+        """This rank's run as checkpoints read it and a load writes it back: a view of the
+        engine's storage, optimizer and counters (``zerofx.runtime.train_state``)."""
+        storage, program = self.storage, self.program
+        return TrainState(
+            model=self.model, cfg=self.cfg, stage=self.stage, compute_dtype=self.compute_dtype,
+            plan=program.plan if program is not None else None,
+            rank=self.rank, world_size=self.world_size, group=self.group, shard_group=self.shard_group, shard_index=self.shard_index,
+            num_shards=self.shard_group_size, sequence_parallel_size=self.sequence_parallel.size if self.sequence_parallel else 1,
+            device=self.device, placements=self.placements, shards=storage.shards, full=storage.full, master=storage.master,
+            buffers=storage.buffers, optimizer_params=storage.optimizer_params, param_shard=storage.param_shard,
+            param_store=storage.param_store, offload_store=storage.offload_store,
+            optimizer=self.optimizer, loss_scaler=self.loss_scaler, counters=self.counters,
+        )
+
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: Mapping[str, Any] | None = None, *,
                         keep_last: int | None = None) -> None:
         """Save this rank's shards under ``save_dir/tag`` (default ``step-<global_steps>``),
         atomically; a collective, call on every rank. With ``keep_last=K``, then delete the
         oldest ``step-<N>`` checkpoints beyond the newest K. See ``zerofx.runtime.checkpoint``."""
         self.flush()
-        save_checkpoint(self, save_dir, tag=tag, client_state=client_state, keep_last=keep_last)
+        save_checkpoint(self.train_state(), save_dir, tag=tag, client_state=client_state, keep_last=keep_last)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True) -> dict[str, Any]:
         """Load a checkpoint saved at any world size and stage (default: the newest complete one);
         return this rank's ``client_state``. A collective, call on every rank. See ``zerofx.runtime.checkpoint``."""
         self.flush()  # an update in flight must not land on the loaded parameters
-        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states)
+        return load_checkpoint(self.train_state(), load_dir, tag=tag, load_optimizer_states=load_optimizer_states)
 
 
 def _check_has_trainable_params(model: nn.Module) -> None:
