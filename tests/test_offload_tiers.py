@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from zerofx.cost_models.offload import Tier
+import zerofx
+from zerofx.cost_models.offload import NO_OFFLOAD, OFFLOAD_TIERS, Tier
 from zerofx.runtime.offload.files import DIRECT_ALIGN, NvmeFiles, OffloadError
 from zerofx.runtime.offload.tiers import MemoryTier, TierBackend, TierRequest, open_tier
 
@@ -103,3 +104,22 @@ def test_versioned_nvme_reads_only_the_write_it_expects(tmp_path):
     with pytest.raises(OffloadError, match=f"'{files.path('w')}' does not hold w's gradient shard: its trailer records write 1 of 64 bytes, "
                                            "expected write 2"):
         files.read("w", back, 64, version=2)
+
+
+_DEVICE_KEYS = {
+    "zero_optimization.offload_optimizer": lambda device: {"zero_optimization": {"stage": 3, "offload_optimizer": device}},
+    "zero_optimization.offload_param": lambda device: {"zero_optimization": {"stage": 3, "offload_param": device}},
+    "zerofx.offload_gradients": lambda device: {"zero_optimization": {"stage": 2}, "zerofx": {"offload_gradients": device}},
+}
+
+
+@pytest.mark.parametrize("key", list(_DEVICE_KEYS))
+def test_config_device_keys_spell_the_offload_tiers(key, tmp_path):
+    """Every ``device`` key accepts "none" and the name of each tier but the device itself, and
+    lists them the way its message always has."""
+    assert [t.value for t in OFFLOAD_TIERS] == ["cpu", "nvme"]
+    for name in [NO_OFFLOAD, *(t.value for t in OFFLOAD_TIERS)]:
+        zerofx.parse_config(_DEVICE_KEYS[key]({"device": name, "nvme_path": str(tmp_path)}))
+    for name in ("device", "disk", "CPU"):
+        with pytest.raises(zerofx.ConfigError, match=rf"{key}.device.*accepted: none, cpu or nvme"):
+            zerofx.parse_config(_DEVICE_KEYS[key]({"device": name}))

@@ -171,7 +171,7 @@ class GradOffloadOptions:
         if stage is not None and stage < 2:
             raise ConfigError(
                 f"zerofx.offload_gradients.device is {device} but zero_optimization.stage is {stage}; gradients are "
-                "sharded only at stages 2 and 3: set stage 2 or 3, or offload_gradients.device none"
+                f"sharded only at stages 2 and 3: set stage 2 or 3, or offload_gradients.device {NO_OFFLOAD}"
             )
         if Tier(device) is Tier.NVME and not section.get("nvme_path"):
             raise ConfigError("zerofx.offload_gradients.device is nvme but zerofx.offload_gradients.nvme_path is missing; "

@@ -75,9 +75,11 @@ class OffloadStore(BackgroundIO):
         self.streamed = [b for b in self.tiers.values() if not b.in_place]
         self.files: NvmeFiles | None = self.tiers.get(Tier.NVME)  # for inspection: the record files
         self._buffer_bytes = max((r.nbytes for r in streamed), default=0)
-        # One buffer fits every record: any streamed backend's allocate() gives an aligned host buffer.
+        # The window: buffer_count buffers for the largest record, each moving every record in turn
+        # (any host buffer of at least nbytes is one a backend reads into: NOTE [Tier backends]).
+        largest = max(streamed, key=lambda r: r.nbytes, default=None)
         self._free: list[torch.Tensor] = [
-            self.streamed[0].allocate("", self._buffer_bytes) for _ in range(options.buffer_count if streamed else 0)
+            self.tiers[largest.tier].allocate(largest.fqn, largest.nbytes) for _ in range(options.buffer_count if largest else 0)
         ]
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zerofx-offload-io") if streamed else None
         self._reads: dict[str, tuple[Future, torch.Tensor]] = {}
