@@ -2,10 +2,12 @@
 positions (attention, today), in bytes and in seconds, from its shapes, its dtype's item size,
 the sequence group's size and a frozen ``CommSpec``.
 
-Pure: nothing here reads a graph. ``choose_attention`` in passes/ring_attention.py reads the
-bytes for ``sequence_parallel.attention: "auto"`` (NOTE [Sequence mixers] in
-passes/sequence_mixers.py); the sends themselves are described in NOTE [Ring attention] and
-NOTE [Sequence parallelism as a rewrite].
+Pure: nothing here reads a graph. Each mixer's ``exchange_bytes`` returns these bytes, and
+``choose_attention`` in passes/mixer_attention.py compares them for
+``sequence_parallel.attention: "auto"`` (NOTE [Sequence mixers] in passes/sequence_mixers.py);
+the sends themselves are described in NOTE [Ring attention] and NOTE [Sequence parallelism as a
+rewrite]. A new mixer's formulas go here beside attention's: its site's dimensions as a frozen
+dataclass, and ``<strategy>_exchange_bytes`` and ``<strategy>_exchange_s`` for each strategy.
 """
 
 from __future__ import annotations

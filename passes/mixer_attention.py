@@ -1,23 +1,63 @@
 """Attention as a sequence mixer (NOTE [Sequence mixers] in passes/sequence_mixers.py): each
 ``scaled_dot_product_attention`` runs by Ulysses (all-to-all to head shards and back) or by ring
 attention (passes/ring_attention.py), as NOTE [Sequence parallelism as a rewrite] in
-passes/sequence_parallel.py describes. Reads and writes no node meta, except the sequence-dim
+passes/sequence_parallel.py describes, and ``"auto"`` chooses between them (``choose_attention``)
+by the bytes of cost_models/sequence.py. Reads and writes no node meta, except the sequence-dim
 mark on the last op of each attention's output (NOTE [Tiling a sequence-parallel forward] in
 zerofx/compiler/pipeline.py).
+
+Attention is one mixer with two strategies, not two mixers: both strategies own the same node
+(the registry gives each node to the first mixer that matches it, so a second attention mixer
+would never be asked), both read the same site (``AttentionShape``), and ``"auto"`` compares the
+two on it. So one config key, ``sequence_parallel.mixers.attention``, names the strategy.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from zerofx.common.errors import SequenceParallelError
+from zerofx.common.units import format_bytes
+from zerofx.cost_models.sequence import AttentionDims, ring_exchange_bytes, ulysses_exchange_bytes
 from zerofx.passes import _compat, meta
-from zerofx.passes.ring_attention import AttentionShape, SequenceAttention, choose_attention, exchange_bytes, ring_attention
+from zerofx.passes.ring_attention import ring_attention
 from zerofx.passes.seq_regions import is_sdpa
-from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
+from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all, bytes_by_strategy
+
+
+class SequenceAttention(enum.Enum):
+    """The attention mixer's strategies, the default first."""
+
+    ULYSSES = "ulysses"
+    RING = "ring"
+
+
+@dataclass(frozen=True)
+class AttentionShape(AttentionDims):
+    """One attention as the choice between Ulysses and ring sees it (whole sequence): the mixer's site."""
+
+    ulysses_refusal: str | None  # why Ulysses cannot run it, or None
+
+
+def choose_attention(heads: list[AttentionShape], size: int) -> tuple[SequenceAttention, str]:
+    """``"auto"``: ring where Ulysses cannot run (S does not divide the query heads) or sends
+    more bytes per step; Ulysses on a tie (two collectives per attention and direction instead of
+    S - 1 ring steps in a row)."""
+    refused = next((h.ulysses_refusal for h in heads if h.ulysses_refusal), None)
+    if refused:
+        return SequenceAttention.RING, f"sequence parallelism: ring chosen ({refused})"
+    sent = {SequenceAttention(s): b for s, b in bytes_by_strategy(ATTENTION, heads, size).items()}
+    kind = SequenceAttention.RING if sent[SequenceAttention.RING] < sent[SequenceAttention.ULYSSES] else SequenceAttention.ULYSSES
+    q, kv = heads[0].q_heads, heads[0].kv_heads
+    repeat = f", key/value heads repeated to {q} since {size} does not divide {kv}" if kv % size else ""
+    return kind, (f"sequence parallelism: {kind.value} chosen for {q} query heads ({kv} key/value) over {size} ranks: one rank sends "
+                  f"{format_bytes(sent[SequenceAttention.ULYSSES])} per step (forward and backward) with ulysses (all-to-all{repeat}), "
+                  f"{format_bytes(sent[SequenceAttention.RING])} with ring; a tie goes to ulysses")
 
 
 def _seq_to_heads(xs: list[torch.Tensor], size: int, group_name: str) -> list[torch.Tensor]:
@@ -55,7 +95,8 @@ class AttentionMixer:
     """``scaled_dot_product_attention`` by Ulysses or ring; its sites are ``AttentionShape``."""
 
     name = "attention"
-    strategies = (SequenceAttention.ULYSSES.value, SequenceAttention.RING.value)
+    strategies = tuple(s.value for s in SequenceAttention)
+    supports = "scaled_dot_product_attention"
     doc = ("how attention exchanges data: \"ulysses\" (all-to-all to head sharding, the default), \"ring\" (key/value blocks "
            "passed around the group, NOTE [Ring attention]) or \"auto\" (the one that sends fewer bytes, ring where the size "
            "does not divide the query heads)")
@@ -91,7 +132,8 @@ class AttentionMixer:
                               itemsize=qv.element_size(), ulysses_refusal=refusal)
 
     def exchange_bytes(self, site: AttentionShape, strategy: str, size: int) -> float:
-        return exchange_bytes(site, size)[SequenceAttention(strategy)]
+        by = ulysses_exchange_bytes if SequenceAttention(strategy) is SequenceAttention.ULYSSES else ring_exchange_bytes
+        return by(site, size)
 
     def choose(self, sites: Sequence[AttentionShape], size: int) -> tuple[str, str]:
         kind, why = choose_attention(list(sites), size)

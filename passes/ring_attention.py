@@ -1,5 +1,6 @@
-"""Ring attention for sequence parallelism: the custom op ``sequence_parallel_pass`` traces in place
-of each ``scaled_dot_product_attention``, and what the planner reads off it.
+"""Ring attention for sequence parallelism: the custom op the attention mixer (passes/mixer_attention.py)
+traces in place of each ``scaled_dot_product_attention`` under the ``"ring"`` strategy, the
+sequence layout it reads, and what the schedule reads off it.
 
 Used while tracing the pre-autograd forward (NOTE [Sequence parallelism as a rewrite] in
 passes/sequence_parallel.py); AOTAutograd differentiates the result, and the op's registered
@@ -50,58 +51,19 @@ accumulators; no rank gathers the sequence's keys and values, and no (T/S) x T s
 exists. Communication per attention and rank: the forward sends k and v S - 1 times (2 · B ·
 Hkv · T/S · D elements each time); the backward sends k and v S - 1 times and their fp32
 gradients S times. ``ring_exchanges`` lists those sends for the schedule (NOTE [The overlap
-model] in passes/analyze_schedule.py); ``ring_exchange_bytes`` in cost_models/sequence.py counts them for ``"auto"``.
+model] in passes/analyze_schedule.py); ``ring_exchange_bytes`` in cost_models/sequence.py counts them for ``"auto"``
+(``choose_attention`` in passes/mixer_attention.py).
 """
 
 from __future__ import annotations
-
-import enum
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
 from zerofx.passes import _compat, tiled_kernels  # noqa: F401  (registers zerofx::blocked_attention)
-from zerofx.common.units import format_bytes
-from zerofx.cost_models.sequence import AttentionDims, ring_exchange_bytes, ulysses_exchange_bytes
 
 Tensor = torch.Tensor
-
-
-# --------------------------------------------------------------------------- the choice
-class SequenceAttention(enum.Enum):
-    ULYSSES = "ulysses"
-    RING = "ring"
-    AUTO = "auto"
-
-
-@dataclass(frozen=True)
-class AttentionShape(AttentionDims):
-    """One attention as the choice between Ulysses and ring sees it (whole sequence)."""
-
-    ulysses_refusal: str | None  # why Ulysses cannot run it, or None
-
-
-def exchange_bytes(h: AttentionDims, size: int) -> dict[SequenceAttention, float]:
-    """Bytes one rank sends for one attention's forward and backward by each strategy (cost_models/sequence.py)."""
-    return {SequenceAttention.ULYSSES: ulysses_exchange_bytes(h, size), SequenceAttention.RING: ring_exchange_bytes(h, size)}
-
-
-def choose_attention(heads: list[AttentionShape], size: int) -> tuple[SequenceAttention, str]:
-    """``"auto"``: ring where Ulysses cannot run (S does not divide the query heads) or sends
-    more bytes per step; Ulysses on a tie (two collectives per attention and direction instead of
-    S - 1 ring steps in a row)."""
-    refused = next((h.ulysses_refusal for h in heads if h.ulysses_refusal), None)
-    if refused:
-        return SequenceAttention.RING, f"sequence parallelism: ring chosen ({refused})"
-    sent = {kind: sum(exchange_bytes(h, size)[kind] for h in heads) for kind in (SequenceAttention.ULYSSES, SequenceAttention.RING)}
-    kind = SequenceAttention.RING if sent[SequenceAttention.RING] < sent[SequenceAttention.ULYSSES] else SequenceAttention.ULYSSES
-    q, kv = heads[0].q_heads, heads[0].kv_heads
-    repeat = f", key/value heads repeated to {q} since {size} does not divide {kv}" if kv % size else ""
-    return kind, (f"sequence parallelism: {kind.value} chosen for {q} query heads ({kv} key/value) over {size} ranks: one rank sends "
-                  f"{format_bytes(sent[SequenceAttention.ULYSSES])} per step (forward and backward) with ulysses (all-to-all{repeat}), "
-                  f"{format_bytes(sent[SequenceAttention.RING])} with ring; a tie goes to ulysses")
 
 
 # --------------------------------------------------------------------------- the ring

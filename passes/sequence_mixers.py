@@ -13,13 +13,16 @@ accepts a node owns it. ``plan_sequence_parallel`` calls the owner's ``check`` o
 owns, which returns what the mixer needs of the node (its site: shapes, refusals) or raises
 ``SequenceParallelError`` naming the op and its module; it then resolves the mixer's strategy
 from ``sequence_parallel.mixers.<name>`` (``"auto"``: the mixer's ``choose``, from its
-``exchange_bytes`` per rank in cost_models/sequence.py), lets the mixer refuse a site the
+``exchange_bytes`` per rank in cost_models/sequence.py, summed by ``bytes_by_strategy``), lets the mixer refuse a site the
 strategy cannot run (``accept``), and records the strategy and the mixer's ``describe`` in the
 plan's decisions. The rewrite calls the owner's ``rewrite`` for each node it owns, with the
 sequence-sharded inputs as this rank's slices, and the value it returns is this rank's slice of
 the output. A node no mixer owns that reads a sharded value across positions is refused with
-the ops that are supported. A mixer that needs the sequence cut another way than in contiguous
-slices says so in ``zigzag_balances`` (NOTE [Zigzag layout for causal rings]).
+the ops that are supported (the token-wise ops, each mixer's ``supports``, the loss). A mixer that needs the sequence cut another way than in contiguous
+slices says so in ``zigzag_balances`` (NOTE [Zigzag layout for causal rings]). The plan's
+schedule (passes/analyze_schedule.py) sees a mixer's exchanges in the graph it traces: each
+``all_to_all`` below is a collective of its bytes there; sends inside an op of the mixer's own
+are listed by that op's module (``ring_exchanges`` for ring attention), which the schedule reads.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class SequenceMixer(Protocol):
     name: str  # the op class: its key under ``sequence_parallel.mixers``
     strategies: tuple[str, ...]  # the ways it shards, the default first; ``"auto"`` picks among them
     doc: str  # the config key's meaning
+    supports: str  # the ops it owns, as the refusal of an op no mixer owns lists what is supported
 
     def matches(self, node: fx.Node) -> bool:
         """Whether this mixer owns ``node``."""
@@ -76,11 +80,13 @@ class SequenceMixer(Protocol):
         ...
 
     def exchange_bytes(self, site: Any, strategy: str, size: int) -> float:
-        """Bytes one rank sends for the site's forward and backward under ``strategy``."""
+        """Bytes one rank sends for the site's forward and backward under ``strategy``, from the
+        mixer's formulas in cost_models/sequence.py."""
         ...
 
     def choose(self, sites: Sequence[Any], size: int) -> tuple[str, str]:
-        """``"auto"``: the strategy for these sites, and the decision saying why."""
+        """``"auto"``: the strategy for these sites, and the decision saying why (by
+        ``bytes_by_strategy``, where bytes decide)."""
         ...
 
     def accept(self, sites: Sequence[Any], strategy: str, size: int) -> None:
@@ -104,3 +110,9 @@ def all_to_all(x: torch.Tensor, size: int, group_name: str, *, grad: bool) -> to
     """Rank r's chunk j of ``x`` (dim 0, ``size`` equal chunks) goes to rank j, as chunk r."""
     splits = [x.shape[0] // size] * size
     return _compat.WAIT((_compat.ALL_TO_ALL_AUTOGRAD if grad else _compat.ALL_TO_ALL)(x, splits, splits, group_name))
+
+
+def bytes_by_strategy(mixer: SequenceMixer, sites: Sequence[Any], size: int) -> dict[str, float]:
+    """What one rank sends for all of ``sites`` under each of ``mixer``'s strategies, in their
+    order: what a ``choose`` that goes by bytes compares."""
+    return {strategy: sum(mixer.exchange_bytes(site, strategy, size) for site in sites) for strategy in mixer.strategies}

@@ -23,7 +23,7 @@ is traced again with three changes:
   passes/sequence_mixers.py; ``MIXERS`` lists them). Each attention core (SDPA), the mixer of
   passes/mixer_attention.py, runs in one of two ways, as ``sequence_parallel.mixers.attention``
   (or ``sequence_parallel.attention``) says
-  (``"auto"``: ``choose_attention`` in passes/ring_attention.py, ring where S does not divide
+  (``"auto"``: ``choose_attention`` in passes/mixer_attention.py, ring where S does not divide
   the query heads or where Ulysses sends more bytes, recorded in the plan's decisions).
   Ulysses: an all-to-all turns q, k and v from sequence-sharded ``(B, H, T/S, D)`` into
   head-sharded ``(B, H/S, T, D)``, SDPA runs on the whole sequence for H/S heads with its own
@@ -52,6 +52,17 @@ written as matmuls and softmax, a mask computed from sequence-sharded values; fo
 divide and a mask that differs per head) makes ``plan_sequence_parallel`` raise
 ``SequenceParallelError`` naming the op and its module (NOTE [Naming a node by its module] in
 passes/analyze_schedule.py).
+
+``MIXERS`` below is the registry of sequence mixers. A new mixer (NOTE [Sequence mixers]) touches:
+
+- its module, ``passes/mixer_<op>.py``: an object with the ``SequenceMixer`` protocol (matching,
+  checks, strategies, the rewrite, ``supports`` for the refusal's list of what is supported);
+- its entry in ``MIXERS`` here, from which the config key ``sequence_parallel.mixers.<name>``
+  (zerofx/config/schema.py) and its accepted strategies follow;
+- ``cost_models/sequence.py``: the bytes and seconds of its exchanges, which its
+  ``exchange_bytes`` returns;
+- and outside the code: its tests, a ``MUST_AGREE`` row for the new config key in
+  tests/test_config_validation.py, and its row in docs/sequence-parallel.md.
 """
 
 from __future__ import annotations
@@ -75,8 +86,6 @@ aten = torch.ops.aten
 _CASTS = {aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias, aten.type_as}
 _FLATTEN = {aten.view, aten.reshape, aten._unsafe_view}
 _SHAPED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
-SUPPORTED = ("token-wise ops (elementwise, norms, linear/matmul with a weight, embedding, views that keep the sequence axis "
-             "whole), scaled_dot_product_attention, and cross_entropy over the sequence (shifted or not)")
 # The ops that mix positions and how each shards, in the order they are asked (NOTE [Sequence mixers] in passes/sequence_mixers.py).
 MIXERS: tuple[SequenceMixer, ...] = (ATTENTION,)
 
@@ -84,6 +93,12 @@ MIXERS: tuple[SequenceMixer, ...] = (ATTENTION,)
 def mixer_of(node: fx.Node) -> SequenceMixer | None:
     """The first mixer of ``MIXERS`` that owns ``node``, or None."""
     return next((m for m in MIXERS if m.matches(node)), None)
+
+
+def supported() -> str:
+    """What sequence parallelism shards, as its refusals list it: token-wise ops, the mixers' ops, the loss."""
+    return ("token-wise ops (elementwise, norms, linear/matmul with a weight, embedding, views that keep the sequence axis "
+            f"whole), {', '.join(m.supports for m in MIXERS)}, and cross_entropy over the sequence (shifted or not)")
 
 
 @dataclass(frozen=True)
@@ -246,10 +261,10 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
         where = "the graph's output" if node.op == "output" else f"aten.{_describe(node)}"
         raise SequenceParallelError(
             f"sequence parallelism cannot shard {where} in module {modules[node]!r}: it reads the sequence axis across positions "
-            f"(node {node.name}). Supported are {SUPPORTED}; for a model with this op, leave zerofx.sequence_parallel out")
+            f"(node {node.name}). Supported are {supported()}; for a model with this op, leave zerofx.sequence_parallel out")
     if not losses:
         raise SequenceParallelError("sequence parallelism found no cross_entropy loss over the sequence; the loss must be "
-                                    f"cross_entropy of the sequence's logits (shifted or not) against labels given as input. Supported are {SUPPORTED}")
+                                    f"cross_entropy of the sequence's logits (shifted or not) against labels given as input. Supported are {supported()}")
     if not any(sites.values()):
         raise SequenceParallelError("sequence parallelism found no scaled_dot_product_attention; attention written as matmuls "
                                     "and softmax is not supported (use F.scaled_dot_product_attention)")

@@ -18,8 +18,8 @@ from zerofx.cost_models.comm import CommSpec
 from zerofx.cost_models.sequence import AttentionDims, ring_exchange_bytes, ring_exchange_s, ulysses_exchange_bytes, ulysses_exchange_s
 from zerofx.passes import sequence_parallel
 from zerofx.passes.meta import is_all_to_all
-from zerofx.passes.mixer_attention import ATTENTION
-from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
+from zerofx.passes.mixer_attention import ATTENTION, AttentionShape
+from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all, bytes_by_strategy
 from zerofx.passes.sequence_parallel import SequenceParallelSpec
 
 aten = torch.ops.aten
@@ -32,6 +32,7 @@ class PrefixSumMixer:
     name = "prefix_sum"
     strategies = ("gather",)
     doc = "a running sum along the sequence, gathered whole on every rank"
+    supports = "cumsum along the sequence"
 
     def matches(self, node: fx.Node) -> bool:
         return node.op == "call_function" and node.target is aten.cumsum.default
@@ -67,16 +68,18 @@ class PrefixSumMixer:
 
 
 class PrefixSumLM(torch.nn.Module):
-    """A running sum along the sequence between a projection and the head, its loss over reshaped logits."""
+    """A running sum (or product) along the sequence between a projection and the head, its loss over reshaped logits."""
 
-    def __init__(self) -> None:
+    def __init__(self, product: bool = False) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(workers.CONFIG.vocab_size, 16)
         self.mix = torch.nn.Linear(16, 16)
         self.head = torch.nn.Linear(16, workers.CONFIG.vocab_size)
+        self.product = product
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.mix(self.embed(ids)).cumsum(dim=1)  # (B, T, d): position t sums positions <= t
+        x = self.mix(self.embed(ids))
+        x = x.cumprod(dim=1) if self.product else x.cumsum(dim=1)  # (B, T, d): position t sums (multiplies) positions <= t
         return torch.nn.functional.cross_entropy(self.head(x).reshape(-1, workers.CONFIG.vocab_size), labels.reshape(-1))
 
 
@@ -106,6 +109,26 @@ def test_an_op_no_mixer_owns_is_refused_by_op_and_module() -> None:
     text = str(err.value)
     assert "cannot shard aten.cumsum" in text and "in module 'mix'" in text and "reads the sequence axis across positions" in text
     assert "Supported are" in text and "scaled_dot_product_attention" in text
+
+
+def test_the_refusal_lists_every_registered_mixers_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cumprod the toy mixer does not own is refused; what is supported names the toy's ops beside attention's."""
+    monkeypatch.setattr(sequence_parallel, "MIXERS", (ATTENTION, PrefixSumMixer()))
+    with pytest.raises(CaptureError) as err:
+        _compile(PrefixSumLM(product=True), {"size": 2})
+    text = str(err.value)
+    assert "cannot shard aten.cumprod" in text and "in module 'mix'" in text
+    assert "scaled_dot_product_attention, cumsum along the sequence, and cross_entropy" in text
+
+
+def test_the_attention_mixer_reports_each_strategys_cost_model() -> None:
+    """``exchange_bytes`` by strategy name is cost_models/sequence.py's formula of that strategy,
+    and ``bytes_by_strategy`` sums it over the sites, in the mixer's order of strategies."""
+    dims = AttentionShape(batch=2, seq_len=16, q_heads=8, kv_heads=2, qk_dim=8, v_dim=8, itemsize=4, ulysses_refusal=None)
+    sent = bytes_by_strategy(ATTENTION, [dims, dims], 4)
+    assert list(sent) == ["ulysses", "ring"]
+    assert sent == {"ulysses": 2 * ulysses_exchange_bytes(dims, 4), "ring": 2 * ring_exchange_bytes(dims, 4)}
+    assert sent["ulysses"] != sent["ring"]  # so a swapped mapping shows
 
 
 def test_old_and_new_spellings_are_one_spec() -> None:

@@ -15,7 +15,8 @@ from tests.support.dist_utils import run_ranks
 from zerofx.common.errors import CaptureError, ConfigError
 from zerofx.passes.analyze_schedule import schedule_table
 from zerofx.passes.meta import is_all_to_all
-from zerofx.passes.ring_attention import AttentionShape, SequenceAttention, choose_attention, is_ring_attention
+from zerofx.passes.mixer_attention import AttentionShape, SequenceAttention, choose_attention
+from zerofx.passes.ring_attention import is_ring_attention
 from zerofx.app.training import TrainOptions, _cycle_batches, check_train_options, data_layout
 
 STEPS = 3
