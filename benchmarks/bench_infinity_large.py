@@ -90,7 +90,7 @@ def large_model() -> tuple[torch.nn.Module, tuple[tuple[torch.Tensor], dict[str,
 
 def _io_bytes(engine: Any) -> tuple[int, int]:
     """NVMe bytes (read, written) so far, over the optimizer, parameter and gradient stores."""
-    stores = [s for s in (engine.offload_store, engine.param_store, engine.storage.grad_store) if s is not None]
+    stores = [s for s in (engine.storage.offload_store, engine.storage.param_store, engine.storage.grad_store) if s is not None]
     return sum(s.io_bytes()[0] for s in stores), sum(s.io_bytes()[1] for s in stores)
 
 
@@ -136,9 +136,9 @@ def train(rank: int, world_size: int, args: dict[str, Any], nvme_path: Path | No
     if nvme_path is not None:
         out["du_rank_bytes"] = du_bytes(nvme_path / f"rank-{rank:05d}") if (nvme_path / f"rank-{rank:05d}").exists() else None
         out["du_bytes"] = du_bytes(nvme_path) if rank == 0 else None
-        out["param_peak_held_bytes"] = engine.param_store.peak_held_bytes
-        out["record_tiers"] = {t.value: n for t, n in _tier_counts(engine.offload_plan.tiers).items()}
-        out["param_tiers"] = {t.value: n for t, n in _tier_counts(engine.param_offload_plan.tiers).items()}
+        out["param_peak_held_bytes"] = engine.storage.param_store.peak_held_bytes
+        out["record_tiers"] = {t.value: n for t, n in _tier_counts(engine.storage.offload_plan.tiers).items()}
+        out["param_tiers"] = {t.value: n for t, n in _tier_counts(engine.storage.param_offload_plan.tiers).items()}
     dist.barrier()
     if args.get("keep_state"):
         out["state"] = {k: v.clone() for k, v in engine.full_state_dict().items()}

@@ -90,7 +90,7 @@ def _peak_rss_bytes() -> int:
 
 def _io_bytes(engine: Any) -> tuple[int, int]:
     """NVMe bytes (read, written) so far: optimizer records and parameter shards."""
-    stores = [s for s in (engine.offload_store, getattr(engine, "param_store", None)) if s is not None]
+    stores = [s for s in (engine.storage.offload_store, engine.storage.param_store) if s is not None]
     return (sum(s.io_bytes()[0] for s in stores), sum(s.io_bytes()[1] for s in stores))
 
 
@@ -171,10 +171,10 @@ def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: An
             "written_bytes_per_step": statistics.median(writes[warm:]),
             "memory": mem,
             "final_loss": loss.item(),
-            "plan_estimates": dict(engine.offload_plan.estimates) if engine.offload_store is not None else None,
-            "param_plan_estimates": dict(engine.param_offload_plan.estimates) if engine.param_store is not None else None,
-            "param_peak_held_bytes": engine.param_store.peak_held_bytes if engine.param_store is not None else 0,
-            "param_placement": engine.param_offload_plan.placement.value if engine.param_store is not None else None,
+            "plan_estimates": dict(engine.storage.offload_plan.estimates) if engine.storage.offload_store is not None else None,
+            "param_plan_estimates": dict(engine.storage.param_offload_plan.estimates) if engine.storage.param_store is not None else None,
+            "param_peak_held_bytes": engine.storage.param_store.peak_held_bytes if engine.storage.param_store is not None else 0,
+            "param_placement": engine.storage.param_offload_plan.placement.value if engine.storage.param_store is not None else None,
             "step_times_s": times,
             "store_wait_s": statistics.median(waits[warm:]),
             "load_average": os.getloadavg(),

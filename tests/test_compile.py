@@ -36,7 +36,7 @@ def test_inductor_graphs_match_fx_graphs_at_two_ranks() -> None:
 def test_compile_and_fused_optimizer_config_keys() -> None:
     from zerofx.config import parse_config
     from zerofx.config.options import GraphCompiler
-    from zerofx.runtime.engine import build_optimizer
+    from zerofx.runtime.optimizer_step import build_optimizer
     from zerofx.common.errors import ConfigError
 
     cfg = parse_config({"zerofx": {"compile": "inductor", "fused_optimizer": True}})

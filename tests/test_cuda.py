@@ -86,7 +86,7 @@ def test_cuda_meta_built_model_keeps_only_its_shard(nccl: None) -> None:
     ids = torch.randint(0, 5, (2, 64), device="cuda")
     engine = zerofx.initialize(model, {"zero_optimization": {"stage": 3}, "optimizer": SGD}, example_inputs=(ids,),
                                example_kwargs={"labels": ids}, init_seed=0)
-    assert engine.device.type == "cuda" and all(t.is_cuda for t in engine.shards.values())
+    assert engine.device.type == "cuda" and all(t.is_cuda for t in engine.storage.shards.values())
     losses = []
     for _ in range(3):
         loss = engine(ids, labels=ids)

@@ -88,7 +88,7 @@ def _gather(engine: zerofx.Engine, fqn: str, t: torch.Tensor) -> torch.Tensor:
 def full_optimizer_state(engine: zerofx.Engine) -> dict[str, dict[str, torch.Tensor]]:
     """Every trainable parameter's optimizer state, all-gathered and unpadded (a collective)."""
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for fqn, param in engine.optimizer_params.items():
+    for fqn, param in engine.storage.optimizer_params.items():
         for name, v in engine.optimizer.state.get(param, {}).items():
             out.setdefault(fqn, {})[name] = v.clone() if v.dim() == 0 else _gather(engine, fqn, v)
     return out
@@ -98,7 +98,7 @@ def snapshot(engine: zerofx.Engine) -> dict[str, Any]:
     return {
         "state": engine.full_state_dict(),
         "optim": full_optimizer_state(engine),
-        "master": {fqn: _gather(engine, fqn, t) for fqn, t in engine.master.items()},
+        "master": {fqn: _gather(engine, fqn, t) for fqn, t in engine.storage.master.items()},
         "step": engine.global_steps,
         "counters": {"micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
                      "loss_scaler": dict(vars(engine.loss_scaler)) if engine.loss_scaler else None},
@@ -117,7 +117,7 @@ def save_load_reshard(rank: int, world_size: int, root: str) -> dict[str, Any]:
             engine = make_engine(kind, stage, opt, pair)
             train(engine, kind, 1, SAVED_STEPS)
             if kind == "scaled":  # a buffer value the fresh engine can only get from the checkpoint
-                engine.buffers["temperature"].fill_(1.25)
+                engine.storage.buffers["temperature"].fill_(1.25)
             if stage == 0:
                 try:  # checked before anything is written: torch.load(weights_only=True) could not read it back
                     engine.save_checkpoint(Path(root) / "bad", client_state={"sampler": object()})

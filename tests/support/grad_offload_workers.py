@@ -61,7 +61,7 @@ def train(rank: int, world_size: int, cfg: dict, steps: int) -> dict:
         "state": state,
         "losses": losses,
         "memory": engine.memory(),
-        "device_grad_buffers": len(engine.grads),
+        "device_grad_buffers": len(engine.storage.grads),
         "owned": sum(p.shard_numel for p in engine.placements.values() if p.requires_grad),
         "grad_io": grad_store.io_bytes() if grad_store is not None else (0, 0),
         "reduced_live_peak": live["peak"],

@@ -37,9 +37,9 @@ def meta_vs_materialized(rank: int, world_size: int, size: str, stages: list[int
         res: dict[str, Any] = {
             "model_still_meta": all(p.is_meta for p in model.parameters()),
             "init": {"materialized": materialized.full_state_dict(), "meta": meta.full_state_dict()},
-            "shards": {"materialized": {f: t.clone() for f, t in materialized.shards.items()},
-                       "meta": {f: t.clone() for f, t in meta.shards.items()}},
-            "buffers": {"materialized": dict(materialized.buffers), "meta": dict(meta.buffers)},
+            "shards": {"materialized": {f: t.clone() for f, t in materialized.storage.shards.items()},
+                       "meta": {f: t.clone() for f, t in meta.storage.shards.items()}},
+            "buffers": {"materialized": dict(materialized.storage.buffers), "meta": dict(meta.storage.buffers)},
             "memory": meta.memory(),
             "shard_param_bytes": sum(p.shard_numel * p.torch_dtype.itemsize for p in meta.placements.values()),
         }

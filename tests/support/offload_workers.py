@@ -45,14 +45,14 @@ def run(rank: int, world_size: int, cfg: dict, steps: int, save: tuple[str, int]
         if save is not None and step + 1 == save[1]:
             engine.save_checkpoint(save[0])
     state = {k: v.float() for k, v in engine.full_state_dict().items()}  # also waits for the write-backs
-    plan = getattr(engine, "offload_plan", None)
-    store = engine.param_store
+    plan = engine.storage.offload_plan
+    store = engine.storage.param_store
     out = {
         "state": state,
         "losses": losses,
         "memory": engine.memory(),
         "tiers": {f: t.value for f, t in plan.tiers} if plan is not None else {},
-        "io": engine.offload_store.io_bytes() if engine.offload_store is not None else (0, 0),
+        "io": engine.storage.offload_store.io_bytes() if engine.storage.offload_store is not None else (0, 0),
         "owned": sum(p.shard_numel for p in engine.placements.values() if p.requires_grad),
         "tensors": sum(1 for p in engine.placements.values() if p.requires_grad),
         "num_params": sum(p.numel for p in engine.placements.values() if p.requires_grad),
@@ -60,13 +60,13 @@ def run(rank: int, world_size: int, cfg: dict, steps: int, save: tuple[str, int]
     }
     if store is not None:  # offload_param: what the parameter store holds and moved
         out["param"] = {
-            "tiers": {f: t.value for f, t in engine.param_offload_plan.tiers},
+            "tiers": {f: t.value for f, t in engine.storage.param_offload_plan.tiers},
             "io": store.io_bytes(),
             "peak_held_shards": store.peak_held_shards,
             "peak_held_bytes": store.peak_held_bytes,
             "shard_bytes": {f: store.nbytes(f) for f in store.numels},
             "trainable": [f for f in store.numels if engine.placements[f].requires_grad],
-            "resident_shards": sorted(engine.shards),
+            "resident_shards": sorted(engine.storage.shards),
             "gather_buckets": engine.program.plan.gather_buckets,
             "prefetch_distance": engine.program.plan.prefetch_distance,
             "buffer_count": store.options.buffer_count,
@@ -95,7 +95,7 @@ def nvme_folder_vanishes(rank: int, world_size: int, cfg: dict, steps_before: in
     engine = zerofx.initialize(BUILDERS["dna"](), cfg, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
     for step in range(steps_before + 1):
         if step == steps_before:
-            shutil.rmtree(engine.offload_store.files.root)
+            shutil.rmtree(engine.storage.offload_store.files.root)
         ids = data[step, rank]
         loss = engine(ids, labels=ids)
         engine.backward(loss)
@@ -110,7 +110,7 @@ def record_files(rank: int, world_size: int, cfg: dict) -> dict[str, int]:
     """The NVMe record files one rank writes at initialization, and their sizes."""
     data = batches(world_size, 1, VOCAB["dna"])
     engine = zerofx.initialize(BUILDERS["dna"](), cfg, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
-    root = engine.offload_store.files.root
+    root = engine.storage.offload_store.files.root
     return {p.name: p.stat().st_size for p in Path(root).iterdir() if os.path.isfile(p)}
 
 
@@ -155,12 +155,12 @@ def param_faults(rank: int, world_size: int, stage2_cfg: dict, cfg: dict) -> dic
     except zerofx.ZeroFXError as exc:
         out["stage2"] = f"{type(exc).__name__}: {exc}"
     engine = zerofx.initialize(BUILDERS["dna"](), cfg, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
-    out["root"] = str(engine.param_store.files.root)
+    out["root"] = str(engine.storage.param_store.files.root)
     ids = data[0, rank]
     engine.backward(engine(ids, labels=ids))
     engine.step()
     engine.flush()
-    shutil.rmtree(engine.param_store.files.root)
+    shutil.rmtree(engine.storage.param_store.files.root)
     try:
         engine(data[1, rank], labels=data[1, rank])
         out["vanished"] = "no error"

@@ -21,7 +21,7 @@ def _train(rank: int, world_size: int, config: dict[str, Any], steps: int) -> di
         ids = data[step, rank]
         loss = engine(ids, labels=ids)
         engine.backward(loss)
-        grads.append({fqn: g.clone() for fqn, g in engine.grads.items()})
+        grads.append({fqn: g.clone() for fqn, g in engine.storage.grads.items()})
         engine.step()
         losses.append(loss.detach().clone())
     return {"phases": sorted(engine.setup_times), "losses": losses, "grads": grads, "state": engine.full_state_dict(),

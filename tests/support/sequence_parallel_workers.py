@@ -159,10 +159,10 @@ def full_masters(engine: zerofx.Engine) -> dict[str, torch.Tensor] | None:
     1-3); None without mixed precision, where the parameters are the fp32 state."""
     from zerofx.passes import _compat
 
-    if not engine.master:
+    if not engine.storage.master:
         return None
     out = {}
-    for fqn, shard in engine.master.items():
+    for fqn, shard in engine.storage.master.items():
         p = engine.placements[fqn]
         flat = torch.empty(p.padded_numel, dtype=shard.dtype)
         _compat.all_gather_flat(flat, shard, group=engine.shard_group)

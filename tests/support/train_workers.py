@@ -37,7 +37,7 @@ def train(rank: int, world_size: int, config: dict, steps: int, micro: int = 1) 
         "planned": engine.program.memory(rank),
         "owned": sum(p.shard_numel for p in engine.placements.values() if p.requires_grad),
         "tensors": sum(1 for p in engine.placements.values() if p.requires_grad),
-        "dtype": str(next(iter(engine.shards.values())).dtype),
+        "dtype": str(next(iter(engine.storage.shards.values())).dtype),
     }
 
 

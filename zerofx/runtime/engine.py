@@ -5,13 +5,15 @@ forward graph and returns the loss, ``engine.backward(loss)`` runs the backward 
 ``engine.step()`` runs the optimizer on this rank's shard. The same code runs gloo on CPU and
 NCCL on CUDA: the device is the model's.
 
-Storage: ``EngineStorage`` in ``zerofx.runtime.engine_storage`` (NOTE [What the engine holds]) holds this
-rank's parameters, gradients and masters; the engine runs the graphs, the collectives around
-them and the optimizer over it. The checks that ranks agree before their first collective, and
-the one build per job rank 0 sends the others, are ``zerofx.runtime.rank_agreement``. fp16 loss scaling
-is ``zerofx.runtime.loss_scaling``. The programs, one per input signature, are kept by
-``ProgramCache`` in ``zerofx.runtime.program_cache``; checkpoints read and restore the run through
-the ``TrainState`` the engine hands them (``zerofx.runtime.train_state``), never the engine itself.
+Who does what: ``EngineStorage`` in ``zerofx.runtime.engine_storage`` (NOTE [What the engine
+holds]) holds this rank's parameters, buffers, gradients and masters; the engine runs the graphs
+and the collectives between them over it. ``OptimizerStep`` in ``zerofx.runtime.optimizer_step``
+does a step's arithmetic (accumulation, loss scale, overflow check, clipping, schedule, the
+optimizer update). The programs, one per input signature, are kept by ``ProgramCache`` in
+``zerofx.runtime.program_cache``. The checks that ranks agree before their first collective, and
+the one build per job rank 0 sends the others, are ``zerofx.runtime.rank_agreement``; fp16 loss
+scaling is ``zerofx.runtime.loss_scaling``. Checkpoints read and restore the run through the
+``TrainState`` the engine hands them (``zerofx.runtime.train_state``), never the engine itself.
 
 NOTE [Who owns a collective's buffers]
 Every buffer handed to another thread, or to a collective that completes later, has one owner
@@ -57,17 +59,14 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from zerofx.cost_models.memory import OPTIMIZERS
-from zerofx.cost_models.offload import Tier
-from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
+from zerofx.passes import ParamPlacement, ZeroStage, _compat
 from zerofx.passes.meta import is_wait
 from zerofx.passes.fetch_params import fetch_order
 from zerofx.passes.offload_grads import grad_sink
-from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_sharding import place_param
 from zerofx.compiler.capture import CapturedStep, LossFn, TensorInfo, cast_info, flatten_call
 from zerofx.compiler.pipeline import capture_step
-from zerofx.config import OptimizerSpec, ZeroConfig, torch_optimizer_class
+from zerofx.config import ZeroConfig
 from zerofx.config.compile_options import compile_options
 from zerofx.common.errors import (
     CollectiveTimeoutError,
@@ -76,13 +75,13 @@ from zerofx.common.errors import (
     ZeroFXError,
 )
 from zerofx.runtime.checkpoint import load_checkpoint, save_checkpoint
-from zerofx.runtime.engine_storage import EngineStorage, storage_bytes
+from zerofx.runtime.engine_storage import EngineStorage
 from zerofx.runtime.loss_scaling import LossScaler
 from zerofx.compiler.materialize import InitFn, check_all_meta_or_none
 from zerofx.runtime.monitors import Monitor, check_monitor_packages, samples_and_tokens
-from zerofx.runtime.offload import OffloadedOptimizer, OffloadStore, ParamStore
-from zerofx.runtime.offload.grads import OffloadedGrads
+from zerofx.runtime.offload import OffloadedOptimizer
 from zerofx.runtime import rank_agreement
+from zerofx.runtime.optimizer_step import OptimizerStep
 from zerofx.runtime.program_cache import ProgramCache, misplaced_input
 from zerofx.runtime.rank_groups import sequence_group, shard_groups
 from zerofx.compiler.program import (
@@ -129,17 +128,23 @@ class ScheduleEndWarning(UserWarning):
     """Training went past the learning-rate scheduler's ``total_num_steps``."""
 
 
-def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor], *, fused: bool = False) -> torch.optim.Optimizer:
-    kw = dict(spec.params)
-    if "betas" in kw:
-        kw["betas"] = tuple(kw["betas"])
-    if fused and OPTIMIZERS[spec.type].fusable:  # config key zerofx.fused_optimizer
-        kw["fused"] = True
-    return torch_optimizer_class(spec.type)(params, **kw)
+def _counter(name: str, doc: str) -> property:
+    """A DeepSpeed-shaped engine attribute kept in the engine's ``StepCounters``."""
+    return property(lambda self: getattr(self.counters, name), lambda self, value: setattr(self.counters, name, value), doc=doc)
 
 
 class Engine:
-    """One rank's view of a ZeRO-sharded training run. Build it with ``zerofx.initialize``."""
+    """One rank's view of a ZeRO-sharded training run. Build it with ``zerofx.initialize``.
+
+    It sequences each call and hands the work to its parts: a ``ProgramCache`` compiles one
+    program per input signature, ``storage`` (an ``EngineStorage``) holds this rank's parameters,
+    buffers and gradients, an ``OptimizerStep`` does a step's arithmetic and owns the optimizer,
+    and checkpoints read a ``TrainState`` (``train_state()``)."""
+
+    global_steps = _counter("global_steps", "Optimizer steps taken, skipped ones included.")
+    micro_steps = _counter("micro_steps", "step() calls so far: micro-batches, across accumulation boundaries.")
+    skipped_steps = _counter("skipped_steps", "fp16 steps skipped because a gradient overflowed.")
+    global_samples = _counter("global_samples", "Sequences trained on by all ranks (DeepSpeed's global_samples).")
 
     def __init__(
         self,
@@ -223,35 +228,28 @@ class Engine:
         self.storage = EngineStorage(model, cfg, self.placements, group=self.group, device=self.device, from_meta=self._from_meta,
                                      init_fn=init_fn, init_seed=init_seed, shard_index=self.shard_index)
         self._scheduled: Program | None = None  # the program whose fetch order the store reads ahead along
-        self.optimizer: torch.optim.Optimizer
-        if self.offload_store is not None:
-            self.optimizer = OffloadedOptimizer(self.optimizer_params, self.offload_store, cfg.optimizer.type, cfg.optimizer.params,
-                                                param_store=self.param_store, grad_store=self.storage.grad_store)
-        else:
-            self.optimizer = build_optimizer(cfg.optimizer, list(self.optimizer_params.values()), fused=cfg.fused_optimizer)
+        self.counters = StepCounters()
+        self._optimizer_step = OptimizerStep(cfg, self.storage, self.counters, group=self.group,
+                                             num_shard_groups=self.world_size // self.shard_group_size)
         # NOTE [Offload files live as long as the engine]
         # The NVMe files of offloaded state are scratch space, not a checkpoint: ``close()``, or the
         # engine's collection, or a clean interpreter exit, waits for the transfers in flight and
         # deletes them (``NvmeFiles.remove``). A killed process leaves them; the next run with the
         # same nvme_path overwrites them.
         self._closer = weakref.finalize(self, self.optimizer.close) if isinstance(self.optimizer, OffloadedOptimizer) else None
-        self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
-        self.counters = StepCounters()
-        self.loss_scaler = LossScaler.from_options(cfg.loss_scaling) if cfg.loss_scaling is not None else None
         self._last_loss: torch.Tensor | None = None
         self._programs = ProgramCache(model, cfg, loss_fn=loss_fn, param_infos=self.param_infos, device=self.device,
                                       compute_dtype=self.compute_dtype, compile_options=self.compile_options, group=self.group,
                                       rank=self.rank, world_size=self.world_size, timeout_s=self.collective_timeout_s,
                                       group_name=self.group_name, replicate_group_name=self.replicate_group_name,
-                                      param_offload=self.param_offload_plan, on_comm_failure=self._comm_failure)
+                                      param_offload=self.storage.param_offload_plan, on_comm_failure=self._comm_failure)
         self._pending: tuple[Program, list[torch.Tensor], torch.Tensor] | None = None
         # NOTE [The engine's call order]
         # step() needs a backward() since the last step, and a second backward() needs a step()
         # in between (step runs every micro-step; it updates the parameters only at the
         # gradient-accumulation boundary). Out of order is an EngineStateError that changes nothing.
         self._backward_since_step = False
-        self._step_samples = 0
+        self._step_samples = 0  # this step's sequences on this rank, added to global_samples at its end
         # Set to a WaitTimer to measure exposed communication (time blocked in waits).
         self.wait_timer: WaitTimer | None = None
         try:
@@ -280,99 +278,34 @@ class Engine:
             print(f"[zerofx] decision: {decision}", flush=True)
         return plan.shard_group_size, decision
 
-    # ----------------------------------------------------------------- storage (zerofx.runtime.engine_storage; the rest is ``engine.storage``)
+    # ----------------------------------------------------------------- the optimizer (zerofx.runtime.optimizer_step)
     @property
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """The model's buffers, in the compute dtype: what the graphs take for them."""
-        return self.storage.buffers
-
-    @property
-    def shards(self) -> dict[str, torch.Tensor]:
-        """This rank's shard of each parameter held here (none for an offloaded one)."""
-        return self.storage.shards
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over this rank's shards (an ``OffloadedOptimizer`` with offload)."""
+        return self._optimizer_step.optimizer
 
     @property
-    def master(self) -> dict[str, torch.Tensor]:
-        """The fp32 masters of this rank's shards, in mixed precision without offload."""
-        return self.storage.master
+    def loss_scaler(self) -> LossScaler | None:
+        """The fp16 loss scaler; None in fp32 and bf16."""
+        return self._optimizer_step.loss_scaler
 
     @property
-    def grads(self) -> dict[str, torch.Tensor]:
-        """The persistent gradient buffers; empty until the first backward."""
-        return self.storage.grads
+    def gradient_accumulation_steps(self) -> int:
+        return self._optimizer_step.gradient_accumulation_steps
 
-    @property
-    def optimizer_params(self) -> dict[str, torch.Tensor]:
-        """The tensors the optimizer steps, by FQN."""
-        return self.storage.optimizer_params
-
-    @property
-    def offload_store(self) -> OffloadStore | None:
-        """The offloaded optimizer-state records; None without offload."""
-        return self.storage.offload_store
-
-    @property
-    def offload_plan(self) -> OffloadPlan | None:
-        """The tiers of the optimizer-state records; None without offload."""
-        return self.storage.offload_plan
-
-    @property
-    def param_store(self) -> ParamStore | None:
-        """The offloaded parameter shards (NOTE [offload_param]); None without."""
-        return self.storage.param_store
-
-    @property
-    def param_offload_plan(self) -> ParamOffloadPlan | None:
-        """The tiers of the parameter shards; None without ``offload_param``."""
-        return self.storage.param_offload_plan
-
-    # ----------------------------------------------------------------- step counters (kept in checkpoints)
-    @property
-    def global_steps(self) -> int:
-        """Optimizer steps taken, skipped ones included."""
-        return self.counters.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int) -> None:
-        self.counters.global_steps = value
-
-    @property
-    def micro_steps(self) -> int:
-        """``step()`` calls: micro-batches, across accumulation boundaries."""
-        return self.counters.micro_steps
-
-    @micro_steps.setter
-    def micro_steps(self, value: int) -> None:
-        self.counters.micro_steps = value
-
-    @property
-    def skipped_steps(self) -> int:
-        """fp16 steps skipped because a gradient overflowed."""
-        return self.counters.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.counters.skipped_steps = value
-
-    @property
-    def global_samples(self) -> int:
-        """Sequences trained on by all ranks (DeepSpeed's ``global_samples``), kept in checkpoints."""
-        return self.counters.global_samples
-
-    @global_samples.setter
-    def global_samples(self, value: int) -> None:
-        self.counters.global_samples = value
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self._optimizer_step.is_boundary()
 
     # ----------------------------------------------------------------- programs (zerofx.runtime.program_cache)
     def _program_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, misplaced: str | None = None) -> Program:
-        """The program for this call's input signature (``ProgramCache.program_for``), with the
-        parameter store reading ahead along it."""
+        """The cache's program for this call, with the parameter store reading ahead along it."""
         program = self._programs.program_for(args, kwargs, misplaced=misplaced)
-        if self.param_store is not None and program is not self._scheduled:
+        param_store, offload_plan = self.storage.param_store, self.storage.offload_plan
+        if param_store is not None and program is not self._scheduled:
             # Every use of an offloaded shard in one step, in order: the store reads ahead along it.
             gms = program.graph_modules(self.rank)
-            updates = [f for f in self.offload_plan.update_order if f in self.param_store] if self.offload_plan else []
-            self.param_store.set_schedule(fetch_order(gms["forward"]) + fetch_order(gms["backward"]) + updates)
+            updates = [f for f in offload_plan.update_order if f in param_store] if offload_plan else []
+            param_store.set_schedule(fetch_order(gms["forward"]) + fetch_order(gms["backward"]) + updates)
             self._scheduled = program
         return program
 
@@ -398,7 +331,7 @@ class Engine:
             rank_agreement.check_same_batch_in_group(inputs, rank=self.rank, sequence_group=self._sequence_group,
                                                      size=self.sequence_parallel.size, device=self.device)
         primals = [self.storage.param_input(p.fqn) for p in captured.params]
-        primals += [self.buffers[b.fqn] for b in captured.buffers]
+        primals += [self.storage.buffers[b.fqn] for b in captured.buffers]
         primals += inputs
         outputs = self._run(program, "forward", primals)
         loss = outputs[0]
@@ -418,7 +351,7 @@ class Engine:
         if schedule is None or total is None or self.global_steps < total or self._schedule_end_warned:
             return
         self._schedule_end_warned = True
-        final = lr_at(schedule, total, self._base_lrs[0])
+        final = lr_at(schedule, total, self._optimizer_step.base_lrs[0])
         warnings.warn(ScheduleEndWarning(
             f"optimizer step {self.global_steps + 1} is past the scheduler's total_num_steps {total}: lr stays at its final "
             f"value {final:.3g} from here on; raise scheduler.params.total_num_steps to decay over more steps"), stacklevel=3)
@@ -470,12 +403,9 @@ class Engine:
         # each is freed once the backward has used it (NOTE [Boxed graphs]).
         program, args_list, _ = self._pending
         self._pending = None
-        if self.offload_store is not None and self.is_gradient_accumulation_boundary():
+        if self.storage.offload_store is not None and self.is_gradient_accumulation_boundary():
             self.optimizer.prefetch()  # the first NVMe records load while backward runs
-        # d(loss)/d(loss): 1 over the accumulation steps (DeepSpeed averages micro-batches), times
-        # the fp16 loss scale.
-        seed = (self.loss_scaler.scale if self.loss_scaler else 1.0) / self.gradient_accumulation_steps
-        args_list.append(torch.full_like(loss, seed))
+        args_list.append(torch.full_like(loss, self._optimizer_step.grad_seed()))
         # With gradient offload the graph hands each reduced shard to the store at its bucket's
         # wait and returns None for it (NOTE [Gradients leave at their bucket's wait]).
         grad_store = self.storage.grad_store
@@ -487,9 +417,6 @@ class Engine:
         if self.monitor is not None:
             self.monitor.record_micro_batch(loss, program.captured.inputs)
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
-
     def step(self) -> None:
         """Call after every ``backward``. At each gradient-accumulation boundary: clip, update this
         rank's shard with the optimizer, and bring back full parameters where the stage keeps them."""
@@ -499,70 +426,11 @@ class Engine:
                 "loss = engine(...); engine.backward(loss); engine.step()"
             )
         self._backward_since_step = False
-        boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
-        if not boundary:
+        if not self._optimizer_step.advance_micro_step():
             return
         self._sync_grads()
-        # Gradients of what the optimizer steps, unscaled (in mixed precision fp32 copies).
-        grads = self.storage.optimizer_grads(1.0 / self.loss_scaler.scale if self.loss_scaler else 1.0)
-        if self.loss_scaler is not None and not self._finite(grads):
-            self.loss_scaler.update(overflow=True)
-            self.skipped_steps += 1
-            self._after_step(updated=False)
-            return
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow=False)
-        grad_norm: float | torch.Tensor | None = None
-        if self.cfg.gradient_clipping > 0:
-            grad_norm = self._clip(grads, self.cfg.gradient_clipping)
-        elif self.cfg.monitors.enabled:
-            # On every rank: a collective (NOTE [Monitors: rank 0 writes, every rank joins the norm]).
-            grad_norm = self._grad_norm(grads)
-        schedule = self.cfg.scheduler
-        if schedule is not None:
-            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
-                group["lr"] = lr_at(schedule, self.global_steps, base)
-        if isinstance(self.optimizer, OffloadedOptimizer):
-            applied = self.optimizer.finish()  # delayed update: the previous step's, now
-            self.optimizer.step(grads=grads)
-            self._after_step(updated=applied or not self.optimizer.delayed, grad_norm=grad_norm)
-            return
-        self.optimizer.step()
-        self._after_step(updated=True, grad_norm=grad_norm)
-
-    def _finite(self, grads: dict[str, torch.Tensor]) -> bool:
-        bad = torch.zeros(1, device=self.device)
-        for f, g in grads.items():
-            if not torch.isfinite(self.storage.owned(f, g)).all():
-                bad.fill_(1)
-                break
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)  # every rank skips together
-        return bad.item() == 0
-
-    def _grad_norm(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The global L2 norm of the gradients over all ranks' shards, in fp64 (shape (1,)): each
-        element read once, then one 8-byte all-reduce (a collective)."""
-        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for f, g in grads.items():
-            squares += self.storage.owned(f, g).double().pow(2).sum()
-        dist.all_reduce(squares, group=self.group)
-        # Every shard group holds the same shards (NOTE [Shard groups of consecutive ranks]): each
-        # element was counted once per group.
-        return (squares / (self.world_size // self.shard_group_size)).sqrt()
-
-    def _clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> float:
-        """Scale gradients so their global L2 norm (over all ranks' shards) is at most ``max_norm``;
-        return the norm before clipping."""
-        norm = self._grad_norm(grads).item()
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1:
-            if isinstance(grads, OffloadedGrads):
-                grads.scale_(coef)  # applied as each is read from its tier (NOTE [Offloaded gradients])
-            else:
-                for g in grads.values():
-                    g.mul_(coef)
-        return norm
+        outcome = self._optimizer_step.run()
+        self._after_step(updated=outcome.updated, grad_norm=outcome.grad_norm)
 
     def _after_step(self, *, updated: bool, grad_norm: float | torch.Tensor | None = None) -> None:
         self.storage.end_step(updated=updated)
@@ -597,7 +465,7 @@ class Engine:
         if program is not None and "param_sync" in program.graph_modules(self.rank):
             order = [f for bucket in program.plan.sync_buckets for f in bucket]
             # The graph writes each gathered bucket into the full flats in place (passes/param_sync.py).
-            self._run(program, "param_sync", [self.shards[f] for f in order] + [self.storage.full[f] for f in order])
+            self._run(program, "param_sync", [self.storage.shards[f] for f in order] + [self.storage.full[f] for f in order])
 
     # ----------------------------------------------------------------- state
     def flush(self) -> None:
@@ -610,8 +478,8 @@ class Engine:
             if self.optimizer.finish():
                 self._sync_params()
             self.optimizer.store.drain()  # the write-backs still going on; raises their errors
-            if self.param_store is not None:
-                self.param_store.drain()
+            if self.storage.param_store is not None:
+                self.storage.param_store.drain()
             if self.storage.grad_store is not None:
                 self.storage.grad_store.drain()
 
@@ -628,22 +496,7 @@ class Engine:
         """The model's state dict (same keys and shapes as ``model.state_dict()``) on every rank.
         At stage 3 this all-gathers every parameter: a collective, so call it on all ranks."""
         self.flush()
-        out: dict[str, torch.Tensor] = {}
-        gathered: dict[str, torch.Tensor] = {}
-        for key, owner in self._state_keys:
-            if owner is None:
-                out[key] = self.buffers[key].detach().clone()
-                continue
-            if owner not in gathered:
-                p = self.placements[owner]
-                if owner not in self.storage.full:
-                    flat = torch.empty(p.padded_numel, dtype=p.torch_dtype, device=self.device)
-                    _compat.all_gather_flat(flat, self.storage.param_shard(owner), group=self.shard_group)
-                else:
-                    flat = self.storage.full[owner].clone()
-                gathered[owner] = flat[: p.numel].view(p.shape)
-            out[key] = gathered[owner]
-        return out
+        return self.storage.state_dict(self._state_keys, self.shard_group)
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank really holds: parameter, gradient and optimizer-state tensors. With
@@ -653,31 +506,7 @@ class Engine:
         update's copy of the shards). With ``offload_param``, ``params`` counts only what stays
         on the device; ``offload_param_cpu_bytes`` / ``offload_param_nvme_bytes`` the shards on
         the other tiers and ``offload_param_window_bytes`` the NVMe read-ahead bound."""
-        out = self.storage.memory()
-        if isinstance(self.optimizer, OffloadedOptimizer):
-            store = self.offload_store
-            assert store is not None
-            steps = [r.step for r in store.records.values()] if OPTIMIZERS[self.cfg.optimizer.type].step else []
-            out["optimizer_states"] = store.resident_bytes(Tier.DEVICE) + sum(t.untyped_storage().nbytes() for t in steps)
-            out["offload_cpu_bytes"] = store.resident_bytes(Tier.CPU)
-            out["offload_nvme_bytes"] = store.nvme_bytes()
-            out["offload_window_bytes"] = store.window_bytes()
-            out["offload_staging_bytes"] = self.optimizer.staging_bytes()
-            if self.param_store is not None:
-                ps = self.param_store
-                out["offload_param_cpu_bytes"] = ps.cpu_bytes()
-                out["offload_param_nvme_bytes"] = ps.nvme_bytes()
-                out["offload_param_window_bytes"] = ps.window_bytes()
-            gs = self.storage.grad_store
-            if gs is not None:  # NOTE [Offloaded gradients]: ``grads`` (on the device) is 0
-                out["offload_grad_cpu_bytes"] = gs.cpu_bytes()
-                out["offload_grad_nvme_bytes"] = gs.nvme_bytes()
-                out["offload_grad_window_bytes"] = gs.window_bytes()
-            return out
-        states = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        states += list(self.master.values())  # the fp32 master copy counts with the optimizer states, as in ZeRO
-        out["optimizer_states"] = storage_bytes(states)
-        return out
+        return {**self.storage.memory(), **self._optimizer_step.memory()}
 
     # ----------------------------------------------------------------- checkpoints
     def train_state(self) -> TrainState:

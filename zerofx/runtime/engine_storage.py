@@ -1,7 +1,8 @@
 """One rank's parameter and gradient storage: the flat shard buffer, the full flats, the gradient
 buffers and the fp32 masters, their allocation, initial values and views; and the offload stores
-that hold what is not in them. The ``Engine`` holds one ``EngineStorage`` and runs the graphs,
-collectives and optimizer over it; nothing here runs a graph.
+that hold what is not in them. The ``Engine`` holds one ``EngineStorage`` and runs the graphs and
+collectives over it, and its ``OptimizerStep`` (``zerofx.runtime.optimizer_step``) updates it;
+nothing here runs a graph or steps the optimizer.
 
 NOTE [What the engine holds]
 Parameters are laid out per ``ParamPlacement``: each flattened and padded to a multiple of the
@@ -51,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage
+from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
 from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_sharding import persistent_params
 from zerofx.config import OptimizerSpec, ZeroConfig
@@ -358,6 +359,27 @@ class EngineStorage:
                 t.grad = None
                 if updated:
                     self.shards[f].copy_(t)
+
+    def state_dict(self, state_keys: Sequence[tuple[str, str | None]], shard_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+        """The model's state dict, keyed as ``state_keys`` lists it (each key with the parameter FQN
+        it aliases, or None for a buffer), on every rank. Sharded parameters are all-gathered
+        over ``shard_group``: a collective when any is sharded."""
+        out: dict[str, torch.Tensor] = {}
+        gathered: dict[str, torch.Tensor] = {}
+        for key, owner in state_keys:
+            if owner is None:
+                out[key] = self.buffers[key].detach().clone()
+                continue
+            if owner not in gathered:
+                p = self.placements[owner]
+                if owner not in self.full:
+                    flat = torch.empty(p.padded_numel, dtype=p.torch_dtype, device=self.device)
+                    _compat.all_gather_flat(flat, self.param_shard(owner), group=shard_group)
+                else:
+                    flat = self.full[owner].clone()
+                gathered[owner] = flat[: p.numel].view(p.shape)
+            out[key] = gathered[owner]
+        return out
 
     def memory(self) -> dict[str, int]:
         """Bytes of the parameter and gradient tensors this rank holds on the device."""

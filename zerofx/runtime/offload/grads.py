@@ -19,7 +19,7 @@ from zerofx.runtime.offload.tiers import BackgroundIO, TierBackend, TierRequest,
 from zerofx.config.offload_options import GradOffloadOptions
 
 # NOTE [Offloaded gradients]
-# With ``zerofx.offload_gradients`` the engine keeps no gradient buffer (``engine.grads`` stays
+# With ``zerofx.offload_gradients`` the engine keeps no gradient buffer (``engine.storage.grads`` stays
 # empty, ``memory()["grads"]`` is 0). Each reduced gradient shard goes to ``GradStore.add`` from
 # inside the backward graph, as soon as its bucket's reduction is waited for: the graph's
 # ``zerofx::offload_grad`` op hands it over and the graph returns None for it (NOTE [Gradients
