@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zerofx.common.errors import ZeroFXError
 from zerofx.models.dna_lm import DNALMConfig, DNALMOutput, RMSNorm, SwiGLU
+from zerofx.models.decoder import GenomicDecoder
 from zerofx.models.genomic_sizes import HyenaConfig
-from zerofx.models.long_conv import MLPFilter, ShortConv, init_genomic_module, lm_loss
+from zerofx.models.long_conv import MLPFilter, ShortConv
 
 
 class HyenaOperator(nn.Module):
@@ -50,38 +50,17 @@ class HyenaBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class HyenaDecoderLM(nn.Module):
+class HyenaDecoderLM(GenomicDecoder):
     """Next-nucleotide prediction. ``forward(input_ids, labels=None) -> DNALMOutput``; with
     ``labels`` the loss is the mean next-token cross-entropy (labels shifted by one inside)."""
 
     def __init__(self, cfg: HyenaConfig | None = None) -> None:
-        super().__init__()
-        self.cfg = cfg = cfg or HyenaConfig()
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(HyenaBlock(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.head.weight = self.embed.weight
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Initialize every parameter from the global RNG, module by module."""
-        for m in self.modules():
-            self._init_weights(m)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        """Initialize ``module``'s own tensors (``init_genomic_module``); ``zerofx.initialize``
-        calls it one module at a time on a model built on the meta device."""
-        init_genomic_module(module, self.cfg.num_layers)
+        cfg = cfg or HyenaConfig()
+        super().__init__(cfg, lambda: (HyenaBlock(cfg) for _ in range(cfg.num_layers)))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> DNALMOutput:
-        t = input_ids.shape[1]
-        if t > self.cfg.max_seq_len:
-            raise ZeroFXError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
+        self.check_length(input_ids)
         x = self.embed(input_ids)  # (B, T, d)
         for blk in self.blocks:
             x = blk(x)
-        logits = self.head(self.norm(x))  # (B, T, V)
-        loss = None if labels is None else lm_loss(logits, labels, causal=True)
-        return DNALMOutput(loss=loss, logits=logits)
+        return self.output(x, labels)

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from zerofx.common.errors import ZeroFXError
 from zerofx.models.dna_lm import DNALMOutput, RMSNorm
+from zerofx.models.decoder import GenomicDecoder
 from zerofx.models.genomic_sizes import MambaConfig
-from zerofx.models.long_conv import OwnInit, ShortConv, init_genomic_module, lm_loss
+from zerofx.models.long_conv import OwnInit, ShortConv
 from zerofx.models.scan import selective_scan
 
 
@@ -96,41 +97,20 @@ class MambaBlock(nn.Module):
         return x + self.mixer(self.norm(x))
 
 
-class MambaLM(nn.Module):
+class MambaLM(GenomicDecoder):
     """``forward(input_ids, labels=None) -> DNALMOutput``. Causal: the loss is the mean
     next-token cross-entropy (labels shifted by one inside). Bidirectional: the masked-LM loss,
     the mean cross-entropy over positions whose label is not -100 (no shift)."""
 
     def __init__(self, cfg: MambaConfig | None = None) -> None:
-        super().__init__()
-        self.cfg = cfg = cfg or MambaConfig()
+        cfg = cfg or MambaConfig()
         if cfg.chunk_len < 1:
             raise ZeroFXError(f"chunk_len {cfg.chunk_len} is invalid; accepted: an integer >= 1")
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(MambaBlock(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.head.weight = self.embed.weight
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Initialize every parameter from the global RNG, module by module."""
-        for m in self.modules():
-            self._init_weights(m)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        """Initialize ``module``'s own tensors (``init_genomic_module``); ``zerofx.initialize``
-        calls it one module at a time on a model built on the meta device."""
-        init_genomic_module(module, self.cfg.num_layers)
+        super().__init__(cfg, lambda: (MambaBlock(cfg) for _ in range(cfg.num_layers)))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> DNALMOutput:
-        t = input_ids.shape[1]
-        if t > self.cfg.max_seq_len:
-            raise ZeroFXError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
+        self.check_length(input_ids)
         x = self.embed(input_ids)  # (B, T, d)
         for blk in self.blocks:
             x = blk(x)
-        logits = self.head(self.norm(x))  # (B, T, V)
-        loss = None if labels is None else lm_loss(logits, labels, causal=self.cfg.is_causal)
-        return DNALMOutput(loss=loss, logits=logits)
+        return self.output(x, labels)

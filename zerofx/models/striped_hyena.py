@@ -10,8 +10,9 @@ import torch.nn as nn
 
 from zerofx.common.errors import ZeroFXError
 from zerofx.models.dna_lm import Block, DNALMConfig, DNALMOutput, RMSNorm, SwiGLU
+from zerofx.models.decoder import GenomicDecoder
 from zerofx.models.genomic_sizes import BlockKind, StripedHyenaConfig
-from zerofx.models.long_conv import ExplicitFilter, ModalFilter, ShortConv, init_genomic_module, lm_loss
+from zerofx.models.long_conv import ExplicitFilter, ModalFilter, ShortConv
 
 # How far the MR window decays over its length: exp(-2) at the last tap.
 MR_DECAY = 2.0
@@ -71,43 +72,21 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device)
     return angles.cos(), angles.sin()
 
 
-class StripedHyenaLM(nn.Module):
+class StripedHyenaLM(GenomicDecoder):
     """Next-nucleotide prediction. ``forward(input_ids, labels=None) -> DNALMOutput``; with
     ``labels`` the loss is the mean next-token cross-entropy (labels shifted by one inside)."""
 
     def __init__(self, cfg: StripedHyenaConfig | None = None) -> None:
-        super().__init__()
-        self.cfg = cfg = cfg or StripedHyenaConfig()
+        cfg = cfg or StripedHyenaConfig()
         if cfg.dim % cfg.num_heads or cfg.head_dim % 2:
             raise ZeroFXError(f"dim {cfg.dim} must split into {cfg.num_heads} heads of an even width")
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         attn = attention_config(cfg)
-        self.blocks = nn.ModuleList(Block(attn) if kind is BlockKind.ATTENTION else HyenaBlock(cfg, kind)
-                                    for kind in cfg.block_pattern)
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.head.weight = self.embed.weight
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Initialize every parameter from the global RNG, module by module."""
-        for m in self.modules():
-            self._init_weights(m)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        """Initialize ``module``'s own tensors (``init_genomic_module``); ``zerofx.initialize``
-        calls it one module at a time on a model built on the meta device."""
-        init_genomic_module(module, self.cfg.num_layers)
+        super().__init__(cfg, lambda: (Block(attn) if kind is BlockKind.ATTENTION else HyenaBlock(cfg, kind) for kind in cfg.block_pattern))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> DNALMOutput:
-        t = input_ids.shape[1]
-        if t > self.cfg.max_seq_len:
-            raise ZeroFXError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
+        t = self.check_length(input_ids)
         cos, sin = rope_tables(self.cfg.head_dim, t, self.cfg.rope_theta, input_ids.device)  # (T, hd/2)
         x = self.embed(input_ids)  # (B, T, d)
         for blk in self.blocks:
             x = blk(x, cos, sin)
-        logits = self.head(self.norm(x))  # (B, T, V)
-        loss = None if labels is None else lm_loss(logits, labels, causal=True)
-        return DNALMOutput(loss=loss, logits=logits)
+        return self.output(x, labels)
