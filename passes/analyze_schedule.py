@@ -44,7 +44,7 @@ from zerofx.cost_models.memory_timeline import TimelinePoint, peak, step_timelin
 from zerofx.passes import meta
 from zerofx.passes.check_collectives import GRAPH_ORDER
 from zerofx.passes.plan import REPLICATE, Plan
-from zerofx.passes.ring_attention import ring_exchanges
+from zerofx.passes.sequence_parallel import MIXERS
 from zerofx.common.units import format_bytes
 
 aten = torch.ops.aten
@@ -317,15 +317,16 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
                         waited_at_module=next_compute[node], bucket_label=bucket_label(bucket, all_fqns),
                     )
                 )
-            elif sends := ring_exchanges(node):  # each send blocking: issued and waited at once (NOTE [Ring attention])
-                for nbytes in sends:
+            elif sends := [sent for mixer in MIXERS for sent in mixer.op_exchanges(node)]:
+                # each send blocking: issued and waited at once (NOTE [Sequence mixers], NOTE [Ring attention])
+                for op, nbytes in sends:
                     dur = estimate_all_gather_s(2 * nbytes, 2, comm)  # one send to a neighbour: a 2-rank all-gather's one step
                     begin = max(t, channel_free)
                     channel_free = begin + dur
                     blocked = channel_free - t
                     t, exposed_total = channel_free, exposed_total + blocked
                     rows.append(CollectiveRow(
-                        order=issued, graph=name, op="ring_shift", bucket=(), bytes_per_rank=nbytes, issued_after=previous,
+                        order=issued, graph=name, op=op, bucket=(), bytes_per_rank=nbytes, issued_after=previous,
                         waited_at=node.name, overlap_compute_s=0.0, comm_s=dur, exposed_s=blocked, start_s=begin, end_s=channel_free,
                         issued_after_module=previous_module, waited_at_module=next_compute[node]))
                     issued += 1

@@ -25,7 +25,7 @@ from zerofx.common.errors import SequenceParallelError
 from zerofx.common.units import format_bytes
 from zerofx.cost_models.sequence import AttentionDims, ring_exchange_bytes, ulysses_exchange_bytes
 from zerofx.passes import _compat, meta
-from zerofx.passes.ring_attention import ring_attention
+from zerofx.passes.ring_attention import ring_attention, ring_exchanges
 from zerofx.passes.seq_regions import is_sdpa
 from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all, bytes_by_strategy
 
@@ -97,6 +97,7 @@ class AttentionMixer:
     name = "attention"
     strategies = tuple(s.value for s in SequenceAttention)
     supports = "scaled_dot_product_attention"
+    runs_zigzag = True
     doc = ("how attention exchanges data: \"ulysses\" (all-to-all to head sharding, the default), \"ring\" (key/value blocks "
            "passed around the group, NOTE [Ring attention]) or \"auto\" (the one that sends fewer bytes, ring where the size "
            "does not divide the query heads)")
@@ -177,6 +178,10 @@ class AttentionMixer:
         q, k, v = _seq_to_heads([q, k, v], size, group)  # each (B, H/S, T, D)
         y = node.target(q, k, v, *rest, **kwargs)  # the whole sequence for this rank's heads, mask and is_causal unchanged
         return _heads_to_seq(y, size, group)  # (B, H, T/S, D), its last op marked with the sequence dim
+
+
+    def op_exchanges(self, node: fx.Node) -> tuple[tuple[str, int], ...]:
+        return tuple(("ring_shift", nbytes) for nbytes in ring_exchanges(node))
 
 
 ATTENTION = AttentionMixer()

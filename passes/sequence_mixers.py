@@ -22,7 +22,10 @@ the ops that are supported (the token-wise ops, each mixer's ``supports``, the l
 slices says so in ``zigzag_balances`` (NOTE [Zigzag layout for causal rings]). The plan's
 schedule (passes/analyze_schedule.py) sees a mixer's exchanges in the graph it traces: each
 ``all_to_all`` below is a collective of its bytes there; sends inside an op of the mixer's own
-are listed by that op's module (``ring_exchanges`` for ring attention), which the schedule reads.
+(ring attention's point-to-point steps) are what its ``op_exchanges`` returns for a node of the
+compiled graph, which the schedule asks every mixer of ``MIXERS``. A mixer whose exchanges assume
+rank r holds the r-th contiguous slice (a halo from the left neighbour, a state passed in rank
+order) says ``runs_zigzag = False``, and the layout stays contiguous whenever it is in the plan.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class SequenceMixer(Protocol):
     strategies: tuple[str, ...]  # the ways it shards, the default first; ``"auto"`` picks among them
     doc: str  # the config key's meaning
     supports: str  # the ops it owns, as the refusal of an op no mixer owns lists what is supported
+    runs_zigzag: bool  # whether its rewrite is correct on the zigzag layout (NOTE [Zigzag layout for causal rings])
 
     def matches(self, node: fx.Node) -> bool:
         """Whether this mixer owns ``node``."""
@@ -103,6 +107,12 @@ class SequenceMixer(Protocol):
 
     def rewrite(self, node: fx.Node, args: tuple, kwargs: dict, ctx: MixerRewrite) -> Any:
         """This rank's slice of ``node``'s output, from its arguments as this rank holds them."""
+        ...
+
+    def op_exchanges(self, node: fx.Node) -> tuple[tuple[str, int], ...]:
+        """For a node of the compiled (post-autograd) graph: the blocking sends one rank makes
+        inside it, in order, as (name, bytes); () for a node that is not the mixer's own op. The
+        schedule times each as one send to a neighbour."""
         ...
 
 

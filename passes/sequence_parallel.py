@@ -266,8 +266,8 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
         raise SequenceParallelError("sequence parallelism found no cross_entropy loss over the sequence; the loss must be "
                                     f"cross_entropy of the sequence's logits (shifted or not) against labels given as input. Supported are {supported()}")
     if not any(sites.values()):
-        raise SequenceParallelError("sequence parallelism found no scaled_dot_product_attention; attention written as matmuls "
-                                    "and softmax is not supported (use F.scaled_dot_product_attention)")
+        raise SequenceParallelError("sequence parallelism found no op that mixes positions; attention written as matmuls "
+                                    f"and softmax is not supported (use F.scaled_dot_product_attention). Supported are {supported()}")
     decisions: list[str] = []
     strategies: dict[str, str] = {}
     parts: list[str] = []
@@ -317,6 +317,10 @@ def _choose_layout(gm: fx.GraphModule, spec: SequenceParallelSpec, strategies: M
     ``sequence_parallel.load_balance`` is on (the default); Ulysses gathers the whole sequence in
     rank order, so it keeps contiguous slices. Each mixer says whether the layout balances it
     (``SequenceMixer.zigzag_balances``)."""
+    contiguous = [m.name for m in MIXERS if m.name in strategies and not m.runs_zigzag]
+    if contiguous:
+        return False, (f"sequence layout: contiguous slices, as the {', '.join(contiguous)} exchange(s) need rank r to hold the r-th "
+                       "slice (a halo from the left neighbour, a state passed in rank order)")
     if not any(m.zigzag_balances(gm.graph, strategies[m.name]) for m in MIXERS if m.name in strategies):
         return False, "sequence layout: contiguous slices (zigzag balances causal ring attention only)"
     if not spec.load_balance:
