@@ -1,7 +1,7 @@
 """The compile spine: every stage of a compile, in order, each through one runner.
 
 NOTE [The compile spine]
-A training step becomes the graph modules one rank runs in seven stages. Each runs through
+A training step becomes the graph modules one rank runs in eight stages. Each runs through
 ``run_stage`` (its time logged, a failure that is not already a ``ZeroFXError`` raised as
 ``CompileStageError`` naming the stage and those that ran), and each rewrite within a stage
 through ``run_passes`` (the same, per pass, plus a lint of the graph it returns and a
@@ -10,8 +10,13 @@ through ``run_passes`` (the same, per pass, plus a lint of the graph it returns 
     stage          what it does                                         plan it reads
     capture        the step recorded before autograd (make_fx,          -
                    pre-dispatch: linear, SDPA, cross_entropy whole)
-    pre_autograd   sequence_parallel_pass, then tile_forward_pass       SequenceParallelPlan, TilingPlan
+    pre_autograd   plan_sequence_parallel, then sequence_parallel_pass; SequenceParallelPlan, TilingPlan
+                   plan_tiling, then tile_forward_pass
     autograd       AOTAutograd's joint graph of the rewritten forward   -
+    plan           plan_step: shard group size, prefetch from the       (makes the Plan)
+                   profile, plan_sharding (the SP, tiling and offload
+                   plans joined in), fit_prefetch under a budget;
+                   capture_and_plan wraps stages 1-4 in fit_tiling
     joint          tile_weights_pass, shard_params_pass,                Plan
                    reduce_grads_pass
     partition      partition_joint: forward and backward                -
@@ -21,13 +26,14 @@ through ``run_passes`` (the same, per pass, plus a lint of the graph it returns 
     sync           grad_sync (stage 1), param_sync (stages 1-2),        Plan
                    each through gather_into_buffers_pass
 
-The first three are ``StepCapture`` (a ``CapturedStep``); the planners run between them
-(``plan_sequence_parallel`` and ``plan_tiling`` on the recorded forward, before its rewrite) and
-after (``zerofx.compiler.program.plan_program``: sharding, buckets, prefetch, shard groups,
-offload), and their ``Plan`` is the one input of the last four (``lower``). A step with neither
-sequence parallelism nor tiling skips the first two: AOTAutograd traces the model's call itself.
-Reading this file top to bottom gives the order; a new rewrite is a line in one of the pass
-lists below.
+The first three are ``StepCapture`` (a ``CapturedStep``); ``plan_step`` is stage four, and its
+``Plan`` is the one input of the last four (``lower``). The searches of the plan stage
+(``fit_prefetch``, ``fit_tiling`` in zerofx/compiler/search.py) lower candidates to measure
+them, so a candidate is built by a callback (``MakeCandidate``: zerofx/compiler/program.py
+binds it to ``Program``). A step with neither sequence parallelism nor tiling skips the
+pre_autograd rewrites: AOTAutograd traces the model's call itself. Reading this file top to
+bottom gives the order; a new rewrite is a line in one of the pass lists below, a new planner a
+step of ``plan_step``.
 """
 
 from __future__ import annotations
@@ -45,11 +51,19 @@ import torch.nn as nn
 
 from zerofx.common.errors import CaptureError, CompileStageError, SequenceParallelError, ZeroFXError
 from zerofx.compiler.capture import CapturedStep, LossFn, StepTracer, TensorInfo
-from zerofx.passes import Plan, _compat, build_param_sync, meta, partition_joint, reduce_grads_pass, shard_params_pass
+from zerofx.compiler.search import Planned, fit_prefetch, fit_tiling
+from zerofx.config import ZeroConfig
+from zerofx.config.compile_options import CompileOptions
+from zerofx.cost_models.memory import device_model_state_bytes
+from zerofx.cost_models.profiles import load_profile
+from zerofx.passes import Plan, ZeroStage, _compat, build_param_sync, meta, partition_joint, plan_sharding, reduce_grads_pass, shard_params_pass
 from zerofx.passes.fetch_params import fetch_params_pass
 from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
 from zerofx.passes.grad_sync import build_grad_sync
 from zerofx.passes.offload_grads import offload_grads_pass
+from zerofx.passes.plan import ScheduleOptions
+from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
 from zerofx.passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
 from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 from zerofx.passes.sequence_parallel import SequenceParallelPlan, SequenceParallelSpec, plan_sequence_parallel, sequence_parallel_pass
@@ -58,10 +72,14 @@ from zerofx.passes.tile_weights import tile_weights_pass
 
 log = logging.getLogger("zerofx.compiler.pipeline")
 
-STAGES = ("capture", "pre_autograd", "autograd", "joint", "partition", "graph", "sync")
+STAGES = ("capture", "pre_autograd", "autograd", "plan", "joint", "partition", "graph", "sync")
 
 Pass = Callable[[fx.GraphModule], fx.GraphModule]
 Result = TypeVar("Result")
+Candidate = TypeVar("Candidate", bound=Planned)
+# A candidate of the plan stage's searches from a captured step and a plan (``zerofx.Program``,
+# bound to its group names by zerofx/compiler/program.py).
+MakeCandidate = Callable[[CapturedStep, Plan], Candidate]
 
 
 # ----------------------------------------------------------------------------- the runner
@@ -256,7 +274,101 @@ def capture_step(model: nn.Module, example_args: Sequence[Any], example_kwargs: 
     return StepCapture(model, example_args, example_kwargs, **options)(tiling)
 
 
-# ----------------------------------------------------------------------------- stages 4-7
+# ----------------------------------------------------------------------------- stage 4: plan
+def plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOptions, make: MakeCandidate[Candidate], *,
+              param_offload: ParamOffloadPlan | None = None, choose_shard_group_size: bool = True) -> Candidate:
+    """Stage plan: the planners in order, for ``compile_opts.world_size`` ranks, each reading the
+    captured joint graph and changing nothing:
+
+    1. ``plan_auto_shard_group_size`` (``zerofx.shard_group_size: "auto"``, when
+       ``choose_shard_group_size``: a program for real process groups keeps the K its groups were
+       built with; NOTE [Hierarchical sharding cost]);
+    2. ``prefetch_from_profile`` (an explicit ``zerofx.profile`` at stage 3 and no prefetch distance given);
+    3. ``plan_sharding``: placement, buckets, prefetch, estimates; the captured step's tiling and
+       sequence-parallel plans and the offload plans joined into the one ``Plan``;
+    4. ``fit_prefetch`` (``zerofx.memory_budget``): the prefetch distance lowered until the
+       lowered graphs' peak fits (NOTE [Prefetch under a memory budget] in zerofx/compiler/search.py).
+    """
+    return run_stage("plan", _plan_step, captured, cfg, compile_opts, make, param_offload=param_offload,
+                     choose_shard_group_size=choose_shard_group_size, done=("capture", "pre_autograd", "autograd"))
+
+
+def _plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOptions, make: MakeCandidate[Candidate], *,
+               param_offload: ParamOffloadPlan | None, choose_shard_group_size: bool) -> Candidate:
+    world_size, stage, optimizer, options = compile_opts.world_size, compile_opts.stage, compile_opts.optimizer, compile_opts.schedule
+    comm, device = load_profile(cfg.profile)  # zerofx.profile: buckets, prefetch and K are sized for it
+    shard_group_size, decision = compile_opts.shard_group_size, compile_opts.shard_group_decision
+    if compile_opts.choose_shard_group_size and choose_shard_group_size:
+        shard_group_size, decision = plan_auto_shard_group_size(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer,
+                                                                options=options, comm=comm, device=device)
+    if cfg.profile_is_explicit and options.prefetch_distance is None and stage is ZeroStage.THREE:
+        planned = plan_sharding(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer, options=options, comm=comm,
+                                shard_group_size=shard_group_size)
+        options = replace(options, prefetch_distance=prefetch_from_profile(planned, compute_s=estimate_compute_s(captured.joint, device),
+                                                                           comm=comm))
+
+    def plan_with(opts: ScheduleOptions) -> Candidate:
+        plan = plan_sharding(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer, options=opts,
+                             shard_group_size=shard_group_size, comm=comm)
+        if decision is not None:
+            plan = replace(plan, decisions=(decision, *plan.decisions))
+        if captured.tiling is not None:
+            plan = replace(plan, tiling=captured.tiling)
+        if captured.sequence_parallel is not None:
+            plan = replace(plan, decisions=(*plan.decisions, *captured.sequence_parallel.decisions),
+                           sequence_parallel=captured.sequence_parallel)
+        plan = replace(with_offloaded_grads(plan, cfg), param_offload=param_offload)
+        return make(captured, plan)
+
+    return fit_prefetch(plan_with(options), lambda d: plan_with(replace(options, prefetch_distance=d)), options.memory_budget_bytes)
+
+
+def with_offloaded_grads(plan: Plan, cfg: ZeroConfig) -> Plan:
+    """``plan`` with its gradient estimate taken off the device when ``zerofx.offload_gradients``
+    is on (NOTE [What each stage holds, fp32 training, Adam] in cost_models/memory.py): no
+    gradient buffer; the reduced buckets in flight are in the memory timeline."""
+    if cfg.grad_offload is None:
+        return plan
+    plan = replace(plan, offload_grads=True)
+    if plan.stage < ZeroStage.TWO:
+        return plan
+    return replace(plan, estimates=device_model_state_bytes(plan.estimates, stage=int(plan.stage), grads_offloaded=True))
+
+
+def capture_and_plan(capture: StepCapture, cfg: ZeroConfig, compile_opts: CompileOptions, make: MakeCandidate[Candidate], *,
+                     param_offload: ParamOffloadPlan | None = None, choose_shard_group_size: bool = True) -> Candidate:
+    """Stages capture to plan: ``capture(tiling_options)``, then ``plan_step``; with
+    ``zerofx.tiling.enabled: auto`` the tiling is checked against the memory timeline (NOTE
+    [Tiling checked against the memory timeline] in zerofx/compiler/search.py), which may
+    capture again: once per tiling plan, the options whose plan is one already built getting that
+    candidate (NOTE [One forward record per capture search])."""
+    options = compile_opts.tiling
+    capture_s = 0.0
+    built: dict[TilingPlan | None, Candidate] = {}
+
+    def build(opts: TilingOptions | None) -> Candidate:
+        nonlocal capture_s
+        start = time.perf_counter()
+        tiling_plan = capture.tiling_plan(opts)
+        if tiling_plan not in built:
+            captured = capture(opts)
+            capture_s += time.perf_counter() - start
+            built[tiling_plan] = plan_step(captured, cfg, compile_opts, make, param_offload=param_offload,
+                                           choose_shard_group_size=choose_shard_group_size)
+        else:
+            capture_s += time.perf_counter() - start
+        return built[tiling_plan]
+
+    start = time.perf_counter()
+    chosen = fit_tiling(build(options), build, options)
+    # Planning is everything else, the searches included (they may lower candidates); the chosen
+    # candidate's own lowering, when a search did it, stays under "lower".
+    total_s = time.perf_counter() - start
+    chosen.setup_times.update(capture=capture_s, plan=total_s - capture_s - chosen.setup_times.get("lower", 0.0))
+    return chosen
+
+
+# ----------------------------------------------------------------------------- stages 5-8
 def lower(joint: fx.GraphModule, plan: Plan, *, group_name: str, disabled: Sequence[str] = (),
           replicate_group_name: str | None = None) -> dict[str, fx.GraphModule]:
     """Stages joint, partition, graph and sync: rewrite a copy of the captured joint graph for

@@ -20,23 +20,19 @@ import torch.nn as nn
 
 from zerofx.cost_models.comm import CPU_GLOO, CommSpec
 from zerofx.cost_models.compute import CPU_CORE, DeviceSpec
-from zerofx.cost_models.memory import device_model_state_bytes
 from zerofx.cost_models.profiles import load_profile
-from zerofx.passes import Plan, ZeroStage, _compat, plan_sharding
+from zerofx.passes import Plan, ZeroStage, _compat
 from zerofx.passes.analyze_schedule import ScheduleReport, analyze_schedule
-from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_offload import ParamOffloadPlan
-from zerofx.passes.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
 from zerofx.passes.plan_sharding import plan_sharding_from_shapes
-from zerofx.passes.plan_tiling import TilingOptions, TilingPlan
 from zerofx.compiler.capture import CapturedStep, LossFn, flatten_call, traced_param_infos
 from zerofx.config import ZeroConfig, parse_config, source_config
 from zerofx.config.compile_options import CompileOptions, compile_options
 from zerofx.config.options import GraphCompiler
 from zerofx.common.errors import MissingExampleInputsError, ZeroFXError
 from zerofx.common.limits import MAX_WORLD_SIZE
-from zerofx.compiler.pipeline import StepCapture, lower
-from zerofx.compiler.search import fit_prefetch, fit_tiling
+from zerofx.compiler import pipeline
+from zerofx.compiler.pipeline import StepCapture, lower, plan_step, with_offloaded_grads
 
 # The group name planned graphs carry when no process group exists; the engine lowers again
 # with the real group's name.
@@ -330,82 +326,24 @@ def resolve(config: str | Path | Mapping[str, Any] | None, *, stage: int | None,
 
 def plan_program(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOptions, *, group_name: str = PLANNING_GROUP,
                  param_offload: ParamOffloadPlan | None = None, replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> Program:
-    """Plan ``captured`` for ``compile_opts.world_size`` ranks; under ``zerofx.memory_budget`` the
-    prefetch distance is lowered until the estimated peak fits (NOTE [Prefetch under a memory
-    budget] in zerofx/compiler/search.py)."""
-    world_size, stage, optimizer, options = compile_opts.world_size, compile_opts.stage, compile_opts.optimizer, compile_opts.schedule
-    comm, device = load_profile(cfg.profile)  # zerofx.profile: buckets, prefetch and K are sized for it
-    shard_group_size, decision = compile_opts.shard_group_size, compile_opts.shard_group_decision
-    # NOTE [Hierarchical sharding cost]. A program for real process groups (the engine's) keeps
-    # the K its groups and shards were built with; planning alone chooses.
-    if compile_opts.choose_shard_group_size and group_name == PLANNING_GROUP:
-        shard_group_size, decision = plan_auto_shard_group_size(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer,
-                                                                options=options, comm=comm, device=device)
-    if cfg.profile_is_explicit and options.prefetch_distance is None and stage is ZeroStage.THREE:
-        planned = plan_sharding(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer, options=options, comm=comm,
-                                shard_group_size=shard_group_size)
-        options = replace(options, prefetch_distance=prefetch_from_profile(planned, compute_s=estimate_compute_s(captured.joint, device),
-                                                                           comm=comm))
-
-    def plan_with(opts: ScheduleOptions) -> Program:
-        plan = plan_sharding(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer, options=opts,
-                             shard_group_size=shard_group_size, comm=comm)
-        if decision is not None:
-            plan = replace(plan, decisions=(decision, *plan.decisions))
-        if captured.tiling is not None:
-            plan = replace(plan, tiling=captured.tiling)
-        if captured.sequence_parallel is not None:
-            plan = replace(plan, decisions=(*plan.decisions, *captured.sequence_parallel.decisions),
-                           sequence_parallel=captured.sequence_parallel)
-        plan = replace(with_offloaded_grads(plan, cfg), param_offload=param_offload)
-        return Program(captured, plan, group_name=group_name, replicate_group_name=replicate_group_name)
-
-    return fit_prefetch(plan_with(options), lambda d: plan_with(replace(options, prefetch_distance=d)), options.memory_budget_bytes)
+    """The spine's plan stage for ``captured`` (``plan_step`` in zerofx/compiler/pipeline.py),
+    its candidates ``Program``s for these groups. A program for real process groups (not the
+    planning group) keeps the shard group size its groups were built with."""
+    return plan_step(captured, cfg, compile_opts, _programs(group_name, replicate_group_name), param_offload=param_offload,
+                     choose_shard_group_size=group_name == PLANNING_GROUP)
 
 
 def capture_and_plan(capture: StepCapture, cfg: ZeroConfig, compile_opts: CompileOptions, *, group_name: str = PLANNING_GROUP,
                      param_offload: ParamOffloadPlan | None = None, replicate_group_name: str = PLANNING_REPLICATE_GROUP) -> Program:
-    """``capture(tiling_options)``, then plan and lower it; with ``zerofx.tiling.enabled: auto``
-    the tiling is checked against the memory timeline (NOTE [Tiling checked against the memory
-    timeline] in zerofx/compiler/search.py), which may capture again: once per tiling plan, the options
-    whose plan is one already built getting that program (NOTE [One forward record per capture
-    search] in zerofx/compiler/capture.py)."""
-    options = compile_opts.tiling
-    capture_s = 0.0
-    built: dict[TilingPlan | None, Program] = {}
-
-    def build(opts: TilingOptions | None) -> Program:
-        nonlocal capture_s
-        start = time.perf_counter()
-        tiling_plan = capture.tiling_plan(opts)
-        if tiling_plan not in built:
-            captured = capture(opts)
-            capture_s += time.perf_counter() - start
-            built[tiling_plan] = plan_program(captured, cfg, compile_opts, group_name=group_name, param_offload=param_offload,
-                                              replicate_group_name=replicate_group_name)
-        else:
-            capture_s += time.perf_counter() - start
-        return built[tiling_plan]
-
-    start = time.perf_counter()
-    program = fit_tiling(build(options), build, options)
-    # Planning is everything else, the searches included (they may lower candidates); the chosen
-    # program's own lowering, when a search did it, stays under "lower".
-    total_s = time.perf_counter() - start
-    program.setup_times.update(capture=capture_s, plan=total_s - capture_s - program.setup_times.get("lower", 0.0))
-    return program
+    """The spine's stages capture to plan (``capture_and_plan`` in zerofx/compiler/pipeline.py), as ``Program``s."""
+    return pipeline.capture_and_plan(capture, cfg, compile_opts, _programs(group_name, replicate_group_name),
+                                     param_offload=param_offload, choose_shard_group_size=group_name == PLANNING_GROUP)
 
 
-def with_offloaded_grads(plan: Plan, cfg: ZeroConfig) -> Plan:
-    """``plan`` with its gradient estimate taken off the device when ``zerofx.offload_gradients``
-    is on (NOTE [What each stage holds, fp32 training, Adam] in cost_models/memory.py): no
-    gradient buffer; the reduced buckets in flight are in the memory timeline."""
-    if cfg.grad_offload is None:
-        return plan
-    plan = replace(plan, offload_grads=True)
-    if plan.stage < ZeroStage.TWO:
-        return plan
-    return replace(plan, estimates=device_model_state_bytes(plan.estimates, stage=int(plan.stage), grads_offloaded=True))
+def _programs(group_name: str, replicate_group_name: str) -> Callable[[CapturedStep, Plan], Program]:
+    def make(captured: CapturedStep, plan: Plan) -> Program:
+        return Program(captured, plan, group_name=group_name, replicate_group_name=replicate_group_name)
+    return make
 
 
 def plan_from_shapes(model: nn.Module, cfg: ZeroConfig, compile_opts: CompileOptions) -> Plan:

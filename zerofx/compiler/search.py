@@ -28,6 +28,8 @@ P = TypeVar("P", bound="Planned")
 class Planned(Protocol):
     """What a search reads of a candidate (``zerofx.Program``)."""
 
+    setup_times: dict[str, float]  # seconds per setup phase ("capture", "plan", "lower")
+
     @property
     def plan(self) -> Plan: ...
 
