@@ -53,14 +53,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from zerofx.common.errors import PlanError
 from zerofx.common.units import format_bytes
+from zerofx.cost_models.tiers import NO_OFFLOAD, PLACEMENT_CHOICES, Tier
 
 FP16_BYTES = 2
 # Bytes per parameter of each model state, mixed-precision Adam (the ZeRO paper's 2 + 2 + 12).
 STATE_BYTES_PER_PARAM = {"params": 2, "grads": 2, "optimizer_states": 12}
 # Reads and writes of each state's bytes per step on an offload tier (NOTE [Placing model states by bandwidth]).
 STATE_TRANSFERS = {"params": (2, 1), "grads": (1, 1), "optimizer_states": (1, 1)}
-TIERS = ("device", "cpu", "nvme")
-PLACEMENT_CHOICES = ("none", "cpu", "nvme", "auto")  # "none": on the device
+TIERS = tuple(t.value for t in Tier)  # the columns of the placement table, the device first
 # Parameters per layer of a transformer block with a 4h MLP: 4 h^2 attention + 8 h^2 MLP.
 PARAMS_PER_LAYER_PER_H2 = 12
 DEFAULT_HEAD_DIM = 128
@@ -169,7 +169,7 @@ def place_states(num_params: float, *, world_size: int, choices: Mapping[str, st
     out: dict[str, dict[str, float]] = {}
     auto: list[tuple[float, int, str]] = []
     for order, (state, per_param) in enumerate(STATE_BYTES_PER_PARAM.items()):
-        choice = choices.get(state, "none")
+        choice = choices.get(state, NO_OFFLOAD)
         if choice not in PLACEMENT_CHOICES:
             raise PlanError(f"{state}={choice!r}; accepted: {', '.join(PLACEMENT_CHOICES)}")
         nbytes = per_param * num_params / world_size
@@ -179,7 +179,7 @@ def place_states(num_params: float, *, world_size: int, choices: Mapping[str, st
             saved_s_per_byte = share * (reads / node.nvme_read_bytes_per_s + writes / node.nvme_write_bytes_per_s)
             auto.append((saved_s_per_byte, order, state))
         else:
-            out[state]["device" if choice == "none" else choice] = nbytes
+            out[state][Tier.DEVICE.value if choice == NO_OFFLOAD else choice] = nbytes
     left = max(host_budget_bytes, 0.0)
     for _, _, state in sorted(auto, key=lambda a: (-a[0], a[1])):
         nbytes = STATE_BYTES_PER_PARAM[state] * num_params / world_size

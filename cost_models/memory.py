@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from zerofx.common.errors import PlanError
+from zerofx.cost_models.tiers import NO_OFFLOAD, PLACEMENT_CHOICES
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,8 @@ def zero_paper_bytes(num_params: int, *, stage: int, world_size: int) -> float:
     return {0: 16 * p, 1: 4 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}[stage]
 
 
-def paper_breakdown(num_params: float, *, stage: int, world_size: int, offload: str = "none",
-                    offload_param: str = "none", offload_grad: str = "none") -> dict[str, float]:
+def paper_breakdown(num_params: float, *, stage: int, world_size: int, offload: str = NO_OFFLOAD,
+                    offload_param: str = NO_OFFLOAD, offload_grad: str = NO_OFFLOAD) -> dict[str, float]:
     """The ZeRO paper's per-device accounting for mixed-precision Adam: fp16 parameters (2 bytes),
     fp16 gradients (2) and fp32 master weights + momentum + variance (12), sharded per stage.
     With ``offload`` = "cpu", "nvme" or "auto" (ZeRO-Offload/Infinity; "auto": the planner picks
@@ -130,21 +131,21 @@ def paper_breakdown(num_params: float, *, stage: int, world_size: int, offload: 
     ``offloaded_param_bytes``; with ``offload_grad`` (stages 2 and 3: the reduced gradient
     shards), the gradients: ``offloaded_grad_bytes``."""
     for name, value in (("offload", offload), ("offload_param", offload_param), ("offload_grad", offload_grad)):
-        if value not in ("none", "cpu", "nvme", "auto"):
-            raise PlanError(f"{name}={value!r}; accepted: none, cpu, nvme, auto")
+        if value not in PLACEMENT_CHOICES:
+            raise PlanError(f"{name}={value!r}; accepted: {', '.join(PLACEMENT_CHOICES)}")
     p, n = float(num_params), world_size
     params = 2 * p / n if stage >= 3 else 2 * p
     grads = 2 * p / n if stage >= 2 else 2 * p
     states = 12 * p / n if stage >= 1 else 12 * p
-    params_away = offload_param != "none" and stage >= 3
-    grads_away = offload_grad != "none" and stage >= 2
-    on_device = (0.0 if params_away else params) + (0.0 if grads_away else grads) + (states if offload == "none" else 0.0)
+    params_away = offload_param != NO_OFFLOAD and stage >= 3
+    grads_away = offload_grad != NO_OFFLOAD and stage >= 2
+    on_device = (0.0 if params_away else params) + (0.0 if grads_away else grads) + (states if offload == NO_OFFLOAD else 0.0)
     return {
         "params_bytes": params,
         "grads_bytes": grads,
         "optimizer_states_bytes": states,
         "per_device_bytes": on_device,
-        "offloaded_bytes": 0.0 if offload == "none" else states,
+        "offloaded_bytes": 0.0 if offload == NO_OFFLOAD else states,
         "offloaded_param_bytes": params if params_away else 0.0,
         "offloaded_grad_bytes": grads if grads_away else 0.0,
     }

@@ -28,31 +28,14 @@ background during the next forward and backward, so only what exceeds them is ex
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from zerofx.common.errors import PlanError
 from zerofx.cost_models.memory import OPTIMIZERS
+from zerofx.cost_models.tiers import Tier
 
 FP32_BYTES = 4
-
-
-class Tier(str, enum.Enum):
-    """Where an optimizer-state record, parameter shard or gradient shard lives between uses. The
-    values are the config's spellings (``zero_optimization.offload_optimizer.device`` and the
-    other ``device`` keys), and the runtime gives each member a backend
-    (``zerofx.runtime.offload.tiers``, NOTE [Tier backends])."""
-
-    DEVICE = "device"
-    CPU = "cpu"
-    NVME = "nvme"
-
-
-# The config's ``device`` keys name a tier to offload to, or ``NO_OFFLOAD`` to keep the state on
-# the device: every tier but the device itself, whose config spelling is "none" (DeepSpeed's).
-NO_OFFLOAD = "none"
-OFFLOAD_TIERS: tuple[Tier, ...] = tuple(t for t in Tier if t is not Tier.DEVICE)
 
 
 @dataclass(frozen=True)

@@ -51,12 +51,12 @@ from dataclasses import asdict, dataclass
 from zerofx.cost_models.offload import (
     FetchItem,
     OffloadItem,
-    Tier,
     TierSpec,
     estimate_offload_timeline,
     estimate_param_fetch_s,
     estimate_param_write_s,
 )
+from zerofx.cost_models.tiers import Tier
 from zerofx.common.errors import PlanError
 from zerofx.common.units import format_bytes
 

@@ -17,7 +17,7 @@ import torch
 from tests.support.dist_utils import run_ranks
 from tests.support.grad_offload_workers import grad_config, grad_faults, train_many
 from zerofx.config import parse_config
-from zerofx.cost_models.offload import Tier
+from zerofx.cost_models.tiers import Tier
 from zerofx.common.errors import ConfigError
 from zerofx.runtime.offload.files import TRAILER_BYTES, OffloadError
 from zerofx.runtime.offload.grads import GradStore

@@ -14,7 +14,8 @@ import pytest
 from zerofx.app.cli import main
 from zerofx.cost_models.infinity import NodeSpec, estimate_infinity, estimate_working_set_bytes, layer_shape
 from zerofx.cost_models.memory import paper_breakdown
-from zerofx.cost_models.offload import Tier, TierSpec
+from zerofx.cost_models.offload import TierSpec
+from zerofx.cost_models.tiers import Tier
 from zerofx.passes.plan_offload import ParamOffloadPlan, Placement, plan_param_offload
 
 INF = math.inf

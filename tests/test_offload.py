@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import zerofx
-from zerofx.cost_models.offload import OffloadItem, Tier, TierSpec, estimate_offload_timeline
+from zerofx.cost_models.offload import OffloadItem, TierSpec, estimate_offload_timeline
+from zerofx.cost_models.tiers import Tier
 from zerofx.passes.plan_offload import OffloadPlan, plan_offload
 from tests.support.dist_utils import run_ranks
 from tests.support.models import reference

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import zerofx
-from zerofx.cost_models.offload import NO_OFFLOAD, OFFLOAD_TIERS, Tier
+from zerofx.app.cli import build_parser
+from zerofx.cost_models.infinity import TIERS
+from zerofx.cost_models.memory import paper_breakdown
+from zerofx.cost_models.tiers import NO_OFFLOAD, OFFLOAD_TIERS, PLACEMENT_CHOICES, Tier
 from zerofx.runtime.offload.files import DIRECT_ALIGN, NvmeFiles, OffloadError
 from zerofx.runtime.offload.tiers import MemoryTier, TierBackend, TierRequest, open_tier
 
@@ -123,3 +126,14 @@ def test_config_device_keys_spell_the_offload_tiers(key, tmp_path):
     for name in ("device", "disk", "CPU"):
         with pytest.raises(zerofx.ConfigError, match=rf"{key}.device.*accepted: none, cpu or nvme"):
             zerofx.parse_config(_DEVICE_KEYS[key]({"device": name}))
+
+
+def test_every_list_of_tier_names_comes_from_the_enum():
+    """The placement table's columns, the placements a state may be asked for (cost models and
+    the CLI's --offload flags) are the ``Tier`` members' spellings, so a new member reaches them."""
+    assert TIERS == tuple(t.value for t in Tier) == ("device", "cpu", "nvme")
+    assert PLACEMENT_CHOICES == (NO_OFFLOAD, *(t.value for t in OFFLOAD_TIERS), "auto")
+    flags = {a.dest: a.choices for p in build_parser()._subparsers._group_actions[0].choices.values() for a in p._actions}
+    assert tuple(flags["offload"]) == tuple(flags["offload_param"]) == tuple(flags["offload_grad"]) == PLACEMENT_CHOICES
+    with pytest.raises(zerofx.ZeroFXError, match="accepted: none, cpu, nvme, auto"):
+        paper_breakdown(1e9, stage=3, world_size=8, offload="disk")

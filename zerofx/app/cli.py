@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from zerofx._version import __version__
 from zerofx.common.errors import RankFailedError, UsageError, ZeroFXError
 from zerofx.app.estimate import add_infinity_arguments
+from zerofx.cost_models.tiers import NO_OFFLOAD, PLACEMENT_CHOICES
 from zerofx.common.limits import (
     AUTO_FOLD_MIN_BLOCKS,
     DEFAULT_TRAIN_STAGE,
@@ -674,9 +675,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"number of parameters, e.g. 7.5e9, above 0 and at most {MAX_PARAMS:g} (instead of MODEL_SPEC)")
     p.add_argument("--world-size", type=_int_arg(1, MAX_WORLD_SIZE), required=True, help=f"number of ranks, 1..{MAX_WORLD_SIZE}")
     p.add_argument("--stage", type=int, help="only this ZeRO stage (default: all of 0, 1, 2, 3)")
-    p.add_argument("--offload", choices=("none", "cpu", "nvme", "auto"), default="none",
+    p.add_argument("--offload", choices=PLACEMENT_CHOICES, default=NO_OFFLOAD,
                    help="where optimizer states live (default: none); auto: the planner places them by bandwidth")
-    p.add_argument("--offload-param", choices=("none", "cpu", "nvme", "auto"), default="none",
+    p.add_argument("--offload-param", choices=PLACEMENT_CHOICES, default=NO_OFFLOAD,
                    help="where stage-3 parameter shards live (default: none); auto: the planner places them by bandwidth")
     p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config, for the --model activation estimate")
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")

@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from zerofx.cost_models.tiers import NO_OFFLOAD, PLACEMENT_CHOICES, Tier
 from zerofx.cost_models.infinity import (
     DEFAULT_ASPECT,
     NodeSpec,
@@ -45,7 +46,7 @@ def add_infinity_arguments(p: argparse.ArgumentParser, *, int_arg: Callable[...,
         "HIDDEN with a 4*HIDDEN MLP (12 * LAYERS * HIDDEN^2 parameters): give one and the other is solved from the "
         f"parameter count; give neither and HIDDEN = {DEFAULT_ASPECT} * LAYERS (GPT-3 175B's aspect).",
     )
-    g.add_argument("--offload-grad", choices=("none", "cpu", "nvme", "auto"), default="none",
+    g.add_argument("--offload-grad", choices=PLACEMENT_CHOICES, default=NO_OFFLOAD,
                    help="where stage 2-3 gradient shards live (default: none); auto: the planner places them by bandwidth")
     g.add_argument("--hidden", type=int_arg(1), help="hidden size (default: solved from --params and --layers)")
     g.add_argument("--layers", type=int_arg(1), help="number of layers (default: solved from --params and --hidden)")
@@ -103,8 +104,6 @@ def plan_tier_bytes(peak_bytes: float, offload: Any, *, grad_bytes: float = 0.0,
     model's peak less what those plans take off it. Offloaded gradient shards (``grad_bytes`` on
     ``grad_tier``, "cpu" or "nvme") add to their tier only: the memory model already leaves them
     off the device (NOTE [Gradients leave at their bucket's wait])."""
-    from zerofx.cost_models.offload import Tier
-
     plans = [p for p in (getattr(offload, name, None) for name in ("optimizer", "params")) if p is not None]
     host = float(sum(p.bytes_on(Tier.CPU) for p in plans))
     nvme = float(sum(p.bytes_on(Tier.NVME) for p in plans))

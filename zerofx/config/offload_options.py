@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zerofx.cost_models.offload import NO_OFFLOAD, OFFLOAD_TIERS, Tier, TierSpec
+from zerofx.cost_models.offload import TierSpec
+from zerofx.cost_models.tiers import NO_OFFLOAD, OFFLOAD_TIERS, Tier
 from zerofx.common.errors import ConfigError
 
 # Defaults when the config gives no measured bandwidth: a PCIe 4 x16 link (host <-> device) and

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from zerofx.cost_models.memory import OPTIMIZER_TYPES
-from zerofx.cost_models.offload import NO_OFFLOAD, OFFLOAD_TIERS
+from zerofx.cost_models.tiers import NO_OFFLOAD, OFFLOAD_TIERS
 from zerofx.cost_models.profiles import BUILTIN as BUILTIN_PROFILES
 from zerofx.passes.mixer_attention import ATTENTION
 from zerofx.passes.sequence_mixers import AUTO, SequenceMixer

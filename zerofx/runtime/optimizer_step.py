@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from zerofx.config import OptimizerSpec, ZeroConfig, torch_optimizer_class
 from zerofx.cost_models.memory import OPTIMIZERS
-from zerofx.cost_models.offload import Tier
+from zerofx.cost_models.tiers import Tier
 from zerofx.runtime.engine_storage import EngineStorage, storage_bytes
 from zerofx.runtime.loss_scaling import LossScaler
 from zerofx.runtime.offload import OffloadedOptimizer

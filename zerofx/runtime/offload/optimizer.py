@@ -41,7 +41,7 @@ from torch.optim.adamw import adamw as adamw_update
 from torch.optim.sgd import sgd as sgd_update
 
 from zerofx.cost_models.memory import OPTIMIZERS
-from zerofx.cost_models.offload import Tier
+from zerofx.cost_models.tiers import Tier
 from zerofx.config import torch_optimizer_class
 from zerofx.common.errors import ConfigError, ZeroFXError
 from zerofx.runtime.offload.copies import HostCopies

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from zerofx.cost_models.offload import Tier
+from zerofx.cost_models.tiers import Tier
 from zerofx.runtime.offload.files import IO_THREADS, NvmeFiles, OffloadError, aligned_empty
 from zerofx.runtime.offload.tiers import BackgroundIO, TierBackend, TierRequest, open_tier
 from zerofx.config.offload_options import ParamOffloadOptions

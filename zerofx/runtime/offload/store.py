@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from zerofx.cost_models.memory import OPTIMIZERS
-from zerofx.cost_models.offload import FP32_BYTES, Tier
+from zerofx.cost_models.offload import FP32_BYTES
+from zerofx.cost_models.tiers import Tier
 from zerofx.runtime.offload.files import IO_THREADS, NvmeFiles
 from zerofx.runtime.offload.tiers import BackgroundIO, TierBackend, TierRequest, open_tier
 from zerofx.config.offload_options import OffloadOptions

@@ -38,9 +38,9 @@ a read waiting for the record's last write-back, and its bounded window of host 
 
 A new tier (say, a remote store) touches:
 
-- ``cost_models/offload.py``: a ``Tier`` member; the config's ``device`` keys accept it at once
-  (``OFFLOAD_TIERS``, from which ``zerofx/config/schema.py`` and ``zerofx/config/offload_options.py``
-  derive their spellings and messages);
+- ``cost_models/tiers.py``: a ``Tier`` member; the config's ``device`` keys, the CLI's
+  ``--offload`` flags and the cost models' placement table accept it at once (``OFFLOAD_TIERS``
+  and ``PLACEMENT_CHOICES``, from which they derive their spellings and messages);
 - ``zerofx/config/offload_options.py``: its budget and bandwidths in the ``tier_specs``;
 - ``passes/plan_offload.py``: its place in ``_FASTEST_FIRST``;
 - a new module here implementing ``TierBackend``, and its opener in ``_OPENERS`` below.
@@ -58,7 +58,7 @@ from typing import Any, Protocol
 
 import torch
 
-from zerofx.cost_models.offload import Tier
+from zerofx.cost_models.tiers import Tier
 from zerofx.runtime.offload.files import NvmeFiles, OffloadError
 
 
