@@ -373,10 +373,9 @@ class CumsumMixer:
         x, an = node.args[0], ctx.analysis
         xv = _val(x)
         if x not in ctx.local or xv is None or an.sdim.get(x) is None or node.args[1] % xv.dim() != an.sdim[x]:
-            if x not in ctx.local and an.sdim.get(x) is not None and xv is not None and node.args[1] % xv.dim() == an.sdim[x]:
-                raise SequenceParallelError(f"aten.cumsum in module {ctx.module!r} runs along the sequence of a value computed "
-                                            "from the inputs alone; sequence parallelism shards a cumsum of values computed token by token")
-            return None  # along another dim (token-wise), or not of the sharded sequence: runs as it is
+            # Along another dim (token-wise), or of a value every rank holds whole (position ids
+            # from a padding mask): it runs as it is, and a token-wise reader cuts the whole one.
+            return None
         dtype = node.kwargs.get("dtype") or (node.args[2] if len(node.args) > 2 else None) or xv.dtype
         itemsize = torch.empty((), dtype=_accumulation(dtype)).element_size()
         return CumsumSite(rows=xv.numel() // an.seq_len, itemsize=itemsize)

@@ -46,8 +46,11 @@ sends inside ring attention's ``zerofx::ring_attention`` op (which reads its ran
 at run time); the ZeRO rewrites act on all-gathers, reduce-scatters and all-reduces only, and
 leave these alone.
 
+Convolutions and cumsums along the sequence run through the mixers of passes/mixer_conv.py
+(NOTE [Convolutions along the sequence]), which keep the slices contiguous.
+
 What is refused: any other op that reads the axis across positions, one no mixer owns (a
-cumsum, a convolution or scan along the sequence, a shifted slice outside the loss, attention
+scan along the sequence, a convolution those mixers refuse, a shifted slice outside the loss, attention
 written as matmuls and softmax, a mask computed from sequence-sharded values; for Ulysses also query heads S does not
 divide and a mask that differs per head) makes ``plan_sequence_parallel`` raise
 ``SequenceParallelError`` naming the op and its module (NOTE [Naming a node by its module] in
