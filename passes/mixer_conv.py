@@ -56,6 +56,7 @@ from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
 aten = torch.ops.aten
 
 _PADS = {aten.pad, aten.constant_pad_nd}
+_CONV_ARGS = ("bias", "stride", "padding", "dilation", "groups")  # aten.conv1d's after input and weight
 
 
 def _arg(node: fx.Node, i: int, name: str, default: object) -> object:
@@ -138,9 +139,8 @@ class ShortConvMixer:
         xv, wv = _val(src), _val(weight)
         if node.target is not aten.conv1d.default or xv is None or wv is None or xv.dim() != 3 or an.sdim.get(src) != 2:
             raise SequenceParallelError(f"sequence parallelism needs {where} over (batch, channels, sequence) with integer padding")
-        if src not in ctx.local or weight in ctx.local:
-            raise SequenceParallelError(f"sequence parallelism needs the input of {where} computed token by token and its weight "
-                                        "free of the sequence")
+        if weight in ctx.local:
+            raise SequenceParallelError(f"sequence parallelism needs the weight of {where} free of the sequence")
         stride, pad, dilation = (_one(_arg(node, i, n, d)) for i, n, d in ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
         groups, channels, k = _arg(node, 6, "groups", 1), xv.shape[1], wv.shape[-1]
         if stride != 1 or dilation != 1:
@@ -203,10 +203,9 @@ class ShortConvMixer:
         x, weight, *rest = args
         if isinstance(node.args[0], fx.Node) and op_packet(node.args[0]) in _PADS:  # its input has the halo already
             return _marked(lambda: node.target(x, weight, *rest, **kwargs), 2)
-        k = weight.shape[-1]
-        rest = list(rest) + [None, [1], [0], [1], 1][len(rest):]
-        rest[2] = [0]  # padding=K-1 becomes the halo
-        return _marked(lambda: node.target(self._with_halo(x, k - 1, ctx), weight, *rest), 2)
+        named = dict(zip(_CONV_ARGS, rest)) | kwargs
+        named["padding"] = [0]  # padding=K-1 becomes the halo
+        return _marked(lambda: node.target(self._with_halo(x, weight.shape[-1] - 1, ctx), weight, **named), 2)
 
     @staticmethod
     def _with_halo(x: torch.Tensor, width: int, ctx: MixerRewrite) -> torch.Tensor:
@@ -322,7 +321,7 @@ class LongConvMixer:
         x, *rest = args
         if op_packet(node) is aten.fft_rfft:
             return node.target(_seq_to_channels(x, ctx), *rest, **kwargs)  # (..., C/S, T + 1)
-        t = rest[0] // 2
+        t = _arg(node, 1, "n", None) // 2  # n = 2T: ``check``
         y = node.target(x, *rest, **kwargs)[..., :t]  # (..., C/S, T): the causal outputs of this rank's channels
         return _marked(lambda: _channels_to_seq(y, ctx), y.dim() - 1)
 
