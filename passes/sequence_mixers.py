@@ -10,7 +10,8 @@ Token-wise ops run on each rank's slice as they are (NOTE [Sequence parallelism 
 an op that reads the sequence axis across positions runs sharded only through a mixer. ``MIXERS``
 in passes/sequence_parallel.py is one ordered tuple, and the first mixer whose ``matches``
 accepts a node owns it. ``plan_sequence_parallel`` calls the owner's ``check`` on each node it
-owns, which returns what the mixer needs of the node (its site: shapes, refusals) or raises
+owns, which returns what the mixer needs of the node (its site: shapes, refusals; None where the
+node adds no site of its own, such as a convolution's pad) or raises
 ``SequenceParallelError`` naming the op and its module; it then resolves the mixer's strategy
 from ``sequence_parallel.mixers.<name>`` (``"auto"``: the mixer's ``choose``, from its
 ``exchange_bytes`` per rank in cost_models/sequence.py, summed by ``bytes_by_strategy``), lets the mixer refuse a site the

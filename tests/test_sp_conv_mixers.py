@@ -12,8 +12,9 @@ from tests.support import sp_conv_workers as workers
 from tests.support.dist_utils import run_ranks
 from zerofx.common.errors import CaptureError
 from zerofx.common.units import format_bytes
-from zerofx.cost_models.sequence import (HaloDims, LongConvDims, PrefixDims, channels_exchange_bytes, halo_exchange_bytes,
-                                         prefix_exchange_bytes)
+from zerofx.cost_models.comm import CommSpec, estimate_all_to_all_s
+from zerofx.cost_models.sequence import (HaloDims, LongConvDims, PrefixDims, channels_exchange_bytes, channels_exchange_s,
+                                         halo_exchange_bytes, halo_exchange_s, prefix_exchange_bytes, prefix_exchange_s)
 from zerofx.models import build_model
 from zerofx.passes.meta import is_all_to_all
 
@@ -97,6 +98,19 @@ def test_fft_conv_refuses_a_size_that_does_not_divide_the_channels() -> None:
         compile_sp(build_model("hyena-tiny"), 3, seq_len=48)
     text = str(err.value)
     assert "aten.fft_rfft in module 'blocks.0.mixer" in text and "32 channels, which sequence_parallel.size=3 does not divide" in text
+
+
+def test_exchange_seconds_are_the_all_to_alls_of_those_bytes() -> None:
+    """Each mixer's seconds: its all-to-alls, forward and backward, of one rank's input (S copies
+    of the halo or of the totals; the signal, the filter and the output of an FFT conv)."""
+    spec = CommSpec("test", 1e-5, 1e9, 1e-4, 1e8, ranks_per_node=2)  # two links: the group of 4 crosses nodes
+    b, c, t, s = 2, 32, 64, 4
+    assert halo_exchange_s(HaloDims(b, c, 4, 4), s, spec) == 2 * estimate_all_to_all_s(s * b * c * 3 * 4, s, spec)
+    assert halo_exchange_s(HaloDims(b, c, 1, 4), s, spec) == 0.0  # one tap: nothing to exchange
+    signal, filt = b * c * (t // s) * 4, c * (t // s) * 4
+    assert channels_exchange_s(LongConvDims(b, c, t, 4), s, spec) == pytest.approx(
+        2 * (2 * estimate_all_to_all_s(signal, s, spec) + estimate_all_to_all_s(filt, s, spec)))
+    assert prefix_exchange_s(PrefixDims(rows=b * c, itemsize=4), s, spec) == 2 * estimate_all_to_all_s(s * b * c * 4, s, spec)
 
 
 def test_prefix_bytes() -> None:
