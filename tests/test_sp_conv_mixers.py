@@ -157,3 +157,16 @@ def test_parity_sequence_4_and_data_2_x_sequence_2() -> None:
     results = run_ranks(4, workers.train, cases, STEPS)
     for case in cases:
         check(results, case, 4)
+
+
+@pytest.mark.multiprocess
+def test_cumsum_accumulates_16_bit_in_fp32() -> None:
+    """The prefix rewrite on 2 ranks against the whole sequence's cumsum in fp64: in bf16 and
+    fp16 within one rounding of the result, as an fp32 sum rounded once gives (the lower rank's
+    total added in bf16 rounds twice: 2.5 against a bound of 2.06, measured), its gradient
+    likewise, the output in the input's dtype; fp32 within fp32 sums' error (measured 5e-5)."""
+    for rank, by_dtype in enumerate(run_ranks(2, workers.cumsum_errors)):
+        for dtype, res in by_dtype.items():
+            assert str(res["dtype"]) == dtype, (rank, dtype)
+            slack = 1e-3  # fp32 sums of 512 values near 500
+            assert res["error"] <= res["rounding"] + slack and res["grad_error"] <= res["grad_rounding"] + slack, (rank, dtype, res)

@@ -99,3 +99,43 @@ def train(rank: int, world_size: int, cases: list[tuple[str, int, int, str]], st
         }
         engine.close()
     return out
+
+
+def cumsum_errors(rank: int, world_size: int) -> dict[str, dict]:
+    """The cumsum mixer's rewrite by itself over the whole world: per dtype, this rank's slice
+    of the output and of the input's gradient against the whole sequence's cumsum in fp64, and
+    the output's dtype, and one rounding to the dtype at the largest value. Inputs in [0.5, 1.5)
+    over 512 positions: sums grow to about 500, where bf16's steps are 2 to 4, so adding the
+    lower ranks' total in bf16 (a second rounding) shows."""
+    import torch.distributed as dist
+    import torch.fx as fx
+
+    from zerofx.passes import _compat
+    from zerofx.passes.mixer_conv import CUMSUM
+    from zerofx.passes.sequence_mixers import MixerRewrite
+
+    _compat.register_group_name("zerofx_test_cumsum", dist.group.WORLD)
+    b, t, d = 2, 512, 4
+    local = t // world_size
+    mine = torch.arange(rank * local, (rank + 1) * local)
+    graph = fx.Graph()
+    x_node = graph.placeholder("x")
+    node = graph.call_function(torch.ops.aten.cumsum.default, (x_node, 1))
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        gen = torch.Generator().manual_seed(3)
+        x = (torch.rand(b, t, d, generator=gen) + 0.5).to(dtype)
+        grad = torch.randn(b, t, d, generator=gen).to(dtype)
+        x_node.meta["val"] = x
+        ctx = MixerRewrite("prefix", world_size, "zerofx_test_cumsum", False, lambda n: None, lambda like: mine.to(like.device))
+        part = x[:, mine].clone().requires_grad_(True)
+        y = CUMSUM.rewrite(node, (part, 1), {}, ctx)
+        (y.float() * grad[:, mine].float()).sum().backward()
+        whole = x.double().cumsum(1)
+        whole_grad = grad.double().flip(1).cumsum(1).flip(1)  # d/dx_s of sum_t g_t y_t = sum_{t >= s} g_t
+        out[str(dtype)] = {"error": (y.double() - whole[:, mine]).abs().max().item(),
+                           "grad_error": (part.grad.double() - whole_grad[:, mine]).abs().max().item(),
+                           # one rounding to the dtype of a value v is at most eps/2 * |v|
+                           "dtype": y.dtype, "rounding": torch.finfo(dtype).eps / 2 * whole.abs().max().item(),
+                           "grad_rounding": torch.finfo(dtype).eps / 2 * whole_grad.abs().max().item()}
+    return out
