@@ -1,5 +1,6 @@
 """Communication of sequence parallelism's mixers: what one rank sends for one op that mixes
-positions (attention, today), in bytes and in seconds, from its shapes, its dtype's item size,
+positions (attention, a short causal convolution's halo, a long convolution's channel
+all-to-alls, a cumsum's prefix), in bytes and in seconds, from its shapes, its dtype's item size,
 the sequence group's size and a frozen ``CommSpec``.
 
 Pure: nothing here reads a graph. Each mixer's ``exchange_bytes`` returns these bytes, and
@@ -85,3 +86,89 @@ def ring_exchange_s(dims: AttentionDims, size: int, spec: CommSpec) -> float:
     block = ring_block_bytes(dims, size)
     grads = block / dims.itemsize * FP32_BYTES
     return 2 * (size - 1) * (alpha_s + block / bandwidth) + size * (alpha_s + grads / bandwidth)
+
+
+# --------------------------------------------------------------------------- convolutions and cumsum
+@dataclass(frozen=True)
+class HaloDims:
+    """One short causal convolution over the whole sequence: signal (B, C, T), K taps per channel."""
+
+    batch: int
+    channels: int
+    kernel: int
+    itemsize: int
+
+
+def halo_input_bytes(dims: HaloDims, size: int) -> float:
+    """One rank's all-to-all input: its last K - 1 positions, one copy for every rank of the
+    group (the rank's place in it is not a graph constant, so every rank gets the tail and the
+    right neighbour keeps it)."""
+    return size * dims.batch * dims.channels * (dims.kernel - 1) * dims.itemsize
+
+
+def halo_exchange_bytes(dims: HaloDims, size: int) -> float:
+    """Bytes one rank sends for one convolution's forward and backward: (S-1)/S of the
+    all-to-all input each way (the halo forward, its gradient backward)."""
+    return 2 * (size - 1) / size * halo_input_bytes(dims, size)
+
+
+def halo_exchange_s(dims: HaloDims, size: int, spec: CommSpec) -> float:
+    """Seconds of one convolution's halo all-to-alls, forward and backward."""
+    return 2 * estimate_all_to_all_s(halo_input_bytes(dims, size), size, spec) if dims.kernel > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class LongConvDims:
+    """One FFT convolution over the whole sequence: signal (B, C, T), filter (C, T) by lag, both
+    exchanged in the FFT's dtype (``itemsize``)."""
+
+    batch: int
+    channels: int
+    seq_len: int
+    itemsize: int
+
+
+def channel_all_to_all_bytes(dims: LongConvDims, size: int) -> float:
+    """One rank's slices as the three all-to-alls take them: the signal and the filter to channel
+    shards before the FFTs, the output back to sequence shards after."""
+    local = dims.seq_len // size
+    return (2 * dims.batch + 1) * dims.channels * local * dims.itemsize
+
+
+def channels_exchange_bytes(dims: LongConvDims, size: int) -> float:
+    """Bytes one rank sends for one FFT convolution's forward and backward: (S-1)/S of each
+    all-to-all's input, and as many gradients backward."""
+    return 2 * (size - 1) / size * channel_all_to_all_bytes(dims, size)
+
+
+def channels_exchange_s(dims: LongConvDims, size: int, spec: CommSpec) -> float:
+    """Seconds of one FFT convolution's all-to-alls, forward and backward (the signal and the
+    filter apart: two launches before, one after)."""
+    local = dims.seq_len // size
+    signal, filt = dims.batch * dims.channels * local * dims.itemsize, dims.channels * local * dims.itemsize
+    return 2 * (2 * estimate_all_to_all_s(signal, size, spec) + estimate_all_to_all_s(filt, size, spec))
+
+
+@dataclass(frozen=True)
+class PrefixDims:
+    """One cumsum along the sequence: ``rows`` running sums (the elements of one position), each
+    total exchanged in the accumulation dtype (``itemsize``, fp32 at least for 16-bit floats)."""
+
+    rows: int
+    itemsize: int
+
+
+def prefix_input_bytes(dims: PrefixDims, size: int) -> float:
+    """One rank's all-to-all input: its slice's totals, one copy for every rank of the group."""
+    return size * dims.rows * dims.itemsize
+
+
+def prefix_exchange_bytes(dims: PrefixDims, size: int) -> float:
+    """Bytes one rank sends for one cumsum's forward and backward: (S-1)/S of the totals' all-to-all
+    input each way (the totals forward, their gradients backward)."""
+    return 2 * (size - 1) / size * prefix_input_bytes(dims, size)
+
+
+def prefix_exchange_s(dims: PrefixDims, size: int, spec: CommSpec) -> float:
+    """Seconds of one cumsum's all-to-alls, forward and backward."""
+    return 2 * estimate_all_to_all_s(prefix_input_bytes(dims, size), size, spec)

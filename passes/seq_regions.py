@@ -194,6 +194,9 @@ def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int
         sds = {sd.get(a) for a in pieces}
         s = sds.pop() if len(sds) == 1 else None
         return s if s is not None and d != s else None
+    if pk is aten.outer:  # (len(a), len(b)): the axis of whichever vector carries it (rotary angles)
+        sa, sb = sd.get(args[0]), sd.get(args[1])
+        return 0 if sa == 0 and sb is None else 1 if sb == 0 and sa is None else None
     if s is None or rank is None:
         return None
     if pk in _REDUCE:

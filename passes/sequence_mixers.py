@@ -10,7 +10,8 @@ Token-wise ops run on each rank's slice as they are (NOTE [Sequence parallelism 
 an op that reads the sequence axis across positions runs sharded only through a mixer. ``MIXERS``
 in passes/sequence_parallel.py is one ordered tuple, and the first mixer whose ``matches``
 accepts a node owns it. ``plan_sequence_parallel`` calls the owner's ``check`` on each node it
-owns, which returns what the mixer needs of the node (its site: shapes, refusals) or raises
+owns, which returns what the mixer needs of the node (its site: shapes, refusals; None where the
+node adds no site of its own, such as a convolution's pad) or raises
 ``SequenceParallelError`` naming the op and its module; it then resolves the mixer's strategy
 from ``sequence_parallel.mixers.<name>`` (``"auto"``: the mixer's ``choose``, from its
 ``exchange_bytes`` per rank in cost_models/sequence.py, summed by ``bytes_by_strategy``), lets the mixer refuse a site the
@@ -80,7 +81,9 @@ class SequenceMixer(Protocol):
 
     def check(self, node: fx.Node, ctx: MixerCheck) -> Any:
         """The node's site (what ``choose``, ``accept`` and ``describe`` read), or raise
-        ``SequenceParallelError`` naming the op and ``ctx.module`` when no strategy can shard it."""
+        ``SequenceParallelError`` naming the op and ``ctx.module`` when no strategy can shard it;
+        None for a node the plan counts no site for (one off the sharded sequence, or one part of
+        another node's site, such as a convolution's pad)."""
         ...
 
     def exchange_bytes(self, site: Any, strategy: str, size: int) -> float:

@@ -46,8 +46,11 @@ sends inside ring attention's ``zerofx::ring_attention`` op (which reads its ran
 at run time); the ZeRO rewrites act on all-gathers, reduce-scatters and all-reduces only, and
 leave these alone.
 
+Convolutions and cumsums along the sequence run through the mixers of passes/mixer_conv.py
+(NOTE [Convolutions along the sequence]), which keep the slices contiguous.
+
 What is refused: any other op that reads the axis across positions, one no mixer owns (a
-cumsum, a convolution or scan along the sequence, a shifted slice outside the loss, attention
+scan along the sequence, a convolution those mixers refuse, a shifted slice outside the loss, attention
 written as matmuls and softmax, a mask computed from sequence-sharded values; for Ulysses also query heads S does not
 divide and a mask that differs per head) makes ``plan_sequence_parallel`` raise
 ``SequenceParallelError`` naming the op and its module (NOTE [Naming a node by its module] in
@@ -76,6 +79,7 @@ import torch.fx as fx
 
 from zerofx.passes import _compat, meta
 from zerofx.passes.mixer_attention import ATTENTION
+from zerofx.passes.mixer_conv import CUMSUM, LONG_CONV, SHORT_CONV
 from zerofx.passes.ring_attention import rank_positions
 from zerofx.passes.seq_regions import SeqAnalysis, analyze, op_packet, sequence_length
 from zerofx.passes.sequence_mixers import AUTO, MixerCheck, MixerRewrite, SequenceMixer, all_to_all
@@ -87,7 +91,7 @@ _CASTS = {aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias, aten.
 _FLATTEN = {aten.view, aten.reshape, aten._unsafe_view}
 _SHAPED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
 # The ops that mix positions and how each shards, in the order they are asked (NOTE [Sequence mixers] in passes/sequence_mixers.py).
-MIXERS: tuple[SequenceMixer, ...] = (ATTENTION,)
+MIXERS: tuple[SequenceMixer, ...] = (ATTENTION, SHORT_CONV, LONG_CONV, CUMSUM)
 
 
 def mixer_of(node: fx.Node) -> SequenceMixer | None:
@@ -254,7 +258,8 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
             continue
         reads_local = [a for a in node.all_input_nodes if a in local]
         if mixer is not None:
-            sites[mixer.name].append(mixer.check(node, MixerCheck(an, local, size, modules[node])))
+            if (site := mixer.check(node, MixerCheck(an, local, size, modules[node]))) is not None:
+                sites[mixer.name].append(site)
             continue
         if not reads_local or node in handled:
             continue

@@ -202,8 +202,8 @@ def test_offload_and_mixed_precision_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("model, op, module", [
-    (workers.CumsumLM, "aten.cumsum", "'mix'"),
-    (workers.LongConvLM, "aten.conv1d", "'filter'"),
+    (workers.CumprodLM, "aten.cumprod", "'mix'"),
+    (workers.PoolLM, "aten.avg_pool1d", "'filter'"),
 ])
 def test_ops_mixing_positions_are_refused_by_name(model: type, op: str, module: str) -> None:
     ids = torch.randint(0, workers.CONFIG.vocab_size, (2, 16))

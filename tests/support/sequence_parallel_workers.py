@@ -185,8 +185,8 @@ class TokenLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x).reshape(-1, CONFIG.vocab_size), labels.reshape(-1))
 
 
-class CumsumLM(torch.nn.Module):
-    """Mixes positions with a running sum along the sequence: what the rewrite must refuse."""
+class CumprodLM(torch.nn.Module):
+    """Mixes positions with a running product along the sequence, which no mixer owns: what the rewrite must refuse."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -195,22 +195,22 @@ class CumsumLM(torch.nn.Module):
         self.head = torch.nn.Linear(16, CONFIG.vocab_size)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.mix(self.embed(ids)).cumsum(dim=1)  # (B, T, d): position t sums positions <= t
+        x = self.mix(self.embed(ids)).cumprod(dim=1)  # (B, T, d): position t multiplies positions <= t
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
-class LongConvLM(torch.nn.Module):
-    """A causal convolution along the sequence (a Hyena-style long filter, short here)."""
+class PoolLM(torch.nn.Module):
+    """An average pool along the sequence, which no mixer owns (the convolutions' are passes/mixer_conv.py's)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(CONFIG.vocab_size, 16)
-        self.filter = torch.nn.Conv1d(16, 16, kernel_size=4, padding=3, groups=16)
+        self.filter = torch.nn.Linear(16, 16)
         self.head = torch.nn.Linear(16, CONFIG.vocab_size)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids).transpose(1, 2)  # (B, d, T)
-        x = self.filter(x)[..., : ids.shape[1]].transpose(1, 2)  # (B, T, d)
+        x = self.filter(self.embed(ids)).transpose(1, 2)  # (B, d, T)
+        x = torch.nn.functional.avg_pool1d(x, 3, stride=1, padding=1).transpose(1, 2)  # (B, T, d)
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
