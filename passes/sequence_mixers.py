@@ -79,8 +79,10 @@ class SequenceMixer(Protocol):
         ...
 
     def check(self, node: fx.Node, ctx: MixerCheck) -> Any:
-        """The node's site (what ``choose``, ``accept`` and ``describe`` read), or raise
-        ``SequenceParallelError`` naming the op and ``ctx.module`` when no strategy can shard it."""
+        """The node's site (what ``choose``, ``accept`` and ``describe`` read), None for a node it
+        owns that is no site of its own (an output of a multi-output op, a value that is not
+        sequence-sharded), or raise ``SequenceParallelError`` naming the op and ``ctx.module``
+        when no strategy can shard it."""
         ...
 
     def exchange_bytes(self, site: Any, strategy: str, size: int) -> float:

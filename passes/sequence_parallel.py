@@ -76,6 +76,8 @@ import torch.fx as fx
 
 from zerofx.passes import _compat, meta
 from zerofx.passes.mixer_attention import ATTENTION
+from zerofx.passes.mixer_flip import FLIP
+from zerofx.passes.mixer_scan import SCAN
 from zerofx.passes.ring_attention import rank_positions
 from zerofx.passes.seq_regions import SeqAnalysis, analyze, op_packet, sequence_length
 from zerofx.passes.sequence_mixers import AUTO, MixerCheck, MixerRewrite, SequenceMixer, all_to_all
@@ -87,7 +89,7 @@ _CASTS = {aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias, aten.
 _FLATTEN = {aten.view, aten.reshape, aten._unsafe_view}
 _SHAPED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
 # The ops that mix positions and how each shards, in the order they are asked (NOTE [Sequence mixers] in passes/sequence_mixers.py).
-MIXERS: tuple[SequenceMixer, ...] = (ATTENTION,)
+MIXERS: tuple[SequenceMixer, ...] = (ATTENTION, SCAN, FLIP)
 
 
 def mixer_of(node: fx.Node) -> SequenceMixer | None:
@@ -254,7 +256,9 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
             continue
         reads_local = [a for a in node.all_input_nodes if a in local]
         if mixer is not None:
-            sites[mixer.name].append(mixer.check(node, MixerCheck(an, local, size, modules[node])))
+            site = mixer.check(node, MixerCheck(an, local, size, modules[node]))
+            if site is not None:  # None: a node the mixer owns that needs no exchange of its own (NOTE [Sequence mixers])
+                sites[mixer.name].append(site)
             continue
         if not reads_local or node in handled:
             continue
