@@ -32,7 +32,6 @@ from __future__ import annotations
 import enum
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx

@@ -465,6 +465,8 @@ MUST_AGREE: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "zerofx.sequence_parallel.size": (1, 2, {"zerofx": {"sequence_parallel": {"size": 2}}}),
     "zerofx.sequence_parallel.attention": ("ulysses", "auto", {"zerofx": {"sequence_parallel": {"size": 2}}}),
     "zerofx.sequence_parallel.mixers.attention": ("ulysses", "ring", {"zerofx": {"sequence_parallel": {"size": 2}}}),
+    "zerofx.sequence_parallel.mixers.scan": ("state_passing", "auto", {"zerofx": {"sequence_parallel": {"size": 2}}}),
+    "zerofx.sequence_parallel.mixers.flip": ("all_to_all", "auto", {"zerofx": {"sequence_parallel": {"size": 2}}}),
     "zerofx.sequence_parallel.load_balance": (True, False, {"zerofx": {"sequence_parallel": {"size": 2, "attention": "ring"}}}),
     "tensorboard.enabled": (False, True, BASE),  # a monitor on adds the gradient norm's all-reduce
     "csv_monitor.enabled": (False, True, BASE),

@@ -13,7 +13,7 @@ import torch.fx as fx
 import zerofx
 from tests.support import sequence_parallel_workers as workers
 from zerofx.common.errors import CaptureError, ConfigError, SequenceParallelError
-from zerofx.config import parse_config  # imported before any test patches the registry: the schema reads it once
+from zerofx.config import options, parse_config  # imported before any test patches the registry: the schema reads it once
 from zerofx.cost_models.comm import CommSpec
 from zerofx.cost_models.sequence import AttentionDims, ring_exchange_bytes, ring_exchange_s, ulysses_exchange_bytes, ulysses_exchange_s
 from zerofx.passes import sequence_parallel
@@ -33,6 +33,7 @@ class PrefixSumMixer:
     strategies = ("gather",)
     doc = "a running sum along the sequence, gathered whole on every rank"
     supports = "cumsum along the sequence"
+    runs_zigzag = False  # the gathered copies are put together as contiguous slices
 
     def matches(self, node: fx.Node) -> bool:
         return node.op == "call_function" and node.target is aten.cumsum.default
@@ -66,6 +67,9 @@ class PrefixSumMixer:
         summed = node.target(whole, dim, *rest, **kwargs)
         return torch.index_select(summed, dim, ctx.positions(summed))
 
+    def op_exchanges(self, node: fx.Node) -> tuple[tuple[str, int], ...]:
+        return ()
+
 
 class PrefixSumLM(torch.nn.Module):
     """A running sum (or product) along the sequence between a projection and the head, its loss over reshaped logits."""
@@ -83,6 +87,12 @@ class PrefixSumLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x).reshape(-1, workers.CONFIG.vocab_size), labels.reshape(-1))
 
 
+def _register(monkeypatch: pytest.MonkeyPatch, mixers: tuple) -> None:
+    """``mixers`` as the registry: the rewrite's, and the one the parsed spec fills each mixer's default from."""
+    monkeypatch.setattr(sequence_parallel, "MIXERS", mixers)
+    monkeypatch.setattr(options, "MIXERS", mixers)
+
+
 def _compile(model: torch.nn.Module, section: dict) -> zerofx.Program:
     ids = torch.randint(0, workers.CONFIG.vocab_size, (2, 16))
     config = {"zerofx": {"sequence_parallel": section, "plan_cache": False}}  # the plan cache does not key on a patched registry
@@ -92,7 +102,7 @@ def _compile(model: torch.nn.Module, section: dict) -> zerofx.Program:
 def test_a_registered_mixer_is_asked_and_its_rewrite_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the toy mixer in the registry, the cumsum the default registry refuses is planned by
     it, its decision recorded, and its all-to-all traced into the forward."""
-    monkeypatch.setattr(sequence_parallel, "MIXERS", (ATTENTION, PrefixSumMixer()))
+    _register(monkeypatch, (ATTENTION, PrefixSumMixer()))
     program = _compile(PrefixSumLM(), {"size": 2})
     decision = next(d for d in program.plan.decisions if d.startswith("sequence parallelism ("))
     assert decision.startswith("sequence parallelism (gather) over 2 ranks: 16 tokens -> 8 per rank, 1 prefix sum(s)"), decision
@@ -113,7 +123,7 @@ def test_an_op_no_mixer_owns_is_refused_by_op_and_module() -> None:
 
 def test_the_refusal_lists_every_registered_mixers_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cumprod the toy mixer does not own is refused; what is supported names the toy's ops beside attention's."""
-    monkeypatch.setattr(sequence_parallel, "MIXERS", (ATTENTION, PrefixSumMixer()))
+    _register(monkeypatch, (ATTENTION, PrefixSumMixer()))
     with pytest.raises(CaptureError) as err:
         _compile(PrefixSumLM(product=True), {"size": 2})
     text = str(err.value)
