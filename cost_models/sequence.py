@@ -1,6 +1,7 @@
 """Communication of sequence parallelism's mixers: what one rank sends for one op that mixes
 positions (attention, a short causal convolution's halo, a long convolution's channel
-all-to-alls, a cumsum's prefix), in bytes and in seconds, from its shapes, its dtype's item size,
+all-to-alls, a cumsum's prefix, the selective scan's states, a flip along the sequence), in bytes
+and in seconds, from its shapes, its dtype's item size,
 the sequence group's size and a frozen ``CommSpec``.
 
 Pure: nothing here reads a graph. Each mixer's ``exchange_bytes`` returns these bytes, and
@@ -172,3 +173,50 @@ def prefix_exchange_bytes(dims: PrefixDims, size: int) -> float:
 def prefix_exchange_s(dims: PrefixDims, size: int, spec: CommSpec) -> float:
     """Seconds of one cumsum's all-to-alls, forward and backward."""
     return 2 * estimate_all_to_all_s(prefix_input_bytes(dims, size), size, spec)
+
+
+@dataclass(frozen=True)
+class ScanDims:
+    """One selective scan over the whole sequence: x (B, T, E), state (B, E, N) in the scan's dtype."""
+
+    batch: int
+    seq_len: int
+    inner_dim: int  # E
+    state_dim: int  # N
+    state_itemsize: int  # of the scan's dtype, fp32 at least
+
+
+def scan_state_bytes(dims: ScanDims) -> float:
+    """One (B, E, N) state of the scan."""
+    return dims.batch * dims.inner_dim * dims.state_dim * dims.state_itemsize
+
+
+def state_passing_exchange_bytes(dims: ScanDims, size: int) -> float:
+    """Bytes one rank sends for one scan's forward and backward by state passing: its final state
+    and its slice's decay to each of the S - 1 other ranks, and as many gradients back; independent
+    of T (NOTE [Scan by state passing] in passes/mixer_scan.py)."""
+    return 2 * (size - 1) * 2 * scan_state_bytes(dims)
+
+
+def state_passing_exchange_s(dims: ScanDims, size: int, spec: CommSpec) -> float:
+    """Seconds of one scan's state all-to-all, forward and backward."""
+    return 2 * estimate_all_to_all_s(size * 2 * scan_state_bytes(dims), size, spec)
+
+
+@dataclass(frozen=True)
+class FlipDims:
+    """One flip along the sequence of a (…, T, …) tensor of ``numel`` elements."""
+
+    numel: int
+    itemsize: int
+
+
+def flip_exchange_bytes(dims: FlipDims, size: int) -> float:
+    """Bytes one rank sends for one flip's forward and backward: two all-to-alls of its slice each
+    way, each sending (S - 1)/S of it (NOTE [Flip along the sequence] in passes/mixer_flip.py)."""
+    return 2 * 2 * (size - 1) / size * dims.numel / size * dims.itemsize
+
+
+def flip_exchange_s(dims: FlipDims, size: int, spec: CommSpec) -> float:
+    """Seconds of one flip's two all-to-alls, forward and backward."""
+    return 2 * 2 * estimate_all_to_all_s(dims.numel / size * dims.itemsize, size, spec)

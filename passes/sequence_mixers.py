@@ -82,8 +82,8 @@ class SequenceMixer(Protocol):
     def check(self, node: fx.Node, ctx: MixerCheck) -> Any:
         """The node's site (what ``choose``, ``accept`` and ``describe`` read), or raise
         ``SequenceParallelError`` naming the op and ``ctx.module`` when no strategy can shard it;
-        None for a node the plan counts no site for (one off the sharded sequence, or one part of
-        another node's site, such as a convolution's pad)."""
+        None for a node the plan counts no site for (one off the sharded sequence, an output of a
+        multi-output op, or one part of another node's site, such as a convolution's pad)."""
         ...
 
     def exchange_bytes(self, site: Any, strategy: str, size: int) -> float:

@@ -80,6 +80,8 @@ import torch.fx as fx
 from zerofx.passes import _compat, meta
 from zerofx.passes.mixer_attention import ATTENTION
 from zerofx.passes.mixer_conv import CUMSUM, LONG_CONV, SHORT_CONV
+from zerofx.passes.mixer_flip import FLIP
+from zerofx.passes.mixer_scan import SCAN
 from zerofx.passes.ring_attention import rank_positions
 from zerofx.passes.seq_regions import SeqAnalysis, analyze, op_packet, sequence_length
 from zerofx.passes.sequence_mixers import AUTO, MixerCheck, MixerRewrite, SequenceMixer, all_to_all
@@ -91,7 +93,7 @@ _CASTS = {aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias, aten.
 _FLATTEN = {aten.view, aten.reshape, aten._unsafe_view}
 _SHAPED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
 # The ops that mix positions and how each shards, in the order they are asked (NOTE [Sequence mixers] in passes/sequence_mixers.py).
-MIXERS: tuple[SequenceMixer, ...] = (ATTENTION, SHORT_CONV, LONG_CONV, CUMSUM)
+MIXERS: tuple[SequenceMixer, ...] = (ATTENTION, SHORT_CONV, LONG_CONV, CUMSUM, SCAN, FLIP)
 
 
 def mixer_of(node: fx.Node) -> SequenceMixer | None:

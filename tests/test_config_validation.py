@@ -468,6 +468,8 @@ MUST_AGREE: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "zerofx.sequence_parallel.mixers.short_conv": ("halo", "auto", {"zerofx": {"sequence_parallel": {"size": 2}}}),
     "zerofx.sequence_parallel.mixers.long_conv": ("channels", "auto", {"zerofx": {"sequence_parallel": {"size": 2}}}),
     "zerofx.sequence_parallel.mixers.cumsum": ("prefix", "auto", {"zerofx": {"sequence_parallel": {"size": 2}}}),
+    "zerofx.sequence_parallel.mixers.scan": ("state_passing", "auto", {"zerofx": {"sequence_parallel": {"size": 2}}}),
+    "zerofx.sequence_parallel.mixers.flip": ("all_to_all", "auto", {"zerofx": {"sequence_parallel": {"size": 2}}}),
     "zerofx.sequence_parallel.load_balance": (True, False, {"zerofx": {"sequence_parallel": {"size": 2, "attention": "ring"}}}),
     "tensorboard.enabled": (False, True, BASE),  # a monitor on adds the gradient norm's all-reduce
     "csv_monitor.enabled": (False, True, BASE),

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import zerofx
 from tests.support.dist_utils import run_ranks
@@ -25,7 +26,7 @@ from zerofx.models import MODEL_SIZES, MambaConfig, build_model, model_config
 from zerofx.models.genomic_sizes import parse_block_pattern
 from zerofx.models.long_conv import causal_depthwise_conv, fft_causal_conv
 from zerofx.models.mamba import MambaMixer
-from zerofx.models.scan import selective_scan
+from zerofx.models.scan import selective_scan, selective_scan_with_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CAUSAL = ["hyena-tiny", "striped-tiny", "mamba-tiny"]
@@ -100,41 +101,71 @@ def test_fft_conv_equals_the_direct_causal_conv(filter_len: int) -> None:
         torch.testing.assert_close(causal_depthwise_conv(u, h), expected, atol=1e-12, rtol=1e-10)
 
 
-def _sequential_scan(x, delta, a, b, c, d):  # the recurrence, one step at a time
-    h = x.new_zeros(x.shape[0], x.shape[2], a.shape[1])  # (B, E, N)
+def _sequential_scan(x, delta, a, b, c, d, h0=None):  # the recurrence, one step at a time: (y, h_last)
+    h = x.new_zeros(x.shape[0], x.shape[2], a.shape[1]) if h0 is None else h0  # (B, E, N)
     ys = []
     for t in range(x.shape[1]):
         h = torch.exp(delta[:, t, :, None] * a) * h + (delta[:, t] * x[:, t])[..., None] * b[:, t, None, :]
         ys.append((h * c[:, t, None, :]).sum(-1) + d * x[:, t])
-    return torch.stack(ys, dim=1)
+    return torch.stack(ys, dim=1), h
+
+
+def _scan_inputs(seed: int, t: int = 23, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
+    """x, delta, a, b, c, d, h0 of a (B, T, E, N) = (2, t, 5, 4) scan, all requiring grad."""
+    g = torch.Generator().manual_seed(seed)
+    bsz, e, n = 2, 5, 4
+    x = torch.randn(bsz, t, e, dtype=dtype, generator=g)
+    delta = F.softplus(torch.randn(bsz, t, e, dtype=dtype, generator=g))
+    a = -torch.rand(e, n, dtype=dtype, generator=g).mul(4).add(0.5)
+    b, c = (torch.randn(bsz, t, n, dtype=dtype, generator=g) for _ in range(2))
+    d = torch.randn(e, dtype=dtype, generator=g)
+    h0 = torch.randn(bsz, e, n, dtype=dtype, generator=g)
+    return tuple(v.requires_grad_() for v in (x, delta, a, b, c, d, h0))
 
 
 @pytest.mark.parametrize("chunk_len", [1, 3, 7, 16, 23, 64])
 def test_chunked_scan_equals_the_sequential_scan(chunk_len: int) -> None:
-    g = torch.Generator().manual_seed(4)
-    bsz, t, e, n = 2, 23, 5, 4
-    x = torch.randn(bsz, t, e, dtype=torch.float64, generator=g, requires_grad=True)
-    delta = F.softplus(torch.randn(bsz, t, e, dtype=torch.float64, generator=g)).requires_grad_()
-    a = -torch.rand(e, n, dtype=torch.float64, generator=g).mul(4).add(0.5).requires_grad_()
-    b, c = (torch.randn(bsz, t, n, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
-    d = torch.randn(e, dtype=torch.float64, generator=g, requires_grad=True)
-    inputs = (x, delta, a, b, c, d)
+    """y and h_last, from a zero state and from a given h0, and the gradients of all seven
+    inputs (h0's included) through the op's own backward, against the step-by-step recurrence."""
+    *inputs, h0 = _scan_inputs(4)
+    g = torch.Generator().manual_seed(5)
     got = selective_scan(*inputs, chunk_len=chunk_len)
-    expected = _sequential_scan(*inputs)
+    expected, _ = _sequential_scan(*inputs)
     torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
-    weights = torch.randn(got.shape, dtype=torch.float64, generator=g)
-    grads = torch.autograd.grad((got * weights).sum(), inputs)
-    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
+    got_y, got_h = selective_scan_with_state(*inputs, h0, chunk_len=chunk_len)
+    expected_y, expected_h = _sequential_scan(*inputs, h0)
+    torch.testing.assert_close(got_y, expected_y, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(got_h, expected_h, atol=1e-10, rtol=1e-10)
+    assert (got_y - got).abs().max() > 1e-3  # h0 reaches the output, so the check above is not the zero-state one again
+    wy, wh = torch.randn(got_y.shape, dtype=torch.float64, generator=g), torch.randn(got_h.shape, dtype=torch.float64, generator=g)
+    everything = (*inputs, h0)
+    grads = torch.autograd.grad((got_y * wy).sum() + (got_h * wh).sum(), everything)
+    expected_grads = torch.autograd.grad((expected_y * wy).sum() + (expected_h * wh).sum(), everything)
     for got_grad, expected_grad in zip(grads, expected_grads):
         torch.testing.assert_close(got_grad, expected_grad, atol=1e-9, rtol=1e-9)
+
+
+def test_the_scan_is_one_op_that_opcheck_accepts() -> None:
+    """zerofx::selective_scan passes torch.library.opcheck (schema, fake kernel, autograd
+    registration, AOT dispatch), and its float32 output, as the models run it, matches the float64
+    recurrence; the graph holds one scan op, not the chunks' ops."""
+    inputs = _scan_inputs(6, t=19)
+    torch.library.opcheck(torch.ops.zerofx.selective_scan.default, (*inputs, 5))
+    y32, h32 = selective_scan_with_state(*(v.detach().float() for v in inputs[:6]), inputs[6].detach().float(), chunk_len=5)
+    y64, h64 = _sequential_scan(*(v.detach() for v in inputs))
+    torch.testing.assert_close(y32.double(), y64, atol=1e-5, rtol=1e-5)
+    assert h32.dtype == torch.float32 and h32.shape == h64.shape
+    gm = make_fx(lambda *a: selective_scan(*a, chunk_len=5))(*(v.detach().float() for v in inputs[:6]))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.zerofx.selective_scan.default) == 1 and torch.ops.aten.cumsum.default not in targets
 
 
 # --------------------------------------------------------------------------- capture, init, sizes
 OPS = {  # what each family's graphs must hold (post-dispatch ATen, as the compiled program runs them)
     "hyena-tiny": ("_fft_r2c", "_fft_c2r", "convolution"),
     "striped-tiny": ("_fft_r2c", "convolution", "_scaled_dot_product"),
-    "mamba-tiny": ("cumsum", "convolution"),
-    "bimamba-tiny": ("cumsum", "flip"),
+    "mamba-tiny": ("selective_scan", "convolution"),
+    "bimamba-tiny": ("selective_scan", "flip"),
 }
 
 
