@@ -17,14 +17,9 @@ from zerofx.models import build_model
 from zerofx.models.long_conv import lm_loss
 from zerofx.models.scan import selective_scan_with_state
 from zerofx.passes.meta import is_all_to_all
-from zerofx.passes.sequence_parallel import MIXERS
 
 STEPS = 3
 SCAN = torch.ops.zerofx.selective_scan.default
-# Mamba's featurizer conv (aten.pad and aten.conv1d along the sequence) needs a conv mixer of its own.
-HAS_CONV_MIXER = any(m.name == "short_conv" for m in MIXERS)
-needs_conv_mixer = pytest.mark.xfail(not HAS_CONV_MIXER, strict=True,
-                                     reason="Mamba's featurizer conv is refused until a conv mixer (short_conv) is in MIXERS")
 
 
 def _compile(net: torch.nn.Module, kind: str, size: int, seq_len: int) -> zerofx.Program:
@@ -66,7 +61,6 @@ def test_a_bidirectional_scan_flips_by_two_all_to_alls() -> None:
     assert ops[SCAN] == 4 and ops[torch.ops.aten.flip.default] == 4 and ops["all_to_all"] == 2 * 1 + 2 * 2 + 2, ops
 
 
-@needs_conv_mixer
 @pytest.mark.parametrize("size", ["mamba-tiny", "bimamba-tiny"])
 def test_mamba_is_planned_with_state_passing(size: str) -> None:
     """The bundled models over 2 ranks: one state passing scan per direction and layer, each
@@ -134,7 +128,6 @@ def test_parity_sequence_4_and_data_2_x_sequence_2() -> None:
         _check(results, case, 4)
 
 
-@needs_conv_mixer
 def test_parity_mamba_tiny_and_bimamba_tiny() -> None:
     """The bundled models (conv, scan, flip): Mamba causal over 2 ranks at stage 0, BiMamba
     masked LM over 2 data groups of 2 at stage 3."""
