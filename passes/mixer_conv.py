@@ -83,7 +83,7 @@ def _rank_index(x: torch.Tensor, ctx: MixerRewrite) -> torch.Tensor:
 
 
 def _marked(fn: Callable[[], torch.Tensor], dim: int) -> torch.Tensor:
-    """``fn()``, its last op marked with the sequence dim of its output."""
+    """``fn()``, one op, marked with the sequence dim of its output (every op traced inside is marked)."""
     with _compat.annotate({meta.SEQUENCE_DIM: dim}):  # NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/pipeline.py
         return fn()
 
@@ -205,7 +205,8 @@ class ShortConvMixer:
             return _marked(lambda: node.target(x, weight, *rest, **kwargs), 2)
         named = dict(zip(_CONV_ARGS, rest)) | kwargs
         named["padding"] = [0]  # padding=K-1 becomes the halo
-        return _marked(lambda: node.target(self._with_halo(x, weight.shape[-1] - 1, ctx), weight, **named), 2)
+        x = self._with_halo(x, weight.shape[-1] - 1, ctx)
+        return _marked(lambda: node.target(x, weight, **named), 2)
 
     @staticmethod
     def _with_halo(x: torch.Tensor, width: int, ctx: MixerRewrite) -> torch.Tensor:
@@ -323,7 +324,7 @@ class LongConvMixer:
             return node.target(_seq_to_channels(x, ctx), *rest, **kwargs)  # (..., C/S, T + 1)
         t = _arg(node, 1, "n", None) // 2  # n = 2T: ``check``
         y = node.target(x, *rest, **kwargs)[..., :t]  # (..., C/S, T): the causal outputs of this rank's channels
-        return _marked(lambda: _channels_to_seq(y, ctx), y.dim() - 1)
+        return _channels_to_seq(y, ctx)  # (..., C, T/S), its last op marked with the sequence dim
 
     def op_exchanges(self, node: fx.Node) -> tuple[tuple[str, int], ...]:
         return ()
@@ -341,8 +342,8 @@ def _channels_to_seq(y: torch.Tensor, ctx: MixerRewrite) -> torch.Tensor:
     """(..., C/S, T) to (..., C, T/S): chunk j of the positions to rank j."""
     s, lead, (cs, t) = ctx.size, y.shape[:-2], y.shape[-2:]
     x = y.reshape(*lead, cs, s, t // s).movedim(-2, 0).contiguous()  # (S, ..., C/S, T/S): chunk j to rank j
-    x = all_to_all(x, s, ctx.group_name, grad=True)  # (S, ..., C/S, T/S): chunk j is rank j's channels
-    return x.movedim(0, -3).reshape(*lead, s * cs, t // s)
+    x = all_to_all(x, s, ctx.group_name, grad=True).movedim(0, -3)  # (..., S, C/S, T/S): chunk j is rank j's channels
+    return _marked(lambda: x.reshape(*lead, s * cs, t // s), y.dim() - 1)
 
 
 # --------------------------------------------------------------------------- cumsum: prefix
@@ -408,7 +409,8 @@ class CumsumMixer:
         totals = _from_all(local.select(dim, -1), ctx)  # (S, ...): chunk j is rank j's slice total
         ranks = torch.arange(ctx.size, device=x.device).view(-1, *[1] * (totals.dim() - 1))
         lower = (totals * (ranks < _rank_index(x.movedim(dim, -1), ctx)).to(acc)).sum(0)  # the exclusive prefix
-        return _marked(lambda: (local + lower.unsqueeze(dim)).to(dtype), dim)
+        lower = lower.unsqueeze(dim)
+        return _marked(lambda: local + lower, dim).to(dtype)
 
     def op_exchanges(self, node: fx.Node) -> tuple[tuple[str, int], ...]:
         return ()

@@ -16,7 +16,7 @@ an input or table, NOTE [Tiling a sequence-parallel forward] in zerofx/compiler/
 *token-wise* when its output at position t depends only on its inputs at t; each op kind has a
 rule (elementwise with broadcasting, reductions and normalizations over other dims, linear over
 the last dim, views that keep the axis whole, a gather ``index_select(x, d, positions)`` by
-token-wise positions, ...). Anything else that reads the axis (attention, the loss, a shifted
+token-wise positions, an ``outer`` of the positions with a vector (rotary angles), ...). Anything else that reads the axis (attention, the loss, a shifted
 slice) is a *barrier*; so is a node a rewrite marked with its sequence dim
 (``meta.SEQUENCE_DIM``), whose output is the axis again.
 

@@ -122,8 +122,8 @@ def test_prefix_bytes() -> None:
     assert all_to_alls(program) == {"forward": 4, "backward": 2}
 
 
-def check(results: list[dict], case: tuple[str, int, int, str], world_size: int) -> None:
-    kind, stage, size, attention = case
+def check(results: list[dict], case: tuple, world_size: int) -> None:
+    kind, stage, size, attention = case[:4]
     expected = workers.reference(kind, world_size // size, STEPS)
     for rank, by_case in enumerate(results):
         res = by_case[case]
@@ -133,6 +133,8 @@ def check(results: list[dict], case: tuple[str, int, int, str], world_size: int)
         short, long, attention_ops = EXPECTED[kind]
         exchanges = short + 3 * long + 2 * attention_ops * (attention == "ulysses")
         assert res["all_to_alls"] == {"forward": 2 + exchanges, "backward": exchanges}, (rank, case)
+        # Tiled: the rank's token-wise regions between the mixers and the loss, in chunks.
+        assert ("loss" in res["tiled"] and "region" in res["tiled"]) if "tiled" in case[4:] else not res["tiled"], (rank, case)
     # Causal ring attention alone takes the zigzag layout; beside a convolution, whose halo needs
     # rank r to hold the r-th slice, it keeps contiguous slices (``runs_zigzag``).
     layout = next(d for d in results[0][case]["decisions"] if d.startswith("sequence layout"))
@@ -141,9 +143,11 @@ def check(results: list[dict], case: tuple[str, int, int, str], world_size: int)
 
 @pytest.mark.multiprocess
 def test_parity_sequence_2() -> None:
-    """World 2, one group of 2: hyena-tiny at stage 0, striped-tiny with causal ring attention
-    striped in at stage 3, and the Conv1d + cumsum model at stage 3."""
-    cases = [("hyena", 0, 2, "ulysses"), ("striped", 3, 2, "ring"), ("convsum", 3, 2, "ulysses")]
+    """World 2, one group of 2: hyena-tiny at stage 0 with each rank's slice tiled (the mixers'
+    outputs marked as the sequence again, NOTE [Tiling a sequence-parallel forward]),
+    striped-tiny with causal ring attention striped in at stage 3, and the Conv1d + cumsum model
+    at stage 3."""
+    cases = [("hyena", 0, 2, "ulysses", "tiled"), ("striped", 3, 2, "ring"), ("convsum", 3, 2, "ulysses")]
     results = run_ranks(2, workers.train, cases, STEPS)
     for case in cases:
         check(results, case, 2)

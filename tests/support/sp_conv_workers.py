@@ -73,17 +73,21 @@ def reference(kind: str, num_groups: int, steps: int) -> dict:
     return {"state": {k: v.detach().clone() for k, v in net.state_dict().items()}, "losses": losses}
 
 
-def train(rank: int, world_size: int, cases: list[tuple[str, int, int, str]], steps: int) -> dict:
-    """Per (model kind, stage, sequence-parallel size, attention strategy): ``steps`` SGD steps on
-    the group's whole batch; the full state, this rank's losses, the all-to-alls of each graph and
-    the plan's decisions."""
+# Tiling of each rank's slice in chunks of 8 (NOTE [Tiling a sequence-parallel forward]).
+TILED = {"enabled": True, "block_size": 8, "attention_block_size": 8}
+
+
+def train(rank: int, world_size: int, cases: list[tuple], steps: int) -> dict:
+    """Per (model kind, stage, sequence-parallel size, attention strategy[, "tiled"]): ``steps``
+    SGD steps on the group's whole batch; the full state, this rank's losses, the all-to-alls of
+    each graph, the plan's decisions and the tiled ops."""
     out = {}
     for case in cases:
-        kind, stage, size, attention = case
+        kind, stage, size, attention = case[:4]
         group = rank // size
         ids, labels = batches(world_size // size, steps)
-        config = {"zero_optimization": {"stage": stage}, "optimizer": SGD,
-                  "zerofx": {"sequence_parallel": {"size": size, "attention": attention}}}
+        own = {"sequence_parallel": {"size": size, "attention": attention}} | ({"tiling": TILED} if "tiled" in case[4:] else {})
+        config = {"zero_optimization": {"stage": stage}, "optimizer": SGD, "zerofx": own}
         engine = zerofx.initialize(model(kind), config, example_inputs=(ids[0, group],), example_kwargs={"labels": labels[0, group]})
         losses = []
         for step in range(steps):
@@ -96,6 +100,7 @@ def train(rank: int, world_size: int, cases: list[tuple[str, int, int, str]], st
             "losses": losses,
             "all_to_alls": {name: sum(1 for n in gm.graph.nodes if is_all_to_all(n)) for name, gm in engine.graph_modules().items()},
             "decisions": engine.program.plan.decisions,
+            "tiled": sorted(op.kind for op in engine.program.captured.tiling.ops) if engine.program.captured.tiling else [],
         }
         engine.close()
     return out
