@@ -47,10 +47,12 @@ at run time); the ZeRO rewrites act on all-gathers, reduce-scatters and all-redu
 leave these alone.
 
 Convolutions and cumsums along the sequence run through the mixers of passes/mixer_conv.py
-(NOTE [Convolutions along the sequence]), which keep the slices contiguous.
+(NOTE [Convolutions along the sequence]), the ``zerofx::selective_scan`` op by state passing
+(passes/mixer_scan.py) and a flip along the sequence by two all-to-alls (passes/mixer_flip.py);
+all of them keep the slices contiguous.
 
 What is refused: any other op that reads the axis across positions, one no mixer owns (a
-scan along the sequence, a convolution those mixers refuse, a shifted slice outside the loss, attention
+scan along the sequence written as plain ops, a convolution those mixers refuse, a shifted slice outside the loss, attention
 written as matmuls and softmax, a mask computed from sequence-sharded values; for Ulysses also query heads S does not
 divide and a mask that differs per head) makes ``plan_sequence_parallel`` raise
 ``SequenceParallelError`` naming the op and its module (NOTE [Naming a node by its module] in
