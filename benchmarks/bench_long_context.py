@@ -1,10 +1,13 @@
-"""Longest context under a per-rank memory cap: zerofx sequence parallelism (Ulysses) against
-stage 3 with sequence tiling and against FSDP2 with PyTorch's context parallelism, on the DNA LM
-at 2 and 4 gloo ranks.
+"""Longest context under a per-rank memory cap: zerofx sequence parallelism against stage 3
+with sequence tiling and against FSDP2 with PyTorch's context parallelism, on the DNA LM at 2
+and 4 gloo ranks; or, with ``--size`` a genomic model (Hyena, StripedHyena 2, Mamba), zerofx
+at sequence-parallel sizes 1, 2 and 4 against plain single-process PyTorch.
 
     python -m benchmarks.bench_long_context                      # the full run: small, W=2,4, cap 4 GiB, 4k..256k
     python -m benchmarks.bench_long_context --cap 1GiB --size small --start 2048 --max-context 32768 \\
         --rounds 2 --steps 1 --max-step-s 120                    # a short look on a busy machine
+    python -m benchmarks.bench_long_context --size striped-1m --world-sizes 4 --start 65536 \\
+        --max-context 1048576 --rounds 2 --warmup 0 --steps 1    # genome scale: StripedHyena 2 up to 1M tokens
 
 Contexts double from ``--start`` to ``--max-context``. At each context every system still in
 the race runs ``--rounds`` times, the rounds interleaved (round r starts at the r-th system, so
@@ -29,6 +32,10 @@ Systems, per world size W:
 - ``zerofx3_sp4_tiled``: ``zerofx3_sp4`` with ``zerofx.tiling`` as ``zerofx3_tiled`` has it,
   planned for each rank's T/4 positions (NOTE [Tiling a sequence-parallel forward] in
   zerofx/compiler/pipeline.py).
+- ``zerofx3_sp2_tiled``: ``zerofx3_sp2`` with tiling (the genomic models' size 2).
+- ``plain``: the model in one process (W=1), eager PyTorch and ``torch.optim.AdamW``, the peer
+  of the genomic runs: its longest context under the same cap. (Evo 2's own trainer needs
+  CUDA-only kernels, so it cannot run here.)
 - ``fsdp2_cp``: FSDP2 (``fully_shard`` per block) inside
   ``torch.distributed.tensor.experimental.context_parallel`` over the W ranks, with the token ids
   and labels sharded along the sequence. Where it does not run on CPU with gloo, its row holds
@@ -77,9 +84,13 @@ if str(ROOT) not in sys.path:
 from benchmarks.bench_offload import run_config  # noqa: E402
 from benchmarks.report import human_bytes, machine, summarize  # noqa: E402
 
-SYSTEMS = ("zerofx3", "zerofx3_tiled", "zerofx3_sp2", "zerofx3_sp4", "zerofx3_sp4_tiled", "fsdp2_cp")
+SYSTEMS = ("plain", "zerofx3", "zerofx3_tiled", "zerofx3_sp2", "zerofx3_sp2_tiled", "zerofx3_sp4", "zerofx3_sp4_tiled", "fsdp2_cp")
 # Each system's sequence-parallel size (None: all W ranks, as context parallelism shards over them).
-SP_SIZE = {"zerofx3": 1, "zerofx3_tiled": 1, "zerofx3_sp2": 2, "zerofx3_sp4": 4, "zerofx3_sp4_tiled": 4, "fsdp2_cp": None}
+SP_SIZE = {"plain": 1, "zerofx3": 1, "zerofx3_tiled": 1, "zerofx3_sp2": 2, "zerofx3_sp2_tiled": 2, "zerofx3_sp4": 4, "zerofx3_sp4_tiled": 4,
+           "fsdp2_cp": None}
+# The genomic models' systems (``--model`` a Hyena, StripedHyena or Mamba size): no FSDP2 row,
+# as PyTorch's context parallelism shards attention only.
+GENOMIC_SYSTEMS = ("plain", "zerofx3_tiled", "zerofx3_sp2_tiled", "zerofx3_sp4_tiled")
 TARGET_CONTEXT = 131072
 TARGET_LENGTH_RATIO = 3.5
 TARGET_THROUGHPUT_RATIO = 0.8
@@ -92,13 +103,22 @@ def sp_size(system: str, world_size: int) -> int:
 
 
 def _model(size: str, seq_len: int, seed: int) -> torch.nn.Module:
-    """The named DNA LM, its rotary tables sized for ``seq_len``, initialized as every system's
-    is (``benchmarks.systems.build_model``)."""
+    """The named model (a DNA LM or a genomic size of ``zerofx.models.MODEL_SIZES``), built for
+    ``seq_len`` positions, initialized as every system's is (``benchmarks.systems.build_model``)."""
     from zerofx.compiler.materialize import init_weights_
-    from zerofx.models import DNA_LM_SIZES, DNADecoderLM
+    from zerofx.models import DNA_LM_SIZES, DNADecoderLM, model_class, model_config
 
     torch.manual_seed(seed)
-    return init_weights_(DNADecoderLM(replace(DNA_LM_SIZES[size], max_seq_len=seq_len)), seed=seed)
+    if size in DNA_LM_SIZES:  # its rotary tables sized for seq_len
+        return init_weights_(DNADecoderLM(replace(DNA_LM_SIZES[size], max_seq_len=seq_len)), seed=seed)
+    cfg = model_config(size)
+    return model_class(cfg)(replace(cfg, max_seq_len=max(cfg.max_seq_len, seq_len)))
+
+
+def is_genomic(size: str) -> bool:
+    from zerofx.models import DNA_LM_SIZES
+
+    return size not in DNA_LM_SIZES
 
 
 class ContextParallelRunner:
@@ -136,13 +156,16 @@ class ContextParallelRunner:
 def _runner(system: str, model: torch.nn.Module, example: torch.Tensor, args: dict[str, Any]) -> Any:
     if system == "fsdp2_cp":
         return ContextParallelRunner(model, args["lr"])
-    from benchmarks.systems import ZeroFXRunner
+    from benchmarks.systems import EagerRunner, ZeroFXRunner, make_optimizer
 
+    if system == "plain":  # the peer: the model in one process, eager PyTorch
+        return EagerRunner(model, model, make_optimizer("AdamW", args["lr"], model.parameters()))
     own: dict[str, Any] = {}
     if system.endswith("_tiled"):
         own["tiling"] = {"enabled": "auto", "budget": args["tiling_budget"]}
     if SP_SIZE[system] > 1:
-        own["sequence_parallel"] = {"size": SP_SIZE[system], "attention": "ulysses"}
+        # The genomic models choose each mixer's strategy by bytes; the DNA LM runs Ulysses.
+        own["sequence_parallel"] = {"size": SP_SIZE[system]} if args["genomic"] else {"size": SP_SIZE[system], "attention": "ulysses"}
     return ZeroFXRunner(model, 3, "AdamW", args["lr"], example, {"zerofx": own} if own else None, init_seed=args["seed"])
 
 
@@ -187,7 +210,7 @@ def measure(system: str, world_size: int, seq_len: int, opts: argparse.Namespace
     """Every rank's result of one run, in fresh processes."""
     args = {"system": system, "kind": f"{system} W={world_size} T={seq_len}", "seq_len": seq_len, "size": opts.size,
             "batch": opts.batch, "seed": 0, "lr": 1e-3, "warmup": opts.warmup, "steps": opts.steps,
-            "tiling_budget": opts.tiling_budget}
+            "tiling_budget": opts.tiling_budget, "genomic": is_genomic(opts.size)}
     return run_config(args, world_size, target=_rank, timeout_s=opts.timeout)
 
 
@@ -213,11 +236,12 @@ def row_for(system: str, world_size: int, seq_len: int, runs: list[list[dict[str
 
 
 def run(opts: argparse.Namespace, log: Any = print, save: Any = None) -> dict[str, Any]:
-    from zerofx.models import DNA_LM_SIZES, DNADecoderLM
-
     with torch.device("meta"):
-        num_params = sum(p.numel() for p in DNADecoderLM(DNA_LM_SIZES[opts.size]).parameters())
-    entries = [(w, s) for w in opts.world_sizes for s in opts.systems if w % sp_size(s, w) == 0 and sp_size(s, w) <= w]
+        num_params = sum(p.numel() for p in _model(opts.size, 2, 0).parameters())
+    # The plain peer is one process (W=1) whatever --world-sizes says.
+    entries = [(1, "plain")] if "plain" in opts.systems else []
+    entries += [(w, s) for w in opts.world_sizes for s in opts.systems
+                if s != "plain" and w % sp_size(s, w) == 0 and sp_size(s, w) <= w]
     rows: list[dict[str, Any]] = []
     last: dict[tuple[int, str], dict[str, Any]] = {}
     stopped: dict[tuple[int, str], str] = {}
@@ -227,7 +251,8 @@ def run(opts: argparse.Namespace, log: Any = print, save: Any = None) -> dict[st
         return {"date": datetime.date.today().isoformat(), "machine": machine(), "load_average": loads,
                 "options": {k: v for k, v in vars(opts).items() if k != "out"}, "num_params": num_params, "rows": rows,
                 "stopped": {f"{s} W={w}": why for (w, s), why in stopped.items()},
-                "targets": targets(rows, opts.world_sizes, opts.systems, {f"{s} W={w}": why for (w, s), why in stopped.items()})}
+                "targets": targets(rows, opts.world_sizes, opts.systems, {f"{s} W={w}": why for (w, s), why in stopped.items()},
+                                   opts.compare, opts.target_context)}
 
     seq_len = opts.start
     while seq_len <= opts.max_context and len(stopped) < len(entries):
@@ -297,46 +322,52 @@ def longest(rows: list[dict[str, Any]], system: str, world_size: int) -> int:
     return max((r["seq_len"] for r in rows if r["system"] == system and r["world_size"] == world_size and r.get("fits")), default=0)
 
 
-def targets(rows: list[dict[str, Any]], world_sizes: tuple[int, ...], systems: tuple[str, ...], stopped: dict[str, str]) -> dict[str, Any]:
-    """The spec's targets, as measured: at W=4, size 4 against size 1 (``zerofx3``). A longest
-    context is the cap's only where the system stopped at the cap (measured or predicted); else
-    (the step-time limit, ``--max-context``, an error) the length target is undetermined."""
-    out: dict[str, Any] = {}
-    if 4 in world_sizes and {"zerofx3", "zerofx3_sp4"} <= set(systems):
-        one, four = longest(rows, "zerofx3", 4), longest(rows, "zerofx3_sp4", 4)
+def targets(rows: list[dict[str, Any]], world_sizes: tuple[int, ...], systems: tuple[str, ...], stopped: dict[str, str],
+            compare: tuple[str, str] = ("zerofx3", "zerofx3_sp4"), target_context: int = TARGET_CONTEXT) -> dict[str, Any]:
+    """The spec's targets, as measured: at W=4, size 4 against size 1 (``compare``: the size-1
+    system, then the size-4 one). A longest context is the cap's only where the system stopped at
+    the cap (measured or predicted); else (the step-time limit, ``--max-context``, an error) the
+    length target is undetermined."""
+    out: dict[str, Any] = {"compare": list(compare)}
+    size1, size4 = compare
+    if 4 in world_sizes and {size1, size4} <= set(systems):
+        one, four = longest(rows, size1, 4), longest(rows, size4, 4)
         out["longest_size1"], out["longest_size4"] = one, four
         out["length_ratio"] = four / one if one else None
-        capped = {s: "cap" in stopped.get(f"{s} W=4", "") for s in ("zerofx3", "zerofx3_sp4")}
+        capped = {s: "cap" in stopped.get(f"{s} W=4", "") for s in compare}
         out["stopped_at_cap"] = capped
-        if capped["zerofx3"] and capped["zerofx3_sp4"]:
+        if capped[size1] and capped[size4]:
             out["length_met"] = bool(one) and four / one >= TARGET_LENGTH_RATIO
-        elif capped["zerofx3"] and four and one and four / one >= TARGET_LENGTH_RATIO:
+        elif capped[size1] and four and one and four / one >= TARGET_LENGTH_RATIO:
             out["length_met"] = True  # size 4 is still going: the ratio only grows
         else:
             out["length_met"] = None
         both = min(one, four)
         if both:
             speed = {s: next(r["tokens_per_s_per_rank"] for r in rows if r["system"] == s and r["world_size"] == 4 and r["seq_len"] == both)
-                     for s in ("zerofx3", "zerofx3_sp4")}
+                     for s in compare}
             out["both_fit_at"] = both
-            out["throughput_ratio"] = speed["zerofx3_sp4"] / speed["zerofx3"]
+            out["throughput_ratio"] = speed[size4] / speed[size1]
             rounds = {s: next(r.get("round_step_s") for r in rows if r["system"] == s and r["world_size"] == 4 and r["seq_len"] == both)
-                      for s in ("zerofx3", "zerofx3_sp4")}
-            if rounds["zerofx3"] and rounds["zerofx3_sp4"] and len(rounds["zerofx3"]) == len(rounds["zerofx3_sp4"]) > 1:
+                      for s in compare}
+            if rounds[size1] and rounds[size4] and len(rounds[size1]) == len(rounds[size4]) > 1:
                 # NOTE [Ratios by round]
                 # Runs of one context are interleaved, in an order that rotates each round, so
                 # the two systems' runs of a round share the machine's state of that time. The
                 # ratio is taken per round and reported as median [quartiles]; the ratio of the
                 # two medians, which mixes rounds, is kept beside it. Size 4 runs T/4 tokens a
                 # rank, size 1 T, so the ratio of tokens/s per rank is one step over four of the other.
-                ratios = [one / (4 * sp) for one, sp in zip(rounds["zerofx3"], rounds["zerofx3_sp4"])]
+                ratios = [one / (4 * sp) for one, sp in zip(rounds[size1], rounds[size4])]
                 q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
                 out["throughput_ratio_by_round"] = {"median": med, "p25": q1, "p75": q3, "rounds": ratios}
                 out["throughput_met"] = med >= TARGET_THROUGHPUT_RATIO
             else:
                 out["throughput_met"] = out["throughput_ratio"] >= TARGET_THROUGHPUT_RATIO
     reached = max((r["seq_len"] for r in rows if r.get("fits")), default=0)
-    out["longest_any"], out["context_target_met"] = reached, reached >= TARGET_CONTEXT
+    out["longest_any"], out["context_target_met"] = reached, reached >= target_context
+    out["target_context"] = target_context
+    if "plain" in systems:
+        out["longest_plain"] = longest(rows, "plain", 1)
     return out
 
 
@@ -351,7 +382,8 @@ def markdown(result: dict[str, Any]) -> str:
     o = result["options"]
     load = result["load_average"]
     lines = [
-        f"DNA LM {o['size']} ({result['num_params']:,} parameters), ZeRO stage 3 / FSDP2, fp32 AdamW, batch {o['batch']} sequence "
+        f"{'model' if is_genomic(o['size']) else 'DNA LM'} {o['size']} ({result['num_params']:,} parameters), ZeRO stage 3 / FSDP2 / "
+        f"plain PyTorch, fp32 AdamW, batch {o['batch']} sequence "
         f"per data-parallel group; cap {human_bytes(o['cap_bytes'])} peak RSS per rank; {o['rounds']} interleaved round(s) of "
         f"{o['warmup']} untimed + {o['steps']} timed step(s); {result['machine']['cores']} cores, {result['machine']['cpu']}, "
         f"torch {result['machine']['torch']}; run {result['date']}; load average (1 min) from {min(x[0] for x in load):.1f} "
@@ -373,10 +405,11 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{r['exposed_comm_s']:.2f} | {'yes' if r['fits'] else 'no'} |")
     lines += ["", "Stopped: " + "; ".join(f"{k}: {v}" for k, v in result["stopped"].items()), ""]
     t = result["targets"]
+    size1, size4 = t.get("compare", ("zerofx3", "zerofx3_sp4"))
     if "longest_size1" in t:
         ratio = "—" if t["length_ratio"] is None else f"{t['length_ratio']:.2f}x"
         verdict = {True: "met", False: "not met", None: "undetermined: not both stopped at the cap"}[t["length_met"]]
-        lines.append(f"- Longest context at W=4: size 1 (zerofx3) {t['longest_size1']}, size 4 (zerofx3_sp4) {t['longest_size4']}: "
+        lines.append(f"- Longest context at W=4: size 1 ({size1}) {t['longest_size1']}, size 4 ({size4}) {t['longest_size4']}: "
                      f"{ratio} (target ≥ {TARGET_LENGTH_RATIO}x: {verdict}).")
         if "throughput_ratio_by_round" in t:
             by = t["throughput_ratio_by_round"]
@@ -387,8 +420,10 @@ def markdown(result: dict[str, Any]) -> str:
         elif "throughput_ratio" in t:
             lines.append(f"- Tokens/s per rank at {t['both_fit_at']} (the longest both fit): size 4 / size 1 = "
                          f"{t['throughput_ratio']:.2f} (target ≥ {TARGET_THROUGHPUT_RATIO}: {'met' if t['throughput_met'] else 'not met'}).")
-    lines.append(f"- Longest context any run fits: {t['longest_any']} (target ≥ {TARGET_CONTEXT}: "
+    lines.append(f"- Longest context any run fits: {t['longest_any']} (target ≥ {t.get('target_context', TARGET_CONTEXT)}: "
                  f"{'met' if t['context_target_met'] else 'not met'}).")
+    if "longest_plain" in t:
+        lines.append(f"- Longest context plain single-process PyTorch fits: {t['longest_plain']}.")
     return "\n".join(lines) + "\n"
 
 
@@ -396,9 +431,15 @@ def main(argv: list[str] | None = None) -> int:
     from zerofx.config import parse_bytes
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="small", help="DNA LM size (zerofx.models.DNA_LM_SIZES; default small)")
-    p.add_argument("--world-sizes", default="2,4", help="gloo ranks per run, comma-separated (default 2,4)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    p.add_argument("--size", default="small", help="model size: a DNA LM (zerofx.models.DNA_LM_SIZES) or a genomic size such as "
+                   "striped-1m or hyena-1m (zerofx.models.MODEL_SIZES; default small)")
+    p.add_argument("--world-sizes", default="2,4", help="gloo ranks per run, comma-separated (default 2,4; plain runs on 1)")
+    p.add_argument("--systems", default=None, help=f"comma-separated, of {', '.join(SYSTEMS)} (default: all but plain for a DNA LM; "
+                   f"{', '.join(GENOMIC_SYSTEMS)} for a genomic model)")
+    p.add_argument("--compare", default=None, help="the size-1 and size-4 systems the targets compare, comma-separated (default "
+                   "zerofx3,zerofx3_sp4 for a DNA LM, zerofx3_tiled,zerofx3_sp4_tiled for a genomic model)")
+    p.add_argument("--target-context", type=int, default=None, help="the context some run must fit (default 131072 for a DNA LM, "
+                   "1048576 for a genomic model)")
     p.add_argument("--cap", default="4GiB", help="peak RSS per rank a run may reach to fit (default 4GiB)")
     p.add_argument("--tiling-budget", default=None, help="zerofx3_tiled's activation budget (default: half the cap)")
     p.add_argument("--start", type=int, default=4096, help="first context, doubled each time (default 4096)")
@@ -419,16 +460,28 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(opts.render)
         result = json.loads(path.read_text())
         o = result["options"]
-        result["targets"] = targets(result["rows"], tuple(o["world_sizes"]), tuple(o["systems"]), result["stopped"])
+        result["targets"] = targets(result["rows"], tuple(o["world_sizes"]), tuple(o["systems"]), result["stopped"],
+                                    tuple(o.get("compare") or ("zerofx3", "zerofx3_sp4")), o.get("target_context") or TARGET_CONTEXT)
         path.write_text(json.dumps(result, indent=1, default=str))
         path.with_suffix(".md").write_text(markdown(result))
         print(markdown(result))
         return 0
     opts.world_sizes = tuple(int(x) for x in opts.world_sizes.split(","))
-    opts.systems = tuple(opts.systems.split(","))
+    from zerofx.models import MODEL_SIZES
+
+    if opts.size not in MODEL_SIZES:
+        p.error(f"unknown --size {opts.size!r}; accepted: {', '.join(MODEL_SIZES)}")
+    genomic = is_genomic(opts.size)
+    opts.systems = tuple((opts.systems or ",".join(GENOMIC_SYSTEMS if genomic else [x for x in SYSTEMS if x != "plain"])).split(","))
     unknown = set(opts.systems) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; accepted: {', '.join(SYSTEMS)}")
+    if genomic and "fsdp2_cp" in opts.systems:
+        p.error("fsdp2_cp runs the DNA LM only: PyTorch's context parallelism shards attention, not convolutions or scans")
+    opts.compare = tuple((opts.compare or ("zerofx3_tiled,zerofx3_sp4_tiled" if genomic else "zerofx3,zerofx3_sp4")).split(","))
+    if len(opts.compare) != 2 or set(opts.compare) - set(SYSTEMS):
+        p.error(f"--compare {','.join(opts.compare)}: two systems of {', '.join(SYSTEMS)}")
+    opts.target_context = opts.target_context or (1 << 20 if genomic else TARGET_CONTEXT)
     opts.cap_bytes = int(parse_bytes(opts.cap))
     opts.tiling_budget = opts.tiling_budget or str(opts.cap_bytes // 2)
     opts.tiling_budget = int(parse_bytes(opts.tiling_budget))

@@ -25,6 +25,18 @@ the chunk's share of it. So without a configured ``block_size`` the planner trie
 2, 4, 8, ... even chunks (at least ``MIN_AUTO_BLOCK`` tokens) and keeps the fewest whose estimate
 fits the budget; when none fits it keeps the smallest and logs that it does not fit.
 
+NOTE [Convolutions recomputed in backward]
+The fifth kind is a convolution span (``conv_spans``): a direct conv1d with the causal pad that
+feeds it, or an FFT convolution's ``rfft``s, the product of the spectra, the ``irfft`` and the
+slice of its first T outputs, along the sequence. Autograd saves the padded input and the output
+of a conv1d, and both spectra (complex, T + 1 bins each) of an FFT convolution. A chosen span's
+nodes are tagged for recompute, as a chunk of a region is, so the partitioner saves the span's
+inputs only (the token-wise signal and the filter) and runs the span again just before its
+backward: a depthwise conv or an FFT is cheap next to the projections around it. Untiled, its
+bytes are the span's outputs; tiled, its inputs that depend on the sequence. The span never
+holds a collective: under sequence parallelism a halo's or an all-to-all's output is an input
+of the span and stays saved, so recompute adds no communication.
+
 NOTE [Weight tiles]
 The fourth kind tiles a linear's weight along its output features (rows), for stage 3, where
 the weight is gathered before use: a weight of more than ``weight_tile_bytes`` is gathered and
@@ -49,6 +61,7 @@ import torch.fx as fx
 
 from zerofx.passes import meta, seq_regions
 from zerofx.passes.seq_regions import SeqAnalysis
+from zerofx.passes.sequence_parallel import mixer_of
 from zerofx.common.errors import ConfigError
 from zerofx.common.units import format_bytes
 
@@ -59,7 +72,7 @@ MIN_AUTO_BLOCK = 256  # the smallest block the planner picks itself: smaller chu
 DEFAULT_ATTENTION_BLOCK = 512  # query and key block; the (B, H, 512, 512) score block is 1 MiB per head in fp32
 DEFAULT_BUDGET_BYTES = 1 << 30
 DEFAULT_WEIGHT_TILE_BYTES = 256 << 20  # a gathered weight bigger than this is used in tiles (NOTE [Weight tiles])
-KINDS = ("attention", "region", "loss", "weight")
+KINDS = ("attention", "region", "loss", "weight", "conv")
 
 
 def _check_block(name: str, value: Any) -> int | None:
@@ -130,7 +143,7 @@ class SkippedOp:
 @dataclass(frozen=True)
 class TilingPlan:
     seq_len: int
-    num_candidates: tuple[int, int, int, int]  # attention, regions, losses, weights found in the graph
+    num_candidates: tuple[int, int, int, int, int]  # attention, regions, losses, weights, conv spans found in the graph
     ops: tuple[TiledOp, ...] = ()
     skipped: tuple[SkippedOp, ...] = ()
     budget_bytes: int = DEFAULT_BUDGET_BYTES
@@ -158,7 +171,8 @@ class TilingPlan:
         from tabulate import tabulate
 
 
-        rows = [(o.kind, o.what, "x".join(map(str, o.shape)), f"{o.block_size} tiles" if o.kind == "weight" else o.block_size,
+        rows = [(o.kind, o.what, "x".join(map(str, o.shape)),
+                 f"{o.block_size} tiles" if o.kind == "weight" else "recompute" if o.kind == "conv" else o.block_size,
                  format_bytes(o.bytes_untiled - o.bytes_tiled)) for o in self.ops]
         head = (f"tiling: sequence length {self.seq_len}, activations {format_bytes(self.estimate_untiled_bytes)} untiled -> "
                 f"{format_bytes(self.estimate_tiled_bytes)} tiled (budget {format_bytes(self.budget_bytes)}), {len(self.ops)} tiled ops")
@@ -239,6 +253,12 @@ def _candidates(analysis: SeqAnalysis, block: int, ablock: int) -> tuple[list[Ti
         untiled, tiled = estimate_region_bytes(analysis, i, block)
         shape = tuple(region[0].meta["val"].shape) if isinstance(region[0].meta.get("val"), torch.Tensor) else ()
         candidates.append(TiledOp("region", i, what, shape, block, untiled, tiled))
+    for i, span in enumerate(analysis.conv_spans):
+        kinds = sorted({str(seq_regions.op_packet(n)).removeprefix("aten.") for n in span if seq_regions.op_packet(n) in _CONV_SEEDS})
+        untiled, tiled = estimate_conv_bytes(span)
+        shape = next((tuple(n.meta["val"].shape) for n in span if isinstance(n.meta.get("val"), torch.Tensor)), ())
+        candidates.append(TiledOp("conv", i, f"{' + '.join(kinds)}: {len(span)} ops recomputed in backward", shape, 0, untiled,
+                                  min(tiled, untiled)))
     for i, m in enumerate(analysis.losses):
         what = "linear + cross_entropy"
         if m.reason:
@@ -303,6 +323,75 @@ def _choose(candidates: list[TiledOp], options: TilingOptions, budget: int) -> t
     return chosen, sum(c.bytes_untiled for c in candidates) - sum(c.bytes_untiled - c.bytes_tiled for c in chosen)
 
 
+def analyze_for_tiling(gm: fx.GraphModule, seq_len: int) -> SeqAnalysis:
+    """The sequence analysis the planner and the rewrite share: the ops of sequence parallelism's
+    mixer registry are barriers that keep the axis (NOTE [Mixers as tiling barriers])."""
+    analysis = seq_regions.analyze(gm, seq_len, mixes=lambda n: mixer_of(n) is not None, mixer_lengths=True)
+    analysis.conv_spans = conv_spans(gm, analysis)
+    # What only feeds a convolution (a Hyena block's norm and in-projection) is recomputed from
+    # the residual stream with it, as attention's inputs are.
+    seq_regions.split_regions(gm, analysis, {n for span in analysis.conv_spans for n in span})
+    return analysis
+
+
+_aten = torch.ops.aten
+_CONV_SEEDS = {_aten.conv1d, _aten.convolution, _aten.fft_rfft, _aten.fft_irfft}
+_PADS = {_aten.constant_pad_nd, _aten.pad}
+# What a span grows through after its seeds: the spectra's product, slices, views, casts.
+_SPAN_OPS = {_aten.mul, _aten.add, _aten.sub, _aten.div, _aten.slice, _aten.narrow, _aten.view, _aten.reshape, _aten._unsafe_view,
+             _aten.transpose, _aten.permute, _aten.unsqueeze, _aten.squeeze, _aten.contiguous, _aten.clone, _aten.to, _aten._to_copy,
+             _aten.alias, _aten.conj, _aten._conj}
+
+
+def conv_spans(gm: fx.GraphModule, analysis: SeqAnalysis) -> list[list[fx.Node]]:
+    """The convolution spans along the sequence, in graph order (NOTE [Convolutions recomputed in
+    backward]): the connected groups of conv1d and FFT nodes that read the sequence, the pads
+    whose every user is such a conv, and the products, slices and views computed from them alone
+    (parameters and constants aside)."""
+    sd, tok = analysis.sdim, analysis.tokenwise
+    dep: set[fx.Node] = set()  # nodes computed from the sequence
+    for n in gm.graph.nodes:
+        if n in tok or sd.get(n) is not None or any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+    member: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n in tok or n not in dep:
+            continue
+        pk = seq_regions.op_packet(n)
+        grows = pk in _SPAN_OPS and n.all_input_nodes and all(a in member or a not in dep for a in n.all_input_nodes)
+        if pk in _CONV_SEEDS or grows:
+            member.add(n)
+    for n in gm.graph.nodes:  # a pad is recomputed with its conv; it runs before it in graph order
+        if seq_regions.op_packet(n) in _PADS and n not in tok and n.users and all(u in member for u in n.users):
+            member.add(n)
+    parent = {n: n for n in member}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in member:
+        for a in n.all_input_nodes:
+            if a in member:
+                parent[find(a)] = find(n)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n in member:
+            groups.setdefault(find(n), []).append(n)
+    return [g for g in groups.values() if any(seq_regions.op_packet(x) in _CONV_SEEDS for x in g)]
+
+
+def estimate_conv_bytes(span: list[fx.Node]) -> tuple[int, int]:
+    """A span's saved bytes, untiled (its nodes' outputs, at most) and recomputed (its inputs
+    other than parameters and buffers, which stay saved)."""
+    inside = set(span)
+    inputs = {a for n in span for a in n.all_input_nodes if a not in inside}
+    kept = [a for a in inputs if a.op != "get_attr" and a.meta.get(meta.ROLE) not in (meta.Role.PARAM, meta.Role.BUFFER)]
+    return sum(_nbytes(n) for n in span), sum(_nbytes(a) for a in kept)
+
+
 def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | None = None) -> TilingPlan | None:
     """The tiling decisions for ``gm``; None when ``options.enabled`` is False or the graph has no
     sequence axis (no integer input). See NOTE [Block size from the budget]."""
@@ -312,7 +401,7 @@ def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | No
     if seq_len is None:
         log.info("tiling: no integer (token id) input, so no sequence axis; nothing tiled")
         return None
-    analysis = seq_regions.analyze(gm, seq_len)
+    analysis = analyze_for_tiling(gm, seq_len)
     ablock = options.attention_block_size or DEFAULT_ATTENTION_BLOCK
     budget = options.budget_bytes if options.budget_bytes is not None else DEFAULT_BUDGET_BYTES
     bound = options.estimate_budget_bytes if options.estimate_budget_bytes is not None else budget
@@ -334,7 +423,8 @@ def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | No
         log.info("tiling: %s #%d (%s) not tiled: %s", s.kind, s.index, s.what, s.reason)
     return TilingPlan(
         seq_len=seq_len,
-        num_candidates=(len(analysis.attention), len(analysis.regions), len(analysis.losses), len(weights) + len(weights_skipped)),
+        num_candidates=(len(analysis.attention), len(analysis.regions), len(analysis.losses), len(weights) + len(weights_skipped),
+                        len(analysis.conv_spans)),
         ops=tuple(chosen),
         skipped=tuple(skipped),
         budget_bytes=budget,

@@ -130,6 +130,7 @@ class SeqAnalysis:
     feeds_attention: list[bool] = field(default_factory=list)  # per region: it only computes attention inputs
     attention: list[AttentionMatch] = field(default_factory=list)
     losses: list[LossMatch] = field(default_factory=list)
+    conv_spans: list[list[fx.Node]] = field(default_factory=list)  # tiling's (NOTE [Convolutions recomputed in backward])
 
     def region_inputs(self, region: Sequence[fx.Node]) -> list[fx.Node]:
         inside = set(region)
@@ -269,10 +270,13 @@ def _source_sdim(node: fx.Node, t: int) -> int | None:
     return None
 
 
-def analyze(gm: fx.GraphModule, seq_len: int, mixes: Callable[[fx.Node], bool] | None = None) -> SeqAnalysis:
+def analyze(gm: fx.GraphModule, seq_len: int, mixes: Callable[[fx.Node], bool] | None = None, *,
+            mixer_lengths: bool = False) -> SeqAnalysis:
     """Sequence dims, token-wise nodes, regions by level, attention and loss matches. ``mixes``:
     the other ops whose output runs along their first argument's sequence axis, as attention's
-    does (sequence parallelism's mixers, NOTE [Sequence mixers] in passes/sequence_mixers.py)."""
+    does (sequence parallelism's mixers, NOTE [Sequence mixers] in passes/sequence_mixers.py).
+    With ``mixer_lengths`` (tiling), a mixer's node keeps the axis only where its output has
+    ``seq_len`` positions there (NOTE [Mixers as tiling barriers])."""
     res = SeqAnalysis(seq_len=seq_len)
     sd, tok, dep, level = res.sdim, res.tokenwise, {}, res.level
     res.attention = _find_attention(gm)
@@ -293,8 +297,12 @@ def analyze(gm: fx.GraphModule, seq_len: int, mixes: Callable[[fx.Node], bool] |
         if node not in tok:
             if meta.marked_sequence_dim(node) is not None:  # an attention output of a sequence-parallel rank's slice
                 sd[node] = meta.marked_sequence_dim(node)
-            elif is_sdpa(node) or is_blocked_attention(node) or (mixes is not None and mixes(node)):
+            elif is_sdpa(node) or is_blocked_attention(node):
                 sd[node] = sd.get(node.args[0])
+            elif mixes is not None and mixes(node):
+                sd[node] = _mixer_sdim(node, sd, seq_len, mixes) if mixer_lengths else sd.get(node.args[0])
+            elif mixer_lengths and mixes is not None and (s := _mixer_prefix_sdim(node, sd, seq_len, mixes)) is not None:
+                sd[node] = s
             elif node in attention_out:
                 sd[node] = sd.get(attention_out[node])
             elif node.op == "call_function" and node.target is operator.getitem and is_blocked_attention(node.args[0]):
@@ -308,18 +316,69 @@ def analyze(gm: fx.GraphModule, seq_len: int, mixes: Callable[[fx.Node], bool] |
             level[node] = max([0] + [level[a] + (0 if a in tok or not dep[a] else 1) for a in inputs])
         else:
             level[node] = max([0] + [level[a] for a in inputs]) if dep[node] else 0
+    split_regions(gm, res)
+    res.losses = _find_losses(gm)
+    return res
+
+
+def split_regions(gm: fx.GraphModule, res: SeqAnalysis, mixers: set[fx.Node] = frozenset()) -> None:
+    """``res.regions`` and ``res.feeds_attention`` from the token-wise nodes by level, each level
+    split into the rest and what only computes the inputs of attention or of ``mixers`` (NOTE
+    [Attention inputs are recomputed, not saved])."""
     by_level: dict[int, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node in tok:
-            by_level.setdefault(level[node], []).append(node)
+        if node in res.tokenwise:
+            by_level.setdefault(res.level[node], []).append(node)
     consumers = {m.output for m in res.attention} | {m.scores for m in res.attention if m.scores is not None}
-    consumers |= {n for n in gm.graph.nodes if is_sdpa(n) or is_blocked_attention(n)}
+    consumers |= {n for n in gm.graph.nodes if is_sdpa(n) or is_blocked_attention(n)} | set(mixers)
+    res.regions, res.feeds_attention = [], []
     for k in sorted(by_level):
         rest, attn_in = _split_attention_inputs(by_level[k], consumers)
         res.regions += [r for r in (rest, attn_in) if r]
         res.feeds_attention += [f for r, f in ((rest, False), (attn_in, True)) if r]
-    res.losses = _find_losses(gm)
-    return res
+
+
+def _mixer_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int, mixes: Callable[[fx.Node], bool]) -> int | None:
+    """NOTE [Mixers as tiling barriers]
+    Tiling without sequence parallelism reads the same registry of ops that mix positions
+    (convolutions, FFTs, cumsum, scans, flips) as barriers between regions, so the token-wise
+    ops between two of them (a Hyena block's projections, gates and MLP) form a region and are
+    chunked, as between two attentions. A barrier must hand the axis on with its true length:
+    the region after it is sliced by chunks of ``seq_len`` positions. A mixer's node takes the
+    axis of the first input along the chain of mixer nodes it reads (a causal pad before its
+    conv, the scan op before its ``y``) and keeps it only where its own output has ``seq_len``
+    positions there: an ``rfft(u, n=2T)`` (T + 1 bins) or a padded input (T + K - 1) has none,
+    and neither have the products of bins after it. The axis comes back at the first-T prefix
+    ``slice(x, d, 0, T)`` of a mixer's longer output (``_mixer_prefix_sdim``: the FFT
+    convolution's ``irfft(...)[..., :T]``, the ``Conv1d(padding=K - 1)`` output's ``[..., :T]``).
+    The chunked ops never include a mixer's own nodes, which run whole; what else runs along
+    the axis without a mixer is still a barrier that drops it, as before."""
+    cur = node
+    while True:
+        src = cur.args[0] if cur.args else None
+        if not isinstance(src, fx.Node):
+            return None
+        if sd.get(src) is not None:
+            break
+        if not mixes(src):
+            return None
+        cur = src
+    s, out = sd[src], _val(node)
+    return s if isinstance(out, torch.Tensor) and s < out.dim() and out.shape[s] == t else None
+
+
+def _mixer_prefix_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int, mixes: Callable[[fx.Node], bool]) -> int | None:
+    """The axis of ``slice(x, d, 0, T)`` of a mixer's output ``x`` that has no axis of its own
+    (NOTE [Mixers as tiling barriers])."""
+    if op_packet(node) is not aten.slice or not isinstance(node.args[0], fx.Node):
+        return None
+    x, out = node.args[0], _val(node)
+    if not mixes(x) or sd.get(x) is not None or not isinstance(out, torch.Tensor):
+        return None
+    d = _norm(node.args[1] if len(node.args) > 1 else 0, out.dim())
+    start = node.args[2] if len(node.args) > 2 else 0
+    step = node.args[4] if len(node.args) > 4 else 1
+    return d if start in (0, None) and step == 1 and out.shape[d] == t else None
 
 
 def _split_attention_inputs(region: list[fx.Node], consumers: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -330,6 +389,8 @@ def _split_attention_inputs(region: list[fx.Node], consumers: set[fx.Node]) -> t
     for n in reversed(region):
         if n.users and all(u in consumers or u in only for u in n.users):
             only.add(n)
+    # A tuple's item stays with the tuple: a region's outputs are tensors.
+    only -= {n for n in only if n.target is operator.getitem and n.args[0] not in only}
     if not only or len(only) == len(region):
         return region, []
     return [n for n in region if n not in only], [n for n in region if n in only and n in inside]

@@ -14,7 +14,9 @@ rewritten forward afterwards. Postconditions:
   the ``cat`` of its chunks. Every node of the chunked copy carries
   ``meta['recompute'] = CheckpointPolicy.MUST_RECOMPUTE`` and ``zerofx_tile_region``; so do the
   ``cat`` outputs of a region that only computes attention inputs (NOTE [Attention inputs are
-  recomputed, not saved] in ``seq_regions``).
+  recomputed, not saved] in ``seq_regions``);
+- each planned convolution span's nodes carry ``meta['recompute'] = MUST_RECOMPUTE`` (NOTE
+  [Convolutions recomputed in backward] in ``plan_tiling``).
 
 NOTE [Per-chunk recompute through the partitioner]
 AOTAutograd copies a forward node's ``recompute`` tag onto the joint graph's node when it traces
@@ -41,7 +43,7 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from zerofx.passes import _compat, meta, seq_regions
-from zerofx.passes.plan_tiling import TilingPlan, weight_linears
+from zerofx.passes.plan_tiling import TilingPlan, analyze_for_tiling, weight_linears
 from zerofx.common.errors import PlanError
 
 aten = torch.ops.aten
@@ -57,16 +59,19 @@ def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphMo
         return gm
     if any(TILED in n.meta for n in gm.graph.nodes):
         raise PlanError("this graph is already tiled; plan again for the original graph instead of tiling twice")
-    analysis = seq_regions.analyze(gm, plan.seq_len)
+    analysis = analyze_for_tiling(gm, plan.seq_len)
     linears = weight_linears(gm, plan.weight_tile_bytes)
-    found = (len(analysis.attention), len(analysis.regions), len(analysis.losses), len(linears))
+    found = (len(analysis.attention), len(analysis.regions), len(analysis.losses), len(linears), len(analysis.conv_spans))
     if found != tuple(plan.num_candidates):
-        raise PlanError(f"the tiling plan was made for {tuple(plan.num_candidates)} (attention, region, loss, weight) candidates, "
+        raise PlanError(f"the tiling plan was made for {tuple(plan.num_candidates)} (attention, region, loss, weight, conv) candidates, "
                          f"this graph has {found}; plan again for this graph")
     graph = gm.graph
     # Chunking regions copies the graph; the tag travels with the node (no chosen region holds one).
     for i, op in plan.chosen("weight").items():
         linears[i][0].meta[_WEIGHT_TILES] = op.block_size
+    for i in plan.chosen("conv"):  # NOTE [Convolutions recomputed in backward] in plan_tiling
+        for n in analysis.conv_spans[i]:
+            n.meta["recompute"] = _MUST_RECOMPUTE
     for i, op in plan.chosen("attention").items():
         _replace_attention(graph, analysis.attention[i], op.block_size)
     for i, op in plan.chosen("loss").items():
@@ -74,7 +79,7 @@ def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphMo
     graph.eliminate_dead_code()
     regions = plan.chosen("region")
     if regions:
-        after = seq_regions.analyze(gm, plan.seq_len)
+        after = analyze_for_tiling(gm, plan.seq_len)
         assert len(after.regions) == plan.num_candidates[1], "replacing attention and losses must keep the regions"
         gm = _chunk_regions(gm, after, {i: op.block_size for i, op in regions.items()})
     _replace_weight_linears(gm.graph)

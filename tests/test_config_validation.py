@@ -453,6 +453,7 @@ MUST_AGREE: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "zerofx.tiling.region": (True, False, BASE),
     "zerofx.tiling.loss": (True, False, BASE),
     "zerofx.tiling.weight": (True, False, BASE),
+    "zerofx.tiling.conv": (True, False, BASE),
     "zerofx.tiling.weight_tile_bytes": ("64MiB", "32MiB", BASE),
     "zerofx.compile": ("none", "inductor", BASE),
     "zerofx.fused_optimizer": (False, True, BASE),

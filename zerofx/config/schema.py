@@ -242,6 +242,8 @@ SCHEMA: dict[str, Key] = {
             "region": Key((bool,), "may tile token-wise regions (MLP, norms, projections) with per-chunk recompute"),
             "loss": Key((bool,), "may tile the vocabulary projection and cross-entropy"),
             "weight": Key((bool,), "may tile large linear weights along their output features (at stage 3 gathered one tile at a time)"),
+            "conv": Key((bool,), "may recompute convolutions (direct and FFT) in backward from their input instead of saving their "
+                        "padded inputs, spectra and outputs"),
             "weight_tile_bytes": Key((int, str), "the largest weight tile: bigger weights are used in tiles of at most this size", _bytes_pos,
                                      "bytes >= 1 or a size such as \"64MiB\""),
         }),

@@ -1,0 +1,74 @@
+"""Tiling the genomic models within one process: the mixers' ops (convolutions, FFTs, cumsum,
+the scan, flips) are barriers that keep the sequence axis, so the token-wise regions between
+them run in chunks, and the convolution spans are recomputed in backward (NOTE [Mixers as
+tiling barriers], NOTE [Convolutions recomputed in backward]). Parity against eager PyTorch,
+and what the forward graph saves for backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerofx.models import build_model
+from zerofx.passes.plan_tiling import TilingOptions
+from tests.test_tiling import assert_parity, run_partitioned
+
+SEQ = 64
+ON = TilingOptions(enabled=True, block_size=16)
+OFF = TilingOptions(enabled=False)
+# Per model: the convolution spans tiling finds (featurizer and filter convs, FFT convolutions).
+SPANS = {"hyena-tiny": 4, "striped-tiny": 6, "mamba-tiny": 2, "bimamba-tiny": 4}
+
+
+def _batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 5, (2, SEQ), generator=g)
+    labels = ids.clone()
+    if name.startswith("bimamba"):  # masked LM: only some positions carry a label
+        labels[torch.rand(ids.shape, generator=g) < 0.7] = -100
+    else:
+        labels[0, -5:] = -100  # ignored tokens
+    return ids, labels
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(name)
+
+
+def saved_bytes(graphs) -> int:
+    """Activation bytes the partitioned forward hands to backward (its outputs after the loss,
+    the parameters aside)."""
+    fw = graphs[0]
+    out = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+    vals = [a.meta.get("val") for a in out[1:] if hasattr(a, "meta") and a.op != "placeholder"]
+    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.parametrize("name", sorted(SPANS))
+def test_genomic_model_tiled_matches_eager_and_saves_less(name: str) -> None:
+    model = _model(name)
+    ids, labels = _batch(name)
+    cap, graphs = assert_parity(model, (ids,), {"labels": labels}, ON)
+    plan = cap.tiling
+    kinds = [op.kind for op in plan.ops]
+    assert plan.num_candidates[4] == SPANS[name], plan.num_candidates
+    assert kinds.count("conv") == SPANS[name] and kinds.count("region") >= 2 * model.cfg.num_layers, kinds
+    # Every recomputed span's conv and FFT nodes carry the tag into the joint graph; none saves a
+    # padded input or a spectrum.
+    _, _, _, untiled = run_partitioned(_model(name), (ids,), {"labels": labels}, OFF)
+    # The scan op keeps its inputs (x, delta, B, C) whatever tiling does; the rest is chunked.
+    assert saved_bytes(graphs) < 0.6 * saved_bytes(untiled), (saved_bytes(graphs), saved_bytes(untiled))
+    fw = graphs[0]
+    out = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+    saved_complex = [a.name for a in out[1:] if hasattr(a, "meta") and getattr(a.meta.get("val"), "is_complex", lambda: False)()]
+    assert not saved_complex, saved_complex
+
+
+def test_conv_kind_can_be_switched_off() -> None:
+    model = _model("striped-tiny")
+    ids, labels = _batch("striped-tiny")
+    kinds = ("attention", "region", "loss", "weight")
+    cap, _ = assert_parity(model, (ids,), {"labels": labels}, TilingOptions(enabled=True, block_size=16, kinds=kinds))
+    assert "conv" not in {op.kind for op in cap.tiling.ops}
+    assert any(s.kind == "conv" for s in cap.tiling.skipped) or cap.tiling.num_candidates[4] == SPANS["striped-tiny"]
