@@ -89,9 +89,10 @@ def test_a_call_with_a_cache_runs_hugging_face_forward() -> None:
 
 def test_what_the_adapter_refuses() -> None:
     """A model without a Mamba mixer (FalconMamba's mixer is a class of its own, which normalizes
-    B, C and dt), a subclass of one (whose forward may differ), a bad chunk length, and the
+    B, C and dt), a subclass of one (whose forward may differ), a chunk length that is not a
+    positive int or whose chunk can overflow fp32's exp (NOTE [Scan chunk length]), and the
     keywords of packed sequences: each refused by name. Other keywords are ignored."""
-    from transformers import FalconMambaConfig, FalconMambaForCausalLM
+    from transformers import FalconMambaConfig, FalconMambaForCausalLM, MambaConfig, MambaForCausalLM
     from transformers.models.mamba.modeling_mamba import MambaMixer
 
     falcon = FalconMambaForCausalLM(FalconMambaConfig(vocab_size=8, hidden_size=16, state_size=4, num_hidden_layers=1))
@@ -108,6 +109,12 @@ def test_what_the_adapter_refuses() -> None:
     assert not any(is_zerofx_scan_mixer(m) for m in net.modules())  # nothing adapted
     with pytest.raises(ZeroFXError, match="chunk_len must be a positive int, got 0"):
         use_zerofx_scan(workers.hf_model("mamba", adapt=False), chunk_len=0)
+    # 64 states: A reaches -64 at init, so 32 steps of delta 0.1 pass exp(-205); 13 stay within exp(84).
+    wide = MambaForCausalLM(MambaConfig(vocab_size=8, hidden_size=16, state_size=64, num_hidden_layers=1))
+    with pytest.raises(ZeroFXError, match=r"backbone.layers.0.mixer: chunk_len 32 x delta up to 0.1 x \|A\| up to 64 is 205, past "
+                                          r"fp32's exp range \(88\).*pass chunk_len=13 or less"):
+        use_zerofx_scan(wide)
+    assert is_zerofx_scan_mixer(use_zerofx_scan(wide, chunk_len=13).backbone.layers[0].mixer)
     mixer = workers.hf_model("mamba2").backbone.layers[0].mixer
     with pytest.raises(CaptureError, match="ZeroFXScanMamba2Mixer .use_zerofx_scan. does not take seq_idx"):
         mixer(torch.zeros(1, 4, 32), seq_idx=torch.zeros(1, 4, dtype=torch.int32))
