@@ -240,7 +240,7 @@ def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int
         if d != s:
             return s
         return s if out.shape[d] == t else None  # a full slice keeps the axis; a shift does not
-    if pk in (aten.chunk, aten.split, aten.split_with_sizes):
+    if pk in (aten.chunk, aten.split, aten.split_with_sizes, aten.tensor_split):  # pieces along another dim keep the axis
         d = _norm(args[2] if len(args) > 2 else node.kwargs.get("dim", 0), rank)
         return None if d == s else s
     if pk is aten.expand:
