@@ -37,6 +37,17 @@ bytes are the span's outputs; tiled, its inputs that depend on the sequence. The
 holds a collective: under sequence parallelism a halo's or an all-to-all's output is an input
 of the span and stays saved, so recompute adds no communication.
 
+NOTE [Long convolutions in channel chunks]
+A depthwise FFT convolution is independent per channel, and its working set, the padded signal
+and two complex spectra of 2T points per channel, is several times the signal. A chosen FFT span
+whose ops keep a (..., C, L) layout (``channel_chunks_allowed``: FFTs along the last dim,
+products, casts, slices of the last dim) runs in channel chunks: its inputs are split along dim
+-2, the span is replayed per chunk and its outputs concatenated along dim -2. Every chunk's
+nodes are tagged for recompute, so backward too holds one chunk's spectra at a time. The
+planner gives it as many chunks as the regions have sequence chunks (at most C), so one
+chunk's share of the working set is the same fraction in both. Under sequence parallelism this
+runs on each rank's C/S channels of the whole sequence, after the all-to-all.
+
 NOTE [Weight tiles]
 The fourth kind tiles a linear's weight along its output features (rows), for stage 3, where
 the weight is gathered before use: a weight of more than ``weight_tile_bytes`` is gathered and
@@ -257,8 +268,12 @@ def _candidates(analysis: SeqAnalysis, block: int, ablock: int) -> tuple[list[Ti
         kinds = sorted({str(seq_regions.op_packet(n)).removeprefix("aten.") for n in span if seq_regions.op_packet(n) in _CONV_SEEDS})
         untiled, tiled = estimate_conv_bytes(span)
         shape = next((tuple(n.meta["val"].shape) for n in span if isinstance(n.meta.get("val"), torch.Tensor)), ())
-        candidates.append(TiledOp("conv", i, f"{' + '.join(kinds)}: {len(span)} ops recomputed in backward", shape, 0, untiled,
-                                  min(tiled, untiled)))
+        # An FFT convolution runs in as many channel chunks as the regions have sequence chunks
+        # (NOTE [Long convolutions in channel chunks]); a direct conv is recomputed whole.
+        channels = channel_chunks_allowed(span)
+        chunks = min(channels, -(-seq_len // block)) if channels and block < seq_len else 1
+        what = f"{' + '.join(kinds)}: {len(span)} ops recomputed in backward" + (f", in {chunks} channel chunks" if chunks > 1 else "")
+        candidates.append(TiledOp("conv", i, what, shape, chunks, untiled, min(tiled, untiled)))
     for i, m in enumerate(analysis.losses):
         what = "linear + cross_entropy"
         if m.reason:
@@ -381,6 +396,46 @@ def conv_spans(gm: fx.GraphModule, analysis: SeqAnalysis) -> list[list[fx.Node]]
         if n in member:
             groups.setdefault(find(n), []).append(n)
     return [g for g in groups.values() if any(seq_regions.op_packet(x) in _CONV_SEEDS for x in g)]
+
+
+# What a span chunked over channels may hold: ops that keep the (..., C, L) layout.
+_CHANNEL_OPS = {_aten.fft_rfft, _aten.fft_irfft, _aten.mul, _aten.add, _aten.sub, _aten.slice, _aten.conj, _aten._conj, _aten.to,
+                _aten._to_copy, _aten.clone, _aten.contiguous}
+
+
+def channel_chunks_allowed(span: list[fx.Node]) -> int:
+    """The channels C an FFT convolution span can be cut into pieces of, or 0 when it cannot
+    (NOTE [Long convolutions in channel chunks]): every node an FFT, a product, a cast or a slice
+    of the last dim; every tensor (..., C, L) or (..., 1, L) at dim -2; its outputs used after
+    all of it."""
+    if not any(seq_regions.op_packet(n) in (_aten.fft_rfft, _aten.fft_irfft) for n in span):
+        return 0
+    inside, channels = set(span), set()
+    for n in span:
+        if seq_regions.op_packet(n) not in _CHANNEL_OPS:
+            return 0
+        if seq_regions.op_packet(n) is _aten.slice:
+            v = n.meta.get("val")
+            if not isinstance(v, torch.Tensor) or (n.args[1] if len(n.args) > 1 else 0) % v.dim() != v.dim() - 1:
+                return 0
+        if seq_regions.op_packet(n) in (_aten.fft_rfft, _aten.fft_irfft):
+            dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", -1)
+            if dim not in (-1, n.args[0].meta["val"].dim() - 1):
+                return 0
+        for x in [n, *n.all_input_nodes]:
+            v = x.meta.get("val")
+            if not isinstance(v, torch.Tensor) or v.dim() < 2:
+                return 0
+            if v.shape[-2] != 1:
+                channels.add(v.shape[-2])
+    if len(channels) != 1:
+        return 0
+    position = {n: i for i, n in enumerate(span[0].graph.nodes)}
+    last = max(position[n] for n in span)
+    users = [u for n in span for u in n.users if u not in inside]
+    if any(position[u] < last for u in users):
+        return 0
+    return channels.pop()
 
 
 def estimate_conv_bytes(span: list[fx.Node]) -> tuple[int, int]:

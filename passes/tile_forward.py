@@ -43,7 +43,7 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from zerofx.passes import _compat, meta, seq_regions
-from zerofx.passes.plan_tiling import TilingPlan, analyze_for_tiling, weight_linears
+from zerofx.passes.plan_tiling import TilingPlan, analyze_for_tiling, channel_chunks_allowed, weight_linears
 from zerofx.common.errors import PlanError
 
 aten = torch.ops.aten
@@ -52,6 +52,7 @@ TILED = "zerofx_tiled"
 _MUST_RECOMPUTE = _compat.CheckpointPolicy.MUST_RECOMPUTE
 # int, for this pass only: the tiles a planned weight's linear gets once the regions are chunked.
 _WEIGHT_TILES = "zerofx_weight_tiles"
+_CONV_SPAN = "zerofx_conv_span"  # int, for this pass only: the planned convolution span a node belongs to
 
 
 def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphModule:
@@ -69,9 +70,10 @@ def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphMo
     # Chunking regions copies the graph; the tag travels with the node (no chosen region holds one).
     for i, op in plan.chosen("weight").items():
         linears[i][0].meta[_WEIGHT_TILES] = op.block_size
-    for i in plan.chosen("conv"):  # NOTE [Convolutions recomputed in backward] in plan_tiling
+    for i, op in plan.chosen("conv").items():  # NOTE [Convolutions recomputed in backward] in plan_tiling
         for n in analysis.conv_spans[i]:
             n.meta["recompute"] = _MUST_RECOMPUTE
+            n.meta[_CONV_SPAN] = i  # found again after the regions are chunked (which copies the graph)
     for i, op in plan.chosen("attention").items():
         _replace_attention(graph, analysis.attention[i], op.block_size)
     for i, op in plan.chosen("loss").items():
@@ -82,11 +84,64 @@ def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphMo
         after = analyze_for_tiling(gm, plan.seq_len)
         assert len(after.regions) == plan.num_candidates[1], "replacing attention and losses must keep the regions"
         gm = _chunk_regions(gm, after, {i: op.block_size for i, op in regions.items()})
+    # After the regions: a channel split is token-wise and would join the signal's region.
+    spans: dict[int, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if _CONV_SPAN in n.meta:
+            spans.setdefault(n.meta[_CONV_SPAN], []).append(n)
+    channel_chunked = {i: op for i, op in plan.chosen("conv").items() if op.block_size > 1}
+    if channel_chunked:
+        _propagate_vals(gm)  # the chunked regions' outputs, which the spans read, have no value yet
+    for i, op in channel_chunked.items():
+        _chunk_channels(gm.graph, spans[i], op.block_size)
+    gm.graph.eliminate_dead_code()
     _replace_weight_linears(gm.graph)
     _propagate_vals(gm)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _chunk_channels(graph: fx.Graph, span: list[fx.Node], chunks: int) -> None:
+    """``span`` (an FFT convolution) replayed on ``chunks`` slices of its channels, dim -2
+    (NOTE [Long convolutions in channel chunks] in ``plan_tiling``)."""
+    channels = channel_chunks_allowed(span)
+    if channels == 0 or chunks > channels:
+        raise PlanError(f"the tiling plan chunks an FFT convolution into {chunks} channel pieces that this graph cannot take "
+                        f"({channels} channels); plan again for this graph")
+    sizes = [channels // chunks + (1 if c < channels % chunks else 0) for c in range(chunks)]
+    inside = set(span)
+    outputs = [n for n in span if any(u not in inside for u in n.users)]
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    first_user = min((u for o in outputs for u in o.users if u not in inside), key=position.__getitem__)
+
+    def tag(n: fx.Node) -> fx.Node:
+        n.meta["recompute"] = _MUST_RECOMPUTE
+        n.meta[TILED] = "conv"
+        return n
+
+    with graph.inserting_before(first_user):
+        pieces: dict[fx.Node, list[fx.Node]] = {}
+        for x in {a: None for n in span for a in n.all_input_nodes if a not in inside}:
+            v = x.meta["val"]
+            if v.shape[-2] == channels:
+                split = tag(graph.call_function(aten.split_with_sizes.default, (x, sizes, v.dim() - 2)))
+                pieces[x] = [tag(graph.call_function(operator.getitem, (split, c))) for c in range(chunks)]
+        chunk_envs = []
+        for c in range(chunks):
+            cenv: dict[fx.Node, fx.Node] = {}
+
+            def lookup(x: fx.Node, cenv: dict[fx.Node, fx.Node] = cenv, c: int = c) -> fx.Node:  # bound: used within this iteration
+                return cenv[x] if x in inside else pieces[x][c] if x in pieces else x
+
+            for n in span:
+                new = graph.create_node("call_function", n.target, fx.map_arg(n.args, lookup), fx.map_arg(n.kwargs, lookup))
+                new.meta.update({k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")})
+                cenv[n] = tag(new)
+            chunk_envs.append(cenv)
+        for o in outputs:
+            cat = tag(graph.call_function(aten.cat.default, ([env[o] for env in chunk_envs], o.meta["val"].dim() - 2)))
+            o.replace_all_uses_with(cat, delete_user_cb=lambda u: u not in inside and u is not cat)
 
 
 def _replace_attention(graph: fx.Graph, m: seq_regions.AttentionMatch, block: int) -> None:

@@ -63,6 +63,12 @@ def test_genomic_model_tiled_matches_eager_and_saves_less(name: str) -> None:
     out = next(n for n in fw.graph.nodes if n.op == "output").args[0]
     saved_complex = [a.name for a in out[1:] if hasattr(a, "meta") and getattr(a.meta.get("val"), "is_complex", lambda: False)()]
     assert not saved_complex, saved_complex
+    # Each FFT convolution runs in channel chunks (NOTE [Long convolutions in channel chunks]):
+    # SEQ / block = 4 chunks, each with its own rfft of the signal and of the filter.
+    ffts = [op for op in plan.ops if op.kind == "conv" and "fft" in op.what]
+    assert all(op.block_size == 4 and "4 channel chunks" in op.what for op in ffts), ffts
+    rffts = [len(g.graph.find_nodes(op="call_function", target=torch.ops.aten.fft_rfft.default)) for g in (fw, untiled[0])]
+    assert rffts[0] == 4 * rffts[1], rffts
 
 
 def test_conv_kind_can_be_switched_off() -> None:
