@@ -86,7 +86,7 @@ LONGEST_FIRST = ("test_tiling.py", "test_planning.py", "test_sequence_parallel.p
                  "test_core_parity.py", "test_compile.py", "test_offload.py", "test_meta_init.py", "test_core_passes.py",
                  "test_engine_faults.py", "test_bench_smoke.py", "test_sp_planning.py", "test_genome_cli.py", "test_own_data.py",
                  "test_hierarchical.py", "test_grad_offload.py", "test_packaging.py", "test_plan_output.py", "test_multinode.py",
-                 "test_training.py", "test_sp_checkpoint.py", "test_monitors.py", "test_plan_cache.py")
+                 "test_training.py", "test_sp_zero_compose.py", "test_sp_checkpoint.py", "test_monitors.py", "test_plan_cache.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -85,8 +85,10 @@ class StripedHyenaLM(GenomicDecoder):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> DNALMOutput:
         t = self.check_length(input_ids)
-        cos, sin = rope_tables(self.cfg.head_dim, t, self.cfg.rope_theta, input_ids.device)  # (T, hd/2)
         x = self.embed(input_ids)  # (B, T, d)
+        # In the model's dtype, as the DNA LM's tables (buffers) are: fp32 tables would turn a
+        # 16-bit model's q and k into fp32 beside a 16-bit v, which SDPA refuses.
+        cos, sin = (table.to(x.dtype) for table in rope_tables(self.cfg.head_dim, t, self.cfg.rope_theta, input_ids.device))  # (T, hd/2)
         for blk in self.blocks:
             x = blk(x, cos, sin)
         return self.output(x, labels)
