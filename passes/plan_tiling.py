@@ -22,8 +22,13 @@ NOTE [Block size from the budget]
 Each chunk of a region costs time (a few more, smaller ops, and a copy of the chunk's nodes in
 every graph: about 10 KB of host memory per node), and a region's tiled estimate falls only with
 the chunk's share of it. So without a configured ``block_size`` the planner tries the sequence in
-2, 4, 8, ... even chunks (at least ``MIN_AUTO_BLOCK`` tokens) and keeps the fewest whose estimate
-fits the budget; when none fits it keeps the smallest and logs that it does not fit.
+2, 4, 8, ... even chunks (at least ``MIN_AUTO_BLOCK`` tokens, at most ``MAX_AUTO_CHUNKS`` chunks)
+and keeps the fewest whose estimate fits the budget; when none fits it keeps the smallest and
+logs that it does not fit. The chunk count is capped because a graph grows by a copy of the
+region per chunk (capture and AOTAutograd's tracing take time in proportion), while what
+chunking saves stops falling once the region's outputs, which stay whole, dominate: at 32
+chunks one chunk's share is 3% of the region's intermediates. A configured ``block_size`` is
+taken as given.
 
 NOTE [Convolutions recomputed in backward]
 The fifth kind is a convolution span (``conv_spans``): a direct conv1d with the causal pad that
@@ -80,6 +85,7 @@ log = logging.getLogger("zerofx.tiling")
 
 DEFAULT_BLOCK_SIZE = 1024  # tokens per chunk when the sequence is too short to split into MIN_AUTO_BLOCK pieces
 MIN_AUTO_BLOCK = 256  # the smallest block the planner picks itself: smaller chunks make (B·block, d) matmuls inefficient on CPU
+MAX_AUTO_CHUNKS = 32  # the most chunks per region the planner picks itself (NOTE [Block size from the budget])
 DEFAULT_ATTENTION_BLOCK = 512  # query and key block; the (B, H, 512, 512) score block is 1 MiB per head in fp32
 DEFAULT_BUDGET_BYTES = 1 << 30
 DEFAULT_WEIGHT_TILE_BYTES = 256 << 20  # a gathered weight bigger than this is used in tiles (NOTE [Weight tiles])
@@ -231,14 +237,14 @@ def estimate_loss_bytes(match: seq_regions.LossMatch, block: int) -> tuple[int, 
 
 def _block_choices(seq_len: int, options: TilingOptions) -> list[int]:
     """Region and loss block sizes to try, largest first: the configured one, else the sequence in
-    2, 4, 8, ... even chunks (rounded up to 64 tokens) down to ``MIN_AUTO_BLOCK``."""
+    2, 4, 8, ... even chunks (rounded up to 64 tokens) down to ``MIN_AUTO_BLOCK``, at most ``MAX_AUTO_CHUNKS``."""
     if options.block_size is not None:
         return [options.block_size]
     blocks, parts = [], 2
     while True:
         block = -(-seq_len // parts)  # ceil
         block = -(-block // 64) * 64
-        if block < MIN_AUTO_BLOCK:
+        if block < MIN_AUTO_BLOCK or parts > MAX_AUTO_CHUNKS:
             return blocks or [DEFAULT_BLOCK_SIZE]
         blocks.append(block)
         parts *= 2

@@ -140,7 +140,7 @@ STRIPED_HYENA_SIZES = {
                                         max_seq_len=32768),
     # The genome-scale benchmark's model: Hyena-SE, -MR and -LI blocks at 1M tokens. No attention
     # block: causal attention over 1,048,576 positions is O(T^2) compute, hours on a CPU.
-    "striped-1m": StripedHyenaConfig(dim=64, block_pattern=parse_block_pattern("SDHSDH"), num_heads=4, ffn_dim=168,
+    "striped-1m": StripedHyenaConfig(dim=32, block_pattern=parse_block_pattern("SDHSDH"), num_heads=4, ffn_dim=88,
                                      max_seq_len=1 << 20),
     # Evo 2 1B's width, MLP and layout (1920 wide, 15 heads of 128, 5120-wide MLP), 8K context.
     "striped-1b": StripedHyenaConfig(dim=1920, block_pattern=parse_block_pattern(_EVO2_1B), num_heads=15, ffn_dim=5120,
