@@ -387,13 +387,17 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
             not_candidates.append((f"sequence parallelism over {sp} ranks", why))
     ranked = _rank(results, budget_bytes)
     chosen = ranked[0] if ranked and ranked[0].fits else None
+    if chosen is None and any(e.lowered for e in results):
+        # What would fit is the leanest candidate's peak: one the memory bound skipped may need
+        # less than every one lowered, so those are lowered now.
+        lean = min(e.peak_bytes for e in results if e.lowered)
+        results = [s.evaluate(e.candidate) if not e.lowered and e.peak_bytes < lean else e for e in results]
+        ranked = _rank(results, budget_bytes)
+        chosen = ranked[0] if ranked[0].fits else None  # the bound is a heuristic: one lowered now may fit
     to_fit: tuple[str, ...] = ()
-    if chosen is None and ranked:
+    if chosen is None and any(e.lowered for e in ranked):
         to_fit = _what_would_fit(s, ranked)
-    config = None if chosen is None else candidate_config(base_config, chosen.candidate, world_size=world_size,
-                                                          global_batch=global_batch, fixed=fixed)
-    if chosen is not None and chosen.candidate.tiling == "auto":
-        config = s.config(chosen.candidate)
+    config = None if chosen is None else s.config(chosen.candidate)
     return AutoPlan(chosen=chosen, ranked=ranked, not_candidates=tuple(not_candidates), to_fit=to_fit, config=config,
                     budget_bytes=budget_bytes, world_size=world_size, seq_len=seq_len, global_batch=global_batch, profile=s.profile,
                     fixed=tuple(sorted(fixed)), search_s=time.perf_counter() - start, num_captures=s.num_captures,
@@ -403,7 +407,8 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
 def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_group: int, results: list[Evaluated]) -> str | None:
     """Every capture group at sequence-parallel size ``sp``, results appended to ``results``;
     why the rewrite refuses the model at ``sp``, or None."""
-    tiled: dict[int, list[tuple[Any, ...]]] = {}  # micro-batch -> the tiled ops of each tiling searched
+    # micro-batch -> (the tiled ops of each tiling searched, whether any of its candidates fit)
+    tiled: dict[int, dict[tuple[Any, ...], bool]] = {}
     for tiling in space.tilings:
         if tiling != space.tilings[0] and not _untiled_over(results, sp):
             continue  # everything fits untiled: tiling cannot win (NOTE [How the whole-job search prunes])
@@ -412,9 +417,11 @@ def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_
                      for stage in space.stages for k in _shard_group_sizes(space, stage, s.world_size) for offload in space.offloads]
             try:
                 ops = s.tiled_ops(group[0])
-                if ops in tiled.setdefault(micro, []):
-                    continue  # this tiling tiles what another already did: the same candidates again
-                tiled[micro].append(ops)
+                seen = tiled.setdefault(micro, {})
+                if ops in seen:  # this tiling tiles what another already did: the same candidates again
+                    if not seen[ops]:
+                        break
+                    continue
                 evaluated = _search_group(s, group)
             except CaptureError as exc:
                 if sp == 1 or not (isinstance(exc, SequenceParallelError) or isinstance(exc.__cause__, SequenceParallelError)):
@@ -422,7 +429,8 @@ def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_
                 return str(exc)
             results += evaluated
             lowered = [e for e in evaluated if e.lowered]
-            if lowered and not any(e.fits for e in lowered):
+            seen[ops] = any(e.fits for e in lowered)
+            if lowered and not seen[ops]:
                 break  # a larger micro-batch holds more: none of its candidates would fit
     return None
 
