@@ -1,0 +1,31 @@
+"""Rank functions for tests/test_autoplan.py: ``"zerofx": {"auto": true}`` at initialize."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any
+
+import torch
+
+import zerofx
+from zerofx.models.registry import build_model
+
+
+def auto_initialize(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+    """Initialize the tiny DNA LM with ``config`` (``zerofx.auto`` on), take two steps, and
+    return what was printed, the stage and offload applied, and the losses."""
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    ids = torch.randint(0, 5, (1, 64), generator=torch.Generator().manual_seed(rank))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        engine = zerofx.initialize(model, config, example_inputs=(ids,), example_kwargs={"labels": ids})
+    losses = []
+    for _ in range(2):
+        loss = engine(ids, labels=ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return {"printed": printed.getvalue(), "stage": int(engine.stage), "offload": engine.cfg.offload is not None,
+            "auto": engine.cfg.auto is not None, "raw": dict(engine.cfg.raw), "losses": losses}
