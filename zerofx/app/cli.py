@@ -273,13 +273,14 @@ def format_auto_plan(result: Any, *, label: str) -> str:
     kept = f"; kept as the config sets them: {', '.join(result.fixed)}" if result.fixed else ""
     lines = [f"zerofx plan {label} --auto: world size {result.world_size}, seq_len {result.seq_len}, global batch "
              f"{result.global_batch} sequences per step, budget {format_bytes(result.budget_bytes)} per rank, profile {result.profile}",
-             f"searched {len(result.ranked)} candidates ({result.num_lowered} planned and lowered, {result.num_captures} captures) "
+             f"searched {len(result.ranked)} candidates ({result.num_lowered} planned and lowered, {result.num_captures} "
+             f"capture{'' if result.num_captures == 1 else 's'}) "
              f"in {result.search_s:.1f} s{kept}"]
     for what, why in result.not_candidates:
         lines.append(f"not a candidate: {what}: {why}")
     chosen = result.chosen
     if chosen is not None:
-        lines.append(f"chosen: {chosen.candidate.label()}: predicted step {chosen.step_s * 1e3:.1f} ms, {chosen.tokens_per_s:,.0f} "
+        lines.append(f"chosen: {chosen.candidate.label()}: predicted step {chosen.step_s * 1e3:.3g} ms, {chosen.tokens_per_s:,.0f} "
                      f"tokens/s, peak {format_bytes(chosen.peak_bytes)} per rank (model state {format_bytes(chosen.model_state_bytes)})")
     else:
         lines.append(f"nothing fits {format_bytes(result.budget_bytes)} per rank. To fit, it would take:")
@@ -287,7 +288,7 @@ def format_auto_plan(result: Any, *, label: str) -> str:
     rows = []
     for i, e in enumerate(result.ranked[:AUTO_ROWS + 1]):
         rows.append([i + 1, e.candidate.label(), f"{e.tokens_per_s:,.0f}" if e.lowered else "-",
-                     f"{e.step_s * 1e3:.1f}" if e.lowered else "-", format_bytes(e.peak_bytes) + ("" if e.lowered else " or more"),
+                     f"{e.step_s * 1e3:.3g}" if e.lowered else "-", format_bytes(e.peak_bytes) + ("" if e.lowered else " or more"),
                      e.why or "chosen"])
     lines.append(tabulate(rows, headers=["#", "candidate", "tokens/s", "step ms", "peak/rank", "why not"], disable_numparse=True))
     if len(result.ranked) > AUTO_ROWS + 1:

@@ -32,6 +32,9 @@ cannot win:
   sequence-parallel size only when some candidate of its untiled capture is over the budget.
 - A sequence-parallel size whose rewrite refuses the model (``SequenceParallelError``) is not a
   candidate, and the report says why.
+With tiling ``auto``, the capture's tiling is fitted to the timeline of the candidate it was
+captured for; a winner planned again from another candidate's capture is captured once more
+from its own config, and measured as that config plans it, before it is kept.
 The objective is tokens per optimizer step over the predicted optimizer step: the micro-steps'
 forward and backward (with the exposed communication), the once-per-step gradient and
 parameter syncs of stages 1-2, and the optimizer update (memory-bound on the device, or the
@@ -70,8 +73,14 @@ InputsAt = Callable[[int, int], tuple[tuple[Any, ...], Mapping[str, Any]]]
 
 TILINGS = ("off", "auto", "on")
 OFFLOADS = (NO_OFFLOAD, Tier.CPU.value)
+# Auto-tiled winners captured again from their own config before one is kept.
+MAX_RECAPTURES = 3
 # Halvings of the sequence tried to say how short a sequence the leanest candidate fits.
 MAX_SEQUENCE_HALVINGS = 5
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _powers_of_two_dividing(n: int, *, start: int = 1) -> tuple[int, ...]:
@@ -159,9 +168,9 @@ class AutoPlan:
             return (f"zerofx auto: nothing fits {format_bytes(self.budget_bytes)} per rank among {len(self.ranked)} candidates; "
                     + "; ".join(self.to_fit))
         c = self.chosen
-        return (f"zerofx auto: chose {c.candidate.label()} (predicted {c.tokens_per_s:,.0f} tokens/s, step {c.step_s * 1e3:.1f} ms, "
+        return (f"zerofx auto: chose {c.candidate.label()} (predicted {c.tokens_per_s:,.0f} tokens/s, step {c.step_s * 1e3:.3g} ms, "
                 f"peak {format_bytes(c.peak_bytes)} per rank of {format_bytes(self.budget_bytes)}; {len(self.ranked)} candidates, "
-                f"{self.num_captures} captures, {self.search_s:.1f} s)")
+                f"{_count(self.num_captures, 'capture')}, {self.search_s:.1f} s)")
 
 
 @dataclass(frozen=True)
@@ -253,6 +262,7 @@ class _Search:
         self.world_size, self.seq_len, self.global_batch = world_size, seq_len, global_batch
         self.budget_bytes, self.fixed, self.loss_fn = budget_bytes, fixed, loss_fn
         self.groups: dict[tuple[int, int, str, int], Program] = {}
+        self.own_capture: set[Candidate] = set()  # candidates measured on a capture of their own config
         self.num_captures = 0
         self.num_lowered = 0
         self._states: dict[Candidate, float] = {}
@@ -304,8 +314,26 @@ class _Search:
                             loss_fn=self.loss_fn)
             self.num_captures += 1
             self.groups[key] = first
+            self.own_capture.add(c)
             return first
         return first.replan(config)
+
+    def replanned_tiling(self, c: Candidate) -> bool:
+        """Whether ``c`` is an ``auto``-tiled candidate planned again from a capture whose tiling
+        was fitted for another one: its own config would fit tiling to its own timeline."""
+        return c.tiling == "auto" and c not in self.own_capture
+
+    def evaluate_own_capture(self, c: Candidate) -> Evaluated:
+        """``c`` captured from its own config, as ``zerofx plan --config`` would plan it."""
+        config = self.config(c)
+        args, kwargs = self.inputs_at(c.micro_batch, self.seq_len)
+        program = compile(self.model, world_size=self.world_size, config=config, example_inputs=args, example_kwargs=kwargs,
+                          loss_fn=self.loss_fn)
+        self.num_captures += 1
+        self.num_lowered += 1
+        self.own_capture.add(c)
+        return self.measure(c, program, program.report(0, comm=self.comm, device=self.device),
+                            resolve(config, stage=None, world_size=self.world_size))
 
     def tiled_ops(self, c: Candidate) -> tuple[Any, ...]:
         """What the capture of ``c``'s group tiles (capturing it if not done yet)."""
@@ -394,6 +422,15 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
         results = [s.evaluate(e.candidate) if not e.lowered and e.peak_bytes < lean else e for e in results]
         ranked = _rank(results, budget_bytes)
         chosen = ranked[0] if ranked[0].fits else None  # the bound is a heuristic: one lowered now may fit
+    # NOTE [How the whole-job search prunes]: an auto-tiled winner planned from another stage's
+    # capture is captured again from its own config, so the config printed plans what it says.
+    for _ in range(MAX_RECAPTURES):
+        if chosen is None or not s.replanned_tiling(chosen.candidate):
+            break
+        own = s.evaluate_own_capture(chosen.candidate)
+        results = [own if e.candidate == chosen.candidate else e for e in results]
+        ranked = _rank(results, budget_bytes)
+        chosen = ranked[0] if ranked[0].fits else None
     to_fit: tuple[str, ...] = ()
     if chosen is None and any(e.lowered for e in ranked):
         to_fit = _what_would_fit(s, ranked)
