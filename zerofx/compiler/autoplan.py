@@ -206,9 +206,8 @@ def search_space(cfg: ZeroConfig, auto: AutoOptions, *, world_size: int, seq_len
     return SearchSpace(stages, sp, ks, offloads, tilings, micro, accumulation)
 
 
-def _merge(base: Mapping[str, Any], section: str, values: Mapping[str, Any]) -> None:
-    target = base.setdefault(section, {})  # type: ignore[attr-defined]
-    target.update(values)
+def _merge(config: dict[str, Any], section: str, values: Mapping[str, Any]) -> None:
+    config.setdefault(section, {}).update(values)
 
 
 def candidate_config(base: Mapping[str, Any], c: Candidate, *, world_size: int, global_batch: int,
@@ -261,7 +260,7 @@ class _Search:
         self.model, self.inputs_at, self.base = model, inputs_at, base
         self.world_size, self.seq_len, self.global_batch = world_size, seq_len, global_batch
         self.budget_bytes, self.fixed, self.loss_fn = budget_bytes, fixed, loss_fn
-        self.groups: dict[tuple[int, int, str, int], Program] = {}
+        self.groups: dict[tuple[int, int, str], Program] = {}  # the first program of each capture group
         self.own_capture: set[Candidate] = set()  # candidates measured on a capture of their own config
         self.num_captures = 0
         self.num_lowered = 0
@@ -306,7 +305,7 @@ class _Search:
 
     def program(self, c: Candidate, config: dict[str, Any]) -> Program:
         """The candidate planned from its group's capture, capturing the group's first."""
-        key = (*c.capture_group, 0)
+        key = c.capture_group
         first = self.groups.get(key)
         if first is None:
             args, kwargs = self.inputs_at(c.micro_batch, self.seq_len)
