@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.autoplan_workers import auto_initialize
+from tests.support.autoplan_workers import MeanLM, auto_initialize
 from tests.support.dist_utils import run_ranks
 from zerofx.app.cli import main
 from zerofx.common.errors import ConfigError
@@ -71,6 +71,21 @@ def test_a_longer_context_picks_sequence_parallelism() -> None:
     assert not whole.fits
     assert long.config is not None and long.config["zerofx"]["sequence_parallel"]["size"] == 2
     assert parse_config(long.config).world_size == 2  # the batch keys imply the world size
+
+
+def test_a_model_sequence_parallelism_refuses_is_no_candidate_for_it() -> None:
+    """The rewrite's SequenceParallelError makes a size no candidate, with the reason; the search
+    goes on with the rest."""
+    with torch.device("meta"):
+        model = MeanLM()
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")  # (B, T)
+    space = SearchSpace(stages=(3,), sequence_parallel=(1, 2), shard_group_sizes=None, offloads=("none",), tilings=("off",),
+                        micro_batch=None, accumulation=None)
+    result = search(model, resize_inputs((ids,), {"labels": ids}), {}, world_size=2, seq_len=16, batch=1, budget_bytes=1.0,
+                    space=space)
+    assert [what for what, _ in result.not_candidates] == ["sequence parallelism over 2 ranks"]
+    assert "cannot shard aten.mean.dim" in result.not_candidates[0][1]
+    assert all(e.candidate.sequence_parallel == 1 for e in result.ranked) and result.chosen is None
 
 
 def test_nothing_fits_says_what_would_have_to_change() -> None:

@@ -29,3 +29,17 @@ def auto_initialize(rank: int, world_size: int, config: dict[str, Any]) -> dict[
         losses.append(float(loss))
     return {"printed": printed.getvalue(), "stage": int(engine.stage), "offload": engine.cfg.offload is not None,
             "auto": engine.cfg.auto is not None, "raw": dict(engine.cfg.raw), "losses": losses}
+
+
+class MeanLM(torch.nn.Module):
+    """A token LM with a mean over the sequence: no sequence mixer shards it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 16)
+        self.head = torch.nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)  # (B, T, 16)
+        x = x - x.mean(dim=1, keepdim=True)  # reads every position
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
