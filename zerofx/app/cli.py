@@ -235,6 +235,9 @@ def _plan_auto(args: argparse.Namespace) -> int:
         own["profile"] = args.profile
     raw["zerofx"] = own
     if args.stage is not None:  # --stage fixes the stage, as the config's would
+        given = raw.get("zero_optimization", {}).get("stage")
+        if given is not None and given != args.stage:
+            raise UsageError(f"--stage {args.stage} disagrees with the config's zero_optimization.stage={given}; give one or make them equal")
         raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": args.stage}
     from zerofx.app.planning import running_model_code
 
