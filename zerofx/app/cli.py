@@ -221,15 +221,16 @@ def _config_asks_auto(config: Path | None) -> bool:
 def _plan_auto(args: argparse.Namespace) -> int:
     """``zerofx plan MODEL --auto --budget B``: the search over the whole job's configuration
     (``zerofx.compiler.autoplan``), formatted."""
-    if args.budget is None:
-        raise UsageError("--auto needs --budget, the memory per rank the chosen configuration must fit (e.g. 2GiB): the search "
-                         "keeps the candidates whose predicted peak fits it")
-    if args.solve is not None or args.plot is not None or args.fold == "on":
-        raise UsageError("--auto plans every block of the whole model and draws nothing: leave out --solve, --plot and --fold on")
-    budget = parse_bytes(args.budget)
     from zerofx.config import load_config
 
     raw = dict(load_config(args.config)) if args.config is not None else {}
+    in_config = raw.get("zerofx", {}).get("memory_budget")
+    if args.budget is None and in_config is None:
+        raise UsageError("--auto needs --budget, the memory per rank the chosen configuration must fit (e.g. 2GiB): the search "
+                         "keeps the candidates whose predicted peak fits it (or zerofx.memory_budget in --config)")
+    if args.solve is not None or args.plot is not None or args.fold == "on":
+        raise UsageError("--auto plans every block of the whole model and draws nothing: leave out --solve, --plot and --fold on")
+    budget = parse_bytes(args.budget if args.budget is not None else in_config)
     own = {**raw.get("zerofx", {}), "auto": True, "memory_budget": int(budget) if float(budget).is_integer() else budget}
     if args.profile != DEFAULT_PROFILE:
         own["profile"] = args.profile
