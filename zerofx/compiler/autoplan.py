@@ -8,6 +8,7 @@ state lives, tiling, and the micro-batch with gradient accumulation keeping the 
 fixed; a dimension the config sets itself is kept (``AutoOptions.fixed``). The result is an
 ``AutoPlan``: the chosen candidate, every candidate ranked with why it lost, and, when nothing
 fits, what would have to change. The command line and the engine only format and apply it.
+What a candidate is and how it is written into a config: ``zerofx.compiler.autoplan_space``.
 
 NOTE [How the whole-job search prunes]
 Capture is the costly part (seconds for a small model; lowering and the report a fraction of
@@ -43,23 +44,22 @@ offload plan's host step with the record I/O it cannot hide).
 
 from __future__ import annotations
 
-import copy
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import torch
 import torch.nn as nn
 
-from zerofx.common.errors import CaptureError, SequenceParallelError, ZeroFXError
+from zerofx.common.errors import CaptureError, SequenceParallelError
 from zerofx.common.units import format_bytes
+from zerofx.compiler.autoplan_space import (Candidate, InputsAt, SearchSpace, candidate_config, example_shape,
+                                            powers_of_two_dividing, resize_inputs, search_space, with_auto_tiling)
 from zerofx.compiler.capture import LossFn
 from zerofx.compiler.program import Program, compile, plan_from_shapes, resolve
 from zerofx.config.compile_options import compile_options
 from zerofx.config import ZeroConfig, parse_config
-from zerofx.config.options import AutoOptions
 from zerofx.cost_models.compute import CPU_CORE
 from zerofx.cost_models.offload import FP32_BYTES, estimate_update_s, record_numels
 from zerofx.cost_models.profiles import load_profile
@@ -68,11 +68,7 @@ from zerofx.passes import Plan
 from zerofx.passes.analyze_schedule import ScheduleReport
 from zerofx.passes.plan_offload import plan_offload
 
-# (micro-batch, seq_len) -> the model call's (args, kwargs) at that shape.
-InputsAt = Callable[[int, int], tuple[tuple[Any, ...], Mapping[str, Any]]]
 
-TILINGS = ("off", "auto", "on")
-OFFLOADS = (NO_OFFLOAD, Tier.CPU.value)
 # Auto-tiled winners captured again from their own config before one is kept.
 MAX_RECAPTURES = 3
 # Halvings of the sequence tried to say how short a sequence the leanest candidate fits.
@@ -81,43 +77,6 @@ MAX_SEQUENCE_HALVINGS = 5
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def _powers_of_two_dividing(n: int, *, start: int = 1) -> tuple[int, ...]:
-    out, k = [], start
-    while k <= n:
-        if n % k == 0:
-            out.append(k)
-        k *= 2
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration of the whole job."""
-
-    stage: int
-    sequence_parallel: int  # ranks per sequence group; 1: none
-    shard_group_size: int | str  # K dividing the world size; "auto" when the config leaves K to the planner
-    offload: str  # where the optimizer state lives: "none" or a tier ("cpu")
-    tiling: str  # "off", "auto", "on", or "config" (the config's own zerofx.tiling)
-    micro_batch: int  # sequences per rank per micro-step
-    accumulation: int  # micro-steps per optimizer step
-
-    @property
-    def capture_group(self) -> tuple[int, int, str]:
-        """What the capture depends on (NOTE [How the whole-job search prunes])."""
-        return self.micro_batch, self.sequence_parallel, self.tiling
-
-    def label(self) -> str:
-        parts = [f"stage {self.stage}"]
-        if self.sequence_parallel > 1:
-            parts.append(f"sp {self.sequence_parallel}")
-        parts.append(f"K {self.shard_group_size}")
-        parts.append(f"offload {self.offload}")
-        parts.append(f"tiling {self.tiling}")
-        parts.append(f"micro {self.micro_batch} x {self.accumulation}")
-        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -173,85 +132,6 @@ class AutoPlan:
                 f"{_count(self.num_captures, 'capture')}, {self.search_s:.1f} s)")
 
 
-@dataclass(frozen=True)
-class SearchSpace:
-    """The values each dimension takes; one value where the config fixes it."""
-
-    stages: tuple[int, ...]
-    sequence_parallel: tuple[int, ...]
-    shard_group_sizes: tuple[int | str, ...] | None  # None: every power of two >= 2 dividing the world size
-    offloads: tuple[str, ...]
-    tilings: tuple[str, ...]
-    micro_batch: int | None  # None: searched (divisors of the sequences a data-parallel group takes per step)
-    accumulation: int | None
-
-
-def search_space(cfg: ZeroConfig, auto: AutoOptions, *, world_size: int, seq_len: int, batch: int,
-                 search_sequence_parallel: bool = True, search_batch: bool = True) -> SearchSpace:
-    """What ``cfg`` leaves to the search: every dimension in ``auto.fixed`` (and sequence
-    parallelism and the batch when their searches are off) keeps the config's value."""
-    fixed = auto.fixed
-    stages = (cfg.stage,) if "stage" in fixed and cfg.stage is not None else (0, 1, 2, 3)
-    if "sequence_parallel" in fixed or not search_sequence_parallel:
-        sp: tuple[int, ...] = (1 if cfg.sequence_parallel is None else cfg.sequence_parallel.size,)
-    else:
-        sp = tuple(s for s in _powers_of_two_dividing(world_size) if seq_len % s == 0)
-    ks = (cfg.shard_group_size if cfg.shard_group_size is not None else world_size,) if "shard_group_size" in fixed else None
-    offloads = ((NO_OFFLOAD if cfg.offload is None else cfg.offload.device.value),) if "offload_optimizer" in fixed else OFFLOADS
-    tilings = ("config",) if "tiling" in fixed else TILINGS
-    if "batch" in fixed or not search_batch:
-        micro, accumulation = batch, cfg.gradient_accumulation_steps
-    else:
-        micro, accumulation = None, None
-    return SearchSpace(stages, sp, ks, offloads, tilings, micro, accumulation)
-
-
-def _merge(config: dict[str, Any], section: str, values: Mapping[str, Any]) -> None:
-    config.setdefault(section, {}).update(values)
-
-
-def candidate_config(base: Mapping[str, Any], c: Candidate, *, world_size: int, global_batch: int,
-                     fixed: frozenset[str]) -> dict[str, Any]:
-    """``base`` (the user's config, without ``zerofx.auto``) with ``c`` written in: the keys of the
-    dimensions the search chose; those in ``fixed`` stay the config's."""
-    out = copy.deepcopy(dict(base))
-    out.setdefault("zerofx", {}).pop("auto", None)
-    if not out["zerofx"]:
-        out.pop("zerofx")
-    if "stage" not in fixed:
-        _merge(out, "zero_optimization", {"stage": c.stage})
-    if "offload_optimizer" not in fixed:
-        if c.offload == NO_OFFLOAD:
-            out.get("zero_optimization", {}).pop("offload_optimizer", None)
-        else:
-            _merge(out, "zero_optimization", {"offload_optimizer": {"device": c.offload}})
-    if "shard_group_size" not in fixed:
-        if c.shard_group_size == world_size or c.stage == 0:
-            out.get("zerofx", {}).pop("shard_group_size", None)
-        else:
-            _merge(out, "zerofx", {"shard_group_size": c.shard_group_size})
-    if "sequence_parallel" not in fixed:
-        if c.sequence_parallel > 1:
-            _merge(out, "zerofx", {"sequence_parallel": {"size": c.sequence_parallel, "attention": "auto"}})
-        else:
-            out.get("zerofx", {}).pop("sequence_parallel", None)
-    if "tiling" not in fixed:
-        out.get("zerofx", {}).pop("tiling", None)
-        if c.tiling == "on":
-            _merge(out, "zerofx", {"tiling": {"enabled": True}})
-    if "batch" not in fixed:
-        out.update(train_batch_size=global_batch, train_micro_batch_size_per_gpu=c.micro_batch, gradient_accumulation_steps=c.accumulation)
-    if "zerofx" in out and not out["zerofx"]:
-        out.pop("zerofx")
-    return out
-
-
-def _with_auto_tiling(config: dict[str, Any], activation_budget_bytes: int) -> dict[str, Any]:
-    out = copy.deepcopy(config)
-    _merge(out, "zerofx", {"tiling": {"enabled": "auto", "budget": max(int(activation_budget_bytes), 0)}})
-    return out
-
-
 class _Search:
     """The state of one search: the captures made, what each candidate measured."""
 
@@ -272,7 +152,7 @@ class _Search:
         config = candidate_config(self.base, c, world_size=self.world_size, global_batch=self.global_batch, fixed=self.fixed)
         if c.tiling == "auto":
             lean = self.model_state_bytes(replace(c, stage=3, offload=NO_OFFLOAD, shard_group_size=self.world_size))
-            config = _with_auto_tiling(config, self.budget_bytes - lean)
+            config = with_auto_tiling(config, self.budget_bytes - lean)
         return config
 
     def model_state_bytes(self, c: Candidate) -> float:
@@ -377,7 +257,7 @@ def _shard_group_sizes(space: SearchSpace, stage: int, world_size: int) -> tuple
         return (world_size,)
     if space.shard_group_sizes is not None:
         return space.shard_group_sizes
-    return tuple(reversed(_powers_of_two_dividing(world_size, start=2))) or (world_size,)
+    return tuple(reversed(powers_of_two_dividing(world_size, start=2))) or (world_size,)
 
 
 def _micro_batches(space: SearchSpace, per_group: int) -> tuple[tuple[int, int], ...]:
@@ -385,7 +265,7 @@ def _micro_batches(space: SearchSpace, per_group: int) -> tuple[tuple[int, int],
     if space.micro_batch is not None:
         assert space.accumulation is not None
         return ((space.micro_batch, space.accumulation),)
-    micros = sorted({*_powers_of_two_dividing(per_group), per_group})
+    micros = sorted({*powers_of_two_dividing(per_group), per_group})
     return tuple((m, per_group // m) for m in micros)
 
 
@@ -548,38 +428,6 @@ def _what_would_fit(s: _Search, ranked: Sequence[Evaluated]) -> tuple[str, ...]:
     else:
         out.append(f"no sequence down to {seq} tokens fits with {c.label()}")
     return tuple(out)
-
-
-def resize_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> InputsAt:
-    """``inputs_at`` for a call whose tensors of two or more dimensions are (batch, sequence, ...)
-    like the first such tensor: each resized to (micro_batch, seq_len, ...), zeros of its dtype
-    on its device (capture needs shapes only)."""
-    first = next((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
-    if first is None:
-        raise ZeroFXError("the search needs an example input of shape (batch, seq_len, ...); none of the example inputs has two dimensions")
-    batch, seq = first.shape[0], first.shape[1]
-
-    def resize(value: Any, b: int, t: int) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == batch and value.shape[1] == seq:
-            return torch.zeros((b, t, *value.shape[2:]), dtype=value.dtype, device=value.device)
-        if isinstance(value, tuple):
-            return tuple(resize(v, b, t) for v in value)
-        if isinstance(value, dict):
-            return {k: resize(v, b, t) for k, v in value.items()}
-        return value
-
-    def inputs_at(b: int, t: int) -> tuple[tuple[Any, ...], Mapping[str, Any]]:
-        return resize(tuple(args), b, t), resize(dict(kwargs), b, t)
-
-    return inputs_at
-
-
-def example_shape(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, int]:
-    """(batch, seq_len) of the call's first tensor of two or more dimensions."""
-    first = next((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
-    if first is None:
-        raise ZeroFXError("the search needs an example input of shape (batch, seq_len, ...); none of the example inputs has two dimensions")
-    return int(first.shape[0]), int(first.shape[1])
 
 
 __all__ = ["AutoPlan", "Candidate", "Evaluated", "SearchSpace", "candidate_config", "example_shape", "resize_inputs", "search",
