@@ -107,7 +107,13 @@ def _load_model(args: argparse.Namespace) -> ModelSpec:
 
     if ":" in args.model:
         return load_model_spec(args.model)
-    model, ids = _meta_example(args.model, getattr(args, "batch_size", 1), getattr(args, "seq_len", None))
+    batch = getattr(args, "batch_size", None)
+    if batch is None:  # the config's micro-batch, so that a config zerofx plan --auto printed plans as it was chosen
+        from zerofx.config import load_config
+
+        config = getattr(args, "config", None)
+        batch = 1 if config is None else load_config(config).get("train_micro_batch_size_per_gpu", 1)
+    model, ids = _meta_example(args.model, batch, getattr(args, "seq_len", None))
     return ModelSpec(model, (ids,), {"labels": ids}, args.model)
 
 
@@ -178,6 +184,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_stage(args.stage)
     if args.world_size is None and args.config is None:
         raise UsageError("--world-size is required (or give --config with zerofx.world_size or batch sizes)")
+    if args.auto or _config_asks_auto(args.config):
+        return _plan_auto(args)
     budget = parse_bytes(args.budget) if args.budget is not None else None
     user_config = args.config
     if budget is not None:  # the planner fits the prefetch distance to it (zerofx.memory_budget)
@@ -198,6 +206,101 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = _load_model(args)
     with running_model_code(spec.label):  # a sys.exit in the spec's forward is an error, not exit 0
         return _plan_spec(args, spec, budget, user_config, comm, device)
+
+
+def _config_asks_auto(config: Path | None) -> bool:
+    """Whether the config file sets ``zerofx.auto``: then ``zerofx plan`` runs the search, as
+    ``initialize`` would."""
+    if config is None:
+        return False
+    from zerofx.config import load_config
+
+    return bool(load_config(config).get("zerofx", {}).get("auto", False))
+
+
+def _plan_auto(args: argparse.Namespace) -> int:
+    """``zerofx plan MODEL --auto --budget B``: the search over the whole job's configuration
+    (``zerofx.compiler.autoplan``), formatted."""
+    from zerofx.config import load_config
+
+    raw = dict(load_config(args.config)) if args.config is not None else {}
+    in_config = raw.get("zerofx", {}).get("memory_budget")
+    if args.budget is None and in_config is None:
+        raise UsageError("--auto needs --budget, the memory per rank the chosen configuration must fit (e.g. 2GiB): the search "
+                         "keeps the candidates whose predicted peak fits it (or zerofx.memory_budget in --config)")
+    if args.solve is not None or args.plot is not None or args.fold == "on":
+        raise UsageError("--auto plans every block of the whole model and draws nothing: leave out --solve, --plot and --fold on")
+    budget = parse_bytes(args.budget if args.budget is not None else in_config)
+    own = {**raw.get("zerofx", {}), "auto": True, "memory_budget": int(budget) if float(budget).is_integer() else budget}
+    if args.profile != DEFAULT_PROFILE:
+        own["profile"] = args.profile
+    raw["zerofx"] = own
+    if args.stage is not None:  # --stage fixes the stage, as the config's would
+        given = raw.get("zero_optimization", {}).get("stage")
+        if given is not None and given != args.stage:
+            raise UsageError(f"--stage {args.stage} disagrees with the config's zero_optimization.stage={given}; give one or make them equal")
+        raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": args.stage}
+    from zerofx.app.planning import running_model_code
+
+    _freeze_imports(args)
+    _profile(args)
+    spec = _load_model(args)
+    from zerofx.compiler.autoplan import example_shape, resize_inputs, search, search_space
+    from zerofx.config import parse_config
+
+    cfg = parse_config(raw, world_size=args.world_size)
+    world_size = args.world_size if args.world_size is not None else cfg.world_size
+    batch, seq_len = example_shape(spec.args, spec.kwargs)
+    assert cfg.auto is not None
+    space = search_space(cfg, cfg.auto, world_size=world_size, seq_len=seq_len, batch=batch)
+    with running_model_code(spec.label):
+        result = search(spec.model, resize_inputs(spec.args, spec.kwargs), raw, world_size=world_size, seq_len=seq_len, batch=batch,
+                        budget_bytes=budget, space=space, fixed=cfg.auto.fixed)
+    if args.format == "json":
+        data = json.loads(result.to_json())
+        data["model"] = spec.label
+        print(json.dumps(data, indent=1))
+        return 0
+    print(format_auto_plan(result, label=spec.label))
+    return 0
+
+
+# Rows of the ranked candidates ``zerofx plan --auto`` prints after the chosen one (--format json lists all).
+AUTO_ROWS = 8
+
+
+def format_auto_plan(result: Any, *, label: str) -> str:
+    """The search's result as ``zerofx plan --auto`` prints it: what was searched, the choice and
+    its config block, the runners-up and why each lost, and, when nothing fits, what would."""
+    from tabulate import tabulate
+
+    kept = f"; kept as the config sets them: {', '.join(result.fixed)}" if result.fixed else ""
+    lines = [f"zerofx plan {label} --auto: world size {result.world_size}, seq_len {result.seq_len}, global batch "
+             f"{result.global_batch} sequences per step, budget {format_bytes(result.budget_bytes)} per rank, profile {result.profile}",
+             f"searched {len(result.ranked)} candidates ({result.num_lowered} planned and lowered, {result.num_captures} "
+             f"capture{'' if result.num_captures == 1 else 's'}) "
+             f"in {result.search_s:.1f} s{kept}"]
+    for what, why in result.not_candidates:
+        lines.append(f"not a candidate: {what}: {why}")
+    chosen = result.chosen
+    if chosen is not None:
+        lines.append(f"chosen: {chosen.candidate.label()}: predicted step {chosen.step_s * 1e3:.3g} ms, {chosen.tokens_per_s:,.0f} "
+                     f"tokens/s, peak {format_bytes(chosen.peak_bytes)} per rank (model state {format_bytes(chosen.model_state_bytes)})")
+    else:
+        lines.append(f"nothing fits {format_bytes(result.budget_bytes)} per rank. To fit, it would take:")
+        lines += [f"  - {x}" for x in result.to_fit]
+    rows = []
+    for i, e in enumerate(result.ranked[:AUTO_ROWS + 1]):
+        rows.append([i + 1, e.candidate.label(), f"{e.tokens_per_s:,.0f}" if e.lowered else "-",
+                     f"{e.step_s * 1e3:.3g}" if e.lowered else "-", format_bytes(e.peak_bytes) + ("" if e.lowered else " or more"),
+                     e.why or "chosen"])
+    lines.append(tabulate(rows, headers=["#", "candidate", "tokens/s", "step ms", "peak/rank", "why not"], disable_numparse=True))
+    if len(result.ranked) > AUTO_ROWS + 1:
+        lines.append(f"... {len(result.ranked) - AUTO_ROWS - 1} more (--format json lists every candidate)")
+    if result.config is not None:
+        lines.append("config (zerofx plan --config FILE plans it; zerofx.initialize and zerofx train take it as it is):")
+        lines.append(json.dumps(result.config, indent=1))
+    return "\n".join(lines)
 
 
 def _plan_sweep(args: argparse.Namespace) -> int:
@@ -636,7 +739,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config (ds_config.json)")
     p.add_argument("--seq-len", type=_int_arg(2),
                    help="tokens per sequence in a bundled model's example batch, 2..max_seq_len (default: min(512, max_seq_len))")
-    p.add_argument("--batch-size", type=_int_arg(1), default=1, help="sequences in a bundled model's example batch, >= 1 (default: 1)")
+    p.add_argument("--batch-size", type=_int_arg(1),
+                   help="sequences in a bundled model's example batch, >= 1 (default: the --config's train_micro_batch_size_per_gpu, "
+                        "else 1); with --auto, the sequences per rank per step without sequence parallelism")
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
     p.add_argument("--budget", type=_bytes_arg,
                    help="memory per rank to fit in, e.g. 80GiB (units B, KB..TB, KiB..TiB): adds a fits / doesn't-fit verdict")
@@ -660,6 +765,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fold", choices=("auto", "on", "off"), default="auto",
                    help="plan a model of N identical blocks from captures of 2 and 3 of them and extrapolate (fast; "
                         f"auto: when N >= {AUTO_FOLD_MIN_BLOCKS}); off plans every block (exact rows)")
+    p.add_argument("--auto", action="store_true",
+                   help="search the ZeRO stage, sequence-parallel size, shard group size, optimizer offload, tiling and micro-batch "
+                        "(gradient accumulation keeping the global batch of --batch-size x world size) for the most predicted "
+                        "tokens/s whose peak fits --budget (required); --stage and the --config's own keys are kept; prints the "
+                        "chosen config block, the runners-up and why each lost, or what would have to change to fit (docs/autoplan.md)")
     p.add_argument("--sweep", metavar="world-size=N1,N2,...",
                    help="weak scaling: at each world size, the plan the planner chooses (shard group size, prefetch, buckets) "
                         "and the flat stage-3 plan side by side, with predicted step time, efficiency relative to the smallest "

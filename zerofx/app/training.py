@@ -193,7 +193,8 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
     if opts.output_dir is not None and Path(opts.output_dir).exists() and not Path(opts.output_dir).is_dir():
         raise UsageError(f"--output-dir {str(opts.output_dir)!r} is a file; accepted: a directory (created if missing)")
     stage = opts.stage
-    if stage is None:
+    auto = opts.config is not None and parse_config(opts.config).auto is not None  # zerofx.auto chooses the stage at initialize
+    if stage is None and not auto:
         file_stage = parse_config(opts.config).stage if opts.config is not None else None
         stage = DEFAULT_TRAIN_STAGE if file_stage is None else file_stage
     fasta = bundled_genome() if opts.fasta is None else Path(opts.fasta)
@@ -204,7 +205,10 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
     if is_model_spec(opts.model):  # last: it runs the user's code and builds the model
         check_vocabulary(load_spec_model(opts.model), opts)
     opts = replace(opts, stage=stage, fasta=fasta)
-    resolve(opts.config, stage=stage, world_size=opts.world_size)  # the config, and that it agrees
+    if auto:
+        parse_config(opts.config, stage=stage, world_size=opts.world_size)  # the config, and that it agrees
+    else:
+        resolve(opts.config, stage=stage, world_size=opts.world_size)  # the config, and that it agrees
     return opts
 
 
@@ -477,7 +481,7 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
     )
     if rank == 0:
         print(
-            f"training {opts.model} ({engine.program.plan.num_params:,} parameters) at ZeRO stage {opts.stage} on "
+            f"training {opts.model} ({engine.program.plan.num_params:,} parameters) at ZeRO stage {int(engine.stage)} on "
             f"{world_size} {dist.get_backend()} ranks: {_OBJECTIVE_PHRASES[Objective(opts.objective)]} on genome "
             f"{Path(opts.fasta).name}, batch {opts.batch_size}x{opts.seq_len} tokens per rank, {describe_vocabulary(opts)}",
             flush=True,

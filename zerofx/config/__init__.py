@@ -36,6 +36,7 @@ from zerofx.cost_models.memory import OPTIMIZERS, optimizer_kind
 from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_tiling import TilingOptions
 from zerofx.passes.sequence_parallel import SequenceParallelSpec
+from zerofx.config.options import AutoOptions
 from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_GRADIENT_ACCUMULATION_STEPS, DEFAULT_GRADIENT_CLIPPING, DEFAULT_LR,
                                    DEFAULT_OPTIMIZER_TYPE, DEFAULT_PROFILE, DEFAULT_PROGRAM_CACHE_SIZE, GraphCompiler, LossScaleOptions,
                                    MonitorOptions, plan_cache_dir, schedule_options, sequence_parallel_spec, tiling_options)
@@ -134,6 +135,8 @@ class ZeroConfig:
     # ``zerofx.shard_group_size``: an int dividing the world size, "auto" (the planner chooses),
     # or None (flat: one group of all ranks). NOTE [Shard groups of consecutive ranks].
     shard_group_size: int | str | None = None
+    # ``zerofx.auto``: search the configuration at initialize (zerofx/compiler/autoplan.py); None when off.
+    auto: AutoOptions | None = None
 
     # NOTE [What ranks must agree on]
     # A setting that changes the collectives a rank issues (stage, buckets, prefetch, overlap,
@@ -175,6 +178,7 @@ class ZeroConfig:
             "collective_timeout_s": self.collective_timeout_s,
             "shard_group_size": self.shard_group_size,
             "profile": self.profile,  # sizes buckets and prefetch: the collectives every rank issues
+            "auto": self.auto is not None,  # the search chooses the stage, offload, tiling: every rank must run it
             "sequence_parallel": shared["sequence_parallel"],
             # A monitor on adds the gradient norm's all-reduce to every step (zerofx.runtime.monitors).
             "monitors": {"tensorboard": self.monitors.tensorboard is not None, "csv_monitor": self.monitors.csv_monitor is not None,
@@ -387,7 +391,13 @@ def parse_config(
     check_shard_group_size(shard_group_size, stage=resolved_stage, world_size=resolved_world)
     check_sequence_parallel(own, world_size=resolved_world)
     bf16, fp16 = raw.get("bf16", {}).get("enabled", False), raw.get("fp16", {}).get("enabled", False)
+    auto = AutoOptions.from_config(raw)
+    if auto is not None and "memory_budget" not in own:
+        raise ConfigError("config key 'zerofx.auto' is true but 'zerofx.memory_budget' is missing: the search keeps the configurations "
+                          "whose peak fits the budget; accepted: zerofx.memory_budget as bytes or a size such as \"80GiB\" "
+                          "(or leave out zerofx.auto)")
     return ZeroConfig(
+        auto=auto,
         stage=resolved_stage,
         world_size=resolved_world,
         shard_group_size=shard_group_size,

@@ -150,6 +150,31 @@ class MonitorOptions:
         )
 
 
+# The dimensions ``zerofx.auto`` searches (zerofx/compiler/autoplan.py), each named by what the
+# config sets to fix it: a dimension the config sets itself is kept as set.
+AUTO_DIMENSIONS = ("stage", "sequence_parallel", "shard_group_size", "offload_optimizer", "tiling", "batch")
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """``zerofx.auto: true``: search the configuration at initialize. ``fixed`` names the
+    dimensions of ``AUTO_DIMENSIONS`` the config sets itself, which the search keeps."""
+
+    fixed: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any]) -> AutoOptions | None:
+        """From the schema-checked config; None unless ``zerofx.auto`` is true."""
+        own, zero = raw.get("zerofx", {}), raw.get("zero_optimization", {})
+        if not own.get("auto", False):
+            return None
+        given = {"stage": "stage" in zero, "sequence_parallel": "sequence_parallel" in own,
+                 "shard_group_size": "shard_group_size" in own, "offload_optimizer": "offload_optimizer" in zero,
+                 "tiling": "tiling" in own,
+                 "batch": any(k in raw for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))}
+        return cls(fixed=frozenset(d for d in AUTO_DIMENSIONS if given[d]))
+
+
 class GraphCompiler(Enum):
     """What runs each rank's forward and backward graphs (config key ``zerofx.compile``)."""
 

@@ -231,6 +231,9 @@ SCHEMA: dict[str, Key] = {
         "prefetch_distance": Key((int,), "stage-3 all-gather buckets issued ahead of use", _nonneg_int, "an integer >= 0"),
         "memory_budget": Key((int, float, str), "memory per rank the step's peak must fit (the planner lowers the prefetch "
                              "distance to fit it)", _size, "bytes > 0, as a number or a size like '80GiB'"),
+        "auto": Key((bool,), "search the stage, shard group size, optimizer offload and tiling for the most predicted tokens/s "
+                    "whose peak fits zerofx.memory_budget (required with it), at initialize; keys the config sets itself are kept "
+                    "(docs/autoplan.md)"),
         "tiling": Key((dict,), "sequence tiling of attention, token-wise regions and the loss; feature tiling of large weights", children={
             "enabled": Key((bool, str), "tile: true, false, or \"auto\" (from the activation estimate and the budget)",
                            lambda v: v in (True, False, "auto"), "true, false or \"auto\""),

@@ -66,10 +66,13 @@ from zerofx.passes.offload_grads import grad_sink
 from zerofx.passes.plan_sharding import place_param
 from zerofx.compiler.capture import CapturedStep, LossFn, TensorInfo, cast_info, flatten_call
 from zerofx.compiler.pipeline import capture_step
-from zerofx.config import ZeroConfig
+from zerofx.compiler.autoplan import example_shape, resize_inputs, search_space
+from zerofx.compiler.autoplan import search as autoplan_search
+from zerofx.config import ZeroConfig, load_config, parse_config
 from zerofx.config.compile_options import compile_options
 from zerofx.common.errors import (
     CollectiveTimeoutError,
+    ConfigError,
     EngineStateError,
     MissingLossError,
     ZeroFXError,
@@ -557,6 +560,53 @@ def _meta_init_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def auto_config(model: nn.Module, config: str | Path | Mapping[str, Any], example_args: tuple[Any, ...],
+                example_kwargs: Mapping[str, Any] | None, *, stage: int | None, world_size: int | None, loss_fn: LossFn | None,
+                group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """``zerofx.auto``: the config with the search's choice written in (zerofx/compiler/autoplan.py).
+
+    The data each rank is fed is fixed before ``initialize``, so the search keeps the config's
+    sequence parallelism and batch (micro-batch: the example inputs'; accumulation: the
+    config's) and varies the stage, shard group size, optimizer offload and tiling, each only
+    where the config (or ``stage=``) leaves it open. Rank 0 searches, on fake tensors, and sends
+    the chosen config to the others, so every rank applies the same; it prints the choice once.
+    With nothing fitting the budget every rank raises ``ConfigError`` saying what would fit."""
+    group = group if group is not None else dist.group.WORLD
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    raw = dict(load_config(config))
+    if stage is not None:  # stage= fixes the stage, as the config's would
+        raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": stage}
+    message: list[Any] = [None]
+    failed: ZeroFXError | None = None
+    if rank == 0:
+        try:
+            message = [_search_on_rank_zero(model, raw, example_args, example_kwargs, world_size=world_size, n=n, loss_fn=loss_fn)]
+        except ZeroFXError as exc:  # every rank fails alike, rather than the others waiting in the broadcast
+            failed, message = exc, [f"the search failed on rank 0: {exc}"]
+    dist.broadcast_object_list(message, src=dist.get_global_rank(group, 0), group=group)
+    if failed is not None:
+        raise failed
+    if not isinstance(message[0], Mapping):
+        raise ConfigError(f"config key 'zerofx.auto': {message[0]}")
+    return dict(message[0])
+
+
+def _search_on_rank_zero(model: nn.Module, raw: Mapping[str, Any], example_args: tuple[Any, ...],
+                         example_kwargs: Mapping[str, Any] | None, *, world_size: int | None, n: int,
+                         loss_fn: LossFn | None) -> Mapping[str, Any] | str:
+    """The chosen config, or the search's line saying that nothing fits; prints the line once."""
+    cfg = parse_config(raw, world_size=world_size if world_size is not None else n)
+    assert cfg.auto is not None and cfg.schedule.memory_budget_bytes is not None  # parse_config requires the budget
+    kwargs = dict(example_kwargs or {})
+    batch, seq_len = example_shape(example_args, kwargs)
+    fixed = cfg.auto.fixed | {"sequence_parallel", "batch"}
+    space = search_space(cfg, replace(cfg.auto, fixed=fixed), world_size=n, seq_len=seq_len, batch=batch)
+    result = autoplan_search(model, resize_inputs(example_args, kwargs), raw, world_size=n, seq_len=seq_len, batch=batch,
+                             budget_bytes=cfg.schedule.memory_budget_bytes, space=space, fixed=fixed, loss_fn=loss_fn)
+    print(result.summary(), flush=True)
+    return result.config if result.config is not None else result.summary()
+
+
 def initialize(
     model: nn.Module,
     config: str | Path | Mapping[str, Any] | None = None,
@@ -582,5 +632,7 @@ def initialize(
     its stage keeps, and the values are the same at every world size.
     """
     args = check_example_inputs(example_inputs)
+    if parse_config(config, stage=stage, world_size=world_size).auto is not None and dist.is_available() and dist.is_initialized():
+        config = auto_config(model, config, args, example_kwargs, stage=stage, world_size=world_size, loss_fn=loss_fn, group=group)
     cfg = resolve(config, stage=stage, world_size=world_size)
     return Engine(model, cfg, args, example_kwargs, loss_fn=loss_fn, group=group, init_fn=init_fn, init_seed=init_seed)

@@ -1,0 +1,160 @@
+"""The whole-job search (zerofx/compiler/autoplan.py, docs/autoplan.md): what it chooses as the
+budget and the context change, what it says when nothing fits, the config block it prints
+planning the same thing again, and ``"zerofx": {"auto": true}`` applied at initialize. Tiny
+models on the meta device, small search spaces: seconds each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.autoplan_workers import MeanLM, auto_initialize
+from tests.support.dist_utils import run_ranks
+from zerofx.app.cli import main
+from zerofx.common.errors import ConfigError
+from zerofx.compiler.autoplan import AutoPlan, SearchSpace, candidate_config, resize_inputs, search
+from zerofx.config import parse_config
+from zerofx.models.registry import build_model
+from zerofx.passes import Plan
+
+
+def _search(seq_len: int, budget: float, space: SearchSpace, *, world_size: int = 2) -> AutoPlan:
+    model = build_model("tiny", device="meta")
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")  # (B, T)
+    return search(model, resize_inputs((ids,), {"labels": ids}), {"zerofx": {"memory_budget": budget}}, world_size=world_size,
+                  seq_len=seq_len, batch=1, budget_bytes=budget, space=space)
+
+
+STAGES = SearchSpace(stages=(0, 1, 2, 3), sequence_parallel=(1,), shard_group_sizes=None, offloads=("none", "cpu"), tilings=("off",),
+                     micro_batch=None, accumulation=None)
+
+
+def test_a_tighter_budget_shards_more_or_offloads() -> None:
+    """With room to spare the least sharded stage is fastest; a budget below its peak makes the
+    search shard more (a higher stage) or move the optimizer state off the device, and what it
+    chooses fits while every faster candidate does not."""
+    loose = _search(128, 1e9, STAGES)
+    assert loose.chosen is not None and loose.chosen.candidate.stage == 0 and loose.chosen.candidate.offload == "none"
+    stage0_peak = loose.chosen.peak_bytes
+    stage3_peak = next(e.peak_bytes for e in loose.ranked if e.candidate.stage == 3)
+    tight = _search(128, (stage0_peak + stage3_peak) / 2, STAGES)
+    chosen = tight.chosen
+    assert chosen is not None and chosen.fits
+    assert chosen.candidate.stage > 0 or chosen.candidate.offload == "cpu"
+    assert chosen.peak_bytes <= tight.budget_bytes
+    stage0 = next(e for e in tight.ranked if e.candidate.stage == 0 and e.candidate.offload == "none")
+    assert not stage0.fits and stage0.why.startswith("over budget by ")
+    assert chosen.tokens_per_s == max(e.tokens_per_s for e in tight.ranked if e.fits)
+    assert all("slower" in e.why for e in tight.ranked if e.fits and e is not chosen)
+
+
+SEQUENCE = SearchSpace(stages=(3,), sequence_parallel=(1, 2), shard_group_sizes=None, offloads=("none",), tilings=("off",),
+                       micro_batch=None, accumulation=None)
+
+
+def test_a_longer_context_picks_sequence_parallelism() -> None:
+    """At a short context every rank runs whole sequences; at 4x the context under the same
+    budget only splitting each sequence over 2 ranks fits, one sequence per micro-step with 2
+    micro-steps, so the global batch stays the same."""
+    short = _search(128, 2.5e6, SEQUENCE)
+    assert short.chosen is not None and short.chosen.candidate.sequence_parallel == 1
+    assert all(e.candidate.sequence_parallel == 1 for e in short.ranked)  # everything fit: no larger size was tried
+    long = _search(512, 2.5e6, SEQUENCE)
+    assert long.chosen is not None
+    c = long.chosen.candidate
+    assert (c.sequence_parallel, c.micro_batch, c.accumulation) == (2, 1, 2)
+    assert long.global_batch == short.global_batch == 2
+    whole = next(e for e in long.ranked if e.candidate.sequence_parallel == 1)
+    assert not whole.fits
+    assert long.config is not None and long.config["zerofx"]["sequence_parallel"]["size"] == 2
+    assert parse_config(long.config).world_size == 2  # the batch keys imply the world size
+
+
+def test_a_model_sequence_parallelism_refuses_is_no_candidate_for_it() -> None:
+    """The rewrite's SequenceParallelError makes a size no candidate, with the reason; the search
+    goes on with the rest."""
+    with torch.device("meta"):
+        model = MeanLM()
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")  # (B, T)
+    space = SearchSpace(stages=(3,), sequence_parallel=(1, 2), shard_group_sizes=None, offloads=("none",), tilings=("off",),
+                        micro_batch=None, accumulation=None)
+    result = search(model, resize_inputs((ids,), {"labels": ids}), {}, world_size=2, seq_len=16, batch=1, budget_bytes=1.0,
+                    space=space)
+    assert [what for what, _ in result.not_candidates] == ["sequence parallelism over 2 ranks"]
+    assert "cannot shard aten.mean.dim" in result.not_candidates[0][1]
+    assert all(e.candidate.sequence_parallel == 1 for e in result.ranked) and result.chosen is None
+
+
+def test_nothing_fits_says_what_would_have_to_change() -> None:
+    space = SearchSpace(stages=(2, 3), sequence_parallel=(1,), shard_group_sizes=None, offloads=("none",), tilings=("off",),
+                        micro_batch=None, accumulation=None)
+    result = _search(256, 1.0e6, space)
+    assert result.chosen is None and result.config is None
+    lean = min(e.peak_bytes for e in result.ranked)
+    assert lean > 1.0e6
+    assert result.to_fit[0].startswith("a budget of at least ")
+    assert "leanest candidate" in result.to_fit[0]
+    assert "or a sequence of 128 tokens" in result.to_fit[1] or "or a sequence of 64 tokens" in result.to_fit[1]
+    assert "nothing fits" in result.summary()
+
+
+def test_the_printed_config_plans_the_same_thing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """zerofx plan --auto --format json gives a config block; zerofx plan --config with it plans
+    the same plan (fingerprint), peak and schedule."""
+    fixed = tmp_path / "fixed.json"
+    fixed.write_text(json.dumps({"zerofx": {"tiling": {"enabled": False}}}))
+    assert main(["plan", "tiny", "--auto", "--world-size", "2", "--seq-len", "128", "--budget", "1.2MB", "--config", str(fixed),
+                 "--format", "json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fixed"] == ["tiling"] and result["config"]["zerofx"]["tiling"] == {"enabled": False}
+    chosen = result["chosen"]
+    block = tmp_path / "chosen.json"
+    block.write_text(json.dumps(result["config"]))
+    assert main(["plan", "tiny", "--config", str(block), "--seq-len", "128", "--format", "json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert Plan.from_json(json.dumps(planned["plan"])).fingerprint() == chosen["fingerprint"]
+    assert planned["memory"]["budget_bytes"] is None or planned["memory"]["fits"]
+    if chosen["candidate"]["offload"] == "none":
+        assert planned["memory"]["peak_bytes"] == chosen["peak_bytes"]
+
+
+def test_plan_auto_table_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "tiny", "--auto", "--world-size", "2"]) == 2
+    assert "--auto needs --budget" in capsys.readouterr().err
+    assert main(["plan", "tiny", "--auto", "--world-size", "2", "--budget", "1GiB", "--solve", "seq_len"]) == 2
+    assert "leave out --solve" in capsys.readouterr().err
+    assert main(["plan", "tiny", "--auto", "--world-size", "2", "--stage", "3", "--seq-len", "64", "--budget", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "kept as the config sets them: stage" in out and "chosen: stage 3" in out
+    assert '"stage": 3' in out and "why not" in out
+
+
+def test_auto_needs_a_memory_budget() -> None:
+    with pytest.raises(ConfigError, match=r"'zerofx.auto' is true but 'zerofx.memory_budget' is missing"):
+        parse_config({"zerofx": {"auto": True}})
+    assert parse_config({"zerofx": {"auto": True, "memory_budget": "1GiB"}, "zero_optimization": {"stage": 2}}).auto.fixed == {"stage"}
+
+
+def test_keys_the_config_sets_win() -> None:
+    """A dimension the config sets is kept: the candidate's config keeps the user's value."""
+    fixed = frozenset({"stage", "offload_optimizer"})
+    base = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, "zerofx": {"auto": True, "memory_budget": 1}}
+    from zerofx.compiler.autoplan import Candidate
+
+    out = candidate_config(base, Candidate(3, 1, 2, "none", "off", 1, 1), world_size=2, global_batch=2, fixed=fixed)
+    assert out["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu"}}
+    assert "auto" not in out["zerofx"]
+
+
+def test_auto_at_initialize_applies_the_choice_once() -> None:
+    """Two gloo ranks: rank 0 searches, prints the choice once, and both ranks train with it."""
+    config = {"zerofx": {"auto": True, "memory_budget": "1GiB", "tiling": {"enabled": False}}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    first, second = run_ranks(2, auto_initialize, config)
+    assert first["printed"].count("zerofx auto: chose ") == 1 and second["printed"] == ""
+    assert first["stage"] == second["stage"] and first["raw"] == second["raw"]
+    assert not first["auto"] and "auto" not in first["raw"].get("zerofx", {})
+    assert f"stage {first['stage']}," in first["printed"]
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in (first, second))

@@ -1,0 +1,172 @@
+"""What the whole-job search (``zerofx.compiler.autoplan``) searches over: a ``Candidate``, the
+``SearchSpace`` a config leaves open (``AutoOptions.fixed`` keeps the rest), a candidate written
+into the user's config, and the model call resized to a candidate's micro-batch and length."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerofx.common.errors import ZeroFXError
+from zerofx.config import ZeroConfig
+from zerofx.config.options import AutoOptions
+from zerofx.cost_models.tiers import NO_OFFLOAD, Tier
+
+# (micro-batch, seq_len) -> the model call's (args, kwargs) at that shape.
+InputsAt = Callable[[int, int], tuple[tuple[Any, ...], Mapping[str, Any]]]
+TILINGS = ("off", "auto", "on")
+OFFLOADS = (NO_OFFLOAD, Tier.CPU.value)
+
+
+def powers_of_two_dividing(n: int, *, start: int = 1) -> tuple[int, ...]:
+    out, k = [], start
+    while k <= n:
+        if n % k == 0:
+            out.append(k)
+        k *= 2
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration of the whole job."""
+
+    stage: int
+    sequence_parallel: int  # ranks per sequence group; 1: none
+    shard_group_size: int | str  # K dividing the world size; "auto" when the config leaves K to the planner
+    offload: str  # where the optimizer state lives: "none" or a tier ("cpu")
+    tiling: str  # "off", "auto", "on", or "config" (the config's own zerofx.tiling)
+    micro_batch: int  # sequences per rank per micro-step
+    accumulation: int  # micro-steps per optimizer step
+
+    @property
+    def capture_group(self) -> tuple[int, int, str]:
+        """What the capture depends on (NOTE [How the whole-job search prunes])."""
+        return self.micro_batch, self.sequence_parallel, self.tiling
+
+    def label(self) -> str:
+        parts = [f"stage {self.stage}"]
+        if self.sequence_parallel > 1:
+            parts.append(f"sp {self.sequence_parallel}")
+        parts.append(f"K {self.shard_group_size}")
+        parts.append(f"offload {self.offload}")
+        parts.append(f"tiling {self.tiling}")
+        parts.append(f"micro {self.micro_batch} x {self.accumulation}")
+        return ", ".join(parts)
+
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The values each dimension takes; one value where the config fixes it."""
+
+    stages: tuple[int, ...]
+    sequence_parallel: tuple[int, ...]
+    shard_group_sizes: tuple[int | str, ...] | None  # None: every power of two >= 2 dividing the world size
+    offloads: tuple[str, ...]
+    tilings: tuple[str, ...]
+    micro_batch: int | None  # None: searched (divisors of the sequences a data-parallel group takes per step)
+    accumulation: int | None
+
+
+def search_space(cfg: ZeroConfig, auto: AutoOptions, *, world_size: int, seq_len: int, batch: int,
+                 search_sequence_parallel: bool = True, search_batch: bool = True) -> SearchSpace:
+    """What ``cfg`` leaves to the search: every dimension in ``auto.fixed`` (and sequence
+    parallelism and the batch when their searches are off) keeps the config's value."""
+    fixed = auto.fixed
+    stages = (cfg.stage,) if "stage" in fixed and cfg.stage is not None else (0, 1, 2, 3)
+    if "sequence_parallel" in fixed or not search_sequence_parallel:
+        sp: tuple[int, ...] = (1 if cfg.sequence_parallel is None else cfg.sequence_parallel.size,)
+    else:
+        sp = tuple(s for s in powers_of_two_dividing(world_size) if seq_len % s == 0)
+    ks = (cfg.shard_group_size if cfg.shard_group_size is not None else world_size,) if "shard_group_size" in fixed else None
+    offloads = ((NO_OFFLOAD if cfg.offload is None else cfg.offload.device.value),) if "offload_optimizer" in fixed else OFFLOADS
+    tilings = ("config",) if "tiling" in fixed else TILINGS
+    if "batch" in fixed or not search_batch:
+        micro, accumulation = batch, cfg.gradient_accumulation_steps
+    else:
+        micro, accumulation = None, None
+    return SearchSpace(stages, sp, ks, offloads, tilings, micro, accumulation)
+
+
+def _merge(config: dict[str, Any], section: str, values: Mapping[str, Any]) -> None:
+    config.setdefault(section, {}).update(values)
+
+
+def candidate_config(base: Mapping[str, Any], c: Candidate, *, world_size: int, global_batch: int,
+                     fixed: frozenset[str]) -> dict[str, Any]:
+    """``base`` (the user's config, without ``zerofx.auto``) with ``c`` written in: the keys of the
+    dimensions the search chose; those in ``fixed`` stay the config's."""
+    out = copy.deepcopy(dict(base))
+    out.setdefault("zerofx", {}).pop("auto", None)
+    if not out["zerofx"]:
+        out.pop("zerofx")
+    if "stage" not in fixed:
+        _merge(out, "zero_optimization", {"stage": c.stage})
+    if "offload_optimizer" not in fixed:
+        if c.offload == NO_OFFLOAD:
+            out.get("zero_optimization", {}).pop("offload_optimizer", None)
+        else:
+            _merge(out, "zero_optimization", {"offload_optimizer": {"device": c.offload}})
+    if "shard_group_size" not in fixed:
+        if c.shard_group_size == world_size or c.stage == 0:
+            out.get("zerofx", {}).pop("shard_group_size", None)
+        else:
+            _merge(out, "zerofx", {"shard_group_size": c.shard_group_size})
+    if "sequence_parallel" not in fixed:
+        if c.sequence_parallel > 1:
+            _merge(out, "zerofx", {"sequence_parallel": {"size": c.sequence_parallel, "attention": "auto"}})
+        else:
+            out.get("zerofx", {}).pop("sequence_parallel", None)
+    if "tiling" not in fixed:
+        out.get("zerofx", {}).pop("tiling", None)
+        if c.tiling == "on":
+            _merge(out, "zerofx", {"tiling": {"enabled": True}})
+    if "batch" not in fixed:
+        out.update(train_batch_size=global_batch, train_micro_batch_size_per_gpu=c.micro_batch, gradient_accumulation_steps=c.accumulation)
+    if "zerofx" in out and not out["zerofx"]:
+        out.pop("zerofx")
+    return out
+
+
+def with_auto_tiling(config: dict[str, Any], activation_budget_bytes: int) -> dict[str, Any]:
+    out = copy.deepcopy(config)
+    _merge(out, "zerofx", {"tiling": {"enabled": "auto", "budget": max(int(activation_budget_bytes), 0)}})
+    return out
+
+
+
+def resize_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> InputsAt:
+    """``inputs_at`` for a call whose tensors of two or more dimensions are (batch, sequence, ...)
+    like the first such tensor: each resized to (micro_batch, seq_len, ...), zeros of its dtype
+    on its device (capture needs shapes only)."""
+    first = next((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    if first is None:
+        raise ZeroFXError("the search needs an example input of shape (batch, seq_len, ...); none of the example inputs has two dimensions")
+    batch, seq = first.shape[0], first.shape[1]
+
+    def resize(value: Any, b: int, t: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == batch and value.shape[1] == seq:
+            return torch.zeros((b, t, *value.shape[2:]), dtype=value.dtype, device=value.device)
+        if isinstance(value, tuple):
+            return tuple(resize(v, b, t) for v in value)
+        if isinstance(value, dict):
+            return {k: resize(v, b, t) for k, v in value.items()}
+        return value
+
+    def inputs_at(b: int, t: int) -> tuple[tuple[Any, ...], Mapping[str, Any]]:
+        return resize(tuple(args), b, t), resize(dict(kwargs), b, t)
+
+    return inputs_at
+
+
+def example_shape(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, int]:
+    """(batch, seq_len) of the call's first tensor of two or more dimensions."""
+    first = next((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    if first is None:
+        raise ZeroFXError("the search needs an example input of shape (batch, seq_len, ...); none of the example inputs has two dimensions")
+    return int(first.shape[0]), int(first.shape[1])
