@@ -70,7 +70,7 @@ def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphMo
     # Chunking regions copies the graph; the tag travels with the node (no chosen region holds one).
     for i, op in plan.chosen("weight").items():
         linears[i][0].meta[_WEIGHT_TILES] = op.block_size
-    for i, op in plan.chosen("conv").items():  # NOTE [Convolutions recomputed in backward] in plan_tiling
+    for i in plan.chosen("conv"):  # NOTE [Convolutions recomputed in backward] in plan_tiling
         for n in analysis.conv_spans[i]:
             n.meta["recompute"] = _MUST_RECOMPUTE
             n.meta[_CONV_SPAN] = i  # found again after the regions are chunked (which copies the graph)
@@ -141,7 +141,7 @@ def _chunk_channels(graph: fx.Graph, span: list[fx.Node], chunks: int) -> None:
             chunk_envs.append(cenv)
         for o in outputs:
             cat = tag(graph.call_function(aten.cat.default, ([env[o] for env in chunk_envs], o.meta["val"].dim() - 2)))
-            o.replace_all_uses_with(cat, delete_user_cb=lambda u: u not in inside and u is not cat)
+            o.replace_all_uses_with(cat, delete_user_cb=lambda u, cat=cat: u not in inside and u is not cat)
 
 
 def _replace_attention(graph: fx.Graph, m: seq_regions.AttentionMatch, block: int) -> None:
