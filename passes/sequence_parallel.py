@@ -237,13 +237,21 @@ def _analyze(gm: fx.GraphModule, size: int) -> tuple[SeqAnalysis, set[fx.Node], 
     # Sharded: token-wise nodes computed from parameters or from other sharded nodes, and attention
     # outputs. Token-wise nodes computed from the inputs and buffers alone (position ids, rotary
     # tables, label casts) stay whole on every rank, cut to the rank's positions where a sharded op reads them.
+    # NOTE [Parameter-derived values shard their positions]
+    # "From parameters" counts what is computed from them without the sequence too (a filter's
+    # decay rates exp(log_rate)): StripedHyena's long filter ``R * r * exp(-r * arange(T))``
+    # then runs on the rank's T/S lags, as the FFT convolution's all-to-all expects, instead of
+    # whole on every rank, (C, modes, T) of it saved for backward.
     params = set(meta.placeholders(gm.graph, meta.Role.PARAM))
+    from_params: set[fx.Node] = set()
     local: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if mixer_of(n) is not None and an.sdim.get(n) is not None:
             local.add(n)
-        elif n in an.tokenwise and any(a in params or a in local for a in n.all_input_nodes):
+        elif n in an.tokenwise and any(a in params or a in from_params or a in local for a in n.all_input_nodes):
             local.add(n)
+        elif an.sdim.get(n) is None and any(a in params or a in from_params for a in n.all_input_nodes):
+            from_params.add(n)
     losses = [site for n in gm.graph.nodes if (site := _find_loss(n, an, local)) is not None]
     return an, local, losses
 
