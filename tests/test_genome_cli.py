@@ -250,3 +250,15 @@ def test_train_takes_the_micro_batch_from_the_config(tmp_path: Path) -> None:
     with pytest.raises(ZeroFXError, match="--batch-size 1 disagrees .* train_micro_batch_size_per_gpu=3"):
         check_train_options(TrainOptions(config=cfg, seq_len=64, batch_size=1))
     assert check_train_options(TrainOptions(seq_len=64)).batch_size == 2
+
+
+def test_train_banner_names_the_data_and_sequence_layout(tmp_path: Path) -> None:
+    from zerofx.app.training import TrainOptions, _batch_phrase, check_train_options
+
+    cfg = tmp_path / "sp.json"
+    cfg.write_text('{"zero_optimization": {"stage": 3}, "zerofx": {"world_size": 4, "sequence_parallel": {"size": 2}}}')
+    opts = check_train_options(TrainOptions(model="striped-tiny", config=cfg, seq_len=64, world_size=4))
+    assert _batch_phrase(opts) == (f"batch {opts.batch_size}x64 tokens per sequence group (2 data x 2 sequence ranks, "
+                                   f"{opts.batch_size}x32 positions per rank)")
+    plain = check_train_options(TrainOptions(model="striped-tiny", seq_len=64, world_size=2))
+    assert _batch_phrase(plain) == f"batch {plain.batch_size}x64 tokens per rank"

@@ -124,6 +124,17 @@ def data_layout(opts: TrainOptions, rank: int) -> tuple[int, int]:
     return rank // size, opts.world_size // size
 
 
+def _batch_phrase(opts: TrainOptions) -> str:
+    """The batch each rank trains on, in the banner: with sequence parallelism, each sequence
+    group of S ranks shares one batch of windows, and each rank holds T/S positions of it."""
+    groups, = data_layout(opts, 0)[1:]
+    size = opts.world_size // groups
+    if size == 1:
+        return f"batch {opts.batch_size}x{opts.seq_len} tokens per rank"
+    return (f"batch {opts.batch_size}x{opts.seq_len} tokens per sequence group ({groups} data x {size} sequence ranks, "
+            f"{opts.batch_size}x{opts.seq_len // size} positions per rank)")
+
+
 def _config_micro_batch(opts: TrainOptions) -> tuple[int, str] | None:
     """The micro-batch per rank the config states or implies, and where it comes from, after
     checking DeepSpeed's rule train_batch_size = train_micro_batch_size_per_gpu x
@@ -483,7 +494,7 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
         print(
             f"training {opts.model} ({engine.program.plan.num_params:,} parameters) at ZeRO stage {int(engine.stage)} on "
             f"{world_size} {dist.get_backend()} ranks: {_OBJECTIVE_PHRASES[Objective(opts.objective)]} on genome "
-            f"{Path(opts.fasta).name}, batch {opts.batch_size}x{opts.seq_len} tokens per rank, {describe_vocabulary(opts)}",
+            f"{Path(opts.fasta).name}, {_batch_phrase(opts)}, {describe_vocabulary(opts)}",
             flush=True,
         )
         _print_setup(engine, opts)
