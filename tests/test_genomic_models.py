@@ -246,11 +246,18 @@ def test_stage3_on_two_ranks_matches_plain_pytorch_sgd() -> None:
             assert diff < 1e-5, (size, rank, diff)
 
 
-def test_cli_trains_hyena_tiny_and_bimamba_tiny_on_two_ranks(capfd: pytest.CaptureFixture[str]) -> None:
-    for argv, vocabulary in ((["--model", "hyena-tiny"], 5), (["--model", "bimamba-tiny", "--objective", "mlm"], 15)):
-        assert main(["train", *argv, "--world-size", "2", "--stage", "3", "--steps", "3", "--seq-len", "64",
-                     "--collective-timeout", "60"]) == 0
+def test_cli_trains_striped_tiny_under_sequence_parallelism_and_bimamba_tiny(capfd: pytest.CaptureFixture[str],
+                                                                             tmp_path: Path) -> None:
+    """striped-tiny on the bundled genome over 4 ranks, data 2 x sequence 2 (halo, channel
+    all-to-all and attention exchanges), and bimamba-tiny's masked LM on 2 ranks, at stage 3."""
+    sp = tmp_path / "sp.json"
+    sp.write_text('{"zero_optimization": {"stage": 3}, "zerofx": {"world_size": 4, "sequence_parallel": {"size": 2}}}')
+    runs = ((["--model", "striped-tiny", "--config", str(sp)], 5, "(2 data x 2 sequence ranks, 2x32 positions per rank)"),
+            (["--model", "bimamba-tiny", "--objective", "mlm", "--world-size", "2", "--stage", "3"], 15, "tokens per rank"))
+    for argv, vocabulary, layout in runs:
+        assert main(["train", *argv, "--steps", "3", "--seq-len", "64", "--collective-timeout", "60"]) == 0
         out = capfd.readouterr().out
+        assert layout in out, out
         losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step ")]
         assert len(losses) == 3 and "step 3/3 loss" in out, out
         # Untrained, the model guesses about uniformly over the vocabulary; three steps lower the loss.
