@@ -18,6 +18,7 @@ import torch
 
 from zerofx.common.units import format_bytes
 from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan_recompute import RecomputePlan
 from zerofx.passes.plan_tiling import TilingPlan
 from zerofx.passes.sequence_parallel import SequenceParallelPlan
 
@@ -107,6 +108,8 @@ class ScheduleOptions:
     persistence_threshold: int = 0  # stage 3: parameters with fewer elements stay unsharded
     overlap: bool = True  # issue collectives early and wait late
     memory_budget_bytes: float | None = None  # per rank, for the whole step's peak
+    # zerofx.recompute: "off", "auto" (what the budget needs) or "all" (NOTE [Selective activation recompute])
+    recompute: str = "off"
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,8 @@ class Plan:
     sequence_parallel: SequenceParallelPlan | None = None
     param_offload: ParamOffloadPlan | None = None
     offload_grads: bool = False
+    # Saved activations recomputed in backward instead (NOTE [Selective activation recompute]).
+    recompute: RecomputePlan | None = None
 
     def __post_init__(self) -> None:
         if self.shard_group_size == 0:
@@ -189,6 +194,8 @@ class Plan:
             del d["tiling"]
         if not self.tile_gathered:
             del d["tile_gathered"]
+        if self.recompute is None:  # plans without recompute keep the JSON (and fingerprint) they had before it
+            del d["recompute"]
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
@@ -214,6 +221,7 @@ class Plan:
             tiling=TilingPlan.from_dict(d["tiling"]) if d.get("tiling") is not None else None,
             tile_gathered=tuple((f, t) for f, t in d.get("tile_gathered", ())),
             shard_group_size=d.get("shard_group_size", d["world_size"]),
+            recompute=RecomputePlan.from_dict(d["recompute"]) if d.get("recompute") is not None else None,
         )
 
     def fingerprint(self) -> str:
@@ -245,4 +253,6 @@ class Plan:
                   "each gathered, used and reduced in turn" for f, t in self.tile_gathered]
         if self.tiling is not None:
             lines.append(self.tiling.table())
+        if self.recompute is not None:
+            lines.append(self.recompute.table())
         return "\n".join(lines)

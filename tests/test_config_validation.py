@@ -446,6 +446,7 @@ MUST_AGREE: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "zerofx.prefetch_distance": (1, 2, BASE),
     "zerofx.memory_budget": ("80GiB", "40GiB", BASE),
     "zerofx.auto": (False, True, BASE),
+    "zerofx.recompute": (False, True, BASE),
     "zerofx.tiling.enabled": ("auto", True, BASE),
     "zerofx.tiling.block_size": (64, 128, BASE),
     "zerofx.tiling.attention_block_size": (64, 128, BASE),

@@ -15,10 +15,11 @@ through ``run_passes`` (the same, per pass, plus a lint of the graph it returns 
     autograd       AOTAutograd's joint graph of the rewritten forward   -
     plan           plan_step: shard group size, prefetch from the       (makes the Plan)
                    profile, plan_sharding (the SP, tiling and offload
-                   plans joined in), fit_prefetch under a budget;
+                   plans joined in), fit_prefetch under a budget,
+                   fit_recompute (zerofx.recompute);
                    capture_and_plan wraps stages 1-4 in fit_tiling
-    joint          tile_weights_pass, shard_params_pass,                Plan
-                   reduce_grads_pass
+    joint          recompute_activations_pass, tile_weights_pass,       Plan
+                   shard_params_pass, reduce_grads_pass
     partition      partition_joint: forward and backward                -
     graph          prefetch_gathers_pass, sink_reduce_waits_pass,       Plan (its param_offload, offload_grads)
                    fetch_params_pass, offload_grads_pass,
@@ -51,7 +52,7 @@ import torch.nn as nn
 
 from zerofx.common.errors import CaptureError, CompileStageError, SequenceParallelError, ZeroFXError
 from zerofx.compiler.capture import CapturedStep, LossFn, StepTracer, TensorInfo
-from zerofx.compiler.search import Planned, fit_prefetch, fit_tiling
+from zerofx.compiler.search import Planned, fit_prefetch, fit_recompute, fit_tiling
 from zerofx.config import ZeroConfig
 from zerofx.config.compile_options import CompileOptions
 from zerofx.cost_models.memory import device_model_state_bytes
@@ -63,6 +64,7 @@ from zerofx.passes.grad_sync import build_grad_sync
 from zerofx.passes.offload_grads import offload_grads_pass
 from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan_recompute import RecomputeMode, RecomputePlan, plan_recompute, recompute_activations_pass, recompute_candidates
 from zerofx.passes.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
 from zerofx.passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
 from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
@@ -140,6 +142,7 @@ def joint_passes(plan: Plan, *, group_name: str, replicate_group_name: str | Non
     group's (the world's when sharding is flat), ``replicate_group_name`` the group across shard
     groups (NOTE [Shard groups of consecutive ranks])."""
     return [
+        ("recompute_activations_pass", functools.partial(recompute_activations_pass, plan=plan.recompute)),
         ("tile_weights_pass", functools.partial(tile_weights_pass, plan=plan, group_name=group_name)),
         ("shard_params_pass", functools.partial(shard_params_pass, plan=plan, group_name=group_name)),
         ("reduce_grads_pass", functools.partial(reduce_grads_pass, plan=plan, group_name=group_name,
@@ -287,7 +290,10 @@ def plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpti
     3. ``plan_sharding``: placement, buckets, prefetch, estimates; the captured step's tiling and
        sequence-parallel plans and the offload plans joined into the one ``Plan``;
     4. ``fit_prefetch`` (``zerofx.memory_budget``): the prefetch distance lowered until the
-       lowered graphs' peak fits (NOTE [Prefetch under a memory budget] in zerofx/compiler/search.py).
+       lowered graphs' peak fits (NOTE [Prefetch under a memory budget] in zerofx/compiler/search.py);
+    5. ``fit_recompute`` (``zerofx.recompute``): the saved activations recomputed in backward, the
+       fewest that fit the budget under "auto" (NOTE [Selective activation recompute] in
+       passes/plan_recompute.py).
     """
     return run_stage("plan", _plan_step, captured, cfg, compile_opts, make, param_offload=param_offload,
                      choose_shard_group_size=choose_shard_group_size, done=("capture", "pre_autograd", "autograd"))
@@ -307,7 +313,7 @@ def _plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpt
         options = replace(options, prefetch_distance=prefetch_from_profile(planned, compute_s=estimate_compute_s(captured.joint, device),
                                                                            comm=comm))
 
-    def plan_with(opts: ScheduleOptions) -> Candidate:
+    def plan_with(opts: ScheduleOptions, recompute: RecomputePlan | None = None) -> Candidate:
         plan = plan_sharding(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer, options=opts,
                              shard_group_size=shard_group_size, comm=comm)
         if decision is not None:
@@ -317,10 +323,18 @@ def _plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpt
         if captured.sequence_parallel is not None:
             plan = replace(plan, decisions=(*plan.decisions, *captured.sequence_parallel.decisions),
                            sequence_parallel=captured.sequence_parallel)
-        plan = replace(with_offloaded_grads(plan, cfg), param_offload=param_offload)
+        plan = replace(with_offloaded_grads(plan, cfg), param_offload=param_offload, recompute=recompute)
         return make(captured, plan)
 
-    return fit_prefetch(plan_with(options), lambda d: plan_with(replace(options, prefetch_distance=d)), options.memory_budget_bytes)
+    chosen = fit_prefetch(plan_with(options), lambda d: plan_with(replace(options, prefetch_distance=d)), options.memory_budget_bytes)
+    mode = RecomputeMode(options.recompute)
+    if mode is RecomputeMode.OFF:
+        return chosen
+    # Recompute is planned at the prefetch distance the budget left (NOTE [Selective activation recompute]).
+    fitted = replace(options, prefetch_distance=chosen.plan.prefetch_distance)
+    candidates, saved_bytes = recompute_candidates(captured.joint, device)
+    return fit_recompute(chosen, lambda count: plan_with(fitted, plan_recompute(candidates, count, mode=mode, saved_bytes=saved_bytes)),
+                         len(candidates), mode=mode, budget_bytes=options.memory_budget_bytes)
 
 
 def with_offloaded_grads(plan: Plan, cfg: ZeroConfig) -> Plan:

@@ -17,6 +17,7 @@ from typing import Generic, Protocol, TypeVar
 from zerofx.passes.analyze_schedule import ScheduleReport
 from zerofx.common.units import format_bytes
 from zerofx.passes.plan import Plan
+from zerofx.passes.plan_recompute import RecomputeMode
 from zerofx.passes.plan_tiling import TilingOptions
 
 log = logging.getLogger("zerofx.tiling")
@@ -176,5 +177,51 @@ def fit_tiling(first: P, build: Callable[[TilingOptions], P], options: TilingOpt
            f"(NOTE [Tiling checked against the memory timeline]): the estimates alone tile {len(sequence_ops(first))} ops; "
            f"{steps}; kept {len(sequence_ops(chosen))} tiled ops, "
            f"which {'fit' if fits else 'do not fit'}")
+    log.info(why)
+    return chosen.with_decision(why)
+
+
+# NOTE [Recompute under a memory budget]
+# The candidates of ``recompute_candidates`` come ranked by bytes freed per second of recompute
+# (NOTE [Selective activation recompute] in passes/plan_recompute.py); taking more frees more.
+# Under "auto" the search keeps the plan as it is when its lowered graphs' peak fits the budget;
+# otherwise it lowers every candidate recomputed, and when that fits, bisects for the fewest
+# best-ranked candidates that fit, each count planned and lowered anew (about log2 of the
+# candidates). When even all of them do not fit, all are kept: the least memory recompute gives,
+# and the plan says it does not fit. "all" takes every candidate without a budget.
+def fit_recompute(first: P, replan: Callable[[int], P], num_candidates: int, *, mode: RecomputeMode,
+                  budget_bytes: float | None) -> P:
+    """``first`` (no recompute), or ``replan(count)`` with the first ``count`` candidates
+    recomputed (NOTE [Recompute under a memory budget])."""
+    if mode is RecomputeMode.OFF or num_candidates == 0:
+        return first
+    if mode is RecomputeMode.ALL:
+        return replan(num_candidates)
+
+    def peak(program: P) -> int:
+        return program.report(0).peak.live_bytes
+
+    assert budget_bytes is not None, "zerofx.recompute \"auto\" needs zerofx.memory_budget (the config checks it)"
+    first_peak = peak(first)
+    if first_peak <= budget_bytes:
+        return first
+    tried = [(0, first_peak)]
+    every = replan(num_candidates)
+    tried.append((num_candidates, peak(every)))
+    chosen, fits = every, tried[-1][1] <= budget_bytes
+    if fits:
+        low, high = 0, num_candidates  # low does not fit, high does
+        while high - low > 1:
+            mid = (low + high) // 2
+            program = replan(mid)
+            tried.append((mid, peak(program)))
+            if tried[-1][1] <= budget_bytes:
+                high, chosen = mid, program
+            else:
+                low = mid
+    count = len(chosen.plan.recompute.activations) if chosen.plan.recompute is not None else 0
+    steps = ", ".join(f"{format_bytes(b)} with {n}" for n, b in sorted(tried))
+    why = (f"recompute (auto) for the memory budget {format_bytes(budget_bytes)}: estimated peak {steps} of {num_candidates} "
+           f"saved activations recomputed; kept {count}, which {'fit' if fits else 'do not fit'}")
     log.info(why)
     return chosen.with_decision(why)

@@ -396,6 +396,10 @@ def parse_config(
         raise ConfigError("config key 'zerofx.auto' is true but 'zerofx.memory_budget' is missing: the search keeps the configurations "
                           "whose peak fits the budget; accepted: zerofx.memory_budget as bytes or a size such as \"80GiB\" "
                           "(or leave out zerofx.auto)")
+    if own.get("recompute") == "auto" and "memory_budget" not in own:
+        raise ConfigError("config key 'zerofx.recompute' is \"auto\" but 'zerofx.memory_budget' is missing: \"auto\" recomputes "
+                          "the fewest activations that make the step fit the budget; accepted: zerofx.memory_budget as bytes or a "
+                          "size such as \"80GiB\", or zerofx.recompute true (every activation that can be rebuilt) or false")
     return ZeroConfig(
         auto=auto,
         stage=resolved_stage,

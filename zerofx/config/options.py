@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from zerofx.passes.plan import ScheduleOptions
+from zerofx.passes.plan_recompute import RecomputeMode
 from zerofx.passes.plan_tiling import KINDS, TilingOptions
 from zerofx.passes.sequence_parallel import MIXERS, SequenceParallelSpec
 from zerofx.common.units import parse_bytes
@@ -215,6 +216,7 @@ def schedule_options(zero: Mapping[str, Any], own: Mapping[str, Any]) -> Schedul
         persistence_threshold=int(zero.get("stage3_param_persistence_threshold", default.persistence_threshold)),
         overlap=zero.get("overlap_comm", default.overlap),
         memory_budget_bytes=parse_bytes(own["memory_budget"]) if "memory_budget" in own else None,
+        recompute=RecomputeMode.from_config(own.get("recompute", False)).value,
     )
 
 

@@ -234,6 +234,10 @@ SCHEMA: dict[str, Key] = {
         "auto": Key((bool,), "search the stage, shard group size, optimizer offload and tiling for the most predicted tokens/s "
                     "whose peak fits zerofx.memory_budget (required with it), at initialize; keys the config sets itself are kept "
                     "(docs/autoplan.md)"),
+        "recompute": Key((bool, str), "activation recompute: false (the partitioner's own choice), \"auto\" (the fewest saved "
+                         "activations, cheapest bytes per second first, that make the step fit zerofx.memory_budget, required with it), "
+                         "or true (every saved activation that can be rebuilt) (docs/recompute.md)",
+                         lambda v: v in (True, False, "auto"), "true, false or \"auto\""),
         "tiling": Key((dict,), "sequence tiling of attention, token-wise regions and the loss; feature tiling of large weights", children={
             "enabled": Key((bool, str), "tile: true, false, or \"auto\" (from the activation estimate and the budget)",
                            lambda v: v in (True, False, "auto"), "true, false or \"auto\""),

@@ -1,0 +1,276 @@
+"""Planner and rewrite: selective activation recompute, chosen by bytes freed per second.
+
+``recompute_candidates`` reads the captured joint graph and lists the activations the default
+partition saves for backward that could be recomputed instead, each with its bytes and the
+seconds recomputing it costs (the device profile's estimate of its ops), best ratio first.
+``plan_recompute`` takes the first ``count`` of them as a ``RecomputePlan``: the plan's record
+of what is recomputed. ``recompute_activations_pass`` is the rewrite, the first of the joint
+passes: it tags the planned nodes ``MUST_RECOMPUTE``, and the min-cut partitioner then leaves
+them out of what the forward saves and computes them again in backward. How many to take is
+the budget search's choice (``fit_recompute`` in zerofx/compiler/search.py).
+
+NOTE [Selective activation recompute]
+After the min-cut partitioner has done its own choosing (it already recomputes cheap
+elementwise chains and saves what is costly to redo: matrix products, attention, reductions),
+what the forward saves is the step's activation memory. Under ``zerofx.recompute: "auto"`` and
+a memory budget the step's peak exceeds, each saved activation is a candidate, ranked by the
+bytes it frees per second of extra compute (``estimate_node_s`` on the device profile, summed
+over the ops it takes to rebuild it from what stays saved): a normalization's output or a
+projection of a narrow input comes before an attention output, whose rebuild is quadratic in
+the sequence. The budget search takes the fewest best-ranked candidates whose lowered graphs'
+peak fits, so nothing is recomputed when the step fits already, and the partitioner's own
+choice stands. A candidate is left out when recomputing it would be wrong or pointless:
+- its rebuild reaches a random op (dropout would draw a different mask), a collective (the
+  backward would communicate again), or an op outside ATen (a custom op may not be pure);
+- it is computed from parameters and buffers alone (at stage 3 those are gathered again in
+  backward anyway, NOTE [Why the gather is tagged for recompute]), or its rebuild reads a
+  parameter the backward does not read otherwise (the embedding table: stage 3 would gather it
+  once more);
+- another pass has tagged it already (tiling's chunks and recomputed spans).
+A saved view is taken together with the views up to its base, whose bytes it holds. In fp32 the
+recomputed ops are the same ops on the same inputs, so the step's values are bitwise those of
+the unrecomputed one.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from zerofx.common.errors import PlanError
+from zerofx.common.units import format_bytes
+from zerofx.cost_models.compute import DeviceSpec, estimate_node_s, value_bytes
+from zerofx.passes import _compat, meta
+from zerofx.passes.partition import partition_joint
+
+aten = torch.ops.aten
+
+
+class RecomputeMode(str, enum.Enum):
+    """``zerofx.recompute``: false (the partitioner's choice), "auto" (the fewest activations that
+    fit ``zerofx.memory_budget``), true (every candidate)."""
+
+    OFF = "off"
+    AUTO = "auto"
+    ALL = "all"
+
+    @classmethod
+    def from_config(cls, value: bool | str) -> RecomputeMode:
+        if value is True:
+            return cls.ALL
+        if value is False:
+            return cls.OFF
+        if value == "auto":
+            return cls.AUTO
+        raise PlanError(f"zerofx.recompute {value!r} is not accepted; accepted: true, false or \"auto\"")
+
+
+@dataclass(frozen=True)
+class RecomputedActivation:
+    """One saved activation recomputed in backward instead."""
+
+    name: str  # the saved node of the captured joint graph
+    what: str  # its op and shape, for the plan's table
+    tagged: tuple[str, ...]  # the nodes tagged MUST_RECOMPUTE: the saved value and the views to its base
+    bytes: int  # what the forward no longer saves
+    # The device profile's estimate of rebuilding it alone (what ranks it), and of what it adds
+    # to the candidates ranked before it (ops they rebuild already are not counted twice), so
+    # that a plan's first n candidates sum to their recompute.
+    alone_s: float
+    recompute_s: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / max(self.alone_s, 1e-12)
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """What ``recompute_activations_pass`` tags: the first ``len(activations)`` of ``candidates``
+    candidates, which together save ``saved_bytes`` in the default partition."""
+
+    mode: str
+    activations: tuple[RecomputedActivation, ...]
+    candidates: int
+    saved_bytes: int
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(a.bytes for a in self.activations)
+
+    @property
+    def recompute_s(self) -> float:
+        return sum(a.recompute_s for a in self.activations)
+
+    def tagged(self) -> frozenset[str]:
+        return frozenset(n for a in self.activations for n in a.tagged)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RecomputePlan:
+        acts = tuple(RecomputedActivation(**{**a, "tagged": tuple(a["tagged"])}) for a in d["activations"])
+        return cls(mode=d["mode"], activations=acts, candidates=d["candidates"], saved_bytes=d["saved_bytes"])
+
+    def summary(self) -> str:
+        return (f"recompute ({self.mode}): {len(self.activations)} of {self.candidates} saved activations recomputed in backward, "
+                f"{format_bytes(self.bytes_freed)} of {format_bytes(self.saved_bytes)} no longer saved, "
+                f"predicted {_ms(self.recompute_s)} more compute per micro-step")
+
+    def table(self, limit: int = 12) -> str:
+        from tabulate import tabulate
+
+        lines = [self.summary()]
+        if self.activations:
+            rows = [(a.name, a.what, format_bytes(a.bytes), _ms(a.recompute_s)) for a in self.activations[:limit]]
+            lines.append(tabulate(rows, headers=["recomputed", "op and shape", "bytes freed", "recompute"], tablefmt="simple"))
+            if len(self.activations) > limit:
+                lines.append(f"... {len(self.activations) - limit} more")
+        return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+_VIEW_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default, aten.transpose.int,
+                       aten.permute.default, aten.expand.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default,
+                       aten.squeeze.dim, aten.squeeze.dims, aten.alias.default, aten.as_strided.default, aten.unflatten.int,
+                       aten.flatten.using_ints, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+                       aten.unbind.int, aten.view_as_real.default, aten.view_as_complex.default, aten.diagonal.default})
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _VIEW_OPS
+
+
+def _may_recompute(node: fx.Node) -> bool:
+    """Whether the partitioner may run ``node`` again in backward with the same result."""
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if target is operator.getitem:
+        return True
+    if getattr(target, "namespace", None) not in ("aten", "prims"):
+        return False  # collectives (_c10d_functional), custom ops: not known to be pure
+    return torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ())
+
+
+def saved_for_backward(joint: fx.GraphModule) -> list[str]:
+    """The names of the joint graph's nodes the default partition saves for backward."""
+    forward, _ = partition_joint(meta.clone_graph_module(joint))
+    return [a.name for a in meta.output_node(forward.graph).args[0][1:] if isinstance(a, fx.Node)]
+
+
+def recompute_candidates(joint: fx.GraphModule, device: DeviceSpec, saved: Sequence[str] | None = None) -> tuple[list[RecomputedActivation], int]:
+    """The saved activations of ``joint``'s default partition that may be recomputed, best bytes
+    per second first, and the bytes all saved activations take (NOTE [Selective activation
+    recompute]). ``saved`` (names) skips the partition when the caller has it."""
+    graph = joint.graph
+    saved_names = list(saved) if saved is not None else saved_for_backward(joint)
+    by_name = {n.name: n for n in graph.nodes}
+    saved_nodes = [by_name[s] for s in saved_names if s in by_name]
+    saved_set = set(saved_nodes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inputs = set(meta.placeholders(graph, meta.Role.INPUT))
+    from_input: set[fx.Node] = set()
+    for node in graph.nodes:  # topological: what depends on the step's inputs
+        if node in inputs or any(a in from_input for a in node.all_input_nodes):
+            from_input.add(node)
+
+    def base_chain(node: fx.Node) -> list[fx.Node]:
+        chain = [node]
+        while _is_view(chain[-1]) and chain[-1].args and isinstance(chain[-1].args[0], fx.Node):
+            chain.append(chain[-1].args[0])
+        if chain[-1].target is operator.getitem and isinstance(chain[-1].args[0], fx.Node):
+            chain.append(chain[-1].args[0])
+        return chain
+
+    # Parameters and buffers the backward reads (directly or through views of them alone): a rebuild
+    # reading another one would make stage 3 gather it once more.
+    backward = meta.backward_region(graph)
+    read_in_backward: set[fx.Node] = set()
+    for ph in meta.placeholders(graph, meta.Role.PARAM) + meta.placeholders(graph, meta.Role.BUFFER):
+        frontier, seen = [ph], set()
+        while frontier:
+            n = frontier.pop()
+            for user in n.users:
+                if user in backward:
+                    read_in_backward.add(ph)
+                    frontier = []
+                    break
+                if _is_view(user) and user not in seen:
+                    seen.add(user)
+                    frontier.append(user)
+    weights = {n for n in graph.nodes if n.op == "placeholder" and n.meta.get(meta.ROLE) in (meta.Role.PARAM, meta.Role.BUFFER)}
+
+    ranked: list[tuple[float, int, fx.Node, str, tuple[str, ...], int, dict[fx.Node, float]]] = []
+    all_bytes = 0
+    for node in saved_nodes:
+        if node.op != "call_function" or node not in from_input:
+            continue
+        size = value_bytes(node.meta.get("val"))
+        all_bytes += size
+        chain = base_chain(node)
+        if any(n.op != "call_function" or n.meta.get("recompute") is not None for n in chain):
+            continue
+        # What rebuilding takes: the chain and its unsaved forward ancestors, up to what stays saved.
+        rebuild, stack, ok = set(), list(chain), True
+        while stack and ok:
+            n = stack.pop()
+            if n in rebuild:
+                continue
+            if not _may_recompute(n):
+                ok = False
+                break
+            rebuild.add(n)
+            if any(a in weights and a not in read_in_backward for a in n.all_input_nodes):
+                ok = False
+                break
+            stack += [a for a in n.all_input_nodes if a.op != "placeholder" and a not in saved_set and a not in rebuild]
+        if not ok or size == 0:
+            continue
+        base = chain[-1] if chain[-1].target is not operator.getitem else chain[-2]
+        shape = tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor) else ()
+        what = f"{getattr(base.target, '__name__', str(base.target))} {'x'.join(map(str, shape))}"
+        seconds = {n: estimate_node_s(n, device) for n in rebuild}
+        ranked.append((size / max(sum(seconds.values()), 1e-12), order[node], node, what, tuple(n.name for n in chain), size, seconds))
+    ranked.sort(key=lambda r: (-r[0], r[1]))
+    counted: set[fx.Node] = set()
+    candidates = []
+    for _, _, node, what, tagged, size, seconds in ranked:
+        added = sum(s for n, s in seconds.items() if n not in counted)
+        counted.update(seconds)
+        candidates.append(RecomputedActivation(name=node.name, what=what, tagged=tagged, bytes=size, alone_s=sum(seconds.values()),
+                                               recompute_s=added))
+    return candidates, all_bytes
+
+
+def plan_recompute(candidates: Sequence[RecomputedActivation], count: int, *, mode: RecomputeMode, saved_bytes: int) -> RecomputePlan:
+    """The first ``count`` candidates as the plan's recompute."""
+    assert 0 <= count <= len(candidates), (count, len(candidates))
+    return RecomputePlan(mode=mode.value, activations=tuple(candidates[:count]), candidates=len(candidates), saved_bytes=saved_bytes)
+
+
+def recompute_activations_pass(gm: fx.GraphModule, plan: RecomputePlan | None) -> fx.GraphModule:
+    """Tag ``plan``'s nodes ``MUST_RECOMPUTE`` (NOTE [Selective activation recompute]); unchanged
+    without a plan. The first joint pass, so the names are the captured joint graph's."""
+    if plan is None or not plan.activations:
+        return gm
+    tagged = plan.tagged()
+    found = 0
+    for node in gm.graph.nodes:
+        if node.name in tagged:
+            node.meta["recompute"] = _compat.CheckpointPolicy.MUST_RECOMPUTE
+            found += 1
+    if found != len(tagged):
+        missing = sorted(tagged - {n.name for n in gm.graph.nodes})
+        raise PlanError(f"the recompute plan names nodes the joint graph lacks: {missing[:5]}; the plan was made for another capture")
+    return gm
