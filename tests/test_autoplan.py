@@ -28,7 +28,7 @@ def _search(seq_len: int, budget: float, space: SearchSpace, *, world_size: int 
                   seq_len=seq_len, batch=1, budget_bytes=budget, space=space)
 
 
-STAGES = SearchSpace(stages=(0, 1, 2, 3), sequence_parallel=(1,), shard_group_sizes=None, offloads=("none", "cpu"), tilings=("off",),
+STAGES = SearchSpace(stages=(0, 1, 2, 3), sequence_parallel=(1,), shard_group_sizes=None, offloads=("none", "cpu"), tilings=("off",), recomputes=("off",),
                      micro_batch=None, accumulation=None)
 
 
@@ -51,7 +51,33 @@ def test_a_tighter_budget_shards_more_or_offloads() -> None:
     assert all("slower" in e.why for e in tight.ranked if e.fits and e is not chosen)
 
 
-SEQUENCE = SearchSpace(stages=(3,), sequence_parallel=(1, 2), shard_group_sizes=None, offloads=("none",), tilings=("off",),
+RECOMPUTE = SearchSpace(stages=(3,), sequence_parallel=(1,), shard_group_sizes=None, offloads=("none",), tilings=("off",),
+                        recomputes=("off", "auto"), micro_batch=1, accumulation=1)
+
+
+def test_a_tighter_budget_picks_recompute() -> None:
+    """With room to spare nothing is recomputed (the recompute candidates are not even tried); a
+    budget below the default min-cut's peak makes the search recompute the fewest saved
+    activations that fit, at a small cost in predicted time, and the config block says so."""
+    loose = _search(512, 1e9, RECOMPUTE)
+    assert loose.chosen is not None and loose.chosen.candidate.recompute == "off" and loose.chosen.recomputed == 0
+    assert [e.candidate.recompute for e in loose.ranked] == ["off"]
+    plain_peak = loose.chosen.peak_bytes
+    tight = _search(512, 0.93 * plain_peak, RECOMPUTE)
+    chosen = tight.chosen
+    assert chosen is not None and chosen.fits and chosen.peak_bytes <= tight.budget_bytes
+    assert chosen.candidate.recompute == "auto" and chosen.recomputed > 0
+    plain = next(e for e in tight.ranked if e.candidate.recompute == "off")
+    assert not plain.fits and plain.lowered
+    assert 0.9 * plain.tokens_per_s < chosen.tokens_per_s <= plain.tokens_per_s
+    assert f"({chosen.recomputed} activations recomputed)" in chosen.label()
+    assert tight.config is not None and tight.config["zerofx"]["recompute"] == "auto"
+    # A tighter budget still recomputes more.
+    tighter = _search(512, 0.86 * plain_peak, RECOMPUTE)
+    assert tighter.chosen is not None and tighter.chosen.recomputed > chosen.recomputed
+
+
+SEQUENCE = SearchSpace(stages=(3,), sequence_parallel=(1, 2), shard_group_sizes=None, offloads=("none",), tilings=("off",), recomputes=("off",),
                        micro_batch=None, accumulation=None)
 
 
@@ -79,7 +105,7 @@ def test_a_model_sequence_parallelism_refuses_is_no_candidate_for_it() -> None:
     with torch.device("meta"):
         model = MeanLM()
     ids = torch.zeros(1, 16, dtype=torch.long, device="meta")  # (B, T)
-    space = SearchSpace(stages=(3,), sequence_parallel=(1, 2), shard_group_sizes=None, offloads=("none",), tilings=("off",),
+    space = SearchSpace(stages=(3,), sequence_parallel=(1, 2), shard_group_sizes=None, offloads=("none",), tilings=("off",), recomputes=("off",),
                         micro_batch=None, accumulation=None)
     result = search(model, resize_inputs((ids,), {"labels": ids}), {}, world_size=2, seq_len=16, batch=1, budget_bytes=1.0,
                     space=space)
@@ -89,7 +115,7 @@ def test_a_model_sequence_parallelism_refuses_is_no_candidate_for_it() -> None:
 
 
 def test_nothing_fits_says_what_would_have_to_change() -> None:
-    space = SearchSpace(stages=(2, 3), sequence_parallel=(1,), shard_group_sizes=None, offloads=("none",), tilings=("off",),
+    space = SearchSpace(stages=(2, 3), sequence_parallel=(1,), shard_group_sizes=None, offloads=("none",), tilings=("off",), recomputes=("off",),
                         micro_batch=None, accumulation=None)
     result = _search(256, 1.0e6, space)
     assert result.chosen is None and result.config is None
@@ -136,6 +162,7 @@ def test_auto_needs_a_memory_budget() -> None:
     with pytest.raises(ConfigError, match=r"'zerofx.auto' is true but 'zerofx.memory_budget' is missing"):
         parse_config({"zerofx": {"auto": True}})
     assert parse_config({"zerofx": {"auto": True, "memory_budget": "1GiB"}, "zero_optimization": {"stage": 2}}).auto.fixed == {"stage"}
+    assert parse_config({"zerofx": {"auto": True, "memory_budget": "1GiB", "recompute": False}}).auto.fixed == {"recompute"}
 
 
 def test_keys_the_config_sets_win() -> None:
@@ -144,9 +171,12 @@ def test_keys_the_config_sets_win() -> None:
     base = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, "zerofx": {"auto": True, "memory_budget": 1}}
     from zerofx.compiler.autoplan import Candidate
 
-    out = candidate_config(base, Candidate(3, 1, 2, "none", "off", 1, 1), world_size=2, global_batch=2, fixed=fixed)
+    out = candidate_config(base, Candidate(3, 1, 2, "none", "off", 1, 1, "auto"), world_size=2, global_batch=2, fixed=fixed)
     assert out["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu"}}
-    assert "auto" not in out["zerofx"]
+    assert "auto" not in out["zerofx"] and out["zerofx"]["recompute"] == "auto"
+    kept = candidate_config({**base, "zerofx": {**base["zerofx"], "recompute": True}}, Candidate(3, 1, 2, "none", "off", 1, 1, "config"),
+                            world_size=2, global_batch=2, fixed=fixed | {"recompute"})
+    assert kept["zerofx"]["recompute"] is True
 
 
 def test_auto_at_initialize_applies_the_choice_once() -> None:

@@ -284,14 +284,14 @@ def format_auto_plan(result: Any, *, label: str) -> str:
         lines.append(f"not a candidate: {what}: {why}")
     chosen = result.chosen
     if chosen is not None:
-        lines.append(f"chosen: {chosen.candidate.label()}: predicted step {chosen.step_s * 1e3:.3g} ms, {chosen.tokens_per_s:,.0f} "
+        lines.append(f"chosen: {chosen.label()}: predicted step {chosen.step_s * 1e3:.3g} ms, {chosen.tokens_per_s:,.0f} "
                      f"tokens/s, peak {format_bytes(chosen.peak_bytes)} per rank (model state {format_bytes(chosen.model_state_bytes)})")
     else:
         lines.append(f"nothing fits {format_bytes(result.budget_bytes)} per rank. To fit, it would take:")
         lines += [f"  - {x}" for x in result.to_fit]
     rows = []
     for i, e in enumerate(result.ranked[:AUTO_ROWS + 1]):
-        rows.append([i + 1, e.candidate.label(), f"{e.tokens_per_s:,.0f}" if e.lowered else "-",
+        rows.append([i + 1, e.label(), f"{e.tokens_per_s:,.0f}" if e.lowered else "-",
                      f"{e.step_s * 1e3:.3g}" if e.lowered else "-", format_bytes(e.peak_bytes) + ("" if e.lowered else " or more"),
                      e.why or "chosen"])
     lines.append(tabulate(rows, headers=["#", "candidate", "tokens/s", "step ms", "peak/rank", "why not"], disable_numparse=True))

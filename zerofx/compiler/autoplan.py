@@ -4,7 +4,7 @@ whose peak memory per rank fits a budget (``zerofx plan --auto``, ``"zerofx": {"
 The search plans candidates through ``zerofx.compile`` and ``Program.replan`` and reads each
 one's estimated schedule (``program.report``): nothing runs and no process group is needed. It
 varies the ZeRO stage, the sequence-parallel size, the shard group size, where the optimizer
-state lives, tiling, and the micro-batch with gradient accumulation keeping the global batch
+state lives, tiling, activation recompute, and the micro-batch with gradient accumulation keeping the global batch
 fixed; a dimension the config sets itself is kept (``AutoOptions.fixed``). The result is an
 ``AutoPlan``: the chosen candidate, every candidate ranked with why it lost, and, when nothing
 fits, what would have to change. The command line and the engine only format and apply it.
@@ -19,10 +19,13 @@ cannot win:
 - Within a group, candidates are lowered in order of their model state per rank (known from the
   parameters' shapes, without lowering). A candidate whose model state plus the smallest
   transient memory (peak less persistent state) measured in the group exceeds the budget is
-  not lowered: it is reported over budget by at least that much.
+  not lowered: it is reported over budget by at least that much. Recompute lowers the transient
+  memory, so candidates that recompute are bounded only by those measured with it.
 - Offloading the optimizer state only adds time (its updates run on the host, its records
-  cross the host link), so it is tried only for a stage and shard group size that is over the
-  budget with the state on the device.
+  cross the host link), and so does recomputing activations (their ops run again in backward),
+  so a candidate with either is tried only for a stage and shard group size that is over the
+  budget without both. Under ``"auto"`` the planner recomputes the fewest activations that fit
+  the budget, none when it already fits (NOTE [Recompute under a memory budget]).
 - Micro-batches are tried smallest first within a sequence-parallel size and tiling: a larger
   one holds more activations, so once the group's leanest candidate is over the budget no
   larger micro-batch is tried.
@@ -93,6 +96,11 @@ class Evaluated:
     lowered: bool = True
     why: str = ""  # why it lost to the chosen one; "" for the chosen one
     fingerprint: str = ""  # the plan's, for a lowered candidate
+    recomputed: int = 0  # saved activations the plan recomputes in backward
+
+    def label(self) -> str:
+        """The candidate, with how many activations its plan recomputes where any."""
+        return self.candidate.label() + (f" ({_count(self.recomputed, 'activation')} recomputed)" if self.recomputed else "")
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,7 @@ class AutoPlan:
             return (f"zerofx auto: nothing fits {format_bytes(self.budget_bytes)} per rank among {len(self.ranked)} candidates; "
                     + "; ".join(self.to_fit))
         c = self.chosen
-        return (f"zerofx auto: chose {c.candidate.label()} (predicted {c.tokens_per_s:,.0f} tokens/s, step {c.step_s * 1e3:.3g} ms, "
+        return (f"zerofx auto: chose {c.label()} (predicted {c.tokens_per_s:,.0f} tokens/s, step {c.step_s * 1e3:.3g} ms, "
                 f"peak {format_bytes(c.peak_bytes)} per rank of {format_bytes(self.budget_bytes)}; {len(self.ranked)} candidates, "
                 f"{_count(self.num_captures, 'capture')}, {self.search_s:.1f} s)")
 
@@ -249,7 +257,8 @@ class _Search:
         peak = max(report.peak.live_bytes - offloaded, 0.0)
         tokens = self.global_batch * self.seq_len
         return Evaluated(c, step_s, tokens / step_s if step_s > 0 else float("inf"), peak, report.persistent_bytes - offloaded,
-                         fits=peak <= self.budget_bytes, fingerprint=program.plan.fingerprint())
+                         fits=peak <= self.budget_bytes, fingerprint=program.plan.fingerprint(),
+                         recomputed=0 if program.plan.recompute is None else len(program.plan.recompute.activations))
 
 
 def _shard_group_sizes(space: SearchSpace, stage: int, world_size: int) -> tuple[int | str, ...]:
@@ -329,8 +338,9 @@ def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_
         if tiling != space.tilings[0] and not _untiled_over(results, sp):
             continue  # everything fits untiled: tiling cannot win (NOTE [How the whole-job search prunes])
         for micro, accumulation in _micro_batches(space, per_group):
-            group = [Candidate(stage, sp, k, offload, tiling, micro, accumulation)
-                     for stage in space.stages for k in _shard_group_sizes(space, stage, s.world_size) for offload in space.offloads]
+            group = [Candidate(stage, sp, k, offload, tiling, micro, accumulation, recompute)
+                     for stage in space.stages for k in _shard_group_sizes(space, stage, s.world_size) for offload in space.offloads
+                     for recompute in space.recomputes]
             try:
                 ops = s.tiled_ops(group[0])
                 seen = tiled.setdefault(micro, {})
@@ -355,25 +365,34 @@ def _untiled_over(results: Sequence[Evaluated], sp: int) -> bool:
     return any(not e.fits for e in results if e.candidate.sequence_parallel == sp and e.candidate.tiling in ("off", "config"))
 
 
+def _saves_memory_only(c: Candidate) -> bool:
+    """Whether ``c`` trades time for memory beyond its stage and shard group size: the optimizer
+    state offloaded, or activations recomputed in the search's own "auto"."""
+    return c.offload != NO_OFFLOAD or c.recompute == "auto"
+
+
 def _search_group(s: _Search, group: Sequence[Candidate]) -> list[Evaluated]:
-    """The candidates of one capture group, leanest model state first, offload only where the
-    device alone is over the budget, and those the memory bound rules out not lowered."""
-    on_device = [c for c in group if c.offload == NO_OFFLOAD] or list(group)
-    offloaded = [c for c in group if c not in on_device]
-    states = {c: s.model_state_bytes(c) for c in on_device}
+    """The candidates of one capture group, leanest model state first; offload and recompute
+    only where the stage and shard group size are over the budget without them, and those the
+    memory bound rules out not lowered."""
+    plain = [c for c in group if not _saves_memory_only(c)] or list(group)
+    savers = [c for c in group if c not in plain]
     out: list[Evaluated] = []
-    transient = float("inf")  # the smallest peak less persistent state measured in this group
-    for c in sorted(on_device, key=lambda c: (states[c], -c.stage)):
-        out.append(_evaluate_or_bound(s, c, states[c], transient))
-        if out[-1].lowered:
-            transient = min(transient, out[-1].peak_bytes - out[-1].model_state_bytes)
+    # The smallest peak less persistent state measured in this group, per recompute setting:
+    # recompute lowers the transient memory, so one measured without it bounds nothing with it.
+    transient: dict[str, float] = {}
+
+    def run(candidates: Sequence[Candidate]) -> None:
+        states = {c: s.model_state_bytes(c) for c in candidates}
+        for c in sorted(candidates, key=lambda c: (states[c], c.recompute == "auto", -c.stage)):
+            least = transient.get(c.recompute, float("inf"))
+            out.append(_evaluate_or_bound(s, c, states[c], least))
+            if out[-1].lowered:
+                transient[c.recompute] = min(least, out[-1].peak_bytes - out[-1].model_state_bytes)
+
+    run(plain)
     over = {(e.candidate.stage, e.candidate.shard_group_size) for e in out if not e.fits}
-    extra = [c for c in offloaded if (c.stage, c.shard_group_size) in over]
-    extra_states = {c: s.model_state_bytes(c) for c in extra}
-    for c in sorted(extra, key=lambda c: (extra_states[c], -c.stage)):
-        out.append(_evaluate_or_bound(s, c, extra_states[c], transient))
-        if out[-1].lowered:
-            transient = min(transient, out[-1].peak_bytes - out[-1].model_state_bytes)
+    run([c for c in savers if (c.stage, c.shard_group_size) in over])
     return out
 
 

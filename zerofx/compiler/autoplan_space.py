@@ -20,6 +20,9 @@ from zerofx.cost_models.tiers import NO_OFFLOAD, Tier
 InputsAt = Callable[[int, int], tuple[tuple[Any, ...], Mapping[str, Any]]]
 TILINGS = ("off", "auto", "on")
 OFFLOADS = (NO_OFFLOAD, Tier.CPU.value)
+# "off": the default min-cut saves; "auto": the fewest recomputed activations that fit the budget
+# (NOTE [Selective activation recompute] in passes/plan_recompute.py); "config": the config's own.
+RECOMPUTES = ("off", "auto")
 
 
 def powers_of_two_dividing(n: int, *, start: int = 1) -> tuple[int, ...]:
@@ -42,6 +45,7 @@ class Candidate:
     tiling: str  # "off", "auto", "on", or "config" (the config's own zerofx.tiling)
     micro_batch: int  # sequences per rank per micro-step
     accumulation: int  # micro-steps per optimizer step
+    recompute: str = "off"  # "off", "auto", or "config" (the config's own zerofx.recompute)
 
     @property
     def capture_group(self) -> tuple[int, int, str]:
@@ -55,9 +59,10 @@ class Candidate:
         parts.append(f"K {self.shard_group_size}")
         parts.append(f"offload {self.offload}")
         parts.append(f"tiling {self.tiling}")
+        if self.recompute != "off":
+            parts.append(f"recompute {self.recompute}")
         parts.append(f"micro {self.micro_batch} x {self.accumulation}")
         return ", ".join(parts)
-
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class SearchSpace:
     shard_group_sizes: tuple[int | str, ...] | None  # None: every power of two >= 2 dividing the world size
     offloads: tuple[str, ...]
     tilings: tuple[str, ...]
+    recomputes: tuple[str, ...]
     micro_batch: int | None  # None: searched (divisors of the sequences a data-parallel group takes per step)
     accumulation: int | None
 
@@ -86,11 +92,12 @@ def search_space(cfg: ZeroConfig, auto: AutoOptions, *, world_size: int, seq_len
     ks = (cfg.shard_group_size if cfg.shard_group_size is not None else world_size,) if "shard_group_size" in fixed else None
     offloads = ((NO_OFFLOAD if cfg.offload is None else cfg.offload.device.value),) if "offload_optimizer" in fixed else OFFLOADS
     tilings = ("config",) if "tiling" in fixed else TILINGS
+    recomputes = ("config",) if "recompute" in fixed else RECOMPUTES
     if "batch" in fixed or not search_batch:
         micro, accumulation = batch, cfg.gradient_accumulation_steps
     else:
         micro, accumulation = None, None
-    return SearchSpace(stages, sp, ks, offloads, tilings, micro, accumulation)
+    return SearchSpace(stages, sp, ks, offloads, tilings, recomputes, micro, accumulation)
 
 
 def _merge(config: dict[str, Any], section: str, values: Mapping[str, Any]) -> None:
@@ -126,6 +133,10 @@ def candidate_config(base: Mapping[str, Any], c: Candidate, *, world_size: int, 
         out.get("zerofx", {}).pop("tiling", None)
         if c.tiling == "on":
             _merge(out, "zerofx", {"tiling": {"enabled": True}})
+    if "recompute" not in fixed:
+        out.get("zerofx", {}).pop("recompute", None)
+        if c.recompute == "auto":
+            _merge(out, "zerofx", {"recompute": "auto"})
     if "batch" not in fixed:
         out.update(train_batch_size=global_batch, train_micro_batch_size_per_gpu=c.micro_batch, gradient_accumulation_steps=c.accumulation)
     if "zerofx" in out and not out["zerofx"]:
