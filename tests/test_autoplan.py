@@ -77,6 +77,66 @@ def test_a_tighter_budget_picks_recompute() -> None:
     assert tighter.chosen is not None and tighter.chosen.recomputed > chosen.recomputed
 
 
+def test_many_ranks_lower_one_or_two_shard_group_sizes_per_stage() -> None:
+    """At 64 ranks on the H100 profile each stage has six shard group sizes. The search lowers
+    them in the shard-group model's order up to the first that fits, so at most two per stage
+    here, and still chooses what lowering all eighteen chooses. Every candidate's lowered step is
+    at least the floor the search skips candidates by."""
+    from zerofx.compiler.autoplan import Candidate, _Search
+
+    model = build_model("small", device="meta")
+    ids = torch.zeros(1, 256, dtype=torch.long, device="meta")  # (B, T)
+    base = {"zerofx": {"memory_budget": 1e9, "profile": "h100"}}
+    space = SearchSpace(stages=(1, 2, 3), sequence_parallel=(1,), shard_group_sizes=None, offloads=("none",), tilings=("off",),
+                        recomputes=("off",), micro_batch=2, accumulation=1)
+    inputs_at = resize_inputs((ids,), {"labels": ids})
+    result = search(model, inputs_at, base, world_size=64, seq_len=256, batch=2, budget_bytes=1e9, space=space)
+    assert result.chosen is not None and len(result.ranked) == 18
+    lowered = [e for e in result.ranked if e.lowered]
+    assert len(lowered) <= 6 and all(sum(e.candidate.stage == st for e in lowered) <= 2 for st in (1, 2, 3))
+    assert all(e.step_s >= e.step_bound_s > 0 for e in lowered)
+    assert all("behind" in e.why or "shard-group model, slower" in e.why for e in result.ranked if not e.lowered)
+    every = _Search(model, inputs_at, base, world_size=64, seq_len=256, global_batch=128, budget_bytes=1e9, fixed=frozenset(),
+                    loss_fn=None)
+    exhaustive = [every.evaluate(Candidate(st, 1, k, "none", "off", 2, 1)) for st in (1, 2, 3) for k in (2, 4, 8, 16, 32, 64)]
+    best = max((e for e in exhaustive if e.fits), key=lambda e: e.tokens_per_s)
+    assert all(e.step_s >= every.step_floor_s(e.candidate) for e in exhaustive)
+    assert result.chosen.candidate == best.candidate and result.chosen.tokens_per_s == pytest.approx(best.tokens_per_s)
+
+
+def test_a_folded_search_chooses_and_predicts_what_the_whole_one_does() -> None:
+    """Folded (captures of 2 and 3 of the 4 blocks, NOTE [Budgets of the cut models]), every
+    candidate's step and peak are the whole model's, also under a budget that makes stage 3 fit
+    its prefetch distance; the winner is captured whole, so its config plans the same plan
+    (fingerprint) as the unfolded search's. With recompute to the budget both choose the same."""
+    model = build_model("small", device="meta")
+    ids = torch.zeros(1, 256, dtype=torch.long, device="meta")  # (B, T)
+
+    def run(budget: float, fold: str, recomputes: tuple[str, ...]) -> AutoPlan:
+        space = SearchSpace(stages=(2, 3), sequence_parallel=(1,), shard_group_sizes=None, offloads=("none",), tilings=("off",),
+                            recomputes=recomputes, micro_batch=1, accumulation=1)
+        return search(model, resize_inputs((ids,), {"labels": ids}), {"zerofx": {"memory_budget": budget}}, world_size=4, seq_len=256,
+                      batch=1, budget_bytes=budget, space=space, fold=fold)
+
+    loose = run(1e9, "off", ("off",))
+    assert loose.chosen is not None
+    stage3 = next(e for e in loose.ranked if e.candidate.stage == 3)
+    for budget in (1e9, 0.9 * stage3.peak_bytes):
+        whole, folded = run(budget, "off", ("off",)), run(budget, "on", ("off",))
+        assert folded.chosen is not None and whole.chosen is not None
+        assert folded.chosen.candidate == whole.chosen.candidate and folded.chosen.fingerprint == whole.chosen.fingerprint
+        by_candidate = {e.candidate: e for e in whole.ranked if e.lowered}
+        compared = [e for e in folded.ranked if e.lowered and e.candidate in by_candidate]
+        assert compared
+        for e in compared:
+            assert e.step_s == pytest.approx(by_candidate[e.candidate].step_s, rel=1e-6)
+            assert e.peak_bytes == pytest.approx(by_candidate[e.candidate].peak_bytes, rel=1e-6)
+    whole, folded = (run(0.9 * stage3.peak_bytes, fold, ("off", "auto")) for fold in ("off", "on"))
+    assert folded.chosen is not None and whole.chosen is not None
+    assert folded.chosen.candidate == whole.chosen.candidate and folded.chosen.candidate.recompute == "auto"
+    assert folded.chosen.fits and folded.chosen.fingerprint
+
+
 SEQUENCE = SearchSpace(stages=(3,), sequence_parallel=(1, 2), shard_group_sizes=None, offloads=("none",), tilings=("off",), recomputes=("off",),
                        micro_batch=None, accumulation=None)
 
@@ -107,8 +167,14 @@ def test_a_model_sequence_parallelism_refuses_is_no_candidate_for_it() -> None:
     ids = torch.zeros(1, 16, dtype=torch.long, device="meta")  # (B, T)
     space = SearchSpace(stages=(3,), sequence_parallel=(1, 2), shard_group_sizes=None, offloads=("none",), tilings=("off",), recomputes=("off",),
                         micro_batch=None, accumulation=None)
-    result = search(model, resize_inputs((ids,), {"labels": ids}), {}, world_size=2, seq_len=16, batch=1, budget_bytes=1.0,
-                    space=space)
+    def run(budget: float) -> AutoPlan:
+        return search(model, resize_inputs((ids,), {"labels": ids}), {}, world_size=2, seq_len=16, batch=1, budget_bytes=budget,
+                      space=space)
+
+    whole = run(1e9).chosen
+    assert whole is not None
+    # Over the budget by its activations alone, so splitting the sequence is worth trying.
+    result = run((whole.model_state_bytes + whole.peak_bytes) / 2)
     assert [what for what, _ in result.not_candidates] == ["sequence parallelism over 2 ranks"]
     assert "cannot shard aten.mean.dim" in result.not_candidates[0][1]
     assert all(e.candidate.sequence_parallel == 1 for e in result.ranked) and result.chosen is None

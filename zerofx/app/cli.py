@@ -228,8 +228,8 @@ def _plan_auto(args: argparse.Namespace) -> int:
     if args.budget is None and in_config is None:
         raise UsageError("--auto needs --budget, the memory per rank the chosen configuration must fit (e.g. 2GiB): the search "
                          "keeps the candidates whose predicted peak fits it (or zerofx.memory_budget in --config)")
-    if args.solve is not None or args.plot is not None or args.fold == "on":
-        raise UsageError("--auto plans every block of the whole model and draws nothing: leave out --solve, --plot and --fold on")
+    if args.solve is not None or args.plot is not None:
+        raise UsageError("--auto searches configurations and draws nothing: leave out --solve and --plot")
     budget = parse_bytes(args.budget if args.budget is not None else in_config)
     own = {**raw.get("zerofx", {}), "auto": True, "memory_budget": int(budget) if float(budget).is_integer() else budget}
     if args.profile != DEFAULT_PROFILE:
@@ -255,7 +255,7 @@ def _plan_auto(args: argparse.Namespace) -> int:
     space = search_space(cfg, cfg.auto, world_size=world_size, seq_len=seq_len, batch=batch)
     with running_model_code(spec.label):
         result = search(spec.model, resize_inputs(spec.args, spec.kwargs), raw, world_size=world_size, seq_len=seq_len, batch=batch,
-                        budget_bytes=budget, space=space, fixed=cfg.auto.fixed)
+                        budget_bytes=budget, space=space, fixed=cfg.auto.fixed, fold=args.fold)
     if args.format == "json":
         data = json.loads(result.to_json())
         data["model"] = spec.label
@@ -766,10 +766,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan a model of N identical blocks from captures of 2 and 3 of them and extrapolate (fast; "
                         f"auto: when N >= {AUTO_FOLD_MIN_BLOCKS}); off plans every block (exact rows)")
     p.add_argument("--auto", action="store_true",
-                   help="search the ZeRO stage, sequence-parallel size, shard group size, optimizer offload, tiling and micro-batch "
+                   help="search the ZeRO stage, sequence-parallel size, shard group size, optimizer offload, tiling, activation recompute and micro-batch "
                         "(gradient accumulation keeping the global batch of --batch-size x world size) for the most predicted "
                         "tokens/s whose peak fits --budget (required); --stage and the --config's own keys are kept; prints the "
-                        "chosen config block, the runners-up and why each lost, or what would have to change to fit (docs/autoplan.md)")
+                        "chosen config block, the runners-up and why each lost, or what would have to change to fit; --fold applies to "
+                        "each candidate (docs/autoplan.md)")
     p.add_argument("--sweep", metavar="world-size=N1,N2,...",
                    help="weak scaling: at each world size, the plan the planner chooses (shard group size, prefetch, buckets) "
                         "and the flat stage-3 plan side by side, with predicted step time, efficiency relative to the smallest "

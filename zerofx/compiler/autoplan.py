@@ -16,24 +16,39 @@ that), and it depends only on the micro-batch, the sequence-parallel size and ti
 capture group. Within a group one capture serves every stage, shard group size and offload
 placement (``Program.replan``, NOTE [Planning again from one capture]). The search skips what
 cannot win:
-- Within a group, candidates are lowered in order of their model state per rank (known from the
-  parameters' shapes, without lowering). A candidate whose model state plus the smallest
+- Each candidate's model state per rank is known from the parameters' shapes, without
+  lowering. A candidate whose model state plus the smallest
   transient memory (peak less persistent state) measured in the group exceeds the budget is
   not lowered: it is reported over budget by at least that much. Recompute lowers the transient
   memory, so candidates that recompute are bounded only by those measured with it.
+- Within a stage (and offload and recompute setting), the shard group sizes are lowered in the
+  order of the shard-group model's predicted step (NOTE [Hierarchical sharding cost]: the
+  buckets from the parameters' shapes, the capture's compute estimate; ties broken as
+  ``shard_group_size: "auto"`` breaks them), and once one fits, the sizes after it are not
+  lowered: that model, the one ``"auto"`` chooses K by, predicts them no faster. At a thousand
+  ranks that is one or two lowerings per stage instead of ten.
+- A candidate whose step floor is longer than the best predicted step that fits is not
+  lowered. The floor is every micro-step's compute (the compute model over its capture's joint
+  graph) or the shard-group model's step less ``SHARDING_MODEL_MARGIN``, whichever is longer;
+  the update, offload and recompute only add to it.
 - Offloading the optimizer state only adds time (its updates run on the host, its records
   cross the host link), and so does recomputing activations (their ops run again in backward),
   so a candidate with either is tried only for a stage and shard group size that is over the
-  budget without both. Under ``"auto"`` the planner recomputes the fewest activations that fit
-  the budget, none when it already fits (NOTE [Recompute under a memory budget]).
+  budget without both, and not for a K the shard-group model puts behind one that fits
+  without. Under ``"auto"`` the planner recomputes the fewest activations that fit the budget,
+  none when it already fits (NOTE [Recompute under a memory budget]).
 - Micro-batches are tried smallest first within a sequence-parallel size and tiling: a larger
   one holds more activations, so once the group's leanest candidate is over the budget no
   larger micro-batch is tried.
 - Sequence parallelism adds exchanges and, at a fixed global batch, leaves each rank the same
-  tokens per step, so a larger sequence-parallel size is tried only when some candidate of the
-  smaller ones is over the budget.
-- Tiling only trades time for memory, so tiled captures are tried for a micro-batch and
-  sequence-parallel size only when some candidate of its untiled capture is over the budget.
+  tokens per step and the same model state, so a larger sequence-parallel size is tried only
+  when some candidate of the smaller ones is over the budget by its activations alone (its model
+  state fits) and, if it was lowered, is predicted faster than the best that fits: only such a
+  candidate could be made to fit and win. Once something fits, the sizes stop at the first
+  doubling that makes nothing fit faster than before: each rank's activations shrink as 1/S,
+  so every further doubling frees half as much as the one that rescued nothing.
+- Tiling only trades time for activation memory, so tiled captures are tried for a micro-batch
+  and sequence-parallel size only when some candidate of its untiled capture is such a one.
 - A sequence-parallel size whose rewrite refuses the model (``SequenceParallelError``) is not a
   candidate, and the report says why.
 With tiling ``auto``, the capture's tiling is fitted to the timeline of the candidate it was
@@ -43,13 +58,31 @@ The objective is tokens per optimizer step over the predicted optimizer step: th
 forward and backward (with the exposed communication), the once-per-step gradient and
 parameter syncs of stages 1-2, and the optimizer update (memory-bound on the device, or the
 offload plan's host step with the record I/O it cannot hide).
+
+NOTE [Budgets of the cut models]
+A model with ``AUTO_FOLD_MIN_BLOCKS`` or more repeated blocks is searched folded, as ``zerofx
+plan`` plans it (NOTE [Why linear extrapolation is exact here] in zerofx/compiler/folding.py):
+each capture group captures the model cut to 2 and to 3 blocks, every candidate is planned and
+lowered on both, and its step, peak and model state are extrapolated to every block. A 20-block
+model then costs a quarter of its whole capture and lowering per candidate. What the planner
+fits to ``zerofx.memory_budget`` would fit the cut models' smaller peaks, so the cut models are
+planned without it, and the prefetch distance is lowered here until the extrapolated peak fits,
+as ``fit_prefetch`` lowers it on a whole model's peak; at a fixed distance extrapolation is
+exact, so the whole model fits at the same distance. ``zerofx.recompute: "auto"`` chooses
+activations one by one from a graph's own ranking, which two cut models need not share, so a
+candidate that recomputes to the budget is first planned folded with every candidate
+recomputed (the same in every block, so exact), the most ``"auto"`` can free; only if that fits
+is it planned whole (one whole capture per capture group, made only where one is needed). The winner is captured whole from its own config
+and measured as that config plans it before it is kept; it must still fit, or the next one is
+(``MAX_RECAPTURES``).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -60,20 +93,27 @@ from zerofx.common.units import format_bytes
 from zerofx.compiler.autoplan_space import (Candidate, InputsAt, SearchSpace, candidate_config, example_shape,
                                             powers_of_two_dividing, resize_inputs, search_space, with_auto_tiling)
 from zerofx.compiler.capture import LossFn
+from zerofx.compiler.folding import AUTO_FOLD_MIN_BLOCKS, FOLD_BLOCKS, RepeatedBlocks, extrapolate, find_repeated_blocks, fold_reports, with_num_blocks
 from zerofx.compiler.program import Program, compile, plan_from_shapes, resolve
 from zerofx.config.compile_options import compile_options
 from zerofx.config import ZeroConfig, parse_config
 from zerofx.cost_models.compute import CPU_CORE
+from zerofx.cost_models.hierarchy import STEP_TIE_FRACTION, estimate_step_comm_s, estimate_step_s
 from zerofx.cost_models.offload import FP32_BYTES, estimate_update_s, record_numels
 from zerofx.cost_models.profiles import load_profile
 from zerofx.cost_models.tiers import NO_OFFLOAD, Tier
 from zerofx.passes import Plan
 from zerofx.passes.analyze_schedule import ScheduleReport
 from zerofx.passes.plan_offload import plan_offload
+from zerofx.passes.plan_shard_groups import bucket_bytes, estimate_compute_s
 
 
 # Auto-tiled winners captured again from their own config before one is kept.
 MAX_RECAPTURES = 3
+# The shard-group model prices each collective alone on its link, so across nodes it can predict
+# more than the lowered schedule exposes (up to 14% seen, at 64 ranks on the H100 profile;
+# tests/test_autoplan.py checks the floor holds): a candidate is skipped by it only with this margin.
+SHARDING_MODEL_MARGIN = 0.25
 # Halvings of the sequence tried to say how short a sequence the leanest candidate fits.
 MAX_SEQUENCE_HALVINGS = 5
 
@@ -97,6 +137,7 @@ class Evaluated:
     why: str = ""  # why it lost to the chosen one; "" for the chosen one
     fingerprint: str = ""  # the plan's, for a lowered candidate
     recomputed: int = 0  # saved activations the plan recomputes in backward
+    step_bound_s: float = 0.0  # ``_Search.step_floor_s``: what the step takes at least (0: none computed)
 
     def label(self) -> str:
         """The candidate, with how many activations its plan recomputes where any."""
@@ -144,8 +185,12 @@ class _Search:
     """The state of one search: the captures made, what each candidate measured."""
 
     def __init__(self, model: nn.Module, inputs_at: InputsAt, base: Mapping[str, Any], *, world_size: int, seq_len: int,
-                 global_batch: int, budget_bytes: float, fixed: frozenset[str], loss_fn: LossFn | None) -> None:
-        self.model, self.inputs_at, self.base = model, inputs_at, base
+                 global_batch: int, budget_bytes: float, fixed: frozenset[str], loss_fn: LossFn | None, fold: str = "auto") -> None:
+        self.model, self.inputs_at, self.base, self.fold = model, inputs_at, base, fold
+        self.blocks = _blocks_to_fold(model, fold)
+        self.cuts = {n: with_num_blocks(model, self.blocks, n) for n in FOLD_BLOCKS} if self.blocks is not None else {}
+        self.cut_groups: dict[tuple[int, int, str], dict[int, Program]] = {}  # folded: the first cut programs of each capture group
+        self.folded: set[Candidate] = set()  # candidates measured on the cut models
         self.world_size, self.seq_len, self.global_batch = world_size, seq_len, global_batch
         self.budget_bytes, self.fixed, self.loss_fn = budget_bytes, fixed, loss_fn
         self.groups: dict[tuple[int, int, str], Program] = {}  # the first program of each capture group
@@ -153,6 +198,7 @@ class _Search:
         self.num_captures = 0
         self.num_lowered = 0
         self._states: dict[Candidate, float] = {}
+        self._compute_s: dict[tuple[int, int, str], float] = {}  # per capture group
         self.profile = parse_config(base).profile
         self.comm, self.device = load_profile(self.profile)
 
@@ -167,14 +213,58 @@ class _Search:
         """The candidate's model state on the device per rank, from the parameters' shapes alone."""
         if c in self._states:
             return self._states[c]
-        config = candidate_config(self.base, c, world_size=self.world_size, global_batch=self.global_batch, fixed=self.fixed)
-        cfg = resolve(config, stage=None, world_size=self.world_size)
-        plan = plan_from_shapes(self.model, cfg, compile_options(cfg, self.world_size))
+        plan, cfg = self.shapes_plan(c)
         state = float(sum(plan.estimates.values()))
         if cfg.offload is not None:
             state -= self._offloaded_bytes(plan, cfg)
         self._states[c] = state
         return state
+
+    def shapes_plan(self, c: Candidate) -> tuple[Plan, ZeroConfig]:
+        """The candidate's plan from the parameters' shapes alone (no capture), and its config."""
+        config = candidate_config(self.base, c, world_size=self.world_size, global_batch=self.global_batch, fixed=self.fixed)
+        cfg = resolve(config, stage=None, world_size=self.world_size)
+        return plan_from_shapes(self.model, cfg, compile_options(cfg, self.world_size)), cfg
+
+    def compute_s(self, c: Candidate) -> float:
+        """One micro-step's compute, from the compute model over the capture group's joint graph."""
+        key = c.capture_group
+        if key not in self._compute_s:
+            if self.blocks is None:
+                self._compute_s[key] = estimate_compute_s(self.groups[key].captured.joint, self.device)
+            else:
+                small, large = (estimate_compute_s(self.cut_groups[key][n].captured.joint, self.device) for n in FOLD_BLOCKS)
+                self._compute_s[key] = extrapolate(small, large, self.blocks.count)
+        return self._compute_s[key]
+
+    def _sharding_comm(self, c: Candidate) -> Any:
+        plan, _ = self.shapes_plan(replace(c, offload=NO_OFFLOAD, recompute="off"))
+        return estimate_step_comm_s(bucket_bytes(plan), world_size=self.world_size, shard_group_size=int(c.shard_group_size), stage=c.stage,
+                                    spec=self.comm)
+
+    def step_floor_s(self, c: Candidate) -> float:
+        """What ``c``'s optimizer step takes at least, before lowering it: every micro-step's
+        compute (the compute model over the capture's joint graph), or the shard-group model's
+        step (NOTE [Hierarchical sharding cost]: communication perfectly overlapped) less
+        ``SHARDING_MODEL_MARGIN``, whichever is longer. The update, offload and recompute only
+        add to it."""
+        compute = c.accumulation * self.compute_s(c)
+        if c.stage == 0 or not isinstance(c.shard_group_size, int):
+            return compute
+        comm = self._sharding_comm(c)
+        return max(compute, (1 - SHARDING_MODEL_MARGIN) * (max(compute, comm.intra_s, comm.inter_s) + comm.tail_s))
+
+    def sharding_order(self, c: Candidate) -> tuple[float, float, int] | None:
+        """Where the shard-group model (NOTE [Hierarchical sharding cost]) puts ``c`` among the
+        shard group sizes of its stage: its predicted step from the buckets and the capture's
+        compute estimate, rounded to ties as ``shard_group_size: "auto"`` rounds them, then the
+        inter-node seconds, then the larger K first. None when ``c``'s K is not a number."""
+        if not isinstance(c.shard_group_size, int) or c.stage == 0:
+            return None
+        comm = self._sharding_comm(c)
+        step_s = estimate_step_s(comm, self.compute_s(c))
+        tie = step_s * STEP_TIE_FRACTION or 1e-12
+        return round(step_s / tie) * tie, round(comm.inter_s, 9), -c.shard_group_size
 
     def _records(self, plan: Plan, cfg: ZeroConfig) -> list[tuple[str, int]]:
         """Each trainable parameter's optimizer-state record on this rank, in backward order, as
@@ -191,8 +281,36 @@ class _Search:
         device_budget = tiers[Tier.DEVICE].budget_bytes
         return max(sum(b for _, b in records) - device_budget, 0.0)
 
-    def program(self, c: Candidate, config: dict[str, Any]) -> Program:
-        """The candidate planned from its group's capture, capturing the group's first."""
+    def cut_programs(self, c: Candidate, configs: Mapping[int, dict[str, Any]]) -> dict[int, Program]:
+        """Folded: the candidate planned on the model cut to each of ``FOLD_BLOCKS`` blocks, from
+        its group's captures of them, capturing the group's first."""
+        key = c.capture_group
+        first = self.cut_groups.get(key)
+        if first is None:
+            args, kwargs = self.inputs_at(c.micro_batch, self.seq_len)
+            first = {n: compile(self.cuts[n], world_size=self.world_size, config=configs[n], example_inputs=args, example_kwargs=kwargs,
+                                loss_fn=self.loss_fn) for n in FOLD_BLOCKS}
+            self.num_captures += len(FOLD_BLOCKS)
+            self.cut_groups[key] = first
+            return first
+        return {n: first[n].replan(configs[n]) for n in FOLD_BLOCKS}
+
+    @staticmethod
+    def cut_configs(config: Mapping[str, Any], prefetch_distance: int | None = None) -> dict[int, dict[str, Any]]:
+        """Folded: the config each cut model is planned with: without the memory budget, at
+        ``prefetch_distance`` when given (NOTE [Budgets of the cut models])."""
+        cut = copy.deepcopy(dict(config))
+        own = cut.setdefault("zerofx", {})
+        own.pop("memory_budget", None)
+        if prefetch_distance is not None:
+            own["prefetch_distance"] = prefetch_distance
+        return {n: cut for n in FOLD_BLOCKS}
+
+    def program(self, c: Candidate, config: dict[str, Any], *, whole: bool = False) -> Program:
+        """The candidate planned from its group's capture, capturing the group's first (folded
+        unless ``whole``: the 3-block cut's, the one ``tiled_ops`` reads)."""
+        if self.blocks is not None and not whole:
+            return self.cut_programs(c, self.cut_configs(config))[FOLD_BLOCKS[1]]
         key = c.capture_group
         first = self.groups.get(key)
         if first is None:
@@ -205,10 +323,11 @@ class _Search:
             return first
         return first.replan(config)
 
-    def replanned_tiling(self, c: Candidate) -> bool:
-        """Whether ``c`` is an ``auto``-tiled candidate planned again from a capture whose tiling
-        was fitted for another one: its own config would fit tiling to its own timeline."""
-        return c.tiling == "auto" and c not in self.own_capture
+    def needs_own_capture(self, c: Candidate) -> bool:
+        """Whether ``c`` was measured otherwise than its own config plans it: folded, or
+        ``auto``-tiled and planned again from a capture whose tiling was fitted for another one
+        (its own config would fit tiling to its own timeline)."""
+        return c not in self.own_capture and (c in self.folded or c.tiling == "auto")
 
     def evaluate_own_capture(self, c: Candidate) -> Evaluated:
         """``c`` captured from its own config, as ``zerofx plan --config`` would plan it."""
@@ -229,19 +348,63 @@ class _Search:
 
     def evaluate(self, c: Candidate) -> Evaluated:
         config = self.config(c)
-        program = self.program(c, config)
+        if self.blocks is not None:
+            if config.get("zerofx", {}).get("recompute") != "auto":
+                return self.evaluate_folded(c, config)
+            # NOTE [Budgets of the cut models]: every candidate recomputed is the most "auto" can
+            # free; only where that fits is the candidate planned whole.
+            every = copy.deepcopy(config)
+            every["zerofx"]["recompute"] = True
+            most = self.evaluate_folded(c, every)
+            if not most.fits:
+                return most
+        program = self.program(c, config, whole=True)
         report = program.report(0, comm=self.comm, device=self.device)
         self.num_lowered += 1
         cfg = resolve(config, stage=None, world_size=self.world_size)
         return self.measure(c, program, report, cfg)
 
+    def evaluate_folded(self, c: Candidate, config: dict[str, Any]) -> Evaluated:
+        """``c`` planned on the cut models and its figures extrapolated to every block (NOTE [Why
+        linear extrapolation is exact here] in zerofx/compiler/folding.py), the prefetch distance
+        fitted to the budget on the extrapolated peak (NOTE [Budgets of the cut models])."""
+        cfg = resolve(config, stage=None, world_size=self.world_size)
+        programs = self.cut_programs(c, self.cut_configs(config))
+        evaluated, peak = self._measure_cuts(c, programs, cfg)
+        budget = config.get("zerofx", {}).get("memory_budget")
+        distance = programs[FOLD_BLOCKS[1]].plan.prefetch_distance
+        while budget is not None and peak > self.budget_bytes and distance > 0:
+            distance -= 1
+            evaluated, peak = self._measure_cuts(c, self.cut_programs(c, self.cut_configs(config, distance)), cfg)
+        self.folded.add(c)
+        return evaluated
+
+    def _measure_cuts(self, c: Candidate, programs: Mapping[int, Program], cfg: ZeroConfig) -> tuple[Evaluated, float]:
+        """The folded figures of ``c`` from its cut programs, and the extrapolated peak before
+        anything is offloaded (the figure ``fit_prefetch`` checks)."""
+        assert self.blocks is not None
+        count = self.blocks.count
+        reports = {n: programs[n].report(0, comm=self.comm, device=self.device) for n in FOLD_BLOCKS}
+        self.num_lowered += 1
+        folded = fold_reports(*(reports[n] for n in FOLD_BLOCKS), self.blocks)
+        spans_at = [_spans(reports[n]) for n in FOLD_BLOCKS]
+        spans = {g: extrapolate(spans_at[0].get(g, 0.0), spans_at[1].get(g, 0.0), count) for g in {*spans_at[0], *spans_at[1]}}
+        recomputed = [0 if programs[n].plan.recompute is None else len(programs[n].plan.recompute.activations) for n in FOLD_BLOCKS]
+        plan, _ = self.shapes_plan(c)
+        evaluated = self._figures(c, spans, folded.peak_bytes, folded.persistent_bytes, plan, cfg, fingerprint="",
+                                  recomputed=max(round(extrapolate(*recomputed, count)), 0))
+        return evaluated, folded.peak_bytes
+
     def measure(self, c: Candidate, program: Program, report: ScheduleReport, cfg: ZeroConfig) -> Evaluated:
-        spans: dict[str, float] = {}
-        for span in report.spans:
-            spans[span.graph] = spans.get(span.graph, 0.0) + span.end_s - span.start_s
+        recomputed = 0 if program.plan.recompute is None else len(program.plan.recompute.activations)
+        return self._figures(c, _spans(report), report.peak.live_bytes, report.persistent_bytes, program.plan, cfg,
+                             fingerprint=program.plan.fingerprint(), recomputed=recomputed)
+
+    def _figures(self, c: Candidate, spans: Mapping[str, float], peak_bytes: float, persistent_bytes: float, plan: Plan, cfg: ZeroConfig,
+                 *, fingerprint: str, recomputed: int) -> Evaluated:
         micro_s = spans.get("forward", 0.0) + spans.get("backward", 0.0)
         sync_s = spans.get("grad_sync", 0.0) + spans.get("param_sync", 0.0)
-        records = self._records(program.plan, cfg)
+        records = self._records(plan, cfg)
         offloaded = 0.0
         if cfg.offload is not None:
             options = cfg.offload
@@ -254,11 +417,28 @@ class _Search:
         else:
             update_s = sum(estimate_update_s(b, self.device.memory_bytes_per_s) for _, b in records)
         step_s = c.accumulation * micro_s + sync_s + update_s
-        peak = max(report.peak.live_bytes - offloaded, 0.0)
+        peak = max(peak_bytes - offloaded, 0.0)
         tokens = self.global_batch * self.seq_len
-        return Evaluated(c, step_s, tokens / step_s if step_s > 0 else float("inf"), peak, report.persistent_bytes - offloaded,
-                         fits=peak <= self.budget_bytes, fingerprint=program.plan.fingerprint(),
-                         recomputed=0 if program.plan.recompute is None else len(program.plan.recompute.activations))
+        return Evaluated(c, step_s, tokens / step_s if step_s > 0 else float("inf"), peak, persistent_bytes - offloaded,
+                         fits=peak <= self.budget_bytes, fingerprint=fingerprint, recomputed=recomputed)
+
+
+def _spans(report: ScheduleReport) -> dict[str, float]:
+    """Seconds per graph of the report's schedule."""
+    spans: dict[str, float] = {}
+    for span in report.spans:
+        spans[span.graph] = spans.get(span.graph, 0.0) + span.end_s - span.start_s
+    return spans
+
+
+def _blocks_to_fold(model: nn.Module, fold: str) -> RepeatedBlocks | None:
+    """The repeated blocks the search folds (``fold``: "auto" from ``AUTO_FOLD_MIN_BLOCKS``
+    blocks, "on" from ``FOLD_BLOCKS[1]``, "off"), or None."""
+    if fold == "off":
+        return None
+    blocks = find_repeated_blocks(model)
+    least = AUTO_FOLD_MIN_BLOCKS if fold == "auto" else FOLD_BLOCKS[1]
+    return blocks if blocks is not None and blocks.count >= least else None
 
 
 def _shard_group_sizes(space: SearchSpace, stage: int, world_size: int) -> tuple[int | str, ...]:
@@ -279,7 +459,8 @@ def _micro_batches(space: SearchSpace, per_group: int) -> tuple[tuple[int, int],
 
 
 def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any], *, world_size: int, seq_len: int, batch: int,
-           budget_bytes: float, space: SearchSpace, fixed: frozenset[str] = frozenset(), loss_fn: LossFn | None = None) -> AutoPlan:
+           budget_bytes: float, space: SearchSpace, fixed: frozenset[str] = frozenset(), loss_fn: LossFn | None = None,
+           fold: str = "auto") -> AutoPlan:
     """The configuration of ``space`` with the most predicted tokens/s whose device peak per rank
     fits ``budget_bytes`` (NOTE [How the whole-job search prunes]).
 
@@ -288,19 +469,23 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
     ``batch * world_size``, is the same for every candidate (a sequence group of S ranks shares
     ``batch * S`` sequences per step, in micro-batches). ``base_config`` is the user's config: the
     dimensions in ``fixed`` keep its values, and every candidate's config is it with the choice
-    written in."""
+    written in. ``fold`` ("auto", "on", "off") plans a model of repeated blocks from captures
+    cut to 2 and 3 blocks (NOTE [Budgets of the cut models]); the winner is then captured whole."""
     start = time.perf_counter()
     global_batch = batch * world_size
     s = _Search(model, inputs_at, base_config, world_size=world_size, seq_len=seq_len, global_batch=global_batch,
-                budget_bytes=budget_bytes, fixed=fixed, loss_fn=loss_fn)
+                budget_bytes=budget_bytes, fixed=fixed, loss_fn=loss_fn, fold=fold)
     results: list[Evaluated] = []
     not_candidates: list[tuple[str, str]] = []
     for sp in space.sequence_parallel:
-        if sp != space.sequence_parallel[0] and results and all(e.fits for e in results):
-            break  # everything fits with fewer ranks per sequence: more cannot win (NOTE [How the whole-job search prunes])
+        if sp != space.sequence_parallel[0] and results and not _worth_rescuing(results, budget_bytes, global_batch * seq_len, lambda e: True):
+            break  # nothing over the budget that more ranks per sequence could make fit and win (NOTE [How the whole-job search prunes])
+        best_before = _best_tokens_per_s(results)
         why = _search_sequence_parallel_size(s, space, sp, batch * sp, results)
         if why is not None:
             not_candidates.append((f"sequence parallelism over {sp} ranks", why))
+        if sp != space.sequence_parallel[0] and best_before > 0 and _best_tokens_per_s(results) <= best_before:
+            break  # this doubling made nothing fit that wins; the next frees half as much (NOTE [How the whole-job search prunes])
     ranked = _rank(results, budget_bytes)
     chosen = ranked[0] if ranked and ranked[0].fits else None
     if chosen is None and any(e.lowered for e in results):
@@ -313,7 +498,7 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
     # NOTE [How the whole-job search prunes]: an auto-tiled winner planned from another stage's
     # capture is captured again from its own config, so the config printed plans what it says.
     for _ in range(MAX_RECAPTURES):
-        if chosen is None or not s.replanned_tiling(chosen.candidate):
+        if chosen is None or not s.needs_own_capture(chosen.candidate):
             break
         own = s.evaluate_own_capture(chosen.candidate)
         results = [own if e.candidate == chosen.candidate else e for e in results]
@@ -335,8 +520,9 @@ def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_
     # micro-batch -> (the tiled ops of each tiling searched, whether any of its candidates fit)
     tiled: dict[int, dict[tuple[Any, ...], bool]] = {}
     for tiling in space.tilings:
-        if tiling != space.tilings[0] and not _untiled_over(results, sp):
-            continue  # everything fits untiled: tiling cannot win (NOTE [How the whole-job search prunes])
+        if tiling != space.tilings[0] and not _worth_rescuing(
+                results, s.budget_bytes, s.global_batch * s.seq_len, lambda e: e.candidate.sequence_parallel == sp and e.candidate.tiling in ("off", "config")):
+            continue  # nothing untiled over the budget that tiling could make fit and win (NOTE [How the whole-job search prunes])
         for micro, accumulation in _micro_batches(space, per_group):
             group = [Candidate(stage, sp, k, offload, tiling, micro, accumulation, recompute)
                      for stage in space.stages for k in _shard_group_sizes(space, stage, s.world_size) for offload in space.offloads
@@ -348,7 +534,7 @@ def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_
                     if not seen[ops]:
                         break
                     continue
-                evaluated = _search_group(s, group)
+                evaluated = _search_group(s, group, results)
             except CaptureError as exc:
                 if sp == 1 or not (isinstance(exc, SequenceParallelError) or isinstance(exc.__cause__, SequenceParallelError)):
                     raise
@@ -361,8 +547,23 @@ def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_
     return None
 
 
-def _untiled_over(results: Sequence[Evaluated], sp: int) -> bool:
-    return any(not e.fits for e in results if e.candidate.sequence_parallel == sp and e.candidate.tiling in ("off", "config"))
+def _best_tokens_per_s(results: Sequence[Evaluated]) -> float:
+    return max((e.tokens_per_s for e in results if e.fits), default=0.0)
+
+
+def _worth_rescuing(results: Sequence[Evaluated], budget_bytes: float, tokens_per_step: float, where: Callable[[Evaluated], bool]) -> bool:
+    """Whether some candidate ``where`` picks is over the budget by its activations alone (its
+    model state fits) and could be faster than the best that fits (lowered: predicted faster;
+    not lowered: its step floor is): the only kind sequence parallelism or tiling, which
+    shrink activations and add time, could turn into a winner."""
+    best = _best_tokens_per_s(results)
+
+    def could_win(e: Evaluated) -> bool:
+        if e.lowered:
+            return e.tokens_per_s > best
+        return e.step_bound_s <= 0 or tokens_per_step / e.step_bound_s > best
+
+    return any(where(e) and not e.fits and not e.why and e.model_state_bytes <= budget_bytes and could_win(e) for e in results)
 
 
 def _saves_memory_only(c: Candidate) -> bool:
@@ -371,35 +572,56 @@ def _saves_memory_only(c: Candidate) -> bool:
     return c.offload != NO_OFFLOAD or c.recompute == "auto"
 
 
-def _search_group(s: _Search, group: Sequence[Candidate]) -> list[Evaluated]:
-    """The candidates of one capture group, leanest model state first; offload and recompute
-    only where the stage and shard group size are over the budget without them, and those the
-    memory bound rules out not lowered."""
+def _search_group(s: _Search, group: Sequence[Candidate], earlier: Sequence[Evaluated] = ()) -> list[Evaluated]:
+    """The candidates of one capture group: the shard group sizes of each stage in the
+    shard-group model's order, lowered up to the first that fits; offload and recompute only
+    where the stage and shard group size are over the budget without them and the shard-group
+    model does not put them behind one that fits; those the memory bound rules out not lowered
+    (NOTE [How the whole-job search prunes])."""
     plain = [c for c in group if not _saves_memory_only(c)] or list(group)
     savers = [c for c in group if c not in plain]
     out: list[Evaluated] = []
     # The smallest peak less persistent state measured in this group, per recompute setting:
     # recompute lowers the transient memory, so one measured without it bounds nothing with it.
     transient: dict[str, float] = {}
+    # Per stage, offload and recompute: the shard-group model's place of the first K that fit.
+    first_fit: dict[tuple[int, str, str], tuple[tuple[float, float, int], Candidate]] = {}
 
     def run(candidates: Sequence[Candidate]) -> None:
         states = {c: s.model_state_bytes(c) for c in candidates}
-        for c in sorted(candidates, key=lambda c: (states[c], c.recompute == "auto", -c.stage)):
+        order = {c: s.sharding_order(c) for c in candidates}
+        for c in sorted(candidates, key=lambda c: (c.stage, c.offload, c.recompute, order[c] or (0.0, 0.0, 0), states[c])):
+            ahead = [first_fit.get((c.stage, o, r)) for o, r in ((c.offload, c.recompute), (NO_OFFLOAD, "off"))]
+            ahead_of = next((f for f in ahead if f is not None and order[c] is not None and order[c] > f[0]), None)
+            if ahead_of is not None:
+                out.append(Evaluated(c, float("inf"), 0.0, states[c], states[c], fits=False, lowered=False,
+                                     why=f"behind {ahead_of[1].label()}, which fits, in the shard-group model's predicted step; not lowered"))
+                continue
+            bound_s = s.step_floor_s(c)
+            best = min((e for e in (*earlier, *out) if e.fits), key=lambda e: e.step_s, default=None)
+            if best is not None and bound_s > best.step_s:
+                out.append(Evaluated(c, float("inf"), 0.0, states[c], states[c], fits=False, lowered=False, step_bound_s=bound_s,
+                                     why=f"at least {bound_s * 1e3:.3g} ms a step by its compute and the shard-group model, slower than "
+                                         f"{best.label()} ({best.step_s * 1e3:.3g} ms); not lowered"))
+                continue
             least = transient.get(c.recompute, float("inf"))
-            out.append(_evaluate_or_bound(s, c, states[c], least))
-            if out[-1].lowered:
-                transient[c.recompute] = min(least, out[-1].peak_bytes - out[-1].model_state_bytes)
+            e = _evaluate_or_bound(s, c, states[c], least, bound_s)
+            out.append(e if not e.lowered else replace(e, step_bound_s=bound_s))
+            if e.lowered:
+                transient[c.recompute] = min(least, e.peak_bytes - e.model_state_bytes)
+                if e.fits and order[c] is not None:
+                    first_fit.setdefault((c.stage, c.offload, c.recompute), (order[c], c))
 
     run(plain)
-    over = {(e.candidate.stage, e.candidate.shard_group_size) for e in out if not e.fits}
+    over = {(e.candidate.stage, e.candidate.shard_group_size) for e in out if e.lowered and not e.fits or not e.lowered and not e.why}
     run([c for c in savers if (c.stage, c.shard_group_size) in over])
     return out
 
 
-def _evaluate_or_bound(s: _Search, c: Candidate, state: float, transient: float) -> Evaluated:
+def _evaluate_or_bound(s: _Search, c: Candidate, state: float, transient: float, step_bound_s: float) -> Evaluated:
     bound = state + (transient if transient != float("inf") else 0.0)
     if bound > s.budget_bytes and transient != float("inf"):
-        return Evaluated(c, float("inf"), 0.0, bound, state, fits=False, lowered=False)
+        return Evaluated(c, float("inf"), 0.0, bound, state, fits=False, lowered=False, step_bound_s=step_bound_s)
     return s.evaluate(c)
 
 
@@ -407,7 +629,7 @@ def _rank(results: Sequence[Evaluated], budget_bytes: float) -> tuple[Evaluated,
     """Those that fit by tokens/s (highest first), then the rest by peak (smallest first), each
     with why it lost to the first."""
     fits = sorted((e for e in results if e.fits), key=lambda e: (-e.tokens_per_s, e.peak_bytes))
-    over = sorted((e for e in results if not e.fits), key=lambda e: (e.peak_bytes, not e.lowered))
+    over = sorted((e for e in results if not e.fits), key=lambda e: (bool(e.why), e.peak_bytes, not e.lowered))
     ranked: list[Evaluated] = []
     best = fits[0] if fits else None
     for e in fits:
@@ -417,6 +639,9 @@ def _rank(results: Sequence[Evaluated], budget_bytes: float) -> tuple[Evaluated,
         slower = 1 - e.tokens_per_s / best.tokens_per_s
         ranked.append(replace(e, why=f"{slower:.1%} slower ({e.tokens_per_s:,.0f} tokens/s)"))
     for e in over:
+        if e.why:  # not lowered for another reason than memory (NOTE [How the whole-job search prunes])
+            ranked.append(e)
+            continue
         by = format_bytes(e.peak_bytes - budget_bytes)
         why = (f"over budget by {by} (peak {format_bytes(e.peak_bytes)})" if e.lowered else
                f"over budget by at least {by} (model state {format_bytes(e.model_state_bytes)} plus the least transient memory "
@@ -437,7 +662,7 @@ def _what_would_fit(s: _Search, ranked: Sequence[Evaluated]) -> tuple[str, ...]:
         if seq < max(step, 2):
             break
         shorter = _Search(s.model, s.inputs_at, s.base, world_size=s.world_size, seq_len=seq, global_batch=s.global_batch,
-                          budget_bytes=s.budget_bytes, fixed=s.fixed, loss_fn=s.loss_fn)
+                          budget_bytes=s.budget_bytes, fixed=s.fixed, loss_fn=s.loss_fn, fold=s.fold)
         e = shorter.evaluate(c)
         s.num_captures += 1
         if e.fits:
