@@ -94,8 +94,10 @@ def rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
         sys.exit(1)
 
 
-def _context() -> Any:
-    """Rank processes forked from a server process that imported torch and zerofx once."""
+def rank_context() -> Any:
+    """Rank processes forked from a server process that imported torch and zerofx once: a
+    process started from it runs its first line in milliseconds, not the seconds a fresh
+    interpreter takes to import torch."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "zerofx", "zerofx.runtime.engine", "tests.support.dist_utils"])
     return ctx
@@ -112,7 +114,7 @@ class _Ranks:
 
     def grow(self, world_size: int) -> None:
         """Start processes until there are ``world_size``."""
-        ctx = _context()
+        ctx = rank_context()
         while len(self.procs) < world_size:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(child, self.once), daemon=True)
