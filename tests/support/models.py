@@ -92,3 +92,16 @@ def hyena_one_block() -> tuple[nn.Module, tuple, dict]:
         model = HyenaDecoderLM(dataclasses.replace(HYENA_SIZES["hyena-tiny"], num_layers=1))
     ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
     return model, ((ids,), {"labels": ids})
+
+
+def dna_one_block() -> tuple[nn.Module, tuple, dict]:
+    """A model spec for ``zerofx plan``: the bundled tiny DNA LM with one block (its max_seq_len
+    of 512), on the meta device, and a (1, 512) example batch."""
+    import dataclasses
+
+    from zerofx.models import DNA_LM_SIZES
+
+    with torch.device("meta"):
+        model = DNADecoderLM(dataclasses.replace(DNA_LM_SIZES["tiny"], num_layers=1))
+    ids = torch.zeros(1, 512, dtype=torch.long, device="meta")
+    return model, ((ids,), {"labels": ids})
