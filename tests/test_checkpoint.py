@@ -24,11 +24,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from tests.support import checkpoint_workers as cw
-from tests.support.dist_utils import ROOT, free_port, rank_main, run_ranks
+from tests.support.dist_utils import ROOT, free_port, rank_context, rank_main, run_ranks
 from tests.support.models import BUILDERS, TINY
 from zerofx.runtime.checkpoint import CheckpointError, check_structure, consolidate, latest_complete_tag, model_structure, read_metadata
 from zerofx.runtime.checkpoint_format import RankFiles, check_rank_files, read_client, resolve_tag
@@ -470,7 +469,7 @@ def test_consolidate_that_fails_midway_removes_its_temp_file_and_keeps_the_old_o
 # --------------------------------------------------------------------------- a killed save
 def test_save_killed_mid_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     """Rank 1 gets SIGKILL halfway through writing its rank file of the second save."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # processes of their own, forked from a server that imported torch once
     port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, 2, port, cw.killed_save, (str(tmp_path),))) for r in range(2)]
     for p in procs:

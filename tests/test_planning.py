@@ -11,6 +11,7 @@ import sympy
 import torch
 
 import zerofx
+from tests.support.models import dna_one_block
 from zerofx.config import parse_bytes
 from zerofx.cost_models.memory import paper_breakdown
 from zerofx.cost_models.symbolic import B, T, fit_exact, fit_timeline, longest_fitting
@@ -48,18 +49,20 @@ def test_exact_polynomial_fit_and_solve() -> None:
 
 @pytest.mark.slow
 def test_longest_sequence_that_fits_is_checked_by_capture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``zerofx plan --solve seq_len`` (JSON, with the plot): the plan, its verdict at the
-    example's length, and the longest sequence that fits, which capturing confirms exactly."""
+    """``zerofx plan --solve seq_len`` (JSON, with the plot) of the tiny DNA LM with one block (a
+    model spec, tests/support/models.py; a solve's dozen captures are its cost): the plan, its
+    verdict at the example's length, and the longest sequence that fits, which capturing
+    confirms exactly."""
     from zerofx.app.cli import main
 
-    png, budget = tmp_path / "timeline.png", 2 * 2**20
-    argv = ["plan", "tiny", "--seq-len", "512", "--world-size", "4", "--stage", "3", "--format", "json",
-            "--budget", "2MiB", "--solve", "seq_len", "--plot", str(png)]
+    png, budget = tmp_path / "timeline.png", 2**20
+    argv = ["plan", f"{ROOT}/tests/support/models.py:dna_one_block", "--world-size", "4", "--stage", "3", "--format", "json",
+            "--budget", "1MiB", "--solve", "seq_len", "--plot", str(png)]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["world_size"] == 4 and data["plan"]["stage"] == 3
     assert {r["op"] for r in data["schedule"]} == {"all_gather_into_tensor", "reduce_scatter_tensor"}
-    assert data["memory"]["fits"] is False  # 512 tokens need more than 2 MiB per rank
+    assert data["memory"]["fits"] is False  # the example's 512 tokens need more than 1 MiB per rank
     assert png.read_bytes()[:4] == b"\x89PNG"
     seq_len = data["solve"]["seq_len"]
     assert 64 < seq_len < 512  # the model's limit
@@ -140,11 +143,11 @@ def _dna_spec(size: str, seq_len: int) -> tuple[torch.nn.Module, tuple, dict]:
 def test_folded_plan_matches_the_full_capture() -> None:
     from zerofx.compiler.folding import find_repeated_blocks, plan_folded, with_num_blocks
 
-    model, args, kwargs = _dna_spec("25m", 128)  # 8 identical blocks
+    model, args, kwargs = _dna_spec("small", 128)  # 4 identical blocks: the full capture is the test's cost
     blocks = find_repeated_blocks(model)
-    assert blocks is not None and (blocks.path, blocks.count) == ("blocks", 8)
+    assert blocks is not None and (blocks.path, blocks.count) == ("blocks", 4)
     cut = with_num_blocks(model, blocks, 2)
-    assert len(cut.blocks) == 2 and len(model.blocks) == 8  # the original is left whole
+    assert len(cut.blocks) == 2 and len(model.blocks) == 4  # the original is left whole
     assert cut.blocks[1] is model.blocks[1] and cut.embed is model.embed  # shared, nothing allocated
 
     def report_for(m: torch.nn.Module):
@@ -161,8 +164,8 @@ def test_folded_plan_matches_the_full_capture() -> None:
         assert folded.compute_s[graph] == pytest.approx(seconds, rel=1e-9)
     for name in ("comm_s", "exposed_s", "step_s"):
         assert getattr(folded, name) == pytest.approx(getattr(full, name), rel=1e-9), name
-    # Block 1's collectives stand for blocks 1..7; the others (embedding, head, block 0) once.
-    assert set(folded.repeats.values()) == {7}
+    # Block 1's collectives stand for blocks 1..3; the others (embedding, head, block 0) once.
+    assert set(folded.repeats.values()) == {3}
     assert all(f.startswith("blocks.1.") for r in folded.sample.rows if r.order in folded.repeats for f in r.bucket)
 
 
@@ -247,8 +250,9 @@ def test_memory_model_is_symbolic_in_batch_and_sequence(tmp_path: Path, monkeypa
     with pytest.raises(ValueError, match="not linear in B"):
         fit_timeline_batch_seq({**samples, (3, 8): [truth(3, 8) + 1, 192]})
 
-    model, args, kwargs = _dna_spec("tiny", 128)  # batch 1, 128 tokens
-    spec = ModelSpec(model, args, kwargs, "tiny")
+    model, _ = dna_one_block()  # the CLI solve's model: its samples at batch 1 and 2 are this solve's
+    ids = torch.zeros(1, 128, dtype=torch.long, device="meta")  # batch 1, 128 tokens
+    spec = ModelSpec(model, (ids,), {"labels": ids}, "dna_one_block")
 
     def peak_at(b: int) -> int:  # zerofx.compile, kept in the plan cache as the solve keeps its captures
         ids = torch.zeros(b, 128, dtype=torch.long, device="meta")

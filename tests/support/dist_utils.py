@@ -94,11 +94,24 @@ def rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
         sys.exit(1)
 
 
-def _context() -> Any:
-    """Rank processes forked from a server process that imported torch and zerofx once."""
+def rank_context() -> Any:
+    """Rank processes forked from a server process that imported torch and zerofx once: a
+    process started from it runs its first line in milliseconds, not the seconds a fresh
+    interpreter takes to import torch."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "zerofx", "zerofx.runtime.engine", "tests.support.dist_utils"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "zerofx", "zerofx.runtime.engine", "tests.support.dist_utils",
+                                *_TRANSFORMERS_MODELS])
     return ctx
+
+
+# NOTE [Transformers in the rank server]
+# The Hugging Face models the ranks build (Llama, ESM, Mamba) import transformers' modeling
+# modules, which takes 2.5-4 s of a CI core the first time in a process: profiled, more than a
+# rank's capture of the model. The server imports them once, so every rank forked from it has
+# them. Importing them runs no torch op (NOTE [A pool of ranks]); a missing transformers is
+# skipped by the forkserver, and the tests that need it fail in the rank as they would without this.
+_TRANSFORMERS_MODELS = ("transformers.models.llama.modeling_llama", "transformers.models.esm.modeling_esm",
+                        "transformers.models.mamba.modeling_mamba")
 
 
 class _Ranks:
@@ -112,7 +125,7 @@ class _Ranks:
 
     def grow(self, world_size: int) -> None:
         """Start processes until there are ``world_size``."""
-        ctx = _context()
+        ctx = rank_context()
         while len(self.procs) < world_size:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(child, self.once), daemon=True)

@@ -8,7 +8,7 @@ import torch
 
 import zerofx
 from zerofx.compiler.materialize import init_weights_
-from zerofx.models import DNA_LM_SIZES, DNADecoderLM
+from zerofx.models import DNA_LM_SIZES, DNADecoderLM, DNALMConfig
 from zerofx.common.rss import peak_rss_bytes
 
 
@@ -87,10 +87,9 @@ def initialize_error(rank: int, world_size: int, size: str, kwargs: dict) -> str
     return "no error"
 
 
-def eager_vs_inductor(rank: int, world_size: int, size: str, stage: int, steps: int) -> dict:
-    """Train ``size`` (meta-built, same init) for ``steps`` SGD steps with the graphs run as FX
-    code and compiled by Inductor (``zerofx.compile``); losses and final full state of each."""
-    cfg = DNA_LM_SIZES[size]
+def eager_vs_inductor(rank: int, world_size: int, cfg: DNALMConfig, stage: int, steps: int) -> dict:
+    """Train the DNA LM of ``cfg`` (meta-built, same init) for ``steps`` SGD steps with the graphs
+    run as FX code and compiled by Inductor (``zerofx.compile``); losses and final full state of each."""
     g = torch.Generator().manual_seed(200 + rank)
     data = [torch.randint(0, cfg.vocab_size, (2, 32), generator=g) for _ in range(steps)]
     out: dict[str, Any] = {}

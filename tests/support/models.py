@@ -77,3 +77,31 @@ def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def make_optimizer(opt: dict, params: list) -> torch.optim.Optimizer:
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[opt["type"]]
     return cls(params, **opt["params"])
+
+
+def hyena_one_block() -> tuple[nn.Module, tuple, dict]:
+    """A model spec for ``zerofx plan`` (FILE.py:CALLABLE): hyena-tiny with one block, on the
+    meta device, and a (1, 64) example batch. Its block has every mixer op hyena-tiny's two
+    have (the featurizer's short conv, the implicit filter, the FFT long conv), at half the
+    capture time."""
+    import dataclasses
+
+    from zerofx.models import HYENA_SIZES, HyenaDecoderLM
+
+    with torch.device("meta"):
+        model = HyenaDecoderLM(dataclasses.replace(HYENA_SIZES["hyena-tiny"], num_layers=1))
+    ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
+    return model, ((ids,), {"labels": ids})
+
+
+def dna_one_block() -> tuple[nn.Module, tuple, dict]:
+    """A model spec for ``zerofx plan``: the bundled tiny DNA LM with one block (its max_seq_len
+    of 512), on the meta device, and a (1, 512) example batch."""
+    import dataclasses
+
+    from zerofx.models import DNA_LM_SIZES
+
+    with torch.device("meta"):
+        model = DNADecoderLM(dataclasses.replace(DNA_LM_SIZES["tiny"], num_layers=1))
+    ids = torch.zeros(1, 512, dtype=torch.long, device="meta")
+    return model, ((ids,), {"labels": ids})
