@@ -41,7 +41,7 @@ from torch.profiler import record_function
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
 SYSTEMS = (
-    "single", "local", "ddp", "fsdp2", "fsdp2_noreshard", "fsdp2_compile", "zerofx1", "zerofx2", "zerofx3",
+    "single", "local", "ddp", "fsdp2", "fsdp2_ac", "fsdp2_noreshard", "fsdp2_compile", "zerofx1", "zerofx2", "zerofx3",
     "zerofx3_meta", "zerofx3_inductor", "zerofx3_wtiles", "deepspeed1", "deepspeed2", "deepspeed3",
 )
 DEFAULT_SYSTEMS = ("single", "ddp", "fsdp2", "fsdp2_noreshard", "zerofx1", "zerofx2", "zerofx3", "zerofx3_meta")
@@ -242,6 +242,28 @@ class DeepSpeedRunner:
         }
 
 
+def shard_fsdp2(model: nn.Module, *, reshard: bool = True, compiled: bool = False, checkpoint: bool = False) -> nn.Module:
+    """FSDP2 as torchtitan applies it: ``fully_shard`` on each decoder block, then on the root.
+
+    ``checkpoint``: each block's activations are checkpointed first (``torch.distributed._composable
+    .checkpoint``, torchtitan's full activation checkpointing): the forward keeps only each block's
+    input, and the backward runs the block's forward again. ``compiled``: each block is
+    ``torch.compile``d (Inductor) before it is sharded."""
+    from torch.distributed._composable import checkpoint as checkpoint_module
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        if checkpoint:
+            checkpoint_module(block)
+        if compiled:
+            # torchtitan's recipe: torch.compile each block (Inductor), then shard it. Blocks
+            # share their code, so Dynamo compiles one graph; it runs on the first step.
+            block.compile()
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    return model
+
+
 def build_runner(
     system: str, *, size: str, seed: int, device: torch.device, optim_kind: str, lr: float, example: torch.Tensor,
     micro_batch: int, zerofx_config: str | None = None,
@@ -269,18 +291,9 @@ def build_runner(
 
         ddp = DDP(model, gradient_as_bucket_view=True)
         runner = EagerRunner(model, ddp, make_optimizer(optim_kind, lr, ddp.parameters()))
-    elif system in ("fsdp2", "fsdp2_noreshard", "fsdp2_compile"):
-        from torch.distributed.fsdp import fully_shard
-
-        reshard = system != "fsdp2_noreshard"
+    elif system in ("fsdp2", "fsdp2_ac", "fsdp2_noreshard", "fsdp2_compile"):
         compiled = system == "fsdp2_compile"
-        for block in model.blocks:
-            if compiled:
-                # torchtitan's recipe: torch.compile each block (Inductor), then shard it. Blocks
-                # share their code, so Dynamo compiles one graph; it runs on the first step.
-                block.compile()
-            fully_shard(block, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+        shard_fsdp2(model, reshard=system != "fsdp2_noreshard", compiled=compiled, checkpoint=system == "fsdp2_ac")
         fused = {"fused": True} if compiled and optim_kind == "AdamW" else {}
         runner = EagerRunner(model, model, make_optimizer(optim_kind, lr, model.parameters(), **fused))
     elif system in ZEROFX_VARIANTS:
