@@ -181,7 +181,7 @@ def estimate_node_s(node: fx.Node, spec: DeviceSpec) -> float:
         return 0.0
     moved = value_bytes(node.meta.get("val")) + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     if is_matmul_like(node):
-        # NOTE [A matmul is bound by its bytes too]
+        # The roofline (NOTE [A matmul is bound by its bytes too]).
         return max(estimate_flops(node) / spec.matmul_flops_per_s, moved / spec.memory_bytes_per_s)
     return moved / spec.memory_bytes_per_s
 
