@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -20,12 +21,51 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class DeviceSpec:
     """The rates one rank computes at (what the model assumes it reaches, not the datasheet's
-    peak), and its memory (None: not stated; planners then take the budget from the config)."""
+    peak), and its memory (None: not stated; planners then take the budget from the config).
+
+    ``memory_curve``: (bytes moved, bytes/s) of copies of several sizes repeated over the same
+    tensors, ascending, where measured: the rate of kernels whose operands are still in cache,
+    as the optimizer update's are (NOTE [Bandwidth by working-set size]); empty:
+    ``memory_bytes_per_s`` for those too.
+    ``cores``: the compute units the ranks on one host share, where a rank is a process on a
+    CPU core rather than a device of its own (None: every rank has its own device); the rates
+    are one core's (NOTE [Ranks sharing cores]). ``runtime_bytes``: the resident memory of a
+    rank before it holds any model state (NOTE [What a rank's resident memory holds] in
+    cost_models/memory.py); 0 where unmeasured."""
 
     name: str
     matmul_flops_per_s: float
     memory_bytes_per_s: float
     memory_capacity_bytes: float | None = None
+    memory_curve: tuple[tuple[float, float], ...] = ()
+    cores: int | None = None
+    runtime_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        # A profile file gives lists; the spec keeps tuples (frozen, hashable, equal on reload).
+        object.__setattr__(self, "memory_curve", tuple((float(b), float(r)) for b, r in self.memory_curve))
+        assert all(a[0] < b[0] for a, b in zip(self.memory_curve, self.memory_curve[1:])), self.memory_curve
+
+
+# NOTE [Bandwidth by working-set size]
+# A kernel that streams tensors a kernel just before it touched reads them from cache, not DRAM.
+# The optimizer update is such a sequence: about 8 kernels in a row over the same 3-4 tensors of
+# one parameter (NOTE [The optimizer update's time]), a working set of a few MiB per parameter.
+# ``zerofx calibrate`` times a copy repeated over the same source at several sizes
+# (``memory_curve``), which is that access pattern; on this project's machine (1 MiB L2 per core,
+# 32 MiB L3 shared) copies up to 32 MiB run at 40-50 GB/s, 128 MiB at under 2 GB/s. A kernel
+# moving B bytes runs at the rate measured for the smallest size at or above B (the largest's
+# beyond it): the slower neighbour, never an extrapolation. The graph's ops keep
+# ``memory_bytes_per_s``, the DRAM rate: their operands are the step's activations, produced and
+# consumed across a layer, and with the cache rate the 25m DNA LM's step at 256 tokens per rank
+# estimated a third of the measured step (``benchmarks/bench_predictions.py``).
+def memory_rate(spec: DeviceSpec, moved_bytes: float) -> float:
+    """Bytes/s of a kernel that moves ``moved_bytes`` of tensors still in cache (NOTE [Bandwidth
+    by working-set size])."""
+    for size, rate in spec.memory_curve:
+        if moved_bytes <= size:
+            return rate
+    return spec.memory_curve[-1][1] if spec.memory_curve else spec.memory_bytes_per_s
 
 
 # One CPU core of this project's machine, one thread per rank, measured with `zerofx calibrate`:
@@ -48,6 +88,23 @@ H200_PEAK_BF16_FLOPS = 989.4e12
 H200 = DeviceSpec("h200", H200_PEAK_BF16_FLOPS * MATMUL_EFFICIENCY, 4.8e12 * MEMORY_EFFICIENCY, 141e9)
 
 DEVICES = {spec.name: spec for spec in (CPU_CORE, H100, H200)}
+
+
+# NOTE [Ranks sharing cores]
+# On a CPU host each rank is a process with one compute thread, and the profile's rates are one
+# core's (``zerofx calibrate`` times them with every core busy, one rank each). When more ranks
+# than cores run on one host, the OS time-slices them: each rank computes at ``cores / ranks`` of
+# a core's rate, and its compute takes ``ranks / cores`` times as long. 4 gloo ranks on this
+# project's 2 cores measure each rank's matmuls at half the 2-rank rate. Ranks no more than the
+# cores, and devices of their own (``cores`` None), run at the full rate.
+def rank_device(spec: DeviceSpec, ranks_on_host: int) -> DeviceSpec:
+    """The rates one of ``ranks_on_host`` ranks on one host computes at (NOTE [Ranks sharing cores])."""
+    assert ranks_on_host >= 1, ranks_on_host
+    if spec.cores is None or ranks_on_host <= spec.cores:
+        return spec
+    share = spec.cores / ranks_on_host
+    return replace(spec, matmul_flops_per_s=spec.matmul_flops_per_s * share, memory_bytes_per_s=spec.memory_bytes_per_s * share,
+                   memory_curve=tuple((size, rate * share) for size, rate in spec.memory_curve))
 
 
 def _numel(val: object) -> int:
@@ -98,11 +155,60 @@ def is_matmul_like(node: fx.Node) -> bool:
     return node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default) or "scaled_dot_product" in name
 
 
+# NOTE [Views move nothing]
+# A view (``view``, ``t``, ``permute``, ``slice``, ``expand``, ``split``, ...; an ATen op whose
+# schema returns an alias of its input) makes a new tensor header over the same storage: it reads
+# and writes no element. Costing it as memory-bound at its output's bytes counted stage 3's
+# per-parameter views of every gathered bucket, and every transpose of a weight, as copies.
+# ``_unsafe_view`` is a view whose schema does not say so (it returns a fresh tensor over the
+# input's storage after a copy that the graph already holds as its own node).
+def is_view_op(node: fx.Node) -> bool:
+    """Whether ``node`` aliases its input instead of computing (NOTE [Views move nothing])."""
+    return bool(getattr(node.target, "is_view", False)) or node.target is aten._unsafe_view.default
+
+
+# NOTE [A matmul is bound by its bytes too]
+# The roofline: a matrix product takes the longer of its FLOPs at the matmul rate and its
+# operands and output at the memory rate. Its FLOPs per byte are 2 * M * K * N over
+# 4 * (M * K + K * N + M * N): with few tokens per rank (M small) and a wide weight, reading the
+# weight from memory takes longer than the multiply-adds. The 100m DNA LM at 128 tokens per rank
+# multiplies (128, 768) by (768, 2048): 0.40 GFLOP over 7.7 MB, memory-bound on this project's
+# CPU (106 GFLOP/s, 1.8 GB/s); at 256 tokens the 25m's (256, 512) by (512, 1536) is FLOP-bound.
 def estimate_node_s(node: fx.Node, spec: DeviceSpec) -> float:
-    """Seconds one node takes: FLOP-bound for matrix products and attention, else memory-bound."""
-    if node.op != "call_function" or node.target is operator.getitem:
+    """Seconds one node takes: FLOP-bound for matrix products and attention, nothing for views,
+    else memory-bound."""
+    if node.op != "call_function" or node.target is operator.getitem or is_view_op(node):
         return 0.0
-    if is_matmul_like(node):
-        return estimate_flops(node) / spec.matmul_flops_per_s
     moved = value_bytes(node.meta.get("val")) + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    if is_matmul_like(node):
+        # The roofline (NOTE [A matmul is bound by its bytes too]).
+        return max(estimate_flops(node) / spec.matmul_flops_per_s, moved / spec.memory_bytes_per_s)
     return moved / spec.memory_bytes_per_s
+
+
+# NOTE [The optimizer update's time]
+# The step's optimizer update runs between backward (with its reductions) and the next forward,
+# on the elements a rank owns (all of them at stage 0, its shard from stage 1). torch's
+# single-tensor update is a sequence of elementwise kernels, each reading and writing whole
+# state-sized tensors, so it is memory-bound: its time is the element passes it makes, times 4
+# bytes (fp32 state), over memory bandwidth. Counted from torch/optim/adam.py (``_single_tensor_adam``,
+# the CPU default), in tensors read plus tensors written per kernel:
+#   AdamW: decoupled weight decay param.mul_ (2), exp_avg.lerp_(grad) (3),
+#          exp_avg_sq.mul_ (2) and .addcmul_(grad, grad) (3), denom = sqrt (2), / (2), add_ (2),
+#          param.addcdiv_(exp_avg, denom) (4): 20 passes, 80 bytes per element;
+#   Adam (no weight decay by default): 18 passes; SGD: param.add_(grad) (3);
+#   SGD with momentum: buf.mul_ (2), buf.add_(grad) (3), param.add_(buf) (3): 8 passes.
+OPTIMIZER_PASSES = {"AdamW": 20, "Adam": 18, "SGD": 3, "SGD+momentum": 8}
+STATE_ITEMSIZE = 4  # optimizer state and the updated master elements are fp32
+
+
+def estimate_optimizer_step_s(owned_numels: Iterable[int], optimizer: str, spec: DeviceSpec) -> float:
+    """Seconds of one optimizer update over parameter tensors of ``owned_numels`` elements
+    each (NOTE [The optimizer update's time])."""
+    passes = OPTIMIZER_PASSES.get(optimizer, OPTIMIZER_PASSES["AdamW"])
+    total = 0.0
+    for numel in owned_numels:
+        # Each kernel streams 3-4 tensors of the parameter's size: that is its working set.
+        tensor_bytes = numel * STATE_ITEMSIZE
+        total += passes * tensor_bytes / memory_rate(spec, 3 * tensor_bytes) if numel else 0.0
+    return total

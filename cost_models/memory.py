@@ -149,3 +149,18 @@ def paper_breakdown(num_params: float, *, stage: int, world_size: int, offload: 
         "offloaded_param_bytes": params if params_away else 0.0,
         "offloaded_grad_bytes": grads if grads_away else 0.0,
     }
+
+
+# NOTE [What a rank's resident memory holds]
+# The memory timeline counts the tensors of the step: model state, gathered parameters,
+# activations, gradients and collective buffers. A rank's process holds more than those: the
+# interpreter, torch's and zerofx's code and their import-time objects, the process group's
+# buffers and threads. That baseline does not depend on the model, so ``zerofx calibrate``
+# measures it once, as the resident set of an idle rank after its imports and process-group
+# start-up, and writes it into the profile (``DeviceSpec.runtime_bytes``). Where a rank's memory
+# is its process's (a CPU rank), its peak resident set is the timeline's peak plus that baseline;
+# on a GPU the timeline's peak is the device's and the baseline is host memory.
+def estimate_process_peak_bytes(timeline_peak_bytes: float, runtime_bytes: float) -> float:
+    """A rank's peak resident memory: the step's peak live bytes and the runtime's baseline
+    (NOTE [What a rank's resident memory holds])."""
+    return timeline_peak_bytes + runtime_bytes

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from zerofx.cost_models.comm import CommSpec, estimate_all_gather_s, estimate_all_reduce_s, estimate_reduce_scatter_s
-from zerofx.cost_models.compute import DeviceSpec, estimate_node_s
+from zerofx.cost_models.compute import DeviceSpec, estimate_node_s, estimate_optimizer_step_s, rank_device
 from zerofx.cost_models.memory_timeline import TimelinePoint, peak, step_timeline
 from zerofx.passes import meta
 from zerofx.passes.check_collectives import GRAPH_ORDER
@@ -260,7 +260,33 @@ def _comm_s(node: fx.Node, plan: Plan, spec: CommSpec) -> float:
     return estimate_all_reduce_s(nbytes, ranks, spec)
 
 
+# NOTE [Collectives on the ranks' cores]
+# The overlap model runs collectives on a channel of their own, beside compute. On a GPU they
+# do (NCCL's kernels, the NIC's DMA). On a CPU host whose ranks occupy every core, gloo moves and
+# reduces the bytes with the CPU (loopback TCP is memcpy through the kernel, a reduction is a
+# loop), on the same cores the ranks compute on: a collective's time is taken from compute, and
+# nothing hides it. There, where the profile states the host's cores and the ranks on it are at
+# least as many, the simulation issues each collective and lets compute wait for it whole.
+def comm_takes_the_core(device: DeviceSpec, ranks_on_host: int) -> bool:
+    """Whether collectives run on the cores the ranks compute on (NOTE [Collectives on the ranks' cores])."""
+    return device.cores is not None and ranks_on_host >= device.cores
+
+
+def _optimizer_update(plan: Plan, device: DeviceSpec, t: float, compute: dict[str, float], spans: list[Span]) -> float:
+    """Add the optimizer update over the elements this rank owns at ``t``; return when it ends
+    (NOTE [The optimizer update's time] in cost_models/compute.py)."""
+    owned = [p.padded_numel if int(plan.stage) == 0 else p.shard_numel for p in plan.params if p.requires_grad]
+    dt = estimate_optimizer_step_s(owned, plan.optimizer, device)
+    compute["optimizer"] = dt
+    spans.append(Span("optimizer", t, t + dt))
+    return t + dt
+
+
 def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm: CommSpec, device: DeviceSpec) -> ScheduleReport:
+    # The ranks of one node share its cores where the profile says it has fewer than them.
+    ranks_on_host = min(plan.world_size, comm.ranks_per_node)
+    serial = comm_takes_the_core(device, ranks_on_host)  # NOTE [Collectives on the ranks' cores]
+    device = rank_device(device, ranks_on_host)  # NOTE [Ranks sharing cores]
     rows: list[CollectiveRow] = []
     compute: dict[str, float] = {}
     t = 0.0
@@ -274,6 +300,8 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
     done_at: dict[tuple[str, str], float] = {}  # (graph, node name) -> when compute passes it (simulated)
     forward_seq: dict[int, str] = {}
     for name in GRAPH_ORDER:
+        if name == "param_sync":  # the optimizer update runs before the updated shards are gathered
+            t = _optimizer_update(plan, device, t, compute, spans)
         gm = modules.get(name)
         if gm is None:
             continue
@@ -297,6 +325,9 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
                 dur = _comm_s(node, plan, comm)
                 begin = max(t, channel_free)
                 channel_free = begin + dur
+                if serial:  # it runs on this rank's core: compute resumes when it is done
+                    exposed_total += channel_free - t
+                    t = channel_free
                 pending[node] = (channel_free, dur, start_compute, (previous, previous_module), issued)
                 begins[node] = begin
                 issued += 1

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +14,16 @@ import torch.nn as nn
 
 import zerofx
 from zerofx.cost_models.comm import CPU_GLOO, estimate_all_gather_s, estimate_reduce_scatter_s
-from zerofx.cost_models.compute import DeviceSpec, estimate_flops
-from zerofx.cost_models.memory import estimate_model_state_bytes, zero_paper_bytes
+from zerofx.cost_models.compute import (
+    DeviceSpec,
+    estimate_flops,
+    estimate_node_s,
+    estimate_optimizer_step_s,
+    is_view_op,
+    memory_rate,
+    rank_device,
+)
+from zerofx.cost_models.memory import estimate_model_state_bytes, estimate_process_peak_bytes, zero_paper_bytes
 from zerofx.passes import meta
 from zerofx.passes.analyze_schedule import format_report
 from tests.support.programs import SMALL_BUCKETS, meta_program
@@ -79,6 +91,109 @@ def test_overlap_hides_communication_in_the_model() -> None:
     assert [r.order for r in on.rows] == list(range(len(on.rows)))
     text = format_report(on, budget_bytes=1)
     assert "does NOT fit" in text and "exposed" in text
+
+
+def test_ranks_sharing_cores_compute_at_their_share() -> None:
+    # NOTE [Ranks sharing cores]: 4 ranks on 2 cores run at half a core's rate each.
+    core = DeviceSpec("core", 100e9, 4e9, cores=2)
+    assert rank_device(core, 1) == core and rank_device(core, 2) == core
+    half = rank_device(core, 4)
+    assert (half.matmul_flops_per_s, half.memory_bytes_per_s) == (50e9, 2e9)
+    own = DeviceSpec("gpu", 1e12, 1e12)  # a device per rank: never shared
+    assert rank_device(own, 64) == own
+    # The report's compute at 4 ranks on 2 cores is twice that with a core per rank; at 2 ranks
+    # the same; and only compute moves: the collectives' times are the comm model's.
+    alone = dataclasses.replace(core, cores=None)
+    for world, factor in ((4, 2.0), (2, 1.0)):
+        program = meta_program(3, world, **SMALL_BUCKETS)
+        shared, own_core = program.report(0, device=core), program.report(0, device=alone)
+        assert shared.compute_s.keys() == own_core.compute_s.keys()
+        for graph, seconds in own_core.compute_s.items():
+            assert shared.compute_s[graph] == pytest.approx(factor * seconds) and seconds > 0
+        assert shared.comm_s == pytest.approx(own_core.comm_s)
+    # Ranks on several nodes share only their node's cores.
+    nodes = dataclasses.replace(CPU_GLOO, ranks_per_node=2)
+    program = meta_program(3, 4, **SMALL_BUCKETS)
+    assert program.report(0, comm=nodes, device=core).compute_s == pytest.approx(program.report(0, comm=nodes, device=alone).compute_s)
+
+
+def test_process_peak_adds_the_runtime_baseline(tmp_path: Path) -> None:
+    # NOTE [What a rank's resident memory holds]: the timeline's peak plus the profile's baseline,
+    # as zerofx plan --format json reports it.
+    from zerofx.app.cli import main
+    from zerofx.cost_models.profiles import save_profile
+
+    assert estimate_process_peak_bytes(100, 0) == 100 and estimate_process_peak_bytes(2**20, 3 * 2**20) == 4 * 2**20
+    profile = tmp_path / "profile.json"
+    save_profile(profile, CPU_GLOO, DeviceSpec("calibrated-cpu-core", 74e9, 2.2e9, cores=2, runtime_bytes=345_678_912))
+    data = {}
+    for name in ("cpu", str(profile)):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["plan", "tiny", "--world-size", "2", "--stage", "3", "--seq-len", "32", "--profile", name, "--format", "json"]) == 0
+        data[name] = json.loads(out.getvalue())["memory"]
+    assert data["cpu"]["process_peak_bytes"] == data["cpu"]["peak_bytes"]  # the built-in profile states no baseline
+    assert data[str(profile)]["process_peak_bytes"] == data[str(profile)]["peak_bytes"] + 345_678_912
+
+
+def _aten_graph(fn, *shapes: tuple[int, ...]) -> torch.fx.GraphModule:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake")(*(torch.empty(s) for s in shapes))
+
+
+def test_views_move_nothing() -> None:
+    # NOTE [Views move nothing]: a transpose and a view cost 0; the multiply that reads them streams its bytes.
+    gm = _aten_graph(lambda x: x.t().reshape(-1) * 2, (64, 32))
+    spec = DeviceSpec("d", 1e12, 1e9)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    views = [n for n in nodes if is_view_op(n)]
+    assert views and all(estimate_node_s(n, spec) == 0.0 for n in views)
+    (mul,) = [n for n in nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert not is_view_op(mul) and estimate_node_s(mul, spec) == pytest.approx(2 * 64 * 32 * 4 / 1e9)
+
+
+def test_a_matmul_is_bound_by_its_bytes_too() -> None:
+    # NOTE [A matmul is bound by its bytes too]: (128, 768) @ (768, 2048) at 106 GFLOP/s and 1.8 GB/s.
+    gm = _aten_graph(torch.mm, (128, 768), (768, 2048))
+    (mm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    flops, moved = 2 * 128 * 768 * 2048, 4 * (128 * 768 + 768 * 2048 + 128 * 2048)
+    assert estimate_node_s(mm, DeviceSpec("cpu", 106e9, 1.8e9)) == pytest.approx(moved / 1.8e9)  # memory-bound
+    assert estimate_node_s(mm, DeviceSpec("fast-memory", 106e9, 1e12)) == pytest.approx(flops / 106e9)  # FLOP-bound
+
+
+def test_optimizer_update_time() -> None:
+    # NOTE [The optimizer update's time]: AdamW makes 20 passes of 4 bytes per element.
+    dram = DeviceSpec("d", 1e12, 2e9)
+    assert estimate_optimizer_step_s([1000, 0, 3000], "AdamW", dram) == pytest.approx(20 * 4 * 4000 / 2e9)
+    assert estimate_optimizer_step_s([1000], "SGD", dram) == pytest.approx(3 * 4 * 1000 / 2e9)
+    # NOTE [Bandwidth by working-set size]: each parameter's passes at the rate of its working set.
+    cached = dataclasses.replace(dram, memory_curve=((2**20, 40e9), (2**27, 2e9)))
+    assert memory_rate(cached, 2**20) == 40e9 and memory_rate(cached, 2**20 + 1) == 2e9 and memory_rate(cached, 2**30) == 2e9
+    assert memory_rate(dram, 10) == 2e9
+    small, large = 2**16, 2**22  # 3 x 256 KiB fits the first point; 3 x 16 MiB does not
+    assert estimate_optimizer_step_s([small, large], "AdamW", cached) == pytest.approx(80 * small / 40e9 + 80 * large / 2e9)
+    # The schedule counts it once per step, over the shards this rank owns, between backward and param_sync.
+    program = meta_program(2, 2, **SMALL_BUCKETS)
+    report = program.report(0, device=dram)
+    owned = [p.shard_numel for p in program.plan.params if p.requires_grad]
+    assert report.compute_s["optimizer"] == pytest.approx(estimate_optimizer_step_s(owned, "AdamW", dram))
+    assert [s.graph for s in report.spans][-2:] == ["optimizer", "param_sync"]
+    assert report.step_s == pytest.approx(sum(report.compute_s.values()) + report.exposed_s)
+
+
+def test_collectives_take_the_core_where_ranks_fill_the_cores() -> None:
+    # NOTE [Collectives on the ranks' cores]: with 2 ranks on 2 cores nothing hides communication.
+    program = meta_program(3, 2, **SMALL_BUCKETS)
+    gpu_like = DeviceSpec("d", 74e9, 2.2e9)
+    host = dataclasses.replace(gpu_like, cores=2)
+    overlapped, serial = program.report(0, device=gpu_like), program.report(0, device=host)
+    assert overlapped.exposed_s < overlapped.comm_s
+    assert serial.exposed_s == pytest.approx(serial.comm_s) and serial.comm_s == pytest.approx(overlapped.comm_s)
+    assert serial.step_s == pytest.approx(sum(serial.compute_s.values()) + serial.comm_s)
+    # More cores than ranks: a core is free for gloo, and the overlap model applies.
+    spare = program.report(0, device=dataclasses.replace(gpu_like, cores=4))
+    assert spare.exposed_s == pytest.approx(overlapped.exposed_s)
 
 
 def test_memory_timeline() -> None:

@@ -120,6 +120,12 @@ def test_profiles_builtin_file_and_calibration(tmp_path: Path) -> None:
     measured_comm, measured_device = calibrate(tmp_path / "measured.json", world_size=2, repeats=2, sizes=(2**12, 2**16))
     assert measured_comm.intra_bandwidth > 1e6 and 0 < measured_comm.intra_alpha_s < 1
     assert measured_device.matmul_flops_per_s > 1e8
+    # What the predictions need of this host: its cores, an idle rank's resident memory (torch
+    # and the engine imported: well over 100 MiB), and copy rates by size, the largest the DRAM rate.
+    assert measured_device.cores is not None and measured_device.cores >= 1 and measured_device.runtime_bytes > 100 * 2**20
+    sizes = [size for size, _ in measured_device.memory_curve]
+    assert sizes == sorted(sizes) and len(sizes) >= 3 and measured_device.memory_curve[-1][1] == measured_device.memory_bytes_per_s
+    assert load_profile(str(tmp_path / "measured.json"))[1] == measured_device  # the curve survives the file
     # The planner takes it: a slower link means more communication time.
     program = zerofx.compile(load_model_spec("examples.model_specs:dna_small").model, world_size=2, stage=3,
                              example_inputs=(torch.zeros(1, 64, dtype=torch.long, device="meta"),),

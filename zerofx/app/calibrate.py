@@ -7,7 +7,11 @@ the ranks agree on the slowest time of each (a max-reduce), so every rank plans 
 numbers: rank-local measurements make ranks plan differently and hang. The ring model's alpha
 (per-step latency) and bus bandwidth are fitted to all of them (NOTE [Fitting the comm model to a
 calibration] in cost_models/comm.py). A matrix product gives FLOP/s and a large copy memory
-bandwidth.
+bandwidth, each rank timing its own while every rank runs: one core's rates with every core busy.
+The profile also records the cores the ranks share (NOTE [Ranks sharing cores] in
+cost_models/compute.py) and the resident memory of an idle rank once it has imported the engine
+and joined the process group, the largest over ranks (NOTE [What a rank's resident memory holds]
+in cost_models/memory.py).
 
 Run on one machine, it spawns local gloo ranks. Run under torchrun across nodes
 (``LOCAL_WORLD_SIZE < WORLD_SIZE``), it measures the two links apart: the ranks of each node among
@@ -87,23 +91,60 @@ def measure_collectives(group: Any = None, *, repeats: int = 5, sizes: Sequence[
     return [(c, w, b, t) for (c, w, b, _), t in zip(rows, times.tolist())]
 
 
-def measure_compute(repeats: int, device: torch.device | None = None) -> tuple[float, float]:
-    """(matmul FLOP/s, memory bytes/s) of one rank, min-reduced across ranks."""
+# Bytes a copy moves (read + written) for the memory curve: from what stays in a core's caches
+# to what comes from DRAM (NOTE [Bandwidth by working-set size] in cost_models/compute.py). The
+# largest is the profile's ``memory_bytes_per_s``.
+COPY_SIZES = (2**19, 2**21, 2**23, 2**25, 2**27)
+
+
+def measure_memory_curve(repeats: int, device: torch.device | None = None) -> list[tuple[float, float]]:
+    """(bytes moved, bytes/s) of a tensor copy (``clone``: a new output, as an op makes) at each
+    of ``COPY_SIZES``; each sample copies at least 64 MiB, so small copies are timed in bulk."""
+    device = device or torch.device("cpu")
+    curve = []
+    for moved in COPY_SIZES:
+        src = torch.empty(moved // 8, device=device)  # fp32: read once, written once
+        copies = max(1, 2**26 // moved)
+        curve.append((float(moved), moved * copies / _time(lambda src=src, copies=copies: [src.clone() for _ in range(copies)], repeats)))
+    return curve
+
+
+def measure_compute(repeats: int, device: torch.device | None = None) -> tuple[float, float, list[tuple[float, float]]]:
+    """(matmul FLOP/s, memory bytes/s, memory curve) of one rank, the slowest rank's of each."""
     device = device or torch.device("cpu")
     a = torch.randn(512, 512, device=device)
     flops = 2 * 512**3 / _time(lambda: a @ a, repeats)
-    big = torch.empty(2**24, device=device)
-    mem = 2 * big.numel() * 4 / _time(lambda: big.clone(), repeats)
-    worst = torch.tensor([-flops, -mem], dtype=torch.float64)
+    curve = measure_memory_curve(repeats, device)
+    worst = torch.tensor([-flops] + [-rate for _, rate in curve], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return -worst[0].item(), -worst[1].item()
+    rates = (-worst).tolist()
+    curve = [(size, rate) for (size, _), rate in zip(curve, rates[1:])]
+    return rates[0], curve[-1][1], curve
 
 
 def measure(rank: int, world_size: int, repeats: int = 5) -> list[float]:
     """[alpha_s, bandwidth, matmul_flops_per_s, memory_bytes_per_s], the same on every rank."""
     alpha, bandwidth = fit_link(measure_collectives(repeats=repeats))
-    flops, mem = measure_compute(repeats)
+    flops, mem, _ = measure_compute(repeats)
     return [alpha, bandwidth, flops, mem]
+
+
+def runtime_rss_bytes(device: torch.device | None = None) -> float:
+    """The resident memory of this rank before it holds any model state: the interpreter, torch,
+    the engine's modules (imported here, as ``zerofx.initialize`` imports them) and the process
+    group, max-reduced across ranks (NOTE [What a rank's resident memory holds])."""
+    import zerofx.compiler.program  # noqa: F401  (what a rank imports to train)
+    import zerofx.runtime.engine  # noqa: F401
+    from zerofx.common.rss import current_rss_bytes
+
+    worst = torch.tensor([float(current_rss_bytes())], dtype=torch.float64, device=device or torch.device("cpu"))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity), which local ranks share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _write(out: Path, comm: CommSpec, device: DeviceSpec, measurements: dict[str, list[Measurement]]) -> None:
@@ -117,12 +158,14 @@ def _worker(rank: int, world_size: int, port: int, out: str, repeats: int, sizes
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    runtime = runtime_rss_bytes()  # before any measurement allocates
     rows = measure_collectives(repeats=repeats, sizes=sizes) if world_size > 1 else []
-    flops, mem = measure_compute(repeats)
+    flops, mem, curve = measure_compute(repeats)
     if rank == 0:
         alpha, bandwidth = fit_link(rows) if rows else (0.0, float("inf"))
         comm = CommSpec("calibrated-gloo", alpha, bandwidth, alpha, bandwidth, ranks_per_node=LOCAL_RANKS_PER_NODE)
-        _write(Path(out), comm, DeviceSpec("calibrated-cpu-core", flops, mem), {"intra": rows})
+        device = DeviceSpec("calibrated-cpu-core", flops, mem, memory_curve=tuple(curve), cores=host_cores(), runtime_bytes=runtime)
+        _write(Path(out), comm, device, {"intra": rows})
     dist.destroy_process_group()
 
 
@@ -172,6 +215,7 @@ def calibrate_across_nodes(out: Path, repeats: int = 5, sizes: Sequence[int] = S
     intra_groups = [dist.new_group(r) for r in intra_ranks]
     inter_groups = [dist.new_group(r) for r in inter_ranks]
     mine = rank // per_node, rank % per_node
+    runtime = runtime_rss_bytes(device)
     intra = measure_collectives(intra_groups[mine[0]], repeats=repeats, sizes=sizes, device=device) if per_node > 1 else []
     inter = measure_collectives(inter_groups[mine[1]], repeats=repeats, sizes=sizes, device=device)
     # Every rank's rows, slowest of each: one fit for all.
@@ -180,11 +224,13 @@ def calibrate_across_nodes(out: Path, repeats: int = 5, sizes: Sequence[int] = S
         times = torch.tensor([t for *_, t in rows] or [0.0], dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         merged.append([(c, n, b, t) for (c, n, b, _), t in zip(rows, times.tolist())])
-    flops, mem = measure_compute(repeats, device)
+    flops, mem, curve = measure_compute(repeats, device)
     intra_alpha, intra_bw = fit_link(merged[0]) if merged[0] else fit_link(merged[1])
     inter_alpha, inter_bw = fit_link(merged[1])
     comm = CommSpec(f"calibrated-{dist.get_backend()}", intra_alpha, intra_bw, inter_alpha, inter_bw, ranks_per_node=per_node)
-    spec = DeviceSpec(f"calibrated-{device.type}", flops, mem)
+    # CPU ranks share the node's cores; a GPU rank has its device (NOTE [Ranks sharing cores]).
+    spec = DeviceSpec(f"calibrated-{device.type}", flops, mem, memory_curve=tuple(curve), cores=host_cores() if device.type == "cpu" else None,
+                      runtime_bytes=runtime)
     if rank == 0:
         _write(Path(out), comm, spec, {"intra": merged[0], "inter": merged[1]})
     return (comm, spec) if rank == 0 else None

@@ -355,6 +355,7 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
     from zerofx.runtime.offload import plan_for_program
     from zerofx.passes.analyze_schedule import format_report
     from zerofx.app.planning import plot_report, report_json, solve_memory
+    from zerofx.cost_models.memory import estimate_process_peak_bytes
     from zerofx.compiler.program import resolve
 
     blocks = find_repeated_blocks(spec.model)
@@ -383,7 +384,7 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
         plot_report(report, args.plot, title=title, budget_bytes=budget)
     cfg = resolve(args.config, stage=args.stage, world_size=args.world_size)
     offload = plan_for_program(program.plan, cfg.offload, cfg.param_offload, mixed_precision=cfg.compute_dtype is not None,
-                               device_is_cpu=device.name.startswith("cpu"), compute_s=report.compute_s)
+                               device_is_cpu=device.name.startswith(("cpu", "calibrated-cpu")), compute_s=report.compute_s)
     tiers = None
     if offload is not None or cfg.grad_offload is not None:
         grad_itemsize = cfg.compute_dtype.itemsize if cfg.compute_dtype is not None else 4
@@ -392,6 +393,8 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
                                 grad_tier=None if cfg.grad_offload is None else cfg.grad_offload.device.value)
     if args.format == "json":
         data = json.loads(report_json(program, report, budget, device_peak_bytes=None if tiers is None else tiers["device"]))
+        # A rank's resident memory with the runtime's (NOTE [What a rank's resident memory holds]).
+        data["memory"]["process_peak_bytes"] = estimate_process_peak_bytes(report.peak.live_bytes, device.runtime_bytes)
         if offload is not None:
             data["offload"] = json.loads(offload.to_json())
         if tiers is not None:
@@ -464,6 +467,7 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     from zerofx.config import load_config
     from zerofx.compiler.folding import FOLD_BLOCKS, folded_json, format_folded, plan_folded
     from zerofx.compiler.search import lower_prefetch_distance
+    from zerofx.cost_models.memory import estimate_process_peak_bytes
 
     if args.solve is not None or args.plot is not None:
         raise UsageError("--solve and --plot need the whole model's timeline: add --fold off")
@@ -501,7 +505,9 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     if args.format == "json":
         plan_json = json.loads(sample.plan.to_json())
         plan_json["decisions"] = [*plan_json.get("decisions", []), *decisions]
-        print(json.dumps(folded_json(folded, plan_json, budget), indent=1, default=list))
+        data = folded_json(folded, plan_json, budget)
+        data["memory"]["process_peak_bytes"] = estimate_process_peak_bytes(folded.peak_bytes, device.runtime_bytes)
+        print(json.dumps(data, indent=1, default=list))
         return 0
     num_params = sum(p.numel() for p in spec.model.parameters())
     block_params = sum(p.numel() for p in spec.model.get_submodule(blocks.path)[0].parameters())
