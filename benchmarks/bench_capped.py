@@ -330,8 +330,18 @@ def _rank_args(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure_baseline(opts: argparse.Namespace) -> dict[str, Any]:
+    """The runtime's resident memory per rank: the calibrated profile's (``--profile``, NOTE [What
+    a rank's resident memory holds] in cost_models/memory.py) when it records one, else an idle
+    rank's peak RSS measured here."""
+    if opts.profile is not None:
+        from zerofx.cost_models.profiles import load_profile
+
+        runtime = load_profile(opts.profile)[1].runtime_bytes
+        if runtime > 0:
+            return {"peak_rss_bytes": runtime, "rss_bytes": runtime, "from": f"the calibrated profile {opts.profile}"}
     res = run_ranks(_baseline_rank, _rank_args(opts), opts.world_size, opts.timeout)
-    return {"peak_rss_bytes": max(r["peak_rss_bytes"] for r in res), "rss_bytes": max(r["rss_bytes"] for r in res)}
+    return {"peak_rss_bytes": max(r["peak_rss_bytes"] for r in res), "rss_bytes": max(r["rss_bytes"] for r in res),
+            "from": "an idle rank: imports, gloo group joined"}
 
 
 def measure(run: RunConfig, opts: argparse.Namespace, *, warmup: int | None = None, steps: int | None = None) -> dict[str, Any]:
@@ -366,6 +376,8 @@ def run_search(opts: argparse.Namespace, budget_bytes: float) -> tuple[Any, dict
 
     base: dict[str, Any] = {"optimizer": {"type": "AdamW", "params": {"lr": LR}},
                             "zerofx": {"auto": True, "memory_budget": int(budget_bytes), "recompute": "auto"}}
+    if opts.profile is not None:
+        base["zerofx"]["profile"] = opts.profile
     if not opts.search_offload:  # NOTE [Host memory is in an RSS cap]
         base["zero_optimization"] = {"offload_optimizer": {"device": "none"}}
     with torch.device("meta"):
@@ -595,7 +607,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result.get('rounds_done', 0)} interleaved round(s) of {o['warmup']} untimed + {o['steps']} timed step(s), each run in "
         f"fresh ranks; MALLOC_MMAP_THRESHOLD_ {o['malloc_mmap_threshold']}.",
         "",
-        f"Baseline (an idle rank: imports, gloo group joined): peak RSS {human_bytes(result['baseline']['peak_rss_bytes'])}. "
+        f"Baseline ({result['baseline'].get('from', 'an idle rank: imports, gloo group joined')}): peak RSS "
+        f"{human_bytes(result['baseline']['peak_rss_bytes'])}. "
         f"Device budget given to the search: {human_bytes(result['budget_bytes'])} = the cap less the baseline.",
         "",
         "| configuration | tokens/s (median [p25–p75]) | step s (median [p25–p75]) | peak RSS / rank | fits the cap |",
@@ -661,6 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search-offload", action="store_true",
                    help="let the search offload the optimizer state to host memory; by default it is kept on the device, since on "
                         "a CPU-only machine host memory is in the RSS cap (NOTE [Host memory is in an RSS cap])")
+    p.add_argument("--profile", default=None,
+                   help="a profile written by zerofx calibrate: the search plans with it, and the device budget is the cap less the "
+                        "runtime baseline it records (default: the built-in cpu profile, and the baseline measured on an idle rank)")
     p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take before it is stopped (default 1800)")
     p.add_argument("--malloc-mmap-threshold", default="256KiB", help="glibc M_MMAP_THRESHOLD for every rank, so peak RSS follows the "

@@ -31,7 +31,9 @@ class DeviceSpec:
     CPU core rather than a device of its own (None: every rank has its own device); the rates
     are one core's (NOTE [Ranks sharing cores]). ``runtime_bytes``: the resident memory of a
     rank before it holds any model state (NOTE [What a rank's resident memory holds] in
-    cost_models/memory.py); 0 where unmeasured."""
+    cost_models/memory.py); 0 where unmeasured. ``fresh_s_per_byte``: the extra seconds per byte
+    of a new tensor of at least ``fresh_min_bytes`` whose pages the kernel writing it faults in
+    first (NOTE [New tensors' pages]); 0 where unmeasured."""
 
     name: str
     matmul_flops_per_s: float
@@ -40,6 +42,8 @@ class DeviceSpec:
     memory_curve: tuple[tuple[float, float], ...] = ()
     cores: int | None = None
     runtime_bytes: float = 0.0
+    fresh_s_per_byte: float = 0.0
+    fresh_min_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         # A profile file gives lists; the spec keeps tuples (frozen, hashable, equal on reload).
@@ -179,11 +183,25 @@ def estimate_node_s(node: fx.Node, spec: DeviceSpec) -> float:
     else memory-bound."""
     if node.op != "call_function" or node.target is operator.getitem or is_view_op(node):
         return 0.0
-    moved = value_bytes(node.meta.get("val")) + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    produced = value_bytes(node.meta.get("val"))
+    moved = produced + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    fresh = produced * spec.fresh_s_per_byte if spec.fresh_s_per_byte and produced >= spec.fresh_min_bytes else 0.0
     if is_matmul_like(node):
         # The roofline (NOTE [A matmul is bound by its bytes too]).
-        return max(estimate_flops(node) / spec.matmul_flops_per_s, moved / spec.memory_bytes_per_s)
-    return moved / spec.memory_bytes_per_s
+        return max(estimate_flops(node) / spec.matmul_flops_per_s, moved / spec.memory_bytes_per_s) + fresh
+    return moved / spec.memory_bytes_per_s + fresh
+
+
+# NOTE [New tensors' pages]
+# Every non-view op of a graph allocates its output. Where the allocator maps a large block fresh
+# from the OS (glibc above ``M_MMAP_THRESHOLD``, which the memory benchmarks set to 256 KiB so
+# that freed tensors leave the resident set), the kernel writing it first takes a page fault per
+# 4 KiB page: on this project's machine 0.41 s per GB more than writing memory already mapped,
+# against 0.06 s per GB under glibc's default, which keeps freed blocks for reuse. The bandwidth
+# terms price bytes moved through mapped memory only, so ``zerofx calibrate`` measures that extra
+# cost (an 8 MiB tensor allocated and filled, against the same fill of a kept one) as
+# ``fresh_s_per_byte``, with ``fresh_min_bytes`` the process's ``MALLOC_MMAP_THRESHOLD_`` (8 MiB,
+# the size measured, where it is not set), and each output at least that large pays it.
 
 
 # NOTE [The optimizer update's time]

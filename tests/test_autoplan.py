@@ -131,9 +131,10 @@ def test_a_folded_search_chooses_and_predicts_what_the_whole_one_does() -> None:
         for e in compared:
             assert e.step_s == pytest.approx(by_candidate[e.candidate].step_s, rel=1e-6)
             assert e.peak_bytes == pytest.approx(by_candidate[e.candidate].peak_bytes, rel=1e-6)
-    whole, folded = (run(0.9 * stage3.peak_bytes, fold, ("off", "auto")) for fold in ("off", "on"))
+    whole, folded = (run(0.7 * stage3.peak_bytes, fold, ("off", "auto")) for fold in ("off", "on"))
     assert folded.chosen is not None and whole.chosen is not None
     assert folded.chosen.candidate == whole.chosen.candidate and folded.chosen.candidate.recompute == "auto"
+    assert folded.chosen.recomputed == whole.chosen.recomputed > 0
     assert folded.chosen.fits and folded.chosen.fingerprint
 
 

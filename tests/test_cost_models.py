@@ -162,6 +162,20 @@ def test_a_matmul_is_bound_by_its_bytes_too() -> None:
     assert estimate_node_s(mm, DeviceSpec("fast-memory", 106e9, 1e12)) == pytest.approx(flops / 106e9)  # FLOP-bound
 
 
+def test_new_tensors_pay_for_their_pages() -> None:
+    # NOTE [New tensors' pages]: an output at least fresh_min_bytes large pays fresh_s_per_byte on
+    # top of its bandwidth; a smaller one and a view pay nothing more; 0 (unmeasured) changes nothing.
+    gm = _aten_graph(lambda x: x.t().reshape(-1) * 2, (64, 32))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    (mul,) = [n for n in nodes if n.target is torch.ops.aten.mul.Tensor]
+    out = 64 * 32 * 4
+    plain = DeviceSpec("d", 1e12, 1e9)
+    paged = DeviceSpec("d", 1e12, 1e9, fresh_s_per_byte=0.4e-9, fresh_min_bytes=out)
+    assert estimate_node_s(mul, paged) == pytest.approx(estimate_node_s(mul, plain) + out * 0.4e-9)
+    assert estimate_node_s(mul, DeviceSpec("d", 1e12, 1e9, fresh_s_per_byte=0.4e-9, fresh_min_bytes=out + 1)) == estimate_node_s(mul, plain)
+    assert all(estimate_node_s(n, paged) == 0.0 for n in nodes if is_view_op(n))
+
+
 def test_optimizer_update_time() -> None:
     # NOTE [The optimizer update's time]: AdamW makes 20 passes of 4 bytes per element.
     dram = DeviceSpec("d", 1e12, 2e9)

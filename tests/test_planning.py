@@ -123,6 +123,8 @@ def test_profiles_builtin_file_and_calibration(tmp_path: Path) -> None:
     # What the predictions need of this host: its cores, an idle rank's resident memory (torch
     # and the engine imported: well over 100 MiB), and copy rates by size, the largest the DRAM rate.
     assert measured_device.cores is not None and measured_device.cores >= 1 and measured_device.runtime_bytes > 100 * 2**20
+    # A new tensor's pages cost something to fault in (NOTE [New tensors' pages]), from the size the process maps them at.
+    assert measured_device.fresh_s_per_byte >= 0 and measured_device.fresh_min_bytes > 0
     sizes = [size for size, _ in measured_device.memory_curve]
     assert sizes == sorted(sizes) and len(sizes) >= 3 and measured_device.memory_curve[-1][1] == measured_device.memory_bytes_per_s
     assert load_profile(str(tmp_path / "measured.json"))[1] == measured_device  # the curve survives the file

@@ -129,6 +129,25 @@ def measure(rank: int, world_size: int, repeats: int = 5) -> list[float]:
     return [alpha, bandwidth, flops, mem]
 
 
+# The size of the tensor ``measure_fresh_pages`` allocates (NOTE [New tensors' pages]).
+FRESH_PROBE_BYTES = 8 * 2**20
+
+
+def measure_fresh_pages(repeats: int, device: torch.device | None = None) -> tuple[float, float]:
+    """(extra seconds per byte of a new tensor's first write, the smallest size that pays it):
+    an 8 MiB tensor allocated and filled against the same fill of one kept, the slowest rank's
+    (NOTE [New tensors' pages]). On a GPU the caching allocator maps nothing per tensor: (0, 0)."""
+    if device is not None and device.type != "cpu":
+        return 0.0, 0.0
+    numel = FRESH_PROBE_BYTES // 4
+    kept = torch.empty(numel)
+    extra = max(_time(lambda: torch.empty(numel).fill_(1.0), repeats) - _time(lambda: kept.fill_(1.0), repeats), 0.0) / FRESH_PROBE_BYTES
+    worst = torch.tensor([extra], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    return worst.item(), float(int(threshold)) if threshold.isdigit() else float(FRESH_PROBE_BYTES)
+
+
 def runtime_rss_bytes(device: torch.device | None = None) -> float:
     """The resident memory of this rank before it holds any model state: the interpreter, torch,
     the engine's modules (imported here, as ``zerofx.initialize`` imports them) and the process
@@ -161,10 +180,12 @@ def _worker(rank: int, world_size: int, port: int, out: str, repeats: int, sizes
     runtime = runtime_rss_bytes()  # before any measurement allocates
     rows = measure_collectives(repeats=repeats, sizes=sizes) if world_size > 1 else []
     flops, mem, curve = measure_compute(repeats)
+    fresh_s, fresh_min = measure_fresh_pages(repeats)
     if rank == 0:
         alpha, bandwidth = fit_link(rows) if rows else (0.0, float("inf"))
         comm = CommSpec("calibrated-gloo", alpha, bandwidth, alpha, bandwidth, ranks_per_node=LOCAL_RANKS_PER_NODE)
-        device = DeviceSpec("calibrated-cpu-core", flops, mem, memory_curve=tuple(curve), cores=host_cores(), runtime_bytes=runtime)
+        device = DeviceSpec("calibrated-cpu-core", flops, mem, memory_curve=tuple(curve), cores=host_cores(), runtime_bytes=runtime,
+                            fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min)
         _write(Path(out), comm, device, {"intra": rows})
     dist.destroy_process_group()
 
@@ -225,12 +246,13 @@ def calibrate_across_nodes(out: Path, repeats: int = 5, sizes: Sequence[int] = S
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         merged.append([(c, n, b, t) for (c, n, b, _), t in zip(rows, times.tolist())])
     flops, mem, curve = measure_compute(repeats, device)
+    fresh_s, fresh_min = measure_fresh_pages(repeats, device)
     intra_alpha, intra_bw = fit_link(merged[0]) if merged[0] else fit_link(merged[1])
     inter_alpha, inter_bw = fit_link(merged[1])
     comm = CommSpec(f"calibrated-{dist.get_backend()}", intra_alpha, intra_bw, inter_alpha, inter_bw, ranks_per_node=per_node)
     # CPU ranks share the node's cores; a GPU rank has its device (NOTE [Ranks sharing cores]).
     spec = DeviceSpec(f"calibrated-{device.type}", flops, mem, memory_curve=tuple(curve), cores=host_cores() if device.type == "cpu" else None,
-                      runtime_bytes=runtime)
+                      runtime_bytes=runtime, fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min)
     if rank == 0:
         _write(Path(out), comm, spec, {"intra": merged[0], "inter": merged[1]})
     return (comm, spec) if rank == 0 else None
