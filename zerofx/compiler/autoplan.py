@@ -358,6 +358,7 @@ class _Search:
             most = self.evaluate_folded(c, every)
             if not most.fits:
                 return most
+            self.folded.discard(c)  # measured whole below, as its config plans it
         program = self.program(c, config, whole=True)
         report = program.report(0, comm=self.comm, device=self.device)
         self.num_lowered += 1
