@@ -166,6 +166,13 @@ def is_matmul_like(node: fx.Node) -> bool:
 # per-parameter views of every gathered bucket, and every transpose of a weight, as copies.
 # ``_unsafe_view`` is a view whose schema does not say so (it returns a fresh tensor over the
 # input's storage after a copy that the graph already holds as its own node).
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` writes into a tensor it was given (``copy_``, ``add_``, an ``out=``
+    collective) instead of allocating its output (NOTE [New tensors' pages])."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 def is_view_op(node: fx.Node) -> bool:
     """Whether ``node`` aliases its input instead of computing (NOTE [Views move nothing])."""
     return bool(getattr(node.target, "is_view", False)) or node.target is aten._unsafe_view.default
@@ -185,7 +192,8 @@ def estimate_node_s(node: fx.Node, spec: DeviceSpec) -> float:
         return 0.0
     produced = value_bytes(node.meta.get("val"))
     moved = produced + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
-    fresh = produced * spec.fresh_s_per_byte if spec.fresh_s_per_byte and produced >= spec.fresh_min_bytes else 0.0
+    fresh = (produced * spec.fresh_s_per_byte
+             if spec.fresh_s_per_byte and produced >= spec.fresh_min_bytes and not writes_in_place(node) else 0.0)
     if is_matmul_like(node):
         # The roofline (NOTE [A matmul is bound by its bytes too]).
         return max(estimate_flops(node) / spec.matmul_flops_per_s, moved / spec.memory_bytes_per_s) + fresh
@@ -201,7 +209,9 @@ def estimate_node_s(node: fx.Node, spec: DeviceSpec) -> float:
 # terms price bytes moved through mapped memory only, so ``zerofx calibrate`` measures that extra
 # cost (an 8 MiB tensor allocated and filled, against the same fill of a kept one) as
 # ``fresh_s_per_byte``, with ``fresh_min_bytes`` the process's ``MALLOC_MMAP_THRESHOLD_`` (8 MiB,
-# the size measured, where it is not set), and each output at least that large pays it.
+# the size measured, where it is not set), and each output at least that large pays it. An op
+# that writes into a tensor it was given (``copy_`` into a parameter, an ``out=`` collective)
+# allocates nothing and pays none.
 
 
 # NOTE [The optimizer update's time]

@@ -174,6 +174,14 @@ def test_new_tensors_pay_for_their_pages() -> None:
     assert estimate_node_s(mul, paged) == pytest.approx(estimate_node_s(mul, plain) + out * 0.4e-9)
     assert estimate_node_s(mul, DeviceSpec("d", 1e12, 1e9, fresh_s_per_byte=0.4e-9, fresh_min_bytes=out + 1)) == estimate_node_s(mul, plain)
     assert all(estimate_node_s(n, paged) == 0.0 for n in nodes if is_view_op(n))
+    # Writing into a given tensor allocates nothing: copy_ pays its bytes only.
+    g = torch.fx.Graph()
+    dst, src = g.placeholder("dst"), g.placeholder("src")
+    for ph in (dst, src):
+        ph.meta["val"] = torch.empty(64, 32, device="meta")
+    copy = g.call_function(torch.ops.aten.copy_.default, (dst, src))
+    copy.meta["val"] = torch.empty(64, 32, device="meta")
+    assert estimate_node_s(copy, paged) == pytest.approx(estimate_node_s(copy, plain)) and estimate_node_s(copy, plain) > 0
 
 
 def test_optimizer_update_time() -> None:
