@@ -74,7 +74,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import human_bytes, machine  # noqa: E402
+from benchmarks.report import human_bytes, machine, set_malloc_mmap_threshold  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
@@ -723,13 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         path.with_suffix(".md").write_text(markdown(result))
         print(markdown(result))
         return 0
-    from zerofx.config import parse_bytes
-
-    threshold = int(parse_bytes(opts.malloc_mmap_threshold))
-    if threshold:  # the ranks inherit it
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
-    else:
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    set_malloc_mmap_threshold(opts.malloc_mmap_threshold)
     out = Path(opts.out or ROOT / "benchmarks" / "results" / f"capped_{datetime.date.today().isoformat()}")
 
     def save(result: dict[str, Any]) -> None:

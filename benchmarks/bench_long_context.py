@@ -82,7 +82,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_offload import run_config  # noqa: E402
-from benchmarks.report import human_bytes, machine, summarize  # noqa: E402
+from benchmarks.report import human_bytes, machine, set_malloc_mmap_threshold, summarize  # noqa: E402
 
 SYSTEMS = ("plain", "zerofx3", "zerofx3_tiled", "zerofx3_sp2", "zerofx3_sp2_tiled", "zerofx3_sp4", "zerofx3_sp4_tiled", "fsdp2_cp")
 # Each system's sequence-parallel size (None: all W ranks, as context parallelism shards over them).
@@ -485,11 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     opts.cap_bytes = int(parse_bytes(opts.cap))
     opts.tiling_budget = opts.tiling_budget or str(opts.cap_bytes // 2)
     opts.tiling_budget = int(parse_bytes(opts.tiling_budget))
-    threshold = int(parse_bytes(opts.malloc_mmap_threshold))
-    if threshold:  # the ranks inherit it: RSS follows the live tensors (as bench_tiling's runs)
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
-    else:
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    set_malloc_mmap_threshold(opts.malloc_mmap_threshold)
     out = Path(opts.out or ROOT / "benchmarks" / "results" / f"long_context_{datetime.date.today().isoformat()}")
 
     def save(result: dict[str, Any]) -> None:

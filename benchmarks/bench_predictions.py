@@ -49,7 +49,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from benchmarks.report import human_bytes, machine
+from benchmarks.report import human_bytes, machine, set_malloc_mmap_threshold
 
 STEP_TARGET = 0.15  # |predicted / measured - 1| at most this for the step time
 PEAK_TARGET = 0.10  # and this for the peak resident memory
@@ -278,13 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else (2 if args.smoke else 5)
     if warmup < 0 or steps < 1:
         raise SystemExit("--warmup needs an integer >= 0 and --steps >= 1")
-    from zerofx.common.units import parse_bytes
-
-    threshold = int(parse_bytes(args.malloc_mmap_threshold))
-    if threshold:  # read by glibc at process start: the spawned ranks inherit it
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
-    else:
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    threshold = set_malloc_mmap_threshold(args.malloc_mmap_threshold)
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         out = args.out or (work / "predictions" if args.smoke else RESULTS / f"predictions_{time.strftime('%Y-%m-%d')}")

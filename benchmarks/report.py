@@ -160,3 +160,18 @@ def write_result(stem: Path, result: dict[str, Any], text: str) -> None:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(text + "\n")
     print(text)
+
+
+def set_malloc_mmap_threshold(value: str) -> int:
+    """Set glibc's ``MALLOC_MMAP_THRESHOLD_`` for the ranks this process spawns (glibc reads it
+    at process start, so they inherit it): blocks above it go back to the OS when freed, and a
+    rank's peak RSS follows its live tensors. ``value`` in bytes or with a unit; 0 removes it,
+    keeping glibc's dynamic default. Returns the threshold in bytes."""
+    from zerofx.common.units import parse_bytes
+
+    threshold = int(parse_bytes(value))
+    if threshold:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    else:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    return threshold
