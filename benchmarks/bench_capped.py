@@ -374,8 +374,12 @@ def run_search(opts: argparse.Namespace, budget_bytes: float) -> tuple[Any, dict
     from zerofx.config import parse_config
     from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
+    from zerofx.config.options import planned_budget_bytes
+
     base: dict[str, Any] = {"optimizer": {"type": "AdamW", "params": {"lr": LR}},
                             "zerofx": {"auto": True, "memory_budget": int(budget_bytes), "recompute": "auto"}}
+    if opts.memory_margin:  # NOTE [The memory margin] in zerofx/config/options.py
+        base["zerofx"]["memory_margin"] = opts.memory_margin
     if opts.profile is not None:
         base["zerofx"]["profile"] = opts.profile
     if not opts.search_offload:  # NOTE [Host memory is in an RSS cap]
@@ -388,7 +392,7 @@ def run_search(opts: argparse.Namespace, budget_bytes: float) -> tuple[Any, dict
     assert cfg.auto is not None
     space = search_space(cfg, cfg.auto, world_size=opts.world_size, seq_len=opts.seq_len, batch=per_rank)
     result = search(model, resize_inputs((ids,), {"labels": ids}), base, world_size=opts.world_size, seq_len=opts.seq_len,
-                    batch=per_rank, budget_bytes=budget_bytes, space=space, fixed=cfg.auto.fixed)
+                    batch=per_rank, budget_bytes=planned_budget_bytes(base["zerofx"]), space=space, fixed=cfg.auto.fixed)
     return result, base
 
 
@@ -609,7 +613,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Baseline ({result['baseline'].get('from', 'an idle rank: imports, gloo group joined')}): peak RSS "
         f"{human_bytes(result['baseline']['peak_rss_bytes'])}. "
-        f"Device budget given to the search: {human_bytes(result['budget_bytes'])} = the cap less the baseline.",
+        f"Device budget given to the search: {human_bytes(result['budget_bytes'])} = the cap less the baseline"
+        + (f", of which the search fits its predicted peak to {1 - margin:.0%} (zerofx.memory_margin {margin:g})."
+           if (margin := result["options"].get("memory_margin", 0)) else "."),
         "",
         "| configuration | tokens/s (median [p25–p75]) | step s (median [p25–p75]) | peak RSS / rank | fits the cap |",
         "|---|---|---|---|---|",
@@ -671,6 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per run (default 2)")
     p.add_argument("--grid", default=None, help=f"hand configurations, comma-separated, of {', '.join(n for n, *_ in HAND_GRID)} "
                    "(default: all whose micro-batch divides the sequences per rank)")
+    p.add_argument("--memory-margin", type=float, default=0.1,
+                   help="zerofx.memory_margin for the search: the share of the device budget held back for the memory model's "
+                        "error, from 0 up to 1 (default 0.1, the accuracy docs/predictions.md holds the peak to)")
     p.add_argument("--search-offload", action="store_true",
                    help="let the search offload the optimizer state to host memory; by default it is kept on the device, since on "
                         "a CPU-only machine host memory is in the RSS cap (NOTE [Host memory is in an RSS cap])")
@@ -707,6 +716,8 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
     unknown = set(opts.grid or ()) - {n for n, *_ in HAND_GRID}
     if unknown:
         p.error(f"unknown --grid entries {sorted(unknown)}; accepted: {', '.join(n for n, *_ in HAND_GRID)}")
+    if not 0 <= opts.memory_margin < 1:
+        p.error(f"--memory-margin {opts.memory_margin} is out of range; accepted: a share from 0 up to, not including, 1")
     if min(opts.rounds, opts.steps, opts.world_size) < 1 or opts.warmup < 0:
         p.error("--rounds, --steps and --world-size need integers >= 1, --warmup >= 0")
     opts.command = "python -m benchmarks.bench_capped " + shlex.join(argv)

@@ -185,33 +185,38 @@ def row_for(case: Case, predicted: dict[str, Any], measured: dict[str, Any]) -> 
             "step_within": abs(step_ratio - 1) <= STEP_TARGET, "peak_within": abs(peak_ratio - 1) <= PEAK_TARGET}
 
 
-def calibrate_profile(out: Path, log: Any, *, smoke: bool = False) -> Path:
-    """``zerofx calibrate --out OUT``; for the smoke run, fewer repeats and message sizes."""
+def calibrate_profile(out: Path, log: Any, *, world_size: int = 2, smoke: bool = False) -> Path:
+    """``zerofx calibrate --world-size N --out OUT``; for the smoke run, fewer repeats and message
+    sizes. Each world size gets its own profile: gloo's collectives among 4 ranks on 2 cores take
+    3 times the per-step latency of 2 ranks' (NOTE [One core's rates with more ranks than cores] in
+    zerofx/app/calibrate.py keeps the compute rates one core's either way)."""
     if smoke:
         from zerofx.app.calibrate import calibrate
 
-        calibrate(out, world_size=2, repeats=2, sizes=(2**12, 2**16, 2**20))
+        calibrate(out, world_size=world_size, repeats=2, sizes=(2**12, 2**16, 2**20))
         return out
     from zerofx.app.cli import main as zerofx_main
 
-    log(f"zerofx calibrate --out {out}")
+    log(f"zerofx calibrate --world-size {world_size} --out {out}")
     with contextlib.redirect_stdout(sys.stderr):
-        code = zerofx_main(["calibrate", "--out", str(out)])
+        code = zerofx_main(["calibrate", "--world-size", str(world_size), "--out", str(out)])
     if code != 0:
         raise RuntimeError(f"zerofx calibrate exited with {code}")
     return out
 
 
-def run(cases: Sequence[Case], profile: Path, *, warmup: int, steps: int, work_dir: Path, log: Any) -> list[dict[str, Any]]:
+def run(cases: Sequence[Case], profiles: dict[int, Path], *, warmup: int, steps: int, work_dir: Path, log: Any) -> list[dict[str, Any]]:
+    """Each case predicted with the profile calibrated at its world size, then measured."""
     rows = []
     for case in cases:
+        profile = profiles[case.world_size]
         config = case.config(str(profile))
         config_path = work_dir / (case.name.replace(" ", "_") + ".json")
         config_path.write_text(json.dumps(config, indent=1))
         start = time.perf_counter()
         predicted = predict(case, config_path, str(profile))
         measured = measure(case, config, warmup=warmup, steps=steps)
-        row = row_for(case, predicted, measured)
+        row = {**row_for(case, predicted, measured), "profile": str(profile)}
         rows.append(row)
         log(f"{case.name}: step predicted {predicted['step_s']:.3f} s, measured {measured['step_s']:.3f} s "
             f"(x{row['step_ratio']:.2f}); peak predicted {human_bytes(predicted['process_peak_bytes'])}, measured "
@@ -219,16 +224,21 @@ def run(cases: Sequence[Case], profile: Path, *, warmup: int, steps: int, work_d
     return rows
 
 
+def _profile_record(path: Path) -> dict[str, Any]:
+    prof = json.loads(path.read_text())
+    return {"path": str(path), "comm": prof["comm"], "device": prof["device"]}
+
+
 def render(result: dict[str, Any]) -> str:
     m = result["machine"]
-    prof = result["profile"]
     lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}, gloo on CPU, one thread per rank.",
-             f"Command: `{result['command']}`", "",
-             f"Profile `{prof['path']}`: {prof['device']['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s matmul, "
-             f"{prof['device']['memory_bytes_per_s'] / 1e9:.2f} GB/s memory per core, {prof['device'].get('cores')} cores, "
-             f"runtime baseline {human_bytes(prof['device'].get('runtime_bytes') or 0)} per rank; "
-             f"gloo ring step {prof['comm']['intra_alpha_s'] * 1e6:.0f} us, {prof['comm']['intra_bandwidth'] / 1e9:.2f} GB/s.",
-             f"{result['warmup']} warm-up steps, then {result['steps']} measured; "
+             f"Command: `{result['command']}`", ""]
+    for world_size, prof in sorted(result["profiles"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"Profile for {world_size} ranks `{prof['path']}`: {prof['device']['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s matmul, "
+                     f"{prof['device']['memory_bytes_per_s'] / 1e9:.2f} GB/s memory per core, {prof['device'].get('cores')} cores, "
+                     f"runtime baseline {human_bytes(prof['device'].get('runtime_bytes') or 0)} per rank; "
+                     f"gloo ring step {prof['comm']['intra_alpha_s'] * 1e6:.0f} us, {prof['comm']['intra_bandwidth'] / 1e9:.2f} GB/s.")
+    lines += [f"{result['warmup']} warm-up steps, then {result['steps']} measured; "
              + (f"MALLOC_MMAP_THRESHOLD_={result['malloc_mmap_threshold']}" if result.get("malloc_mmap_threshold") else "glibc malloc defaults")
              + f"; load average at the end {result['load_average'][0]:.1f}; targets: step within "
              f"{STEP_TARGET:.0%}, peak within {PEAK_TARGET:.0%}.", "",
@@ -251,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_predictions", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", type=Path, default=None,
-                   help="a profile from zerofx calibrate to reuse (default: run zerofx calibrate first, into the output folder)")
+                   help="a profile from zerofx calibrate to reuse for every configuration (default: run zerofx calibrate "
+                        "first at each configuration's world size, into the output folder as <out>_profile_w<N>.json)")
     p.add_argument("--only", default=None, help="comma-separated substrings: run only the configurations whose name holds one")
     p.add_argument("--warmup", type=int, default=None, help="steps run first and left out of the timing (default 2; 1 with --smoke)")
     p.add_argument("--steps", type=int, default=None, help="measured steps per configuration (default 5; 2 with --smoke)")
@@ -282,13 +293,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         out = args.out or (work / "predictions" if args.smoke else RESULTS / f"predictions_{time.strftime('%Y-%m-%d')}")
-        profile = args.profile or calibrate_profile(out.with_name(out.name + "_profile.json"), log, smoke=args.smoke)
-        rows = run(cases, profile, warmup=warmup, steps=steps, work_dir=work, log=log)
+        sizes = sorted({c.world_size for c in cases})
+        profiles = {n: args.profile or calibrate_profile(out.with_name(f"{out.name}_profile_w{n}.json"), log, world_size=n, smoke=args.smoke)
+                    for n in sizes}
+        rows = run(cases, profiles, warmup=warmup, steps=steps, work_dir=work, log=log)
         command = "python -m benchmarks.bench_predictions " + shlex.join(sys.argv[1:] if argv is None else list(argv))
-        prof = json.loads(profile.read_text())
         result = {"machine": machine(), "command": command.strip(), "load_average": os.getloadavg(), "warmup": warmup, "steps": steps,
                   "malloc_mmap_threshold": threshold or None,
-                  "profile": {"path": str(profile), "comm": prof["comm"], "device": prof["device"]}, "rows": rows}
+                  "profiles": {str(n): _profile_record(path) for n, path in profiles.items()}, "rows": rows}
         text = render(result)
         out.with_suffix(".md").write_text(text)
         out.with_suffix(".json").write_text(json.dumps(result, indent=1))

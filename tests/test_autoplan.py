@@ -77,6 +77,32 @@ def test_a_tighter_budget_picks_recompute() -> None:
     assert tighter.chosen is not None and tighter.chosen.recomputed > chosen.recomputed
 
 
+def test_a_memory_margin_keeps_the_choice_clear_of_the_budget() -> None:
+    """NOTE [The memory margin]: with ``zerofx.memory_margin`` the search fits the predicted peak
+    to the budget less the margin, so a budget the plain plan fits by 5% with a 10% margin needs
+    recompute; the result says so, and its config block carries the margin, so the plan it
+    describes fits the same figure when planned again."""
+    from zerofx.config.options import planned_budget_bytes
+
+    loose = _search(512, 1e9, RECOMPUTE)
+    assert loose.chosen is not None
+    budget = 1.05 * loose.chosen.peak_bytes
+    plain = _search(512, budget, RECOMPUTE)
+    assert plain.chosen is not None and plain.chosen.recomputed == 0 and plain.memory_margin == 0
+    own = {"memory_budget": budget, "memory_margin": 0.1}
+    model = build_model("tiny", device="meta")
+    ids = torch.zeros(1, 512, dtype=torch.long, device="meta")  # (B, T)
+    held = search(model, resize_inputs((ids,), {"labels": ids}), {"zerofx": own}, world_size=2, seq_len=512, batch=1,
+                  budget_bytes=planned_budget_bytes(own), space=RECOMPUTE)
+    chosen = held.chosen
+    assert chosen is not None and chosen.peak_bytes <= 0.9 * budget < loose.chosen.peak_bytes
+    assert chosen.candidate.recompute == "auto" and chosen.recomputed > 0
+    assert held.memory_margin == 0.1 and "less a 10% margin" in held.summary()
+    assert held.config is not None and held.config["zerofx"]["memory_margin"] == 0.1
+    again = parse_config(held.config, world_size=2)
+    assert again.schedule.memory_budget_bytes == pytest.approx(held.budget_bytes)
+
+
 def test_many_ranks_lower_one_or_two_shard_group_sizes_per_stage() -> None:
     """At 64 ranks on the H100 profile each stage has six shard group sizes. The search lowers
     them in the shard-group model's order up to the first that fits, so at most two per stage
@@ -219,10 +245,15 @@ def test_plan_auto_table_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--auto needs --budget" in capsys.readouterr().err
     assert main(["plan", "tiny", "--auto", "--world-size", "2", "--budget", "1GiB", "--solve", "seq_len"]) == 2
     assert "leave out --solve" in capsys.readouterr().err
-    assert main(["plan", "tiny", "--auto", "--world-size", "2", "--stage", "3", "--seq-len", "64", "--budget", "1GiB"]) == 0
+    assert main(["plan", "tiny", "--auto", "--world-size", "2", "--budget", "1GiB", "--margin", "1"]) == 2
+    assert "--margin: '1' is out of range; accepted: a share of --budget from 0 up to, not including, 1" in capsys.readouterr().err
+    assert main(["plan", "tiny", "--world-size", "2", "--margin", "0.1"]) == 2
+    assert "--margin 0.1 needs --budget" in capsys.readouterr().err
+    assert main(["plan", "tiny", "--auto", "--world-size", "2", "--stage", "3", "--seq-len", "64", "--budget", "1GiB", "--margin", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "kept as the config sets them: stage" in out and "chosen: stage 3" in out
     assert '"stage": 3' in out and "why not" in out
+    assert "budget 512 MiB (1 GiB less a 50% margin) per rank" in out and '"memory_margin": 0.5' in out
 
 
 def test_auto_needs_a_memory_budget() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.calibrate_workers import calibrate_two_nodes
+from tests.support.calibrate_workers import calibrate_two_nodes, windows_in_turns
 from tests.support.dist_utils import run_ranks
 from zerofx.app.calibrate import is_multi_node, node_groups
 from zerofx.cost_models.comm import (
@@ -206,3 +206,15 @@ def test_calibrate_measures_intra_and_inter_node_links_apart(tmp_path: Path) -> 
                                                       for b in (2**12, 2**16)}
     assert load_profile(str(out))[0] == spec
 
+
+
+@pytest.mark.multiprocess
+def test_calibration_times_compute_on_at_most_cores_ranks_at_once() -> None:
+    # NOTE [One core's rates with more ranks than cores]: 4 ranks on "2 cores" take 2 turns, so at
+    # most 2 measure at any instant, and every rank gets the element-wise smallest result.
+    results = run_ranks(4, windows_in_turns, 2)
+    windows = [r["window"] for r in results]
+    for start, _ in windows:
+        assert sum(s <= start < e for s, e in windows) <= 2
+    assert windows[0][1] <= windows[2][0] and windows[1][1] <= windows[3][0]  # ranks 0, 1 first; then 2, 3
+    assert all(r["combined"] == [0.0, -3.0] for r in results)

@@ -290,6 +290,28 @@ def test_bad_timeout_and_cache_size(zerofx: dict, message: str) -> None:
         parse_config({"zerofx": zerofx})
 
 
+@pytest.mark.parametrize(
+    "zerofx, message",
+    [
+        ({"memory_budget": "1GiB", "memory_margin": 1}, r"'zerofx.memory_margin' got 1; accepted: a number from 0 up to, not including, 1"),
+        ({"memory_budget": "1GiB", "memory_margin": -0.1}, r"'zerofx.memory_margin' got -0.1; accepted"),
+        ({"memory_budget": "1GiB", "memory_margin": True}, r"'zerofx.memory_margin' .*True"),
+        ({"memory_budget": "1GiB", "memory_margin": "10%"}, r"'zerofx.memory_margin' must be an integer or number, got '10%'"),
+        ({"memory_margin": 0.1}, r"'zerofx.memory_margin' is 0.1 but 'zerofx.memory_budget' is missing"),
+    ],
+)
+def test_bad_memory_margin(zerofx: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"zerofx": zerofx})
+
+
+def test_the_memory_margin_lowers_the_budget_the_planners_fit() -> None:
+    # NOTE [The memory margin]: the plan carries the budget less the margin; no margin, the budget.
+    assert parse_config({"zerofx": {"memory_budget": 1000}}).schedule.memory_budget_bytes == 1000
+    assert parse_config({"zerofx": {"memory_budget": 1000, "memory_margin": 0.1}}).schedule.memory_budget_bytes == pytest.approx(900)
+    assert parse_config({}).schedule.memory_budget_bytes is None
+
+
 def test_config_schema_lists_the_new_keys(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config-schema", "--format", "json"]) == 0
     rows = {row["key"]: row for row in json.loads(capsys.readouterr().out)}
@@ -445,6 +467,7 @@ MUST_AGREE: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "zerofx.world_size": (2, 4, BASE),
     "zerofx.prefetch_distance": (1, 2, BASE),
     "zerofx.memory_budget": ("80GiB", "40GiB", BASE),
+    "zerofx.memory_margin": (0, 0.1, BASE),
     "zerofx.auto": (False, True, BASE),
     "zerofx.recompute": (False, True, BASE),
     "zerofx.tiling.enabled": ("auto", True, BASE),

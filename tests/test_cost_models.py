@@ -195,6 +195,10 @@ def test_optimizer_update_time() -> None:
     assert memory_rate(dram, 10) == 2e9
     small, large = 2**16, 2**22  # 3 x 256 KiB fits the first point; 3 x 16 MiB does not
     assert estimate_optimizer_step_s([small, large], "AdamW", cached) == pytest.approx(80 * small / 40e9 + 80 * large / 2e9)
+    # A measured update prices every element pass alike, scaled by the optimizer's passes.
+    measured = dataclasses.replace(cached, update_s_per_element_pass=3e-10)
+    assert estimate_optimizer_step_s([small, large], "AdamW", measured) == pytest.approx(20 * (small + large) * 3e-10)
+    assert estimate_optimizer_step_s([1000], "SGD", measured) == pytest.approx(3 * 1000 * 3e-10)
     # The schedule counts it once per step, over the shards this rank owns, between backward and param_sync.
     program = meta_program(2, 2, **SMALL_BUCKETS)
     report = program.report(0, device=dram)

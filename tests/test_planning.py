@@ -125,6 +125,11 @@ def test_profiles_builtin_file_and_calibration(tmp_path: Path) -> None:
     assert measured_device.cores is not None and measured_device.cores >= 1 and measured_device.runtime_bytes > 100 * 2**20
     # A new tensor's pages cost something to fault in (NOTE [New tensors' pages]), from the size the process maps them at.
     assert measured_device.fresh_s_per_byte >= 0 and measured_device.fresh_min_bytes > 0
+    # The optimizer update timed (NOTE [The optimizer update's time]): torch's AdamW moves well
+    # under 1 TB/s on a CPU core, so a pass over an element takes more than 4e-12 s.
+    assert 4e-12 < measured_device.update_s_per_element_pass < 1e-6
+    # A collective after compute costs its launch, measured (NOTE [A collective between compute]).
+    assert 0 <= measured_comm.base_latency_s < 1
     sizes = [size for size, _ in measured_device.memory_curve]
     assert sizes == sorted(sizes) and len(sizes) >= 3 and measured_device.memory_curve[-1][1] == measured_device.memory_bytes_per_s
     assert load_profile(str(tmp_path / "measured.json"))[1] == measured_device  # the curve survives the file

@@ -34,9 +34,12 @@ def test_smoke_run_reports_every_configuration(tmp_path: Path) -> None:
     assert main(["--smoke", "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     assert [r["name"] for r in data["rows"]] == [c.name for c in SMOKE_CASES]
-    device = data["profile"]["device"]
-    assert device["runtime_bytes"] > 100 * 2**20 and device["cores"] >= 1  # calibrate measured the baseline
+    # One calibration per world size among the cases, each row predicted with its own.
+    assert set(data["profiles"]) == {str(c.world_size) for c in SMOKE_CASES}
     for row in data["rows"]:
+        device = data["profiles"][str(row["case"]["world_size"])]["device"]
+        assert row["profile"] == data["profiles"][str(row["case"]["world_size"])]["path"]
+        assert device["runtime_bytes"] > 100 * 2**20 and device["cores"] >= 1  # calibrate measured the baseline
         p, m = row["predicted"], row["measured"]
         assert p["step_s"] > 0 and p["command"].startswith("zerofx plan tiny --config ")
         assert p["process_peak_bytes"] == p["timeline_peak_bytes"] + device["runtime_bytes"]

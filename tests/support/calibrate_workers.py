@@ -19,3 +19,21 @@ def calibrate_two_nodes(rank: int, world_size: int, out: str, ranks_per_node: in
     result = calibrate_across_nodes(Path(out), repeats=1, sizes=(2**12, 2**16))
     data = json.loads(Path(out).read_text()) if rank == 0 else None
     return {"spec": None if result is None else result[0], "file": data}
+
+
+def windows_in_turns(rank: int, world_size: int, cores: int) -> dict[str, Any]:
+    """``in_turns`` with a measurement that records when it ran (wall clock) and returns the rank:
+    the window of this rank, and the combined result every rank gets."""
+    import time
+
+    from zerofx.app.calibrate import in_turns
+
+    window: list[float] = []
+
+    def local() -> list[float]:
+        window.append(time.time())
+        time.sleep(0.05)
+        window.append(time.time())
+        return [float(rank), -float(rank)]
+
+    return {"window": window, "combined": in_turns(local, cores)}

@@ -2,12 +2,13 @@
 profile the planner can load (``zerofx plan --profile FILE``).
 
 Each rank times all-gather, reduce-scatter, all-reduce and all-to-all at several message sizes
-(the fastest of a few repeats);
+(the median of a few repeats: NOTE [A collective's typical time]);
 the ranks agree on the slowest time of each (a max-reduce), so every rank plans from the same
 numbers: rank-local measurements make ranks plan differently and hang. The ring model's alpha
 (per-step latency) and bus bandwidth are fitted to all of them (NOTE [Fitting the comm model to a
 calibration] in cost_models/comm.py). A matrix product gives FLOP/s and a large copy memory
-bandwidth, each rank timing its own while every rank runs: one core's rates with every core busy.
+bandwidth (the fastest of a few repeats), each rank timing its own with every core busy but at
+most one rank per core (NOTE [One core's rates with more ranks than cores]): one core's rates.
 The profile also records the cores the ranks share (NOTE [Ranks sharing cores] in
 cost_models/compute.py) and the resident memory of an idle rank once it has imported the engine
 and joined the process group, the largest over ranks (NOTE [What a rank's resident memory holds]
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -48,16 +50,17 @@ LOCAL_RANKS_PER_NODE = 64
 Measurement = tuple[str, int, float, float]  # (collective, world size, total bytes, seconds)
 
 
-def _time(fn: Callable[[], Any], repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls, after a warm-up: what the call costs on this
-    machine, without the stalls other processes on the same cores add to some samples."""
+def _time(fn: Callable[[], Any], repeats: int, *, typical: bool = False) -> float:
+    """The fastest of ``repeats`` timed calls, after a warm-up: what a kernel costs on this
+    machine, without the stalls other processes on the same cores add to some samples; with
+    ``typical``, their median (NOTE [A collective's typical time])."""
     fn()  # warm up
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    return min(samples)
+    return statistics.median(samples) if typical else min(samples)
 
 
 def _collective(name: str, total_bytes: int, group: Any, device: torch.device) -> Callable[[], None]:
@@ -75,6 +78,14 @@ def _collective(name: str, total_bytes: int, group: Any, device: torch.device) -
     return lambda: dist.all_to_all_single(out, full, group=group)
 
 
+# NOTE [A collective's typical time]
+# A kernel on a rank's own core is timed by its fastest repeat: the slower ones are other
+# processes' stalls, which the kernels of a step on a core of its own do not meet. A collective is
+# not the rank's own: each ring step waits for a peer's process to be scheduled and its gloo
+# thread to run, and a training step meets that on every call. On this project's 2-core machine a
+# 4 KiB all-reduce between 2 ranks takes 0.13 ms at its fastest and 1.0 ms on average, and the
+# model fitted to the fastest repeats predicted stage-3 steps, which wait on a collective per
+# bucket, 10-20% short. So collectives are timed by the median of their repeats.
 def measure_collectives(group: Any = None, *, repeats: int = 5, sizes: Sequence[int] = SIZES,
                         device: torch.device | None = None) -> list[Measurement]:
     """Each collective at each size over ``group`` (every rank calls it), as the slowest rank saw it."""
@@ -85,10 +96,63 @@ def measure_collectives(group: Any = None, *, repeats: int = 5, sizes: Sequence[
         for nbytes in sizes:
             fn = _collective(name, nbytes, group, device)
             dist.barrier(group=group)
-            rows.append((name, n, float(nbytes), _time(fn, repeats)))
+            rows.append((name, n, float(nbytes), _time(fn, repeats, typical=True)))
     times = torch.tensor([t for *_, t in rows], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return [(c, w, b, t) for (c, w, b, _), t in zip(rows, times.tolist())]
+
+
+# NOTE [A collective between compute]
+# A training step issues each collective after a stretch of compute, not back to back: the ranks
+# reach it at different moments (their compute drifts apart, and where ranks fill the cores a
+# peer's process may be waiting for one), and the first to arrive waits for the last. On this
+# project's 2-core machine an all-reduce of 4 KiB issued after about 10 ms of matrix products
+# costs 0.3-1.3 ms more than the same all-reduce back to back between 2 ranks, and 1.5-4.5 ms
+# more between 4, which no message size explains: it is the collective's launch cost
+# (``CommSpec.base_latency_s``, NOTE [Ring collectives]) as a step meets it. ``zerofx calibrate``
+# measures it so: ``INTERLEAVED_ROUNDS`` rounds of ``INTERLEAVED_COMPUTE_S`` of matrix products
+# and a small all-reduce, less the rounds' compute alone and the all-reduce's typical time back to
+# back, the median of ``INTERLEAVED_REPEATS`` such differences, the slowest rank's, at least 0.
+INTERLEAVED_ROUNDS = 20
+INTERLEAVED_REPEATS = 5
+INTERLEAVED_COMPUTE_S = 0.01
+
+
+def measure_interleaved_overhead(group: Any = None, *, device: torch.device | None = None) -> float:
+    """Seconds a small all-reduce over ``group`` costs after a stretch of compute beyond its time
+    back to back (NOTE [A collective between compute]); every rank of ``group`` calls it."""
+    device = device or torch.device("cpu")
+    small = torch.ones(1024, device=device)
+    a = torch.randn(256, 256, device=device)
+    start = time.perf_counter()
+    a @ a
+    per_matmul = max(time.perf_counter() - start, 1e-6)
+    matmuls = max(1, round(INTERLEAVED_COMPUTE_S / per_matmul))
+
+    def compute() -> None:
+        for _ in range(matmuls):
+            a @ a
+
+    def rounds(with_collective: bool) -> float:
+        dist.barrier(group=group)
+        begin = time.perf_counter()
+        for _ in range(INTERLEAVED_ROUNDS):
+            compute()
+            if with_collective:
+                dist.all_reduce(small, group=group)
+        dist.barrier(group=group)
+        return (time.perf_counter() - begin) / INTERLEAVED_ROUNDS
+
+    # Compute alone and compute with the collective alternate, so a noisy second of the host
+    # falls on both; the median of the differences is kept.
+    extras = []
+    for _ in range(INTERLEAVED_REPEATS):
+        alone = rounds(False)
+        back_to_back = _time(lambda: dist.all_reduce(small, group=group), 9, typical=True)
+        extras.append(rounds(True) - alone - back_to_back)
+    extra = torch.tensor([statistics.median(extras)], dtype=torch.float64, device=device)
+    dist.all_reduce(extra, op=dist.ReduceOp.MAX, group=group)
+    return max(extra.item(), 0.0)
 
 
 # Bytes a copy moves (read + written) for the memory curve: from what stays in a core's caches
@@ -109,43 +173,97 @@ def measure_memory_curve(repeats: int, device: torch.device | None = None) -> li
     return curve
 
 
-def measure_compute(repeats: int, device: torch.device | None = None) -> tuple[float, float, list[tuple[float, float]]]:
-    """(matmul FLOP/s, memory bytes/s, memory curve) of one rank, the slowest rank's of each."""
-    device = device or torch.device("cpu")
-    a = torch.randn(512, 512, device=device)
-    flops = 2 * 512**3 / _time(lambda: a @ a, repeats)
-    curve = measure_memory_curve(repeats, device)
-    worst = torch.tensor([-flops] + [-rate for _, rate in curve], dtype=torch.float64)
+# NOTE [One core's rates with more ranks than cores]
+# The profile's compute rates are one core's, with every core busy (NOTE [Ranks sharing cores] in
+# cost_models/compute.py divides them among the ranks that share the cores). Calibrating with more
+# local ranks than cores (``--world-size 4`` on 2 cores, to measure gloo as a 4-rank job runs it)
+# must not time the compute with every rank busy: the OS then time-slices the kernels, a 1.7 ms
+# matmul fits in one slice and times at a core's rate while a 64 MiB copy spans slices and times
+# at half of it, and the planner would divide the shared rates by the ranks a second time. So
+# ranks take turns: at most ``cores`` of them time their kernels at once, the others wait at a
+# barrier, and the slowest of every turn is kept.
+def in_turns(measure_local: Callable[[], list[float]], cores: int, device: torch.device | None = None) -> list[float]:
+    """``measure_local`` run by at most ``cores`` ranks at a time (NOTE [One core's rates with more
+    ranks than cores]); every rank returns the element-wise smallest of all ranks' results."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine: list[float] | None = None
+    for turn in range(-(-world // max(cores, 1))):
+        if rank // max(cores, 1) == turn:
+            mine = measure_local()
+        dist.barrier()
+    assert mine is not None
+    worst = torch.tensor([-v for v in mine], dtype=torch.float64, device=device or torch.device("cpu"))
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    rates = (-worst).tolist()
-    curve = [(size, rate) for (size, _), rate in zip(curve, rates[1:])]
+    return (-worst).tolist()
+
+
+def measure_compute(repeats: int, device: torch.device | None = None, *, cores: int | None = None) -> tuple[float, float, list[tuple[float, float]]]:
+    """(matmul FLOP/s, memory bytes/s, memory curve) of one rank, the slowest rank's of each,
+    timed by at most ``cores`` ranks at once (None: every rank at once; NOTE [One core's rates
+    with more ranks than cores])."""
+    device = device or torch.device("cpu")
+
+    def local() -> list[float]:
+        a = torch.randn(512, 512, device=device)
+        flops = 2 * 512**3 / _time(lambda: a @ a, repeats)
+        return [flops] + [rate for _, rate in measure_memory_curve(repeats, device)]
+
+    rates = in_turns(local, cores or dist.get_world_size(), device)
+    curve = [(float(size), rate) for size, rate in zip(COPY_SIZES, rates[1:])]
     return rates[0], curve[-1][1], curve
 
 
 def measure(rank: int, world_size: int, repeats: int = 5) -> list[float]:
     """[alpha_s, bandwidth, matmul_flops_per_s, memory_bytes_per_s], the same on every rank."""
     alpha, bandwidth = fit_link(measure_collectives(repeats=repeats))
-    flops, mem, _ = measure_compute(repeats)
+    flops, mem, _ = measure_compute(repeats, cores=host_cores())
     return [alpha, bandwidth, flops, mem]
+
+
+# The tensors ``measure_update`` steps: 32 of 256K elements, 8M in all, the size of a 25M-parameter
+# model's shard on 3 ranks and of its larger weights' shards.
+UPDATE_TENSORS, UPDATE_NUMEL = 32, 2**18
+
+
+def measure_update(repeats: int, device: torch.device | None = None, *, cores: int | None = None) -> float:
+    """Seconds per element and per pass of torch's default AdamW step (NOTE [The optimizer
+    update's time]), the slowest rank's, timed by at most ``cores`` ranks at once."""
+    from zerofx.cost_models.compute import OPTIMIZER_PASSES
+
+    device = device or torch.device("cpu")
+
+    def local() -> list[float]:
+        params = [torch.zeros(UPDATE_NUMEL, device=device, requires_grad=True) for _ in range(UPDATE_TENSORS)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        seconds = _time(optimizer.step, repeats)
+        return [-seconds / (UPDATE_TENSORS * UPDATE_NUMEL * OPTIMIZER_PASSES["AdamW"])]  # negated: keep the slowest
+
+    return -in_turns(local, cores or dist.get_world_size(), device)[0]
 
 
 # The size of the tensor ``measure_fresh_pages`` allocates (NOTE [New tensors' pages]).
 FRESH_PROBE_BYTES = 8 * 2**20
 
 
-def measure_fresh_pages(repeats: int, device: torch.device | None = None) -> tuple[float, float]:
+def measure_fresh_pages(repeats: int, device: torch.device | None = None, *, cores: int | None = None) -> tuple[float, float]:
     """(extra seconds per byte of a new tensor's first write, the smallest size that pays it):
-    an 8 MiB tensor allocated and filled against the same fill of one kept, the slowest rank's
-    (NOTE [New tensors' pages]). On a GPU the caching allocator maps nothing per tensor: (0, 0)."""
+    an 8 MiB tensor allocated and filled against the same fill of one kept, the slowest rank's,
+    timed by at most ``cores`` ranks at once (NOTE [New tensors' pages], NOTE [One core's rates
+    with more ranks than cores]). On a GPU the caching allocator maps nothing per tensor: (0, 0)."""
     if device is not None and device.type != "cpu":
         return 0.0, 0.0
     numel = FRESH_PROBE_BYTES // 4
-    kept = torch.empty(numel)
-    extra = max(_time(lambda: torch.empty(numel).fill_(1.0), repeats) - _time(lambda: kept.fill_(1.0), repeats), 0.0) / FRESH_PROBE_BYTES
-    worst = torch.tensor([extra], dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+
+    def local() -> list[float]:
+        kept = torch.empty(numel)
+        extra = _time(lambda: torch.empty(numel).fill_(1.0), repeats) - _time(lambda: kept.fill_(1.0), repeats)
+        return [-max(extra, 0.0) / FRESH_PROBE_BYTES]  # negated: in_turns keeps the smallest, this wants the largest
+
+    worst = -in_turns(local, cores or dist.get_world_size())[0]
     threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
-    return worst.item(), float(int(threshold)) if threshold.isdigit() else float(FRESH_PROBE_BYTES)
+    return worst, float(int(threshold)) if threshold.isdigit() else float(FRESH_PROBE_BYTES)
 
 
 def runtime_rss_bytes(device: torch.device | None = None) -> float:
@@ -179,13 +297,15 @@ def _worker(rank: int, world_size: int, port: int, out: str, repeats: int, sizes
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     runtime = runtime_rss_bytes()  # before any measurement allocates
     rows = measure_collectives(repeats=repeats, sizes=sizes) if world_size > 1 else []
-    flops, mem, curve = measure_compute(repeats)
-    fresh_s, fresh_min = measure_fresh_pages(repeats)
+    launch_s = measure_interleaved_overhead() if world_size > 1 else 0.0
+    flops, mem, curve = measure_compute(repeats, cores=host_cores())
+    fresh_s, fresh_min = measure_fresh_pages(repeats, cores=host_cores())
+    update_s = measure_update(repeats, cores=host_cores())
     if rank == 0:
         alpha, bandwidth = fit_link(rows) if rows else (0.0, float("inf"))
-        comm = CommSpec("calibrated-gloo", alpha, bandwidth, alpha, bandwidth, ranks_per_node=LOCAL_RANKS_PER_NODE)
+        comm = CommSpec("calibrated-gloo", alpha, bandwidth, alpha, bandwidth, ranks_per_node=LOCAL_RANKS_PER_NODE, base_latency_s=launch_s)
         device = DeviceSpec("calibrated-cpu-core", flops, mem, memory_curve=tuple(curve), cores=host_cores(), runtime_bytes=runtime,
-                            fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min)
+                            fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min, update_s_per_element_pass=update_s)
         _write(Path(out), comm, device, {"intra": rows})
     dist.destroy_process_group()
 
@@ -245,14 +365,20 @@ def calibrate_across_nodes(out: Path, repeats: int = 5, sizes: Sequence[int] = S
         times = torch.tensor([t for *_, t in rows] or [0.0], dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         merged.append([(c, n, b, t) for (c, n, b, _), t in zip(rows, times.tolist())])
-    flops, mem, curve = measure_compute(repeats, device)
-    fresh_s, fresh_min = measure_fresh_pages(repeats, device)
+    cores = host_cores() if device.type == "cpu" else None  # a GPU rank times its own device
+    flops, mem, curve = measure_compute(repeats, device, cores=cores)
+    fresh_s, fresh_min = measure_fresh_pages(repeats, device, cores=cores)
+    update_s = measure_update(repeats, device, cores=cores)
     intra_alpha, intra_bw = fit_link(merged[0]) if merged[0] else fit_link(merged[1])
     inter_alpha, inter_bw = fit_link(merged[1])
-    comm = CommSpec(f"calibrated-{dist.get_backend()}", intra_alpha, intra_bw, inter_alpha, inter_bw, ranks_per_node=per_node)
+    # A GPU's kernels run asynchronously to the host, so the host cannot time a collective after
+    # compute this way; NCCL's launch cost is left to the fit (NOTE [A collective between compute]).
+    launch_s = measure_interleaved_overhead(device=device) if device.type == "cpu" else 0.0
+    comm = CommSpec(f"calibrated-{dist.get_backend()}", intra_alpha, intra_bw, inter_alpha, inter_bw, ranks_per_node=per_node,
+                    base_latency_s=launch_s)
     # CPU ranks share the node's cores; a GPU rank has its device (NOTE [Ranks sharing cores]).
     spec = DeviceSpec(f"calibrated-{device.type}", flops, mem, memory_curve=tuple(curve), cores=host_cores() if device.type == "cpu" else None,
-                      runtime_bytes=runtime, fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min)
+                      runtime_bytes=runtime, fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min, update_s_per_element_pass=update_s)
     if rank == 0:
         _write(Path(out), comm, spec, {"intra": merged[0], "inter": merged[1]})
     return (comm, spec) if rank == 0 else None

@@ -188,8 +188,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_auto(args)
     budget = parse_bytes(args.budget) if args.budget is not None else None
     user_config = args.config
+    if args.margin is not None and budget is None:
+        raise UsageError(f"--margin {args.margin} needs --budget: it is the share of the budget held back for the memory model's error")
     if budget is not None:  # the planner fits the prefetch distance to it (zerofx.memory_budget)
-        args.config = _with_memory_budget(args.config, budget)
+        args.config = _with_memory_budget(args.config, budget, args.margin)
+        budget = _planned_budget(args.config)  # the verdict, --solve and folding fit what the planner fits
     if args.profile != DEFAULT_PROFILE:  # the plan's buckets and prefetch are sized for it (zerofx.profile)
         args.config = _with_zerofx_key(args.config, "profile", args.profile)
     if args.solve is not None and budget is None:
@@ -222,6 +225,7 @@ def _plan_auto(args: argparse.Namespace) -> int:
     """``zerofx plan MODEL --auto --budget B``: the search over the whole job's configuration
     (``zerofx.compiler.autoplan``), formatted."""
     from zerofx.config import load_config
+    from zerofx.config.options import planned_budget_bytes
 
     raw = dict(load_config(args.config)) if args.config is not None else {}
     in_config = raw.get("zerofx", {}).get("memory_budget")
@@ -230,8 +234,11 @@ def _plan_auto(args: argparse.Namespace) -> int:
                          "keeps the candidates whose predicted peak fits it (or zerofx.memory_budget in --config)")
     if args.solve is not None or args.plot is not None:
         raise UsageError("--auto searches configurations and draws nothing: leave out --solve and --plot")
-    budget = parse_bytes(args.budget if args.budget is not None else in_config)
-    own = {**raw.get("zerofx", {}), "auto": True, "memory_budget": int(budget) if float(budget).is_integer() else budget}
+    given = parse_bytes(args.budget if args.budget is not None else in_config)
+    own = {**raw.get("zerofx", {}), "auto": True, "memory_budget": int(given) if float(given).is_integer() else given}
+    if args.margin is not None:
+        own["memory_margin"] = args.margin
+    budget = planned_budget_bytes(own)  # NOTE [The memory margin]
     if args.profile != DEFAULT_PROFILE:
         own["profile"] = args.profile
     raw["zerofx"] = own
@@ -276,7 +283,7 @@ def format_auto_plan(result: Any, *, label: str) -> str:
 
     kept = f"; kept as the config sets them: {', '.join(result.fixed)}" if result.fixed else ""
     lines = [f"zerofx plan {label} --auto: world size {result.world_size}, seq_len {result.seq_len}, global batch "
-             f"{result.global_batch} sequences per step, budget {format_bytes(result.budget_bytes)} per rank, profile {result.profile}",
+             f"{result.global_batch} sequences per step, budget {result.budget_text()} per rank, profile {result.profile}",
              f"searched {len(result.ranked)} candidates ({result.num_lowered} planned and lowered, {result.num_captures} "
              f"capture{'' if result.num_captures == 1 else 's'}) "
              f"in {result.search_s:.1f} s{kept}"]
@@ -287,7 +294,7 @@ def format_auto_plan(result: Any, *, label: str) -> str:
         lines.append(f"chosen: {chosen.label()}: predicted step {chosen.step_s * 1e3:.3g} ms, {chosen.tokens_per_s:,.0f} "
                      f"tokens/s, peak {format_bytes(chosen.peak_bytes)} per rank (model state {format_bytes(chosen.model_state_bytes)})")
     else:
-        lines.append(f"nothing fits {format_bytes(result.budget_bytes)} per rank. To fit, it would take:")
+        lines.append(f"nothing fits {result.budget_text()} per rank. To fit, it would take:")
         lines += [f"  - {x}" for x in result.to_fit]
     rows = []
     for i, e in enumerate(result.ranked[:AUTO_ROWS + 1]):
@@ -318,8 +325,11 @@ def _plan_sweep(args: argparse.Namespace) -> int:
         raise UsageError("--sweep plans its own world sizes and folds nothing: leave out --world-size, --solve and --fold on")
     check_stage(args.stage)
     budget = parse_bytes(args.budget) if args.budget is not None else None
+    if args.margin is not None and budget is None:
+        raise UsageError(f"--margin {args.margin} needs --budget: it is the share of the budget held back for the memory model's error")
     if budget is not None:
-        args.config = _with_memory_budget(args.config, budget)
+        args.config = _with_memory_budget(args.config, budget, args.margin)
+        budget = _planned_budget(args.config)
     if args.plot is not None:
         _check_output_file("--plot", args.plot)
     from zerofx.app.planning import running_model_code
@@ -440,11 +450,20 @@ def _with_zerofx_key(config: Path | Mapping[str, Any] | None, key: str, value: A
     return raw
 
 
-def _with_memory_budget(config: Path | Mapping[str, Any] | None, budget_bytes: float) -> dict[str, Any]:
+def _planned_budget(config: Mapping[str, Any]) -> float:
+    """The budget the planners fit: ``zerofx.memory_budget`` less ``zerofx.memory_margin`` (NOTE [The memory margin])."""
+    from zerofx.config.options import planned_budget_bytes
+
+    budget = planned_budget_bytes(config.get("zerofx", {}))
+    assert budget is not None
+    return budget
+
+
+def _with_memory_budget(config: Path | Mapping[str, Any] | None, budget_bytes: float, margin: float | None = None) -> dict[str, Any]:
     from zerofx.config import load_config
 
     raw = dict(load_config(config)) if config is not None else {}
-    raw["zerofx"] = {**raw.get("zerofx", {}), "memory_budget": budget_bytes}
+    raw["zerofx"] = {**raw.get("zerofx", {}), "memory_budget": budget_bytes, **({"memory_margin": margin} if margin is not None else {})}
     return raw
 
 
@@ -625,9 +644,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               f"across nodes {comm.inter_alpha_s * 1e6:.1f} us, {comm.inter_bandwidth / 1e9:.3g} GB/s ({comm.ranks_per_node} ranks per node)")
         return 0
     comm, device = calibrate(args.out, world_size=args.world_size, repeats=args.repeats)
+    from zerofx.cost_models.compute import OPTIMIZER_PASSES
+
     print(f"wrote {args.out}: all-gather latency {comm.intra_alpha_s * 1e6:.0f} us per ring step, bus bandwidth "
-          f"{comm.intra_bandwidth / 1e9:.3g} GB/s; matmul {device.matmul_flops_per_s / 1e9:.3g} GFLOP/s, "
-          f"memory {device.memory_bytes_per_s / 1e9:.3g} GB/s per rank")
+          f"{comm.intra_bandwidth / 1e9:.3g} GB/s, {comm.base_latency_s * 1e3:.2f} ms more per collective after compute; "
+          f"matmul {device.matmul_flops_per_s / 1e9:.3g} GFLOP/s, memory {device.memory_bytes_per_s / 1e9:.3g} GB/s, "
+          f"optimizer update {device.update_s_per_element_pass * OPTIMIZER_PASSES['AdamW'] * 1e9:.2f} ns per AdamW element per rank")
     return 0
 
 
@@ -727,6 +749,17 @@ def _bytes_arg(text: str) -> float:
     return value
 
 
+def _margin_arg(text: str) -> float:
+    """An argparse ``type=`` for --margin: a share of the budget, 0 <= margin < 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; accepted: a share of --budget from 0 up to, not including, 1, e.g. 0.1") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range; accepted: a share of --budget from 0 up to, not including, 1, e.g. 0.1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     sizes = ", ".join(MODEL_SIZES)
     parser = _Parser(prog="zerofx", description="ZeRO-style sharded training as torch.fx compiler passes.")
@@ -751,6 +784,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
     p.add_argument("--budget", type=_bytes_arg,
                    help="memory per rank to fit in, e.g. 80GiB (units B, KB..TB, KiB..TiB): adds a fits / doesn't-fit verdict")
+    p.add_argument("--margin", type=_margin_arg, default=None,
+                   help="share of --budget held back for the memory model's error, from 0 up to 1 (zerofx.memory_margin; "
+                        "default 0): the planner, recompute \"auto\" and --auto fit the predicted peak to the budget times (1 - margin)")
     p.add_argument("--solve", choices=("seq_len", "batch_size"),
                    help="answer the longest sequence (at the example's batch size) or the largest batch (at its "
                         "sequence length) that fits --budget, from the memory model symbolic in both; with "

@@ -164,6 +164,14 @@ class AutoPlan:
     search_s: float
     num_captures: int
     num_lowered: int
+    memory_margin: float = 0.0  # the share of the config's budget held back (NOTE [The memory margin] in zerofx/config/options.py)
+
+    def budget_text(self) -> str:
+        """The budget the search fits, with the config's budget and margin where a margin is held back."""
+        if not self.memory_margin:
+            return format_bytes(self.budget_bytes)
+        return (f"{format_bytes(self.budget_bytes)} ({format_bytes(self.budget_bytes / (1 - self.memory_margin))} less a "
+                f"{self.memory_margin:.0%} margin)")
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -173,11 +181,11 @@ class AutoPlan:
     def summary(self) -> str:
         """One line naming the choice, as the engine prints it at initialize."""
         if self.chosen is None:
-            return (f"zerofx auto: nothing fits {format_bytes(self.budget_bytes)} per rank among {len(self.ranked)} candidates; "
+            return (f"zerofx auto: nothing fits {self.budget_text()} per rank among {len(self.ranked)} candidates; "
                     + "; ".join(self.to_fit))
         c = self.chosen
         return (f"zerofx auto: chose {c.label()} (predicted {c.tokens_per_s:,.0f} tokens/s, step {c.step_s * 1e3:.3g} ms, "
-                f"peak {format_bytes(c.peak_bytes)} per rank of {format_bytes(self.budget_bytes)}; {len(self.ranked)} candidates, "
+                f"peak {format_bytes(c.peak_bytes)} per rank of {self.budget_text()}; {len(self.ranked)} candidates, "
                 f"{_count(self.num_captures, 'capture')}, {self.search_s:.1f} s)")
 
 
@@ -512,7 +520,7 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
     return AutoPlan(chosen=chosen, ranked=ranked, not_candidates=tuple(not_candidates), to_fit=to_fit, config=config,
                     budget_bytes=budget_bytes, world_size=world_size, seq_len=seq_len, global_batch=global_batch, profile=s.profile,
                     fixed=tuple(sorted(fixed)), search_s=time.perf_counter() - start, num_captures=s.num_captures,
-                    num_lowered=s.num_lowered)
+                    num_lowered=s.num_lowered, memory_margin=float(base_config.get("zerofx", {}).get("memory_margin", 0)))
 
 
 def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_group: int, results: list[Evaluated]) -> str | None:

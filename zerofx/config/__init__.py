@@ -396,6 +396,10 @@ def parse_config(
         raise ConfigError("config key 'zerofx.auto' is true but 'zerofx.memory_budget' is missing: the search keeps the configurations "
                           "whose peak fits the budget; accepted: zerofx.memory_budget as bytes or a size such as \"80GiB\" "
                           "(or leave out zerofx.auto)")
+    if "memory_margin" in own and "memory_budget" not in own:
+        raise ConfigError(f"config key 'zerofx.memory_margin' is {own['memory_margin']!r} but 'zerofx.memory_budget' is missing: the "
+                          "margin is a share of the budget; accepted: zerofx.memory_budget as bytes or a size such as \"80GiB\" "
+                          "(or leave out zerofx.memory_margin)")
     if own.get("recompute") == "auto" and "memory_budget" not in own:
         raise ConfigError("config key 'zerofx.recompute' is \"auto\" but 'zerofx.memory_budget' is missing: \"auto\" recomputes "
                           "the fewest activations that make the step fit the budget; accepted: zerofx.memory_budget as bytes or a "

@@ -200,6 +200,22 @@ def tiling_options(section: Mapping[str, Any] | None) -> TilingOptions:
     )
 
 
+# NOTE [The memory margin]
+# The memory model predicts a rank's peak to within about 10% (docs/predictions.md), not exactly,
+# and every planner that fits a budget (``fit_prefetch``, recompute "auto", auto tiling, the
+# whole-job search) lands at its edge by construction: it keeps the fastest plan that fits. A
+# plan predicted 2 MiB under a hard cap then passes it by the model's error.
+# ``zerofx.memory_margin`` holds a share of the budget back: the planners fit the predicted peak
+# to ``memory_budget * (1 - memory_margin)``, the budget the plan carries
+# (``ScheduleOptions.memory_budget_bytes``), so a config planned again fits the same figure.
+def planned_budget_bytes(own: Mapping[str, Any]) -> float | None:
+    """The budget the planners fit the peak to: ``zerofx.memory_budget`` less ``zerofx.memory_margin``
+    of it (NOTE [The memory margin]); None without a budget."""
+    if "memory_budget" not in own:
+        return None
+    return parse_bytes(own["memory_budget"]) * (1 - float(own.get("memory_margin", 0)))
+
+
 def schedule_options(zero: Mapping[str, Any], own: Mapping[str, Any]) -> ScheduleOptions:
     """The communication-schedule limits of the ``zero_optimization`` section (DeepSpeed's keys,
     in elements) and the ``zerofx`` section (``prefetch_distance``, ``memory_budget``)."""
@@ -215,7 +231,7 @@ def schedule_options(zero: Mapping[str, Any], own: Mapping[str, Any]) -> Schedul
         max_live_numel=float(zero.get("stage3_max_live_parameters", default.max_live_numel)),
         persistence_threshold=int(zero.get("stage3_param_persistence_threshold", default.persistence_threshold)),
         overlap=zero.get("overlap_comm", default.overlap),
-        memory_budget_bytes=parse_bytes(own["memory_budget"]) if "memory_budget" in own else None,
+        memory_budget_bytes=planned_budget_bytes(own),
         recompute=RecomputeMode.from_config(own.get("recompute", False)).value,
     )
 

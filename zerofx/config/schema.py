@@ -231,6 +231,9 @@ SCHEMA: dict[str, Key] = {
         "prefetch_distance": Key((int,), "stage-3 all-gather buckets issued ahead of use", _nonneg_int, "an integer >= 0"),
         "memory_budget": Key((int, float, str), "memory per rank the step's peak must fit (the planner lowers the prefetch "
                              "distance to fit it)", _size, "bytes > 0, as a number or a size like '80GiB'"),
+        "memory_margin": Key((int, float), "the share of zerofx.memory_budget held back for the memory model's error: the "
+                             "planner, recompute \"auto\" and the search fit the predicted peak to the budget times (1 - margin) "
+                             "(default 0; docs/autoplan.md)", lambda v: not isinstance(v, bool) and 0 <= v < 1, "a number from 0 up to, not including, 1"),
         "auto": Key((bool,), "search the stage, shard group size, optimizer offload and tiling for the most predicted tokens/s "
                     "whose peak fits zerofx.memory_budget (required with it), at initialize; keys the config sets itself are kept "
                     "(docs/autoplan.md)"),
