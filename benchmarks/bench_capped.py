@@ -100,6 +100,11 @@ class RunConfig:
     def describe(self) -> str:
         return self.label or self.name
 
+    @property
+    def sequence_parallel(self) -> int:
+        """The ranks that share each sequence (``zerofx.sequence_parallel.size``; 1 without)."""
+        return int(self.zerofx.get("zerofx", {}).get("sequence_parallel", {}).get("size", 1))
+
 
 # The hand grid: (name, stage, micro-batch per rank, extra config). Each runs at the global batch,
 # with accumulation making up the rest.
@@ -188,9 +193,14 @@ def _baseline_rank(rank: int, world_size: int, port: int, args: dict[str, Any], 
         dist.destroy_process_group()
 
 
-def batch_ids(args: dict[str, Any], rank: int, step: int) -> torch.Tensor:
-    """This rank's sequences of optimizer step ``step``: (per_rank, seq_len), the same for every
-    configuration: seeded random bases."""
+def batch_ids(args: dict[str, Any], rank: int, step: int, sequence_parallel: int = 1) -> torch.Tensor:
+    """This rank's sequences of optimizer step ``step``, seeded random bases: (per_rank, seq_len),
+    the same for every configuration. With sequence parallelism over S ranks the ranks of a
+    sequence group pass the same whole batch, the S per-rank batches of its ranks joined: every
+    configuration trains on the same sequences."""
+    if sequence_parallel > 1:
+        first = rank // sequence_parallel * sequence_parallel
+        return torch.cat([batch_ids(args, r, step) for r in range(first, first + sequence_parallel)])  # (S * per_rank, T)
     per_rank = args["global_batch"] // args["world_size"]
     g = torch.Generator().manual_seed(args["seed"] * 1_000_003 + step * 1009 + rank)
     return torch.randint(0, 5, (per_rank, args["seq_len"]), generator=g)
@@ -237,7 +247,7 @@ class _ZeroFXRunner:
 def zerofx_config(run: RunConfig, world_size: int) -> dict[str, Any]:
     base = {"optimizer": {"type": "AdamW", "params": {"lr": LR}}, "steps_per_print": 1 << 30}
     batch = {"train_micro_batch_size_per_gpu": run.micro_batch, "gradient_accumulation_steps": run.accumulation,
-             "train_batch_size": run.micro_batch * run.accumulation * world_size}
+             "train_batch_size": run.micro_batch * run.accumulation * (world_size // run.sequence_parallel)}
     return _merged(_merged(base, run.zerofx), batch)
 
 
@@ -263,7 +273,7 @@ def _train_rank(rank: int, world_size: int, port: int, args: dict[str, Any], que
         rss_before = current_rss_bytes()
         steps = []
         for i in range(args["warmup"] + args["steps"]):
-            ids = batch_ids(args, rank, i)
+            ids = batch_ids(args, rank, i, run.sequence_parallel)
             micro = list(ids.split(run.micro_batch))
             assert len(micro) == run.accumulation
             dist.barrier()

@@ -9,7 +9,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks.bench_capped import HAND_GRID, TARGET_VS_FSDP2, TARGET_VS_HAND, hand_grid, main, markdown, targets
+import torch
+
+from benchmarks.bench_capped import (HAND_GRID, TARGET_VS_FSDP2, TARGET_VS_HAND, RunConfig, batch_ids, hand_grid, main, markdown, targets,
+                                     zerofx_config)
 
 
 def _row(name: str, system: str, rounds: list[float], *, fits: bool = True) -> dict[str, Any]:
@@ -48,6 +51,19 @@ def test_the_hand_grid_keeps_the_global_batch() -> None:
     assert [r.name for r in hand_grid(1)] == [n for n, _, micro, _ in HAND_GRID if micro == 1]
 
 
+def test_a_sequence_parallel_run_trains_on_the_same_sequences() -> None:
+    # auto may choose sequence parallelism over every rank: one data-parallel group passes the
+    # global batch whole, the ranks' own batches joined, and its batch keys count groups, not ranks.
+    args = {"global_batch": 4, "world_size": 2, "seq_len": 8, "seed": 0}
+    sp = RunConfig("auto", "zerofx", 1, 4, {"zerofx": {"sequence_parallel": {"size": 2}}})
+    assert sp.sequence_parallel == 2 and RunConfig("z", "zerofx", 1, 2).sequence_parallel == 1
+    assert zerofx_config(sp, 2)["train_batch_size"] == 4
+    assert zerofx_config(RunConfig("z", "zerofx", 1, 2), 2)["train_batch_size"] == 4
+    joined = batch_ids(args, 1, 0, 2)
+    assert torch.equal(joined, batch_ids(args, 0, 0, 2))  # the same on both ranks of the group
+    assert torch.equal(joined, torch.cat([batch_ids(args, 0, 0), batch_ids(args, 1, 0)]))  # the 2-rank runs' sequences
+
+
 def test_smoke_run_writes_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "262144")  # main sets it for its ranks; restored after the test
     out = tmp_path / "capped"
@@ -62,10 +78,15 @@ def test_smoke_run_writes_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyP
     baseline = result["baseline"]["peak_rss_bytes"]
     assert 50 * 2**20 < baseline < result["options"]["cap_bytes"]
     assert result["budget_bytes"] == result["options"]["cap_bytes"] - baseline
-    assert result["search"]["result"]["budget_bytes"] == result["budget_bytes"]
+    # ... less the margin it holds back for the memory model's error (NOTE [The memory margin]).
+    margin = result["options"]["memory_margin"]
+    assert margin == 0.1 and result["search"]["base_config"]["zerofx"]["memory_margin"] == margin
+    assert result["search"]["result"]["budget_bytes"] == pytest.approx(result["budget_bytes"] * (1 - margin))
+    assert result["search"]["result"]["memory_margin"] == margin
     assert result["search"]["base_config"]["zerofx"]["recompute"] == "auto"
     for r in rows.values():  # every configuration trained the same global batch, and fits the 2 GiB smoke cap
-        assert r["micro_batch"] * r["accumulation"] * result["options"]["world_size"] == result["options"]["global_batch"]
+        sp = (r.get("config") or {}).get("zerofx", {}).get("sequence_parallel", {}).get("size", 1)  # a sequence group shares its batch
+        assert r["micro_batch"] * r["accumulation"] * result["options"]["world_size"] // sp == result["options"]["global_batch"]
         assert r["fits"], r.get("failed")
         assert 0 < r["peak_rss_bytes"] <= result["options"]["cap_bytes"]
         assert r["tokens_per_s"] > 0
