@@ -83,7 +83,7 @@ def _collective(name: str, total_bytes: int, group: Any, device: torch.device) -
 # processes' stalls, which the kernels of a step on a core of its own do not meet. A collective is
 # not the rank's own: each ring step waits for a peer's process to be scheduled and its gloo
 # thread to run, and a training step meets that on every call. On this project's 2-core machine a
-# 4 KiB all-reduce between 2 ranks takes 0.13 ms at its fastest and 1.0 ms on average, and the
+# small all-reduce between 2 ranks takes 0.12-0.2 ms at its fastest and 1.0 ms on average, and the
 # model fitted to the fastest repeats predicted stage-3 steps, which wait on a collective per
 # bucket, 10-20% short. So collectives are timed by the median of their repeats.
 def measure_collectives(group: Any = None, *, repeats: int = 5, sizes: Sequence[int] = SIZES,
