@@ -155,9 +155,12 @@ def paper_breakdown(num_params: float, *, stage: int, world_size: int, offload: 
 # The memory timeline counts the tensors of the step: model state, gathered parameters,
 # activations, gradients and collective buffers. A rank's process holds more than those: the
 # interpreter, torch's and zerofx's code and their import-time objects, the process group's
-# buffers and threads. That baseline does not depend on the model, so ``zerofx calibrate``
-# measures it once, as the resident set of an idle rank after its imports and process-group
-# start-up, and writes it into the profile (``DeviceSpec.runtime_bytes``). Where a rank's memory
+# buffers and threads, and what capturing a step imports and keeps (AOTAutograd, the
+# partitioner, their caches: 24 MiB on this project's machine, which a rank that loads its graphs
+# from the plan cache does not hold). That baseline does not depend on the model, so ``zerofx
+# calibrate`` measures it once, as the resident set of an idle rank after its imports,
+# process-group start-up and the capture of a tiny model on the meta device, and writes it into
+# the profile (``DeviceSpec.runtime_bytes``). Where a rank's memory
 # is its process's (a CPU rank), its peak resident set is the timeline's peak plus that baseline;
 # on a GPU the timeline's peak is the device's and the baseline is host memory.
 def estimate_process_peak_bytes(timeline_peak_bytes: float, runtime_bytes: float) -> float:

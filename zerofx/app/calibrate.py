@@ -268,12 +268,22 @@ def measure_fresh_pages(repeats: int, device: torch.device | None = None, *, cor
 
 def runtime_rss_bytes(device: torch.device | None = None) -> float:
     """The resident memory of this rank before it holds any model state: the interpreter, torch,
-    the engine's modules (imported here, as ``zerofx.initialize`` imports them) and the process
+    the engine's modules (imported here, as ``zerofx.initialize`` imports them), what a capture
+    imports and keeps (a tiny model captured and lowered on the meta device) and the process
     group, max-reduced across ranks (NOTE [What a rank's resident memory holds])."""
-    import zerofx.compiler.program  # noqa: F401  (what a rank imports to train)
+    import gc
+
+    import zerofx.compiler.program  # (what a rank imports to train)
     import zerofx.runtime.engine  # noqa: F401
     from zerofx.common.rss import current_rss_bytes
+    from zerofx.models.registry import build_model
 
+    ids = torch.zeros(1, 64, dtype=torch.long, device="meta")  # (B, T)
+    program = zerofx.compiler.program.compile(build_model("tiny", device="meta"), world_size=dist.get_world_size(), stage=3,
+                                              example_inputs=(ids,), example_kwargs={"labels": ids})
+    program.graph_modules(dist.get_rank())
+    del program
+    gc.collect()
     worst = torch.tensor([float(current_rss_bytes())], dtype=torch.float64, device=device or torch.device("cpu"))
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.item()
