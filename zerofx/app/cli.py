@@ -843,9 +843,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config_schema)
 
     p = sub.add_parser("calibrate", help="measure this machine's collectives and compute into a planner profile",
-                       description="Time all-gather, reduce-scatter, all-reduce and all-to-all on local gloo ranks and a "
-                                   "matmul and a copy on one core; fit the alpha-beta model; write a profile for zerofx plan "
-                                   "--profile. Under torchrun across nodes, the intra- and inter-node links are measured apart.")
+                       description="Time all-gather, reduce-scatter, all-reduce and all-to-all on local gloo ranks (and a "
+                                   "collective after compute), and a matmul, copies and the AdamW update on one core; fit the "
+                                   "alpha-beta model; write a profile for zerofx plan --profile. Calibrate at the world size the "
+                                   "job runs at. Under torchrun across nodes, the intra- and inter-node links are measured apart.")
     p.add_argument("--world-size", type=_int_arg(1, MAX_LOCAL_RANKS), default=2,
                    help=f"local ranks to measure with, 1..{MAX_LOCAL_RANKS} (default: 2)")
     p.add_argument("--out", type=Path, default=Path("zerofx_profile.json"),
