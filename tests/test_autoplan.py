@@ -286,3 +286,14 @@ def test_auto_at_initialize_applies_the_choice_once() -> None:
     assert not first["auto"] and "auto" not in first["raw"].get("zerofx", {})
     assert f"stage {first['stage']}," in first["printed"]
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in (first, second))
+
+
+def test_a_margin_survives_folding(capsys: pytest.CaptureFixture[str]) -> None:
+    """The cut models of a folded plan are planned without the budget, and so without its margin
+    (a margin alone is refused): folded ``zerofx plan`` and the folded search both take --margin."""
+    argv = ["plan", "small", "--world-size", "2", "--seq-len", "64", "--budget", "1GiB", "--margin", "0.1", "--fold", "on"]
+    assert main([*argv, "--stage", "3"]) == 0
+    assert "budget 922 MiB: fits" in capsys.readouterr().out
+    assert main([*argv, "--auto", "--stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "budget 922 MiB (1 GiB less a 10% margin) per rank" in out and "chosen: stage 3" in out

@@ -188,8 +188,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_auto(args)
     budget = parse_bytes(args.budget) if args.budget is not None else None
     user_config = args.config
-    if args.margin is not None and budget is None:
-        raise UsageError(f"--margin {args.margin} needs --budget: it is the share of the budget held back for the memory model's error")
+    _check_margin_has_budget(args.margin, budget)
     if budget is not None:  # the planner fits the prefetch distance to it (zerofx.memory_budget)
         args.config = _with_memory_budget(args.config, budget, args.margin)
         budget = _planned_budget(args.config)  # the verdict, --solve and folding fit what the planner fits
@@ -325,8 +324,7 @@ def _plan_sweep(args: argparse.Namespace) -> int:
         raise UsageError("--sweep plans its own world sizes and folds nothing: leave out --world-size, --solve and --fold on")
     check_stage(args.stage)
     budget = parse_bytes(args.budget) if args.budget is not None else None
-    if args.margin is not None and budget is None:
-        raise UsageError(f"--margin {args.margin} needs --budget: it is the share of the budget held back for the memory model's error")
+    _check_margin_has_budget(args.margin, budget)
     if budget is not None:
         args.config = _with_memory_budget(args.config, budget, args.margin)
         budget = _planned_budget(args.config)
@@ -450,6 +448,11 @@ def _with_zerofx_key(config: Path | Mapping[str, Any] | None, key: str, value: A
     return raw
 
 
+def _check_margin_has_budget(margin: float | None, budget: float | None) -> None:
+    if margin is not None and budget is None:
+        raise UsageError(f"--margin {margin} needs --budget: it is the share of the budget held back for the memory model's error")
+
+
 def _planned_budget(config: Mapping[str, Any]) -> float:
     """The budget the planners fit: ``zerofx.memory_budget`` less ``zerofx.memory_margin`` (NOTE [The memory margin])."""
     from zerofx.config.options import planned_budget_bytes
@@ -484,6 +487,7 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     """``zerofx plan`` from captures of the model cut to 2 and 3 blocks (``zerofx.compiler.folding``)."""
     import zerofx
     from zerofx.config import load_config
+    from zerofx.config.options import BUDGET_KEYS
     from zerofx.compiler.folding import FOLD_BLOCKS, folded_json, format_folded, plan_folded
     from zerofx.compiler.search import lower_prefetch_distance
     from zerofx.cost_models.memory import estimate_process_peak_bytes
@@ -502,7 +506,7 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     # prefetch distance to the budget on them (NOTE [Prefetch under a memory budget]): folding
     # does it here, on the extrapolated peak.
     config = dict(load_config(args.config)) if args.config is not None else {}
-    own = {k: v for k, v in config.get("zerofx", {}).items() if k != "memory_budget"}
+    own = {k: v for k, v in config.get("zerofx", {}).items() if k not in BUDGET_KEYS}
 
     def fold(zerofx_section: Mapping[str, Any]) -> tuple[FoldedReport, Program]:
         folded = plan_folded(spec.model, blocks, lambda m: report_for(m, {**config, "zerofx": zerofx_section}), parallel=True)

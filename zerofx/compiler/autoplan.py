@@ -96,6 +96,7 @@ from zerofx.compiler.capture import LossFn
 from zerofx.compiler.folding import AUTO_FOLD_MIN_BLOCKS, FOLD_BLOCKS, RepeatedBlocks, extrapolate, find_repeated_blocks, fold_reports, with_num_blocks
 from zerofx.compiler.program import Program, compile, plan_from_shapes, resolve
 from zerofx.config.compile_options import compile_options
+from zerofx.config.options import BUDGET_KEYS
 from zerofx.config import ZeroConfig, parse_config
 from zerofx.cost_models.compute import CPU_CORE
 from zerofx.cost_models.hierarchy import STEP_TIE_FRACTION, estimate_step_comm_s, estimate_step_s
@@ -309,7 +310,8 @@ class _Search:
         ``prefetch_distance`` when given (NOTE [Budgets of the cut models])."""
         cut = copy.deepcopy(dict(config))
         own = cut.setdefault("zerofx", {})
-        own.pop("memory_budget", None)
+        for key in BUDGET_KEYS:
+            own.pop(key, None)
         if prefetch_distance is not None:
             own["prefetch_distance"] = prefetch_distance
         return {n: cut for n in FOLD_BLOCKS}

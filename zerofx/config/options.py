@@ -208,6 +208,11 @@ def tiling_options(section: Mapping[str, Any] | None) -> TilingOptions:
 # ``zerofx.memory_margin`` holds a share of the budget back: the planners fit the predicted peak
 # to ``memory_budget * (1 - memory_margin)``, the budget the plan carries
 # (``ScheduleOptions.memory_budget_bytes``), so a config planned again fits the same figure.
+# The ``zerofx`` keys that set the budget: a config planned without a budget (the cut models of a
+# folded plan, NOTE [Budgets of the cut models]) drops both.
+BUDGET_KEYS = ("memory_budget", "memory_margin")
+
+
 def planned_budget_bytes(own: Mapping[str, Any]) -> float | None:
     """The budget the planners fit the peak to: ``zerofx.memory_budget`` less ``zerofx.memory_margin``
     of it (NOTE [The memory margin]); None without a budget."""
