@@ -104,8 +104,13 @@ DEVICES = {spec.name: spec for spec in (CPU_CORE, H100, H200)}
 # core's (``zerofx calibrate`` times them with every core busy, one rank each). When more ranks
 # than cores run on one host, the OS time-slices them: each rank computes at ``cores / ranks`` of
 # a core's rate, and its compute takes ``ranks / cores`` times as long. 4 gloo ranks on this
-# project's 2 cores measure each rank's matmuls at half the 2-rank rate. Ranks no more than the
-# cores, and devices of their own (``cores`` None), run at the full rate.
+# project's 2 cores measure each rank's matmuls at half the 2-rank rate. Every per-core cost
+# stretches alike: a new tensor's page faults (``fresh_s_per_byte``, the kernel zeroing pages on
+# the same core) and the timed optimizer update, besides the rates. Left at one core's cost, the
+# faults of 4 ranks on 2 cores were priced at half what they take, and their steps predicted at
+# 0.69-0.80 of the measured (with ``MALLOC_MMAP_THRESHOLD_`` at 256 KiB, where every activation
+# faults); 0.80-0.92 with them stretched. Ranks no more than the cores, and devices of their own
+# (``cores`` None), run at the full rate.
 def rank_device(spec: DeviceSpec, ranks_on_host: int) -> DeviceSpec:
     """The rates one of ``ranks_on_host`` ranks on one host computes at (NOTE [Ranks sharing cores])."""
     assert ranks_on_host >= 1, ranks_on_host
@@ -113,7 +118,8 @@ def rank_device(spec: DeviceSpec, ranks_on_host: int) -> DeviceSpec:
         return spec
     share = spec.cores / ranks_on_host
     return replace(spec, matmul_flops_per_s=spec.matmul_flops_per_s * share, memory_bytes_per_s=spec.memory_bytes_per_s * share,
-                   memory_curve=tuple((size, rate * share) for size, rate in spec.memory_curve))
+                   memory_curve=tuple((size, rate * share) for size, rate in spec.memory_curve),
+                   fresh_s_per_byte=spec.fresh_s_per_byte / share, update_s_per_element_pass=spec.update_s_per_element_pass / share)
 
 
 def _numel(val: object) -> int:

@@ -95,10 +95,12 @@ def test_overlap_hides_communication_in_the_model() -> None:
 
 def test_ranks_sharing_cores_compute_at_their_share() -> None:
     # NOTE [Ranks sharing cores]: 4 ranks on 2 cores run at half a core's rate each.
-    core = DeviceSpec("core", 100e9, 4e9, cores=2)
+    core = DeviceSpec("core", 100e9, 4e9, cores=2, fresh_s_per_byte=2e-10, update_s_per_element_pass=3e-10)
     assert rank_device(core, 1) == core and rank_device(core, 2) == core
     half = rank_device(core, 4)
     assert (half.matmul_flops_per_s, half.memory_bytes_per_s) == (50e9, 2e9)
+    # per-core costs stretch alike: page faults and the timed update take twice as long
+    assert (half.fresh_s_per_byte, half.update_s_per_element_pass) == (4e-10, 6e-10)
     own = DeviceSpec("gpu", 1e12, 1e12)  # a device per rank: never shared
     assert rank_device(own, 64) == own
     # The report's compute at 4 ranks on 2 cores is twice that with a core per rank; at 2 ranks
