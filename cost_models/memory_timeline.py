@@ -7,7 +7,8 @@ A node that allocates (not a view) holds ``numel * itemsize`` bytes of its outpu
 that makes it until the last use of it or of any view of it. Forward values saved for backward
 stay alive to the end of forward and then until their last use in backward. Graph inputs that
 belong to the persistent model state (parameters, buffers, user inputs) are not counted here:
-``Plan.estimates`` holds them. Gathered stage-3 parameters, activations, gradients before they
+``Plan.estimates`` holds them, and so is a saved value that aliases one (NOTE [A saved view of
+an input is that input]). Gathered stage-3 parameters, activations, gradients before they
 are reduced, and collective buffers are all transient and counted; a collective's inputs count
 until its ``wait_tensor``, because its work object holds them until then (NOTE [A reduction
 holds its input until its wait] in passes/schedule_overlap.py). The backward graph's outputs
@@ -110,13 +111,32 @@ def graph_timeline(gm: fx.GraphModule, name: str, *, counted_inputs: Iterable[st
     return points
 
 
+# NOTE [A saved view of an input is that input]
+# Entering backward a saved value is a placeholder, and nothing there says what storage it shares.
+# Every linear layer saves its weight's transpose (``t``), a view of the parameter: at stages 0-2
+# the parameter is a graph input, already in the model state, and the view holds no byte of its
+# own. Counted as an activation, it put a second copy of every weight into the backward peak (the
+# 100m DNA LM at stage 2: 378 MiB). So a saved value that is a graph input, or a chain of views
+# of one, is not counted in backward, as the input is not counted in forward. A view of a gathered
+# stage-3 bucket aliases a node, not an input, and stays counted: saving it keeps the bucket alive.
+def aliases_of_inputs(gm: fx.GraphModule) -> set[str]:
+    """The names of ``gm``'s placeholders and of the nodes that are views of one, through any chain
+    of views (NOTE [A saved view of an input is that input])."""
+    aliases = set(gm.graph.find_nodes(op="placeholder"))
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and _is_view(n) and n.all_input_nodes and n.all_input_nodes[0] in aliases:
+            aliases.add(n)
+    return {n.name for n in aliases}
+
+
 def step_timeline(forward: fx.GraphModule, backward: fx.GraphModule, *, persistent_bytes: int = 0) -> list[TimelinePoint]:
     """The whole step: forward then backward, plus ``persistent_bytes`` of model state throughout."""
-    saved = [a.name for a in forward.graph.find_nodes(op="output")[0].args[0][1:] if isinstance(a, fx.Node)]
+    aliases = aliases_of_inputs(forward)
+    saved = {a.name for a in forward.graph.find_nodes(op="output")[0].args[0][1:] if isinstance(a, fx.Node) and a.name not in aliases}
     fwd = graph_timeline(forward, "forward", keep_outputs=True)
     bwd_inputs = [n.name for n in backward.graph.find_nodes(op="placeholder")]
     # Saved values are forward outputs; entering backward they are its placeholders.
-    bwd = graph_timeline(backward, "backward", counted_inputs=[n for n in bwd_inputs if n in set(saved)], keep_outputs=True)
+    bwd = graph_timeline(backward, "backward", counted_inputs=[n for n in bwd_inputs if n in saved], keep_outputs=True)
     return [TimelinePoint(p.graph, p.node, p.live_bytes + persistent_bytes) for p in fwd + bwd]
 
 

@@ -244,3 +244,30 @@ def test_memory_timeline() -> None:
     grads0 = stage0.timeline[-1].live_bytes - stage0.persistent_bytes
     grads3 = report.timeline[-1].live_bytes - persistent
     assert grads0 == pytest.approx(2 * grads3, rel=0.01)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_saved_view_of_a_parameter_is_not_counted_again(stage: int) -> None:
+    # NOTE [A saved view of an input is that input]: every linear saves its weight's transpose, a
+    # view of the parameter (at stage 3, of its gathered bucket or its shard), and the parameter
+    # is in the model state already.
+    from zerofx.cost_models.memory_timeline import aliases_of_inputs, graph_timeline
+
+    program = meta_program(stage, 2, **SMALL_BUCKETS)
+    gms = program.graph_modules(0)
+    forward, backward = gms["forward"], gms["backward"]
+    saved = [a for a in meta.output_node(forward.graph).args[0][1:] if isinstance(a, torch.fx.Node)]
+    aliases = aliases_of_inputs(forward)
+    views_of_inputs = [a for a in saved if a.name in aliases and a.op == "call_function"]
+    if stage < 3:
+        assert any(a.target is torch.ops.aten.t.default for a in views_of_inputs)  # the weights' transposes
+    counted = [a.name for a in saved if a.name not in aliases]
+    report = program.report(0)
+    entering_backward = next(p for p in report.timeline if p.graph == "backward")
+    alone = graph_timeline(backward, "backward", counted_inputs=counted)[0]
+    assert entering_backward.live_bytes == report.persistent_bytes + alone.live_bytes
+    with_views = graph_timeline(backward, "backward", counted_inputs=[a.name for a in saved])[0]
+    assert with_views.live_bytes - alone.live_bytes == sum(a.meta["val"].numel() * a.meta["val"].element_size()
+                                                           for a in saved if a.name in aliases)
+    if stage < 3:
+        assert with_views.live_bytes > alone.live_bytes

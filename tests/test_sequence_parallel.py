@@ -12,6 +12,7 @@ import torch
 import zerofx
 from tests.support import sequence_parallel_workers as workers
 from tests.support.dist_utils import run_ranks
+from tests.support.programs import saved_views_of_inputs_bytes
 from zerofx.common.errors import CaptureError, ConfigError
 from zerofx.passes.analyze_schedule import schedule_table
 from zerofx.passes.meta import is_all_to_all
@@ -256,9 +257,11 @@ def test_planned_without_a_process_group(attention: str) -> None:
     check_saved_for_ring_backward(program.graph_modules(0), layers, block_bytes)
     # The memory timeline's activations per rank are those of the whole step on T/S tokens.
     short = ids[:, : ids.shape[1] // 4]
-    whole = zerofx.compile(workers.model(), world_size=4, stage=3, example_inputs=(short,), example_kwargs={"labels": short}).report(0)
     sharded = program.report(0)
-    assert sharded.peak.live_bytes - sharded.persistent_bytes == whole.peak.live_bytes - whole.persistent_bytes
+    whole_program = zerofx.compile(workers.model(), world_size=4, stage=3, example_inputs=(short,), example_kwargs={"labels": short})
+    whole = whole_program.report(0)
+    difference = (sharded.peak.live_bytes - sharded.persistent_bytes) - (whole.peak.live_bytes - whole.persistent_bytes)
+    assert 0 <= difference <= saved_views_of_inputs_bytes(whole_program)  # the rank's copies of its input slices
 
 
 def check_saved_for_ring_backward(graphs: dict, layers: int, block_bytes: int) -> None:

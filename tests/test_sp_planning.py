@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.programs import saved_views_of_inputs_bytes
 from zerofx.cost_models.symbolic import B, T
 from zerofx.models import DNADecoderLM
 from zerofx.models.sizes import DNALMConfig
@@ -40,15 +41,23 @@ def _activations(model: DNADecoderLM, seq_len: int, size: int) -> tuple[int, int
     return report.peak.live_bytes - report.persistent_bytes, report.persistent_bytes
 
 
+def _saved_views_of_inputs(model: DNADecoderLM, seq_len: int) -> int:
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    return saved_views_of_inputs_bytes(sample_program(model, (ids,), {"labels": ids}, world_size=WORLD, stage=3, config=_config(1)))
+
+
 def test_activations_per_rank_at_size_s_are_those_of_t_over_s_tokens() -> None:
     # Each rank holds T/S positions of every token-wise value, and Ulysses' attention H/S heads
     # over all T: the same bytes as the whole model on T/S tokens. Model state is ZeRO's over
     # all ranks, the same at any S.
+    # Up to the inputs: a rank's slices of the token ids and of the position tables are copies,
+    # where the whole model saves views of its inputs and buffers, which are not counted again
+    # (NOTE [A saved view of an input is that input]).
     model = _model()
     sharded, state_sharded = _activations(model, 256, 4)
     whole, state_whole = _activations(model, 64, 1)
     assert state_sharded == state_whole
-    assert sharded == whole
+    assert 0 <= sharded - whole <= _saved_views_of_inputs(model, 64) < 4096
 
 
 @pytest.mark.slow
@@ -64,9 +73,9 @@ def test_longest_context_at_size_4_is_a_multiple_of_4_checked_by_capture() -> No
     # peak is the solve's captured peak there, within the budget, and the capture at one more
     # multiple of S is over it.
     assert result.peak_expr.subs({T: result.seq_len, B: 1}) == result.peak_at_value <= BUDGET < result.peak_past_value
-    # Per rank it is the unsharded step's at T/S (model state is ZeRO's over all ranks at any S):
-    # so S = 4 answers 4 times what S = 1 would, to within one token of T/S
-    # (test_activations_per_rank_at_size_s_are_those_of_t_over_s_tokens checks the equality at a
-    # fixed length; this checks it at the answer).
+    # Per rank it is the unsharded step's at T/S (model state is ZeRO's over all ranks at any S),
+    # up to the rank's copies of the inputs the unsharded step saves as views: so S = 4 answers
+    # about 4 times what S = 1 would (test_activations_per_rank_at_size_s_are_those_of_t_over_s_tokens
+    # checks the same at a fixed length; this checks it at the answer).
     activations, persistent = _activations(model, result.seq_len // size, 1)
-    assert result.peak_at_value == activations + persistent
+    assert 0 <= result.peak_at_value - (activations + persistent) <= _saved_views_of_inputs(model, result.seq_len // size)

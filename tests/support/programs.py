@@ -35,3 +35,17 @@ def meta_program(stage: int, world_size: int, cfg: DNALMConfig = TINY, frozen: b
     """The meta-built DNA LM (``frozen``: one frozen norm weight) planned at ``stage`` for
     ``world_size`` ranks with ``zero_optimization`` keys ``zero``."""
     return _captured(cfg, frozen).replan({"zero_optimization": {"stage": stage, **zero}}, world_size=world_size)
+
+
+def saved_views_of_inputs_bytes(program: zerofx.Program) -> int:
+    """Bytes of the values ``program``'s forward saves for backward as views of its inputs and
+    buffers (parameters aside), which the memory timeline does not count (NOTE [A saved view of
+    an input is that input]). A sequence-parallel rank saves copies of its slices instead: the
+    activations of S ranks at T tokens and of one at T/S differ by at most this."""
+    from zerofx.cost_models.memory_timeline import aliases_of_inputs
+    from zerofx.passes import meta
+
+    forward = program.graph_modules(0)["forward"]
+    aliases = aliases_of_inputs(forward)
+    return sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in meta.output_node(forward.graph).args[0][1:]
+               if isinstance(a, torch.fx.Node) and a.name in aliases and a.meta.get(meta.ROLE) is not meta.Role.PARAM)
