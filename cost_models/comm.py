@@ -40,7 +40,10 @@ class CollectiveAlgorithm(str, enum.Enum):
 @dataclass(frozen=True)
 class CommSpec:
     """Per-step latency (s) and bus bandwidth (bytes/s) of the links within a node and across
-    nodes, the launch cost of a collective, and the tree all-reduce's figures (None: no tree)."""
+    nodes, the launch cost of a collective, and the tree all-reduce's figures (None: no tree).
+    ``collective_copies``: the backend holds a copy of a collective's whole buffer from its issue
+    to its wait, as gloo does (NOTE [gloo copies a collective's buffer] in
+    cost_models/memory_timeline.py)."""
 
     name: str
     intra_alpha_s: float
@@ -52,6 +55,7 @@ class CommSpec:
     intra_tree_alpha_s: float | None = None
     inter_tree_alpha_s: float | None = None
     tree_bandwidth_fraction: float = 0.9
+    collective_copies: bool = False
 
     def link(self, world_size: int) -> tuple[float, float]:
         """The slowest link a ring over ``world_size`` ranks crosses: (alpha_s, bandwidth)."""

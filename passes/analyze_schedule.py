@@ -377,7 +377,7 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
         spans.append(Span(name, graph_start, t))
     rows.sort(key=lambda r: r.order)
     persistent = sum(plan.estimates.values())
-    timeline = step_timeline(modules["forward"], modules["backward"], persistent_bytes=persistent)
+    timeline = step_timeline(modules["forward"], modules["backward"], persistent_bytes=persistent, collective_copies=comm.collective_copies)
     top = peak(timeline)
     return ScheduleReport(
         rows=tuple(rows), spans=tuple(spans), compute_s=compute, exposed_s=exposed_total, step_s=t,

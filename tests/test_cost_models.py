@@ -246,6 +246,32 @@ def test_memory_timeline() -> None:
     assert grads0 == pytest.approx(2 * grads3, rel=0.01)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gloo_collectives_hold_a_copy_of_their_buffer_from_issue_to_wait(stage: int) -> None:
+    # NOTE [gloo copies a collective's buffer]: with the profile's collective_copies, each point of
+    # the timeline holds the whole buffers of the all-gathers and reduce-scatters issued and not
+    # yet waited on, and nothing more; at the end of each graph every one has been waited on.
+    functional = torch.ops._c10d_functional
+    program = meta_program(stage, 2, **SMALL_BUCKETS)
+    plain = program.report(0)
+    copied = program.report(0, comm=dataclasses.replace(CPU_GLOO, collective_copies=True))
+    assert copied.step_s == plain.step_s and copied.peak.live_bytes > plain.peak.live_bytes
+    expected, issued = [], 0
+    for graph in ("forward", "backward"):
+        in_flight: dict[torch.fx.Node, int] = {}
+        for node in program.graph_modules(0)[graph].graph.nodes:
+            if node.target in (functional.all_gather_into_tensor_out.default, functional.all_gather_into_tensor.default):
+                in_flight[node] = node.meta["val"].numel() * node.meta["val"].element_size()
+            elif node.target is functional.reduce_scatter_tensor.default:
+                in_flight[node] = node.args[0].meta["val"].numel() * node.args[0].meta["val"].element_size()
+            issued += node in in_flight
+            expected.append(sum(in_flight.values()))
+            if node.target is functional.wait_tensor.default:
+                in_flight.pop(node.args[0], None)
+        assert not in_flight
+    assert issued and [c.live_bytes - p.live_bytes for c, p in zip(copied.timeline, plain.timeline)] == expected
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_saved_view_of_a_parameter_is_not_counted_again(stage: int) -> None:
     # NOTE [A saved view of an input is that input]: every linear saves its weight's transpose, a

@@ -313,7 +313,8 @@ def _worker(rank: int, world_size: int, port: int, out: str, repeats: int, sizes
     update_s = measure_update(repeats, cores=host_cores())
     if rank == 0:
         alpha, bandwidth = fit_link(rows) if rows else (0.0, float("inf"))
-        comm = CommSpec("calibrated-gloo", alpha, bandwidth, alpha, bandwidth, ranks_per_node=LOCAL_RANKS_PER_NODE, base_latency_s=launch_s)
+        comm = CommSpec("calibrated-gloo", alpha, bandwidth, alpha, bandwidth, ranks_per_node=LOCAL_RANKS_PER_NODE, base_latency_s=launch_s,
+                        collective_copies=True)  # NOTE [gloo copies a collective's buffer]
         device = DeviceSpec("calibrated-cpu-core", flops, mem, memory_curve=tuple(curve), cores=host_cores(), runtime_bytes=runtime,
                             fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min, update_s_per_element_pass=update_s)
         _write(Path(out), comm, device, {"intra": rows})
@@ -385,7 +386,7 @@ def calibrate_across_nodes(out: Path, repeats: int = 5, sizes: Sequence[int] = S
     # compute this way; NCCL's launch cost is left to the fit (NOTE [A collective between compute]).
     launch_s = measure_interleaved_overhead(device=device) if device.type == "cpu" else 0.0
     comm = CommSpec(f"calibrated-{dist.get_backend()}", intra_alpha, intra_bw, inter_alpha, inter_bw, ranks_per_node=per_node,
-                    base_latency_s=launch_s)
+                    base_latency_s=launch_s, collective_copies=dist.get_backend() == "gloo")  # NOTE [gloo copies a collective's buffer]
     # CPU ranks share the node's cores; a GPU rank has its device (NOTE [Ranks sharing cores]).
     spec = DeviceSpec(f"calibrated-{device.type}", flops, mem, memory_curve=tuple(curve), cores=host_cores() if device.type == "cpu" else None,
                       runtime_bytes=runtime, fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min, update_s_per_element_pass=update_s)
