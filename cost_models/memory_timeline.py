@@ -63,14 +63,15 @@ def _is_view(node: fx.Node) -> bool:
 
 # NOTE [gloo copies a collective's buffer]
 # gloo's all-gather gathers into a buffer of its own and copies it out, and its reduce-scatter
-# reduces a copy of the whole input; both copies are made when the collective is issued, on the
-# caller's thread. Measured with torch 2.13 on this project's machine: a 64 MiB reduce-scatter
-# raises a rank's peak resident set by 66 MiB beyond its input, a 64 MiB all-gather by 64 MiB
-# beyond its output, and four 16 MiB reduce-scatters issued while the peer is late hold 65 MiB at
-# once before any completes. Where the comm profile says so (``CommSpec.collective_copies``, which
-# ``zerofx calibrate`` sets for gloo), each all-gather and reduce-scatter holds one more buffer of
-# its whole size (the gathered output, the unreduced input) from its issue to its wait. Without
-# it the 100m DNA LM's 4-rank steps peaked 90-115 MiB over the timeline's prediction.
+# reduces a copy of the whole input, made when it is issued, on the caller's thread. Measured
+# with torch 2.13 on this project's machine: a 64 MiB reduce-scatter raises a rank's peak
+# resident set by 66 MiB beyond its input, a 64 MiB all-gather by 64 MiB beyond its output, and
+# four 16 MiB reduce-scatters issued while the peer is late hold 65 MiB at once before any
+# completes. Where the comm profile says so (``CommSpec.collective_copies``, which ``zerofx
+# calibrate`` sets for gloo; the built-in profiles leave it off, as they leave the host's cores
+# unstated), each all-gather and reduce-scatter holds one more buffer of its whole size (the
+# gathered output, the unreduced input) from its issue to its wait. Without it the 100m DNA LM's
+# 4-rank steps peaked 90-115 MiB over the timeline's prediction.
 _COPIED = {_functional.all_gather_into_tensor.default, _GATHER_INTO, _functional.reduce_scatter_tensor.default}
 
 

@@ -133,6 +133,8 @@ def test_profiles_builtin_file_and_calibration(tmp_path: Path) -> None:
     sizes = [size for size, _ in measured_device.memory_curve]
     assert sizes == sorted(sizes) and len(sizes) >= 3 and measured_device.memory_curve[-1][1] == measured_device.memory_bytes_per_s
     assert load_profile(str(tmp_path / "measured.json"))[1] == measured_device  # the curve survives the file
+    # gloo copies a collective's buffer while it runs, and the profile says so (NOTE [gloo copies a collective's buffer]).
+    assert measured_comm.collective_copies and load_profile(str(tmp_path / "measured.json"))[0] == measured_comm
     # The planner takes it: a slower link means more communication time.
     program = zerofx.compile(load_model_spec("examples.model_specs:dna_small").model, world_size=2, stage=3,
                              example_inputs=(torch.zeros(1, 64, dtype=torch.long, device="meta"),),
