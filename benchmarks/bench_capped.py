@@ -74,7 +74,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import human_bytes, machine, set_malloc_mmap_threshold  # noqa: E402
+from benchmarks.report import human_bytes, machine, profile_allocator_mismatch, set_malloc_mmap_threshold  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
@@ -744,7 +744,10 @@ def main(argv: list[str] | None = None) -> int:
         path.with_suffix(".md").write_text(markdown(result))
         print(markdown(result))
         return 0
-    set_malloc_mmap_threshold(opts.malloc_mmap_threshold)
+    threshold = set_malloc_mmap_threshold(opts.malloc_mmap_threshold)
+    if opts.profile is not None and (mismatch := profile_allocator_mismatch(opts.profile, threshold)):
+        print(f"bench_capped: {mismatch}", file=sys.stderr)
+        return 2
     out = Path(opts.out or ROOT / "benchmarks" / "results" / f"capped_{datetime.date.today().isoformat()}")
 
     def save(result: dict[str, Any]) -> None:

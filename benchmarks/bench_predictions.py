@@ -49,7 +49,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from benchmarks.report import human_bytes, machine, set_malloc_mmap_threshold
+from benchmarks.report import human_bytes, machine, profile_allocator_mismatch, set_malloc_mmap_threshold
 
 STEP_TARGET = 0.15  # |predicted / measured - 1| at most this for the step time
 PEAK_TARGET = 0.10  # and this for the peak resident memory
@@ -67,12 +67,13 @@ class Case:
     stage: int
     seq_len: int
     batch: int = 1
+    accumulation: int = 1
     zero: dict[str, Any] = field(default_factory=dict)
     zerofx: dict[str, Any] = field(default_factory=dict)
 
     def config(self, profile: str) -> dict[str, Any]:
         """The DeepSpeed-style config that both ``zerofx plan`` and the ranks read."""
-        return {"train_micro_batch_size_per_gpu": self.batch, "gradient_accumulation_steps": 1,
+        return {"train_micro_batch_size_per_gpu": self.batch, "gradient_accumulation_steps": self.accumulation,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                 "zero_optimization": {"stage": self.stage, **self.zero},
                 "zerofx": {"world_size": self.world_size, "profile": profile, **self.zerofx}}
@@ -88,6 +89,7 @@ CASES = (
     Case("25m W2 stage 3 tiling", "25m", 2, 3, 256, zerofx=TILING),
     Case("25m W4 stage 3", "25m", 4, 3, 256),
     Case("25m W4 stage 3 SP2", "25m", 4, 3, 256, zerofx=SP2),
+    Case("25m W2 stage 2 T1024 accum 2", "25m", 2, 2, 1024, accumulation=2),
     Case("100m W2 stage 3", "100m", 2, 3, 128),
     Case("100m W2 stage 2 offload", "100m", 2, 2, 128, zero=OFFLOAD),
     Case("100m W4 stage 3", "100m", 4, 3, 128),
@@ -112,7 +114,8 @@ def predict(case: Case, config_path: Path, profile: str) -> dict[str, Any]:
     if code != 0:
         raise RuntimeError(f"zerofx {shlex.join(argv)} exited with {code}")
     data = json.loads(out.getvalue())
-    return {"command": "zerofx " + shlex.join(argv), "step_s": data["summary"]["step_s"],
+    # With accumulation, the optimizer step's (NOTE [An optimizer step of several micro-batches]).
+    return {"command": "zerofx " + shlex.join(argv), "step_s": data["summary"]["optimizer_step_s"],
             "compute_s": data["summary"]["compute_s"], "exposed_comm_s": data["summary"]["exposed_comm_s"],
             "optimizer_s": data["summary"].get("optimizer_s"), "timeline_peak_bytes": data["memory"]["peak_bytes"],
             "process_peak_bytes": data["memory"]["process_peak_bytes"]}
@@ -140,18 +143,22 @@ def _rank(rank: int, case: Case, config: dict[str, Any], port: int, warmup: int,
     sp = config["zerofx"].get("sequence_parallel", {}).get("size", 1)
     # The ranks of a sequence group pass the same batch; groups differ.
     gen = torch.Generator().manual_seed(1000 + rank // sp)
-    batches = [torch.randint(0, 5, (case.batch, case.seq_len), generator=gen) for _ in range(warmup + steps)]  # (B, T)
+    # One list of micro-batches per optimizer step.
+    batches = [[torch.randint(0, 5, (case.batch, case.seq_len), generator=gen) for _ in range(case.accumulation)]
+               for _ in range(warmup + steps)]  # (B, T) each
     with torch.device("meta"):
         model = DNADecoderLM(DNA_LM_SIZES[case.size])
-    engine = zerofx.initialize(model, config, example_inputs=(batches[0],), example_kwargs={"labels": batches[0]}, init_seed=0)
+    first = batches[0][0]
+    engine = zerofx.initialize(model, config, example_inputs=(first,), example_kwargs={"labels": first}, init_seed=0)
     setup_peak = peak_rss_bytes()
     times = []
-    for ids in batches:
+    for micro_batches in batches:
         dist.barrier()
         start = time.perf_counter()
-        loss = engine(ids, labels=ids)
-        engine.backward(loss)
-        engine.step()
+        for ids in micro_batches:
+            loss = engine(ids, labels=ids)
+            engine.backward(loss)
+            engine.step()
         loss.item()
         times.append(time.perf_counter() - start)
     result = {"rank": rank, "step_s": times, "peak_rss_bytes": peak_rss_bytes(), "setup_peak_rss_bytes": setup_peak,
@@ -229,6 +236,12 @@ def _profile_record(path: Path) -> dict[str, Any]:
     return {"path": str(path), "comm": prof["comm"], "device": prof["device"]}
 
 
+def _tokens_per_rank(case: dict[str, Any]) -> str:
+    """A row's tokens per rank per optimizer step: micro-batch x sequence, x accumulation steps."""
+    accumulation = case.get("accumulation", 1)
+    return f"{case['batch']}×{case['seq_len']}" + (f" ×{accumulation} micro" if accumulation > 1 else "")
+
+
 def render(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}, gloo on CPU, one thread per rank.",
@@ -248,7 +261,7 @@ def render(result: dict[str, Any]) -> str:
         c, p, ms = r["case"], r["predicted"], r["measured"]
         within = "yes" if r["step_within"] and r["peak_within"] else (
             "step: no" if not r["step_within"] and r["peak_within"] else "peak: no" if r["step_within"] else "no")
-        lines.append(f"| {r['name']} | {c['batch']}×{c['seq_len']} | {p['step_s']:.3f} | {ms['step_s']:.3f} "
+        lines.append(f"| {r['name']} | {_tokens_per_rank(c)} | {p['step_s']:.3f} | {ms['step_s']:.3f} "
                      f"[{ms['step_p25_s']:.3f}–{ms['step_p75_s']:.3f}] | {r['step_ratio']:.2f} | {human_bytes(p['process_peak_bytes'])} "
                      f"| {human_bytes(ms['peak_rss_bytes'])} | {r['peak_ratio']:.2f} | {within} |")
     n = len(result["rows"])
@@ -290,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if warmup < 0 or steps < 1:
         raise SystemExit("--warmup needs an integer >= 0 and --steps >= 1")
     threshold = set_malloc_mmap_threshold(args.malloc_mmap_threshold)
+    if args.profile and (mismatch := profile_allocator_mismatch(args.profile, threshold)):
+        raise SystemExit(f"bench_predictions: {mismatch}")
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         out = args.out or (work / "predictions" if args.smoke else RESULTS / f"predictions_{time.strftime('%Y-%m-%d')}")

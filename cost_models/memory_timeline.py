@@ -75,8 +75,11 @@ def _is_view(node: fx.Node) -> bool:
 _COPIED = {_functional.all_gather_into_tensor.default, _GATHER_INTO, _functional.reduce_scatter_tensor.default}
 
 
-def _copied_bytes(node: fx.Node) -> int:
-    """The whole buffer a gloo collective copies: an all-gather's output, a reduce-scatter's input."""
+def collective_copy_bytes(node: fx.Node) -> int:
+    """The whole buffer a gloo collective copies: an all-gather's output, a reduce-scatter's
+    input; 0 for any other node (NOTE [gloo copies a collective's buffer])."""
+    if node.op != "call_function" or node.target not in _COPIED:
+        return 0
     if node.target is _functional.reduce_scatter_tensor.default:
         return value_bytes(node.args[0].meta.get("val"))
     return value_bytes(node.meta.get("val"))
@@ -129,7 +132,7 @@ def graph_timeline(gm: fx.GraphModule, name: str, *, counted_inputs: Iterable[st
     if collective_copies:
         for n in nodes:
             if n.op == "call_function" and n.target in _COPIED:
-                copies[n] = _copied_bytes(n)
+                copies[n] = collective_copy_bytes(n)
                 wait = max([position[u] for u in n.users if u.target is _WAIT] or [end])
                 frees[wait] = frees.get(wait, 0) + copies[n]
     live = sum(size[o] for o in size if o.op == "placeholder")

@@ -39,8 +39,8 @@ import torch
 import torch.fx as fx
 
 from zerofx.cost_models.comm import CommSpec, estimate_all_gather_s, estimate_all_reduce_s, estimate_reduce_scatter_s
-from zerofx.cost_models.compute import DeviceSpec, estimate_node_s, estimate_optimizer_step_s, rank_device
-from zerofx.cost_models.memory_timeline import TimelinePoint, peak, step_timeline
+from zerofx.cost_models.compute import DeviceSpec, estimate_node_s, estimate_optimizer_step_s, rank_device, value_bytes, writes_in_place
+from zerofx.cost_models.memory_timeline import TimelinePoint, collective_copy_bytes, peak, step_timeline
 from zerofx.passes import meta
 from zerofx.passes.check_collectives import GRAPH_ORDER
 from zerofx.passes.plan import REPLICATE, Plan
@@ -85,6 +85,22 @@ class Span:
     end_s: float
 
 
+# NOTE [An optimizer step of several micro-batches]
+# A report simulates one pass through the graphs: forward, backward, then what runs once per
+# optimizer step (stage 1's gradient reduce-scatter, the update, stage 1-2's parameter
+# all-gather). With gradient accumulation the first two run once per micro-batch, collectives
+# they hold included (stage 2's reduce-scatters, stage 3's gathers), and the rest once, so an
+# optimizer step of N micro-batches takes ``step_s + (N - 1) * micro_batch_s``. ``zerofx plan``
+# reports both; the search prices candidates the same way.
+MICRO_BATCH_GRAPHS = ("forward", "backward")
+
+
+def optimizer_step_s(report: ScheduleReport | Any, micro_batches: int) -> float:
+    """An optimizer step's seconds with ``micro_batches`` micro-batches (NOTE [An optimizer step
+    of several micro-batches])."""
+    return report.step_s + (micro_batches - 1) * report.micro_batch_s
+
+
 @dataclass(frozen=True)
 class ScheduleReport:
     rows: tuple[CollectiveRow, ...]
@@ -101,6 +117,11 @@ class ScheduleReport:
     @property
     def comm_s(self) -> float:
         return sum(r.comm_s for r in self.rows)
+
+    @property
+    def micro_batch_s(self) -> float:
+        """The part of ``step_s`` each micro-batch repeats (NOTE [An optimizer step of several micro-batches])."""
+        return sum(s.end_s - s.start_s for s in self.spans if s.graph in MICRO_BATCH_GRAPHS)
 
     @property
     def bytes_moved_per_rank(self) -> int:
@@ -260,6 +281,29 @@ def _comm_s(node: fx.Node, plan: Plan, spec: CommSpec) -> float:
     return estimate_all_reduce_s(nbytes, ranks, spec)
 
 
+# NOTE [A collective's new buffers fault in]
+# A functional collective allocates its output, and gloo its copy of the whole buffer (NOTE
+# [gloo copies a collective's buffer] in cost_models/memory_timeline.py). Where the allocator
+# maps such buffers fresh (``fresh_min_bytes``, NOTE [New tensors' pages] in
+# cost_models/compute.py) their pages fault in as the collective writes them, on a core of the
+# rank's host, and the calibrated collective times do not hold that: ``zerofx calibrate`` reuses
+# its buffers. Measured between 2 gloo ranks on this project's machine with
+# ``MALLOC_MMAP_THRESHOLD_`` at 256 KiB, a 4 MiB reduce-scatter takes 4.8 ms on reused buffers
+# and 8.0 ms on new ones (1.0 ms of it filling the new input), a 4 MiB all-gather 3.5 ms and
+# 6.4 ms. So each collective also takes its new bytes at ``fresh_s_per_byte``: its output unless
+# it writes into a tensor it was given (``all_gather_into_tensor_out``), and gloo's copy where the
+# profile says the backend makes one.
+def collective_pages_s(node: fx.Node, device: DeviceSpec, comm: CommSpec) -> float:
+    """Seconds the new buffers of collective ``node`` take to fault in (NOTE [A collective's new
+    buffers fault in])."""
+    if not device.fresh_s_per_byte:
+        return 0.0
+    new = [] if writes_in_place(node) else [value_bytes(node.meta.get("val"))]
+    if comm.collective_copies:
+        new.append(collective_copy_bytes(node))
+    return sum(b for b in new if b >= device.fresh_min_bytes) * device.fresh_s_per_byte
+
+
 # NOTE [Collectives on the ranks' cores]
 # The overlap model runs collectives on a channel of their own, beside compute. On a GPU they
 # do (NCCL's kernels, the NIC's DMA). On a CPU host whose ranks occupy every core, gloo moves and
@@ -322,7 +366,7 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
         previous, previous_module = "start", START
         for node in gm.graph.nodes:
             if meta.is_collective(node):
-                dur = _comm_s(node, plan, comm)
+                dur = _comm_s(node, plan, comm) + collective_pages_s(node, device, comm)
                 begin = max(t, channel_free)
                 channel_free = begin + dur
                 if serial:  # it runs on this rank's core: compute resumes when it is done
@@ -416,7 +460,7 @@ def schedule_table(rows: Sequence[CollectiveRow], *, verbose: bool = False, repe
 
 
 def format_report(report: ScheduleReport, *, budget_bytes: float | None = None, verbose: bool = False, step_note: str = "",
-                  device_peak_bytes: float | None = None) -> str:
+                  device_peak_bytes: float | None = None, micro_batches: int = 1) -> str:
     """The schedule table, memory per rank and the summary line, as ``zerofx plan`` prints them.
     ``step_note`` follows the estimated step time (the CLI names the hardware profile there)."""
     where = f"in {report.peak.graph}" + (f" at {report.peak_module}" if report.peak_module else "")
@@ -437,27 +481,36 @@ def format_report(report: ScheduleReport, *, budget_bytes: float | None = None, 
         verdict = "fits" if held <= budget_bytes else "does NOT fit"
         lines.append(f"budget {format_bytes(budget_bytes)}: {verdict}"
                      + ("" if device_peak_bytes is None else f" (device {format_bytes(held)} at the peak, with offload)"))
-    lines.append(format_summary(report, "summary", step_note=step_note))
+    lines.append(format_summary(report, "summary", step_note=step_note, micro_batches=micro_batches))
     return "\n".join(lines)
 
 
-def format_summary(report: ScheduleReport | Any, label: str, *, step_note: str = "") -> str:
+def format_summary(report: ScheduleReport | Any, label: str, *, step_note: str = "", micro_batches: int = 1) -> str:
     """The one-line step summary of a report, or of anything with the same summary fields
-    (``zerofx.compiler.folding.FoldedReport``)."""
-    return (
+    (``zerofx.compiler.folding.FoldedReport``); with ``micro_batches`` > 1, also the optimizer
+    step that accumulates them (NOTE [An optimizer step of several micro-batches])."""
+    line = (
         f"{label}: {format_bytes(report.bytes_moved_per_rank)} sent in per rank per step; compute "
         + ", ".join(f"{g} {s * 1e3:.1f} ms" for g, s in report.compute_s.items())
         + f"; communication {report.comm_s * 1e3:.1f} ms of which exposed {report.exposed_s * 1e3:.1f} ms; "
         f"estimated step {report.step_s * 1e3:.1f} ms{step_note}"
     )
+    if micro_batches > 1:
+        line += (f"\noptimizer step of {micro_batches} micro-batches (gradient_accumulation_steps): forward and backward "
+                 f"{report.micro_batch_s * 1e3:.1f} ms each, estimated {optimizer_step_s(report, micro_batches) * 1e3:.1f} ms")
+    return line
 
 
-def summary_json(report: ScheduleReport | Any) -> dict[str, Any]:
-    """The step summary as ``zerofx plan --format json`` writes it."""
+def summary_json(report: ScheduleReport | Any, *, micro_batches: int = 1) -> dict[str, Any]:
+    """The step summary as ``zerofx plan --format json`` writes it: ``step_s`` is one micro-batch's
+    pass through the graphs, ``optimizer_step_s`` the step of ``micro_batches`` of them."""
     return {
         "bytes_moved_per_rank": report.bytes_moved_per_rank,
         "compute_s": dict(report.compute_s),
         "comm_s": report.comm_s,
         "exposed_comm_s": report.exposed_s,
         "step_s": report.step_s,
+        "micro_batches": micro_batches,
+        "micro_batch_s": report.micro_batch_s,
+        "optimizer_step_s": optimizer_step_s(report, micro_batches),
     }

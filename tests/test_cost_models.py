@@ -15,6 +15,7 @@ import torch.nn as nn
 import zerofx
 from zerofx.cost_models.comm import CPU_GLOO, estimate_all_gather_s, estimate_reduce_scatter_s
 from zerofx.cost_models.compute import (
+    CPU_CORE,
     DeviceSpec,
     estimate_flops,
     estimate_node_s,
@@ -104,7 +105,8 @@ def test_ranks_sharing_cores_compute_at_their_share() -> None:
     own = DeviceSpec("gpu", 1e12, 1e12)  # a device per rank: never shared
     assert rank_device(own, 64) == own
     # The report's compute at 4 ranks on 2 cores is twice that with a core per rank; at 2 ranks
-    # the same; and only compute moves: the collectives' times are the comm model's.
+    # the same; and of the collectives only their new buffers' page faults, which the shared
+    # cores take (NOTE [A collective's new buffers fault in]): the comm model's times do not.
     alone = dataclasses.replace(core, cores=None)
     for world, factor in ((4, 2.0), (2, 1.0)):
         program = meta_program(3, world, **SMALL_BUCKETS)
@@ -112,7 +114,10 @@ def test_ranks_sharing_cores_compute_at_their_share() -> None:
         assert shared.compute_s.keys() == own_core.compute_s.keys()
         for graph, seconds in own_core.compute_s.items():
             assert shared.compute_s[graph] == pytest.approx(factor * seconds) and seconds > 0
-        assert shared.comm_s == pytest.approx(own_core.comm_s)
+        no_faults = [program.report(0, device=dataclasses.replace(d, fresh_s_per_byte=0.0)) for d in (core, alone)]
+        assert no_faults[0].comm_s == pytest.approx(no_faults[1].comm_s)
+        faults = [r.comm_s - n.comm_s for r, n in zip((shared, own_core), no_faults)]
+        assert faults[1] > 0 and faults[0] == pytest.approx(factor * faults[1])
     # Ranks on several nodes share only their node's cores.
     nodes = dataclasses.replace(CPU_GLOO, ranks_per_node=2)
     program = meta_program(3, 4, **SMALL_BUCKETS)
@@ -297,3 +302,81 @@ def test_a_saved_view_of_a_parameter_is_not_counted_again(stage: int) -> None:
                                                            for a in saved if a.name in aliases)
     if stage < 3:
         assert with_views.live_bytes > alone.live_bytes
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_collectives_new_buffers_pay_their_page_faults(stage: int) -> None:
+    # NOTE [A collective's new buffers fault in]: each all-gather and reduce-scatter takes its new
+    # output (not an out= one's) and, where the backend copies, that copy, at fresh_s_per_byte.
+    functional = torch.ops._c10d_functional
+    program = meta_program(stage, 2, **SMALL_BUCKETS)
+    faulting = dataclasses.replace(CPU_CORE, fresh_s_per_byte=1e-9, fresh_min_bytes=1.0)
+    expected = {True: 0, False: 0}  # collective_copies -> new bytes over the step
+    for gm in program.graph_modules(0).values():
+        for node in gm.graph.nodes:
+            if node.target in (functional.all_gather_into_tensor.default, functional.reduce_scatter_tensor.default):
+                out = node.meta["val"].numel() * node.meta["val"].element_size()
+                expected[False] += out
+                expected[True] += out + (node.args[0].meta["val"].numel() * node.args[0].meta["val"].element_size()
+                                         if node.target is functional.reduce_scatter_tensor.default else out)
+            elif node.target is functional.all_gather_into_tensor_out.default:  # writes into its given output
+                expected[True] += node.meta["val"].numel() * node.meta["val"].element_size()
+    assert expected[False] > 0
+    for copies in (False, True):
+        comm = dataclasses.replace(CPU_GLOO, collective_copies=copies)
+        plain = program.report(0, comm=comm, device=CPU_CORE)
+        paged = program.report(0, comm=comm, device=faulting)
+        assert sum(r.comm_s for r in paged.rows) - sum(r.comm_s for r in plain.rows) == pytest.approx(expected[copies] * 1e-9)
+    # Buffers under fresh_min_bytes come from memory the allocator keeps: nothing to fault in.
+    kept = dataclasses.replace(faulting, fresh_min_bytes=float(2**40))
+    assert [r.comm_s for r in program.report(0, device=kept).rows] == [r.comm_s for r in program.report(0, device=CPU_CORE).rows]
+
+
+@pytest.mark.parametrize("fold", ["off", "on"])
+def test_zerofx_plan_reports_the_optimizer_step_of_several_micro_batches(tmp_path: Path, fold: str) -> None:
+    # NOTE [An optimizer step of several micro-batches]: forward and backward once per
+    # micro-batch, the update and its collectives once.
+    from zerofx.app.cli import main
+
+    reports = {}
+    for accumulation in (1, 3):
+        config = tmp_path / f"accumulation{accumulation}.json"
+        config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
+                                      "zero_optimization": {"stage": 2}, "zerofx": {"world_size": 2}}))
+        for fmt in ("json", "table"):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                assert main(["plan", "small", "--config", str(config), "--seq-len", "32", "--fold", fold, "--format", fmt]) == 0
+            reports[accumulation, fmt] = out.getvalue()
+    one, three = (json.loads(reports[a, "json"])["summary"] for a in (1, 3))
+    assert one["micro_batches"] == 1 and one["optimizer_step_s"] == one["step_s"]
+    assert three["step_s"] == pytest.approx(one["step_s"]) and 0 < three["micro_batch_s"] < three["step_s"]
+    assert three["micro_batch_s"] >= three["compute_s"]["forward"] + three["compute_s"]["backward"]
+    assert three["optimizer_step_s"] == pytest.approx(three["step_s"] + 2 * three["micro_batch_s"])
+    assert "optimizer step of 3 micro-batches" in reports[3, "table"] and "optimizer step of" not in reports[1, "table"]
+
+
+def test_the_memory_curve_copies_into_memory_already_mapped() -> None:
+    # NOTE [The memory curve is mapped memory]: the curve's copies write into one destination per
+    # size, so no new output's page faults (priced apart) enter the bandwidth; a clone per copy
+    # allocated up to 128 new tensors per size.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zerofx.app.calibrate import COPY_SIZES, measure_memory_curve
+
+    class NewTensors(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            schema = func._schema
+            in_place = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+            view = any(r.alias_info is not None for r in schema.returns)
+            self.count += not (in_place or view)
+            return func(*args, **(kwargs or {}))
+
+    with NewTensors() as counted:
+        curve = measure_memory_curve(repeats=1)
+    assert [size for size, _ in curve] == [float(s) for s in COPY_SIZES] and all(rate > 0 for _, rate in curve)
+    assert len(COPY_SIZES) <= counted.count <= 2 * len(COPY_SIZES)  # a source and a destination per size

@@ -161,15 +161,29 @@ def measure_interleaved_overhead(group: Any = None, *, device: torch.device | No
 COPY_SIZES = (2**19, 2**21, 2**23, 2**25, 2**27)
 
 
+# NOTE [The memory curve is mapped memory]
+# The memory curve prices bytes moved through memory the process already has mapped; a new
+# output's page faults are priced apart (``fresh_s_per_byte``, NOTE [New tensors' pages] in
+# cost_models/compute.py), and every op's output of at least ``fresh_min_bytes`` pays them. So the
+# curve copies into a destination allocated once. Timed with ``clone`` (a new output per copy),
+# it held the faults too wherever ``MALLOC_MMAP_THRESHOLD_`` sends the copies' outputs to fresh
+# mappings: calibrated with it at 256 KiB, the curve read 4.0-5.4 GB/s at every size where the
+# same core copies at 16-35 GB/s in cache, the faults were priced twice, and the elementwise ops
+# of the 25m DNA LM at 1024 tokens were predicted at twice their profiled time (``aten::mul``
+# 0.42 s against 0.20 s per step).
 def measure_memory_curve(repeats: int, device: torch.device | None = None) -> list[tuple[float, float]]:
-    """(bytes moved, bytes/s) of a tensor copy (``clone``: a new output, as an op makes) at each
-    of ``COPY_SIZES``; each sample copies at least 64 MiB, so small copies are timed in bulk."""
+    """(bytes moved, bytes/s) of a tensor copy into a kept destination at each of
+    ``COPY_SIZES`` (NOTE [The memory curve is mapped memory]); each sample copies at least
+    64 MiB, so small copies are timed in bulk."""
     device = device or torch.device("cpu")
     curve = []
     for moved in COPY_SIZES:
         src = torch.empty(moved // 8, device=device)  # fp32: read once, written once
+        dst = torch.empty_like(src)
+        dst.fill_(0.0)  # its pages mapped before the timing
         copies = max(1, 2**26 // moved)
-        curve.append((float(moved), moved * copies / _time(lambda src=src, copies=copies: [src.clone() for _ in range(copies)], repeats)))
+        curve.append((float(moved), moved * copies / _time(lambda src=src, dst=dst, copies=copies: [dst.copy_(src) for _ in range(copies)],
+                                                          repeats)))
     return curve
 
 

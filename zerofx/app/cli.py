@@ -400,7 +400,8 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
         tiers = plan_tier_bytes(report.peak.live_bytes, offload, grad_bytes=grad_bytes,
                                 grad_tier=None if cfg.grad_offload is None else cfg.grad_offload.device.value)
     if args.format == "json":
-        data = json.loads(report_json(program, report, budget, device_peak_bytes=None if tiers is None else tiers["device"]))
+        data = json.loads(report_json(program, report, budget, device_peak_bytes=None if tiers is None else tiers["device"],
+                                      micro_batches=cfg.gradient_accumulation_steps))
         # A rank's resident memory with the runtime's (NOTE [What a rank's resident memory holds]).
         data["memory"]["process_peak_bytes"] = estimate_process_peak_bytes(report.peak.live_bytes, device.runtime_bytes)
         if offload is not None:
@@ -420,7 +421,7 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
     if tiers is not None:
         print(format_plan_tiers(tiers))
     print(format_report(report, budget_bytes=budget, verbose=args.verbose, step_note=step_note(args.profile, comm, device),
-                        device_peak_bytes=None if tiers is None else tiers["device"]))
+                        device_peak_bytes=None if tiers is None else tiers["device"], micro_batches=cfg.gradient_accumulation_steps))
     if solved is not None:
         what = "longest sequence" if solved.variable == "seq_len" else "largest batch"
         if solved.sequence_parallel > 1:  # NOTE [Solving for the context under sequence parallelism]
@@ -491,6 +492,7 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     from zerofx.compiler.folding import FOLD_BLOCKS, folded_json, format_folded, plan_folded
     from zerofx.compiler.search import lower_prefetch_distance
     from zerofx.cost_models.memory import estimate_process_peak_bytes
+    from zerofx.compiler.program import resolve
 
     if args.solve is not None or args.plot is not None:
         raise UsageError("--solve and --plot need the whole model's timeline: add --fold off")
@@ -519,6 +521,7 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
         return (folded, sample), distance, folded.peak_bytes
 
     folded, sample = fold(own)
+    micro_batches = resolve(args.config, stage=args.stage, world_size=args.world_size).gradient_accumulation_steps
     decisions: list[str] = []
     if budget is not None:
         search = lower_prefetch_distance((folded, sample), sample.plan.prefetch_distance, folded.peak_bytes, budget, fold_at)
@@ -528,7 +531,7 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     if args.format == "json":
         plan_json = json.loads(sample.plan.to_json())
         plan_json["decisions"] = [*plan_json.get("decisions", []), *decisions]
-        data = folded_json(folded, plan_json, budget)
+        data = folded_json(folded, plan_json, budget, micro_batches=micro_batches)
         data["memory"]["process_peak_bytes"] = estimate_process_peak_bytes(folded.peak_bytes, device.runtime_bytes)
         print(json.dumps(data, indent=1, default=list))
         return 0
@@ -540,7 +543,8 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     print(sample.plan)
     for d in decisions:
         print(f"decision: {d}")
-    print(format_folded(folded, budget_bytes=budget, verbose=args.verbose, step_note=step_note(args.profile, comm, device)))
+    print(format_folded(folded, budget_bytes=budget, verbose=args.verbose, step_note=step_note(args.profile, comm, device),
+                        micro_batches=micro_batches))
     return 0
 
 

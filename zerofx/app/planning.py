@@ -411,7 +411,8 @@ def plot_report(report: ScheduleReport, path: Path, *, title: str, budget_bytes:
     return fig
 
 
-def report_json(program: Program, report: ScheduleReport, budget_bytes: float | None, *, device_peak_bytes: float | None = None) -> str:
+def report_json(program: Program, report: ScheduleReport, budget_bytes: float | None, *, device_peak_bytes: float | None = None,
+                micro_batches: int = 1) -> str:
     plan = json.loads(program.plan.to_json())
     return json.dumps(
         {
@@ -426,7 +427,7 @@ def report_json(program: Program, report: ScheduleReport, budget_bytes: float | 
                 # With offload, the device's bytes: the peak less what host memory and NVMe hold.
                 "fits": None if budget_bytes is None else (report.peak.live_bytes if device_peak_bytes is None else device_peak_bytes) <= budget_bytes,
             },
-            "summary": summary_json(report),
+            "summary": summary_json(report, micro_batches=micro_batches),
         },
         indent=1,
         default=list,

@@ -133,6 +133,7 @@ class FoldedReport:
     exposed_s: float
     step_s: float
     num_collectives: int
+    micro_batch_s: float = 0.0  # NOTE [An optimizer step of several micro-batches] in passes/analyze_schedule.py
     repeats: Mapping[int, int] = field(default_factory=dict)  # row order -> times it repeats in the whole model
 
     peak_graph: str = ""
@@ -183,6 +184,7 @@ def fold_reports(small: ScheduleReport, large: ScheduleReport, blocks: RepeatedB
         comm_s=ex(small.comm_s, large.comm_s),
         exposed_s=ex(small.exposed_s, large.exposed_s),
         step_s=ex(small.step_s, large.step_s),
+        micro_batch_s=ex(small.micro_batch_s, large.micro_batch_s),
         num_collectives=round(ex(len(small.rows), len(large.rows))),
         peak_graph=max({p.graph for p in large.timeline}, key=lambda g: _graph_peak(small, large, g, n)),
         repeats={r.order: n - 1 for r in small.rows if _is_block_one(r, blocks)},
@@ -246,7 +248,8 @@ def _in_forked_child(fn: Callable[[nn.Module], ScheduleReport], arg: nn.Module) 
     return result
 
 
-def format_folded(report: FoldedReport, *, budget_bytes: float | None = None, verbose: bool = False, step_note: str = "") -> str:
+def format_folded(report: FoldedReport, *, budget_bytes: float | None = None, verbose: bool = False, step_note: str = "",
+                  micro_batches: int = 1) -> str:
     """The 2-block capture's schedule, with how often each row repeats in the whole model, then
     the whole model's memory and summary (extrapolated); as ``format_report``, with the same
     ``verbose`` and ``step_note``."""
@@ -263,11 +266,11 @@ def format_folded(report: FoldedReport, *, budget_bytes: float | None = None, ve
     if budget_bytes is not None:
         verdict = "fits" if report.peak_bytes <= budget_bytes else "does NOT fit"
         lines.append(f"budget {format_bytes(budget_bytes)}: {verdict}")
-    lines.append(format_summary(report, f"summary ({b.count} blocks, extrapolated)", step_note=step_note))
+    lines.append(format_summary(report, f"summary ({b.count} blocks, extrapolated)", step_note=step_note, micro_batches=micro_batches))
     return "\n".join(lines)
 
 
-def folded_json(report: FoldedReport, plan_json: Mapping, budget_bytes: float | None) -> dict:
+def folded_json(report: FoldedReport, plan_json: Mapping, budget_bytes: float | None, *, micro_batches: int = 1) -> dict:
     """The same keys as an unfolded ``zerofx plan --format json``, plus ``folded``."""
     b = report.blocks
     return {
@@ -281,5 +284,5 @@ def folded_json(report: FoldedReport, plan_json: Mapping, budget_bytes: float | 
             "budget_bytes": budget_bytes,
             "fits": None if budget_bytes is None else report.peak_bytes <= budget_bytes,
         },
-        "summary": summary_json(report),
+        "summary": summary_json(report, micro_batches=micro_batches),
     }
