@@ -276,7 +276,8 @@ def _comm_s(node: fx.Node, plan: Plan, spec: CommSpec) -> float:
     if meta.is_reduce_scatter(node):
         return estimate_reduce_scatter_s(nbytes, int(node.args[2]), spec)
     if meta.is_all_to_all(node):  # over the sequence group (one split per rank): each rank sends (S-1)/S of it, as in this all-gather
-        return estimate_all_gather_s(nbytes, len(node.args[1]), spec)
+        # at the all-to-all's own factor (NOTE [Each collective's own factor] in cost_models/comm.py)
+        return estimate_all_gather_s(nbytes, len(node.args[1]), spec) / spec.scale("all_gather") * spec.scale("all_to_all")
     ranks = plan.num_shard_groups if node.meta.get(meta.COMM_GROUP) == REPLICATE else plan.world_size
     return estimate_all_reduce_s(nbytes, ranks, spec)
 

@@ -3,6 +3,7 @@ chooser of the shard group size, and the fit to this machine's recorded calibrat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -160,6 +161,37 @@ def test_fit_recovers_a_known_link() -> None:
             for n in (2, 4) for b in (2**14, 2**18, 2**22)]
     alpha, bandwidth = fit_link(rows)
     assert alpha == pytest.approx(300e-6, rel=1e-6) and bandwidth == pytest.approx(0.5e9, rel=1e-6)
+
+
+def test_each_collective_gets_its_own_factor(tmp_path: Path) -> None:
+    # NOTE [Each collective's own factor]: gloo-like timings (a reduce-scatter 1.6x the ring's, an
+    # all-to-all 0.4x, an all-reduce 0.5x) are fitted back exactly over the compromise link, the
+    # planner's estimates take them, and a profile file keeps them.
+    from zerofx.cost_models.comm import (
+        estimate_all_reduce_s,
+        estimate_all_to_all_s,
+        estimate_reduce_scatter_s,
+        fit_collective_scale,
+    )
+    from zerofx.cost_models.compute import CPU_CORE
+    from zerofx.cost_models.profiles import load_profile, save_profile
+
+    ring = CommSpec("ring", 300e-6, 0.5e9, 300e-6, 0.5e9, ranks_per_node=64)
+    truth = {"all_gather": 1.0, "reduce_scatter": 1.6, "all_to_all": 0.4, "all_reduce": 0.5}
+    rows = [(c, n, b, predict_s(c, b, n, ring) * f) for c, f in truth.items() for n in (2, 4) for b in (2**14, 2**20, 2**23)]
+    alpha, bandwidth = fit_link(rows)
+    link = CommSpec("fit", alpha, bandwidth, alpha, bandwidth, ranks_per_node=64)
+    fitted = dataclasses.replace(link, collective_scale=fit_collective_scale(rows, link))
+    assert dict(fitted.collective_scale).keys() == truth.keys()
+    for c, n, b, t in rows:
+        assert predict_s(c, b, n, fitted) == pytest.approx(t, rel=1e-6) or b < 2**20  # the factor is fitted from 1 MiB up
+    assert estimate_reduce_scatter_s(2**23, 2, fitted) / estimate_all_gather_s(2**23, 2, fitted) == pytest.approx(1.6)
+    assert estimate_all_to_all_s(2**23, 2, fitted) / estimate_all_to_all_s(2**23, 2, link) == pytest.approx(fitted.scale("all_to_all"))
+    assert estimate_all_reduce_s(2**23, 2, fitted) / estimate_all_reduce_s(2**23, 2, link) == pytest.approx(fitted.scale("all_reduce"))
+    assert CPU_GLOO.scale("reduce_scatter") == 1.0  # the built-in profiles name none
+    path = tmp_path / "profile.json"
+    save_profile(path, fitted, CPU_CORE)
+    assert load_profile(str(path))[0] == fitted and hash(load_profile(str(path))[0]) == hash(fitted)
 
 
 # The recorded calibration of this project's CI machine (benchmarks/calibrate_comm.py) and how

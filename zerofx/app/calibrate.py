@@ -22,6 +22,7 @@ each link on its own measurements.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zerofx.cost_models.comm import CommSpec, fit_link
+from zerofx.cost_models.comm import CommSpec, fit_collective_scale, fit_link
 from zerofx.cost_models.compute import DeviceSpec
 from zerofx.cost_models.profiles import save_profile
 from zerofx.passes import _compat
@@ -329,6 +330,7 @@ def _worker(rank: int, world_size: int, port: int, out: str, repeats: int, sizes
         alpha, bandwidth = fit_link(rows) if rows else (0.0, float("inf"))
         comm = CommSpec("calibrated-gloo", alpha, bandwidth, alpha, bandwidth, ranks_per_node=LOCAL_RANKS_PER_NODE, base_latency_s=launch_s,
                         collective_copies=True)  # NOTE [gloo copies a collective's buffer]
+        comm = dataclasses.replace(comm, collective_scale=fit_collective_scale(rows, comm))  # NOTE [Each collective's own factor]
         device = DeviceSpec("calibrated-cpu-core", flops, mem, memory_curve=tuple(curve), cores=host_cores(), runtime_bytes=runtime,
                             fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min, update_s_per_element_pass=update_s)
         _write(Path(out), comm, device, {"intra": rows})
@@ -401,6 +403,9 @@ def calibrate_across_nodes(out: Path, repeats: int = 5, sizes: Sequence[int] = S
     launch_s = measure_interleaved_overhead(device=device) if device.type == "cpu" else 0.0
     comm = CommSpec(f"calibrated-{dist.get_backend()}", intra_alpha, intra_bw, inter_alpha, inter_bw, ranks_per_node=per_node,
                     base_latency_s=launch_s, collective_copies=dist.get_backend() == "gloo")  # NOTE [gloo copies a collective's buffer]
+    # Each collective's factor, from the links the step's collectives mostly cross: within a node
+    # where there is one (NOTE [Each collective's own factor]).
+    comm = dataclasses.replace(comm, collective_scale=fit_collective_scale(merged[0] or merged[1], comm))
     # CPU ranks share the node's cores; a GPU rank has its device (NOTE [Ranks sharing cores]).
     spec = DeviceSpec(f"calibrated-{device.type}", flops, mem, memory_curve=tuple(curve), cores=host_cores() if device.type == "cpu" else None,
                       runtime_bytes=runtime, fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min, update_s_per_element_pass=update_s)

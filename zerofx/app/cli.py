@@ -654,8 +654,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     comm, device = calibrate(args.out, world_size=args.world_size, repeats=args.repeats)
     from zerofx.cost_models.compute import OPTIMIZER_PASSES
 
-    print(f"wrote {args.out}: all-gather latency {comm.intra_alpha_s * 1e6:.0f} us per ring step, bus bandwidth "
-          f"{comm.intra_bandwidth / 1e9:.3g} GB/s, {comm.base_latency_s * 1e3:.2f} ms more per collective after compute; "
+    factors = ", ".join(f"{c.replace('_', '-')} x{f:.2f}" for c, f in comm.collective_scale)
+    print(f"wrote {args.out}: ring latency {comm.intra_alpha_s * 1e6:.0f} us per step, bus bandwidth "
+          f"{comm.intra_bandwidth / 1e9:.3g} GB/s" + (f" (each collective's time over that model: {factors})" if factors else "")
+          + f", {comm.base_latency_s * 1e3:.2f} ms more per collective after compute; "
           f"matmul {device.matmul_flops_per_s / 1e9:.3g} GFLOP/s, memory {device.memory_bytes_per_s / 1e9:.3g} GB/s, "
           f"optimizer update {device.update_s_per_element_pass * OPTIMIZER_PASSES['AdamW'] * 1e9:.2f} ns per AdamW element per rank")
     return 0
