@@ -123,6 +123,14 @@ def _ring_latency_s(steps_per_pass: int, nodes: int, spec: CommSpec, passes: int
     return spec.base_latency_s + passes * ((steps_per_pass - inter) * spec.intra_alpha_s + inter * spec.inter_alpha_s)
 
 
+def _scaled(seconds: float, collective: str, spec: CommSpec) -> float:
+    """``seconds`` of a collective's model at its own factor; the launch cost after compute
+    (``base_latency_s``, measured apart) unscaled (NOTE [Each collective's own factor])."""
+    if seconds <= 0 or seconds == math.inf:
+        return seconds
+    return spec.base_latency_s + spec.scale(collective) * (seconds - spec.base_latency_s)
+
+
 def _ring_pass_s(total_bytes: float, world_size: int, spec: CommSpec, ranks_per_node: int | None) -> float:
     """One pass of a ring over ``total_bytes`` (NOTE [Ring collectives]), no collective's factor."""
     if world_size == 1:
@@ -134,12 +142,12 @@ def _ring_pass_s(total_bytes: float, world_size: int, spec: CommSpec, ranks_per_
 
 def estimate_all_gather_s(total_bytes: float, world_size: int, spec: CommSpec, *, ranks_per_node: int | None = None) -> float:
     """A ring all-gather whose output is ``total_bytes`` (NOTE [Ring collectives])."""
-    return _ring_pass_s(total_bytes, world_size, spec, ranks_per_node) * spec.scale("all_gather")
+    return _scaled(_ring_pass_s(total_bytes, world_size, spec, ranks_per_node), "all_gather", spec)
 
 
 def estimate_reduce_scatter_s(total_bytes: float, world_size: int, spec: CommSpec, *, ranks_per_node: int | None = None) -> float:
     """A ring reduce-scatter whose input is ``total_bytes``: the all-gather's steps, reversed."""
-    return _ring_pass_s(total_bytes, world_size, spec, ranks_per_node) * spec.scale("reduce_scatter")
+    return _scaled(_ring_pass_s(total_bytes, world_size, spec, ranks_per_node), "reduce_scatter", spec)
 
 
 def estimate_ring_all_reduce_s(total_bytes: float, world_size: int, spec: CommSpec, *, ranks_per_node: int | None = None) -> float:
@@ -147,7 +155,8 @@ def estimate_ring_all_reduce_s(total_bytes: float, world_size: int, spec: CommSp
         return 0.0
     ppn, nodes = _layout(world_size, spec, ranks_per_node)
     bandwidth = spec.intra_bandwidth if nodes == 1 else spec.inter_bandwidth
-    return (_ring_latency_s(world_size - 1, nodes, spec, 2) + 2 * (world_size - 1) / world_size * total_bytes / bandwidth) * spec.scale("all_reduce")
+    return _scaled(_ring_latency_s(world_size - 1, nodes, spec, 2) + 2 * (world_size - 1) / world_size * total_bytes / bandwidth,
+                   "all_reduce", spec)
 
 
 def estimate_tree_all_reduce_s(total_bytes: float, world_size: int, spec: CommSpec, *, ranks_per_node: int | None = None) -> float:
@@ -160,7 +169,7 @@ def estimate_tree_all_reduce_s(total_bytes: float, world_size: int, spec: CommSp
     bandwidth = (spec.intra_bandwidth if nodes == 1 else spec.inter_bandwidth) * spec.tree_bandwidth_fraction
     depth = math.ceil(math.log2(nodes)) if nodes > 1 else 0
     latency = spec.base_latency_s + 2 * ((ppn - 1) * spec.intra_tree_alpha_s + depth * spec.inter_tree_alpha_s)
-    return (latency + 2 * total_bytes / bandwidth) * spec.scale("all_reduce")
+    return _scaled(latency + 2 * total_bytes / bandwidth, "all_reduce", spec)
 
 
 def all_reduce_algorithm(total_bytes: float, world_size: int, spec: CommSpec, *, ranks_per_node: int | None = None) -> CollectiveAlgorithm:
@@ -185,8 +194,8 @@ def estimate_all_to_all_s(total_bytes: float, world_size: int, spec: CommSpec, *
     ppn, _ = _layout(world_size, spec, ranks_per_node)
     local, remote = ppn - 1, world_size - ppn
     chunk = total_bytes / world_size
-    return (spec.base_latency_s + local * (spec.intra_alpha_s + chunk / spec.intra_bandwidth)
-            + remote * (spec.inter_alpha_s + chunk / spec.inter_bandwidth)) * spec.scale("all_to_all")
+    return _scaled(spec.base_latency_s + local * (spec.intra_alpha_s + chunk / spec.intra_bandwidth)
+                   + remote * (spec.inter_alpha_s + chunk / spec.inter_bandwidth), "all_to_all", spec)
 
 
 def efficient_bucket_bytes(world_size: int, spec: CommSpec, efficiency: float = 0.9, *, ranks_per_node: int | None = None) -> int:
@@ -264,13 +273,17 @@ def fit_link(measurements: list[tuple[str, int, float, float]], *, iterations: i
 # which are mostly those two, under-predicted. So after the link is fitted, each collective gets
 # its own factor: the median, over its measurements of at least ``SCALE_MIN_BYTES`` (where the
 # bytes, not the launch, dominate; all of them where none is that large), of its measured time
-# over the model's (``CommSpec.collective_scale``). The built-in profiles name none.
+# over the model's (``CommSpec.collective_scale``). The factor scales the collective's own time;
+# the launch cost after compute (``base_latency_s``, NOTE [Ring collectives]) is measured apart
+# and stays as it is. The built-in profiles name none.
 SCALE_MIN_BYTES = 2**20
 
 
 def fit_collective_scale(measurements: list[tuple[str, int, float, float]], spec: CommSpec) -> tuple[tuple[str, float], ...]:
-    """Each measured collective's factor over ``spec``'s model (NOTE [Each collective's own factor])."""
-    unscaled = dataclasses.replace(spec, collective_scale=())
+    """Each measured collective's factor over ``spec``'s model (NOTE [Each collective's own
+    factor]). The measurements are back to back, so the model they are held to leaves out the
+    launch cost after compute."""
+    unscaled = dataclasses.replace(spec, collective_scale=(), base_latency_s=0.0)
     factors = []
     for collective in sorted({c for c, *_ in measurements}):
         rows = [(n, b, t) for c, n, b, t in measurements if c == collective and t > 0]

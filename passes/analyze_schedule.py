@@ -31,6 +31,7 @@ compute ran last before it and "waited at" the module whose compute comes first 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -277,7 +278,7 @@ def _comm_s(node: fx.Node, plan: Plan, spec: CommSpec) -> float:
         return estimate_reduce_scatter_s(nbytes, int(node.args[2]), spec)
     if meta.is_all_to_all(node):  # over the sequence group (one split per rank): each rank sends (S-1)/S of it, as in this all-gather
         # at the all-to-all's own factor (NOTE [Each collective's own factor] in cost_models/comm.py)
-        return estimate_all_gather_s(nbytes, len(node.args[1]), spec) / spec.scale("all_gather") * spec.scale("all_to_all")
+        return estimate_all_gather_s(nbytes, len(node.args[1]), dataclasses.replace(spec, collective_scale=(("all_gather", spec.scale("all_to_all")),)))
     ranks = plan.num_shard_groups if node.meta.get(meta.COMM_GROUP) == REPLICATE else plan.world_size
     return estimate_all_reduce_s(nbytes, ranks, spec)
 

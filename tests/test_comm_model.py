@@ -188,6 +188,10 @@ def test_each_collective_gets_its_own_factor(tmp_path: Path) -> None:
     assert estimate_reduce_scatter_s(2**23, 2, fitted) / estimate_all_gather_s(2**23, 2, fitted) == pytest.approx(1.6)
     assert estimate_all_to_all_s(2**23, 2, fitted) / estimate_all_to_all_s(2**23, 2, link) == pytest.approx(fitted.scale("all_to_all"))
     assert estimate_all_reduce_s(2**23, 2, fitted) / estimate_all_reduce_s(2**23, 2, link) == pytest.approx(fitted.scale("all_reduce"))
+    # The launch cost after compute is measured apart and not scaled.
+    launched = dataclasses.replace(fitted, base_latency_s=1e-3)
+    assert estimate_reduce_scatter_s(2**23, 2, launched) == pytest.approx(1e-3 + estimate_reduce_scatter_s(2**23, 2, fitted))
+    assert fit_collective_scale(rows, dataclasses.replace(link, base_latency_s=1e-3)) == fitted.collective_scale
     assert CPU_GLOO.scale("reduce_scatter") == 1.0  # the built-in profiles name none
     path = tmp_path / "profile.json"
     save_profile(path, fitted, CPU_CORE)
