@@ -606,6 +606,18 @@ def _row_line(r: dict[str, Any], cap: int) -> str:
             f"{r['step_s']:.2f} [{r['step_p25_s']:.2f}–{r['step_p75_s']:.2f}] | {peak} | {fits} |")
 
 
+def _prediction_lines(result: dict[str, Any]) -> list[str]:
+    """The search's predicted step and peak for its choice against the auto row's measured ones."""
+    chosen = result.get("search", {}).get("result", {}).get("chosen")
+    auto = next((r for r in result.get("rows", []) if r["name"] == "auto" and "step_s" in r), None)
+    if not chosen or auto is None:
+        return []
+    peak = chosen["peak_bytes"] + result["baseline"]["peak_rss_bytes"]
+    return [f"- auto's prediction: step {chosen['step_s']:.2f} s against {auto['step_s']:.2f} s measured (median; ratio "
+            f"{chosen['step_s'] / auto['step_s']:.2f}), peak {human_bytes(peak)} with the baseline against {human_bytes(auto['peak_rss_bytes'])} "
+            f"measured (largest over the rounds; ratio {peak / auto['peak_rss_bytes']:.2f})."]
+
+
 def markdown(result: dict[str, Any]) -> str:
     o, m = result["options"], result["machine"]
     load = result["load_average"]
@@ -655,6 +667,7 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"- auto against {what}: no ratio ({'none fits the cap' if ran else 'auto did not run'}).")
     if not t.get("auto_fits", True):
         lines.append("- auto's configuration does not fit the cap as measured.")
+    lines += _prediction_lines(result)
     if "search" in result:
         lines += ["", "The search's output (`zerofx plan --auto` prints the same):", "", "```", result["search"]["text"].rstrip(), "```"]
     return "\n".join(lines) + "\n"

@@ -164,24 +164,16 @@ def write_result(stem: Path, result: dict[str, Any], text: str) -> None:
 
 def profile_allocator_mismatch(profile: str | Path, threshold: int) -> str | None:
     """Why a CPU profile from ``zerofx calibrate`` does not fit ranks run with glibc's
-    ``MALLOC_MMAP_THRESHOLD_`` at ``threshold`` bytes (0: unset), or None where it does. The
-    profile records the threshold it was calibrated under as ``fresh_min_bytes`` (8 MiB, the probe's
-    size, where it was unset); its page-fault and bandwidth figures hold for that allocator only
-    (NOTE [New tensors' pages] in cost_models/compute.py)."""
-    from zerofx.app.calibrate import FRESH_PROBE_BYTES
+    ``MALLOC_MMAP_THRESHOLD_`` at ``threshold`` bytes (0: unset), or None where it does (NOTE [A
+    profile holds for its allocator] in cost_models/profiles.py)."""
+    from zerofx.cost_models.compute import DeviceSpec
+    from zerofx.cost_models.profiles import allocator_mismatch
 
-    device = json.loads(Path(profile).read_text()).get("device", {})
-    recorded = device.get("fresh_min_bytes")
-    if not recorded or not device.get("name", "").startswith("calibrated-cpu"):
+    mismatch = allocator_mismatch(DeviceSpec(**json.loads(Path(profile).read_text())["device"]), str(threshold) if threshold else None)
+    if mismatch is None:
         return None
-    expected = threshold or FRESH_PROBE_BYTES
-    if int(recorded) == int(expected):
-        return None
-    under = f"MALLOC_MMAP_THRESHOLD_={int(recorded)}" if int(recorded) != FRESH_PROBE_BYTES else "MALLOC_MMAP_THRESHOLD_ unset"
-    runs = f"MALLOC_MMAP_THRESHOLD_={threshold}" if threshold else "MALLOC_MMAP_THRESHOLD_ unset"
-    return (f"the profile {profile} was calibrated with {under}, and the ranks here run with {runs}: its page-fault and "
-            f"memory figures do not hold for them. Calibrate under the same setting (e.g. MALLOC_MMAP_THRESHOLD_={threshold or 0} "
-            f"zerofx calibrate ...) or pass the matching --malloc-mmap-threshold")
+    return (f"the profile {profile} {mismatch.replace('this process runs', 'the ranks here run')} (e.g. "
+            f"MALLOC_MMAP_THRESHOLD_={threshold or 0} zerofx calibrate ...), or pass the matching --malloc-mmap-threshold")
 
 
 def set_malloc_mmap_threshold(value: str) -> int:

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -380,3 +381,29 @@ def test_the_memory_curve_copies_into_memory_already_mapped() -> None:
         curve = measure_memory_curve(repeats=1)
     assert [size for size, _ in curve] == [float(s) for s in COPY_SIZES] and all(rate > 0 for _, rate in curve)
     assert len(COPY_SIZES) <= counted.count <= 2 * len(COPY_SIZES)  # a source and a destination per size
+
+
+def test_a_profile_warns_in_a_process_with_another_malloc_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [A profile holds for its allocator]: a CPU profile calibrated with the threshold at
+    # 256 KiB, loaded where it is unset (and the other way round), warns once; under its own
+    # setting, or for a built-in profile, it does not.
+    from zerofx.cost_models.profiles import FRESH_PROBE_BYTES, allocator_mismatch, load_profile, save_profile
+
+    calibrated = DeviceSpec("calibrated-cpu-core", 1e11, 5e9, fresh_s_per_byte=2e-10, fresh_min_bytes=262144.0)
+    path = tmp_path / "profile.json"
+    save_profile(path, CPU_GLOO, calibrated)
+    assert allocator_mismatch(calibrated, "262144") is None
+    assert "MALLOC_MMAP_THRESHOLD_=262144" in allocator_mismatch(calibrated, None)
+    assert "unset" in allocator_mismatch(dataclasses.replace(calibrated, fresh_min_bytes=float(FRESH_PROBE_BYTES)), "262144")
+    assert allocator_mismatch(CPU_CORE, None) is None
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "262144")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_profile(str(path))
+        load_profile("cpu")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    with pytest.warns(UserWarning, match="calibrated with MALLOC_MMAP_THRESHOLD_=262144, and this process runs with MALLOC_MMAP_THRESHOLD_ unset"):
+        load_profile(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_profile(str(path))  # once per profile and setting

@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 from zerofx.cost_models.comm import CommSpec, fit_collective_scale, fit_link
 from zerofx.cost_models.compute import DeviceSpec
-from zerofx.cost_models.profiles import save_profile
+from zerofx.cost_models.profiles import FRESH_PROBE_BYTES, save_profile
 from zerofx.passes import _compat
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -258,8 +258,6 @@ def measure_update(repeats: int, device: torch.device | None = None, *, cores: i
     return -in_turns(local, cores or dist.get_world_size(), device)[0]
 
 
-# The size of the tensor ``measure_fresh_pages`` allocates (NOTE [New tensors' pages]).
-FRESH_PROBE_BYTES = 8 * 2**20
 
 
 def measure_fresh_pages(repeats: int, device: torch.device | None = None, *, cores: int | None = None) -> tuple[float, float]:
