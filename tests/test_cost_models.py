@@ -407,3 +407,23 @@ def test_a_profile_warns_in_a_process_with_another_malloc_threshold(tmp_path: Pa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_profile(str(path))  # once per profile and setting
+
+
+def test_zerofx_plan_prices_with_the_configs_profile_unless_told_otherwise(tmp_path: Path) -> None:
+    # A config's zerofx.profile sizes the plan's buckets and recompute; without --profile the
+    # times are for it too, and --profile still wins.
+    from zerofx.app.cli import main
+    from zerofx.cost_models.profiles import save_profile
+
+    profile = tmp_path / "profile.json"
+    save_profile(profile, dataclasses.replace(CPU_GLOO, name="calibrated-gloo"), DeviceSpec("calibrated-cpu-core", 74e9, 2.2e9, cores=2))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "zerofx": {"world_size": 2, "profile": str(profile)}}))
+    first_lines = {}
+    for extra in ([], ["--profile", "cpu"]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["plan", "tiny", "--config", str(config), "--seq-len", "32", *extra]) == 0
+        first_lines[tuple(extra)] = out.getvalue().splitlines()[0]
+    assert first_lines[()].endswith("profile calibrated-gloo / calibrated-cpu-core")
+    assert first_lines[("--profile", "cpu")].endswith("profile cpu-gloo / cpu-core")

@@ -177,6 +177,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print the ZeRO plan, the communication schedule, memory per rank and a summary."""
     if ":" not in args.model:
         model_config(args.model)
+    # The times are for the hardware the plan is sized for: a config's zerofx.profile sizes its
+    # buckets, prefetch and recompute, so without --profile it prices them too.
+    args.profile = args.profile or _config_profile(args.config) or DEFAULT_PROFILE
     if args.sweep is not None:
         return _plan_sweep(args)
     if args.world_size is not None:
@@ -208,6 +211,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = _load_model(args)
     with running_model_code(spec.label):  # a sys.exit in the spec's forward is an error, not exit 0
         return _plan_spec(args, spec, budget, user_config, comm, device)
+
+
+def _config_profile(config: Path | None) -> str | None:
+    """The config file's ``zerofx.profile``, or None."""
+    if config is None:
+        return None
+    from zerofx.config import load_config
+
+    profile = load_config(config).get("zerofx", {}).get("profile")
+    return str(profile) if profile else None
 
 
 def _config_asks_auto(config: Path | None) -> bool:
@@ -807,9 +820,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, help="draw the memory timeline and a compute/communication Gantt chart, on one time "
                         "axis, to this PNG (its folder must exist and be writable; checked before planning; needs matplotlib "
                         "and --fold off for models that fold)")
-    p.add_argument("--profile", default=DEFAULT_PROFILE,
+    p.add_argument("--profile", default=None,
                    help="hardware the times are estimated for: cpu (one core per rank, gloo), h100 or h200 (DGX: 8 GPUs per node, "
-                        f"NVLink and 8 x 400 Gb/s InfiniBand), or a file from zerofx calibrate (default: {DEFAULT_PROFILE})")
+                        f"NVLink and 8 x 400 Gb/s InfiniBand), or a file from zerofx calibrate (default: the --config's "
+                        f"zerofx.profile where it sets one, else {DEFAULT_PROFILE})")
     p.add_argument("--verbose", action="store_true",
                    help="also print the FX node names the schedule rows and the peak refer to (issued after, waited at)")
     p.add_argument("--rank", type=_int_arg(0), default=0,
