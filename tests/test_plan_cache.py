@@ -14,7 +14,7 @@ import torch
 import zerofx
 from tests.support.dist_utils import run_ranks
 from tests.support.models import TINY, batches, dna_lm, reference
-from tests.support.plan_cache_workers import build_fails, cold_and_cached
+from tests.support.plan_cache_workers import build_fails, built_in_child, cold_and_cached, fork_with_an_uncollected_group
 from zerofx.compiler import plan_cache
 from zerofx.config import parse_config
 from zerofx.models import DNADecoderLM
@@ -195,3 +195,26 @@ def test_a_build_that_fails_on_rank_0_fails_on_every_rank() -> None:
     assert first == second
     assert first["capture"].startswith("CaptureError") and "branch" in first["capture"].lower()
     assert first["loss"].startswith("CaptureError") and "RuntimeError: the loss function is broken" in first["loss"]
+
+
+@pytest.mark.multiprocess
+def test_rank_0_builds_in_a_child_where_the_fork_is_safe() -> None:
+    """NOTE [Rank 0 builds in a child]: with one intra-op thread rank 0 builds in a forked child
+    and reads the program back from its bytes, as rank 1 does; with two it builds in its own
+    process. Both train alike, bit for bit."""
+    forked = run_ranks(2, built_in_child, 1)
+    own = run_ranks(2, built_in_child, 2)
+    assert forked[0]["phases"] == ["capture", "lower", "plan", "read back from the build process"]
+    assert own[0]["phases"] == ["capture", "lower", "plan"]
+    assert forked[1]["phases"] == own[1]["phases"] == ["from rank 0"]
+    for rank in range(2):
+        assert torch.equal(forked[rank]["loss"], own[rank]["loss"])
+        assert all(torch.equal(v, own[rank]["state"][k]) for k, v in forked[rank]["state"].items())
+
+
+@pytest.mark.multiprocess
+def test_a_forked_child_never_collects_the_parents_process_groups() -> None:
+    """NOTE [Work in a forked child]: a gloo group the parent has dropped but not collected would
+    wait in its destructor, in the child, for threads only the parent has."""
+    assert run_ranks(2, fork_with_an_uncollected_group) == [True, True]
+

@@ -66,3 +66,41 @@ def build_fails(rank: int, world_size: int) -> dict[str, str]:
         else:
             out[case] = "no error"
     return out
+
+
+def built_in_child(rank: int, world_size: int, threads: int) -> dict[str, Any]:
+    """One step of the tiny DNA LM with rank 0 at ``threads`` intra-op threads, the plan cache
+    off: the program's setup phases and the loss (NOTE [Rank 0 builds in a child])."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads if rank == 0 else 1)
+    try:  # the rank's process may serve other tests next (NOTE [A pool of ranks])
+        data = batches(world_size, 1)
+        config = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zerofx": {"plan_cache": False}}
+        engine = zerofx.initialize(dna_lm(), config, example_inputs=(data[0, rank],), example_kwargs={"labels": data[0, rank]})
+        loss = engine(data[0, rank], labels=data[0, rank])
+        engine.backward(loss)
+        engine.step()
+        return {"phases": sorted(engine.program.setup_times), "loss": loss.detach().clone(), "state": engine.full_state_dict()}
+    finally:
+        torch.set_num_threads(before)
+
+
+def fork_with_an_uncollected_group(rank: int, world_size: int) -> bool:
+    """A gloo group dropped into a reference cycle, not yet collected, then a child that collects
+    garbage: whether the child finishes (NOTE [Work in a forked child])."""
+    import gc
+
+    import torch.distributed as dist
+
+    from zerofx.common.fork import start_in_fork
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.group, holder.me = dist.new_group(list(range(world_size)), backend="gloo"), holder  # a cycle: only gc frees it
+    dist.destroy_process_group(holder.group)  # out of torch's registries; the cycle still holds it
+    del holder
+    got = start_in_fork(lambda: (gc.collect(), b"collected")[1])(60.0)
+    dist.barrier()
+    return got is not None and got.payload == b"collected"

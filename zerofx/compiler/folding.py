@@ -44,6 +44,7 @@ import torch.nn as nn
 from zerofx.passes.analyze_schedule import CollectiveRow, ScheduleReport, format_summary, schedule_table, summary_json
 from zerofx.common.limits import AUTO_FOLD_MIN_BLOCKS  # noqa: F401  (re-exported: zerofx.compiler.folding names it)
 from zerofx.common.units import format_bytes
+from zerofx.common.fork import fork_is_safe, start_in_fork
 from zerofx.common.errors import PlanError
 
 log = logging.getLogger("zerofx.compiler.folding")
@@ -214,36 +215,24 @@ def plan_folded(
 # NOTE [Planning the two captures in parallel]
 # The two captures are independent and each is single-threaded Python (tracing, partitioning),
 # so on a machine with two cores or more ``zerofx plan`` runs the 2-block one in a child
-# process made by fork: it inherits the imported torch and the meta model for free, where a
-# spawned process would pay the 6 s import again. The child pickles its ScheduleReport (plain
-# dataclasses) through a pipe. Only a model on the meta device is forked: nothing has run a
-# parallel ATen kernel then, so no OpenMP pool is copied half-alive. If the child fails
-# or dies, the parent plans the 2-block model itself: the answer never depends on the fork.
+# process made by fork (NOTE [Work in a forked child] in zerofx/common/fork.py): it inherits the
+# imported torch and the meta model for free, where a spawned process would pay the 6 s import
+# again. The child pickles its ScheduleReport (plain dataclasses) through a pipe. Only a model
+# on the meta device is forked: nothing has run a parallel ATen kernel then, so no OpenMP pool
+# is copied half-alive. If the child fails or dies, the parent plans the 2-block model itself:
+# the answer never depends on the fork.
 def _in_forked_child(fn: Callable[[nn.Module], ScheduleReport], arg: nn.Module) -> Callable[[], ScheduleReport]:
-    if not hasattr(os, "fork") or (os.cpu_count() or 1) < 2:
+    if (os.cpu_count() or 1) < 2 or not fork_is_safe(runs_kernels=False):  # a meta model: no kernel runs
         return lambda: fn(arg)
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report, send, and leave without running the parent's atexit hooks
-        status = 1
-        try:  # whatever happens, the child must never return into the parent's code
-            os.close(read_fd)
-            payload = pickle.dumps(fn(arg))
-            with os.fdopen(write_fd, "wb") as out:
-                out.write(payload)
-            status = 0
-        finally:
-            os._exit(status)
-    os.close(write_fd)
+    wait = start_in_fork(lambda: pickle.dumps(fn(arg)))  # NOTE [Work in a forked child]
 
     def result() -> ScheduleReport:
-        with os.fdopen(read_fd, "rb") as pipe:
-            payload = pipe.read()
-        _, status = os.waitpid(pid, 0)
-        if status != 0 or not payload:
-            log.info("the forked 2-block capture failed (wait status %d); planning it in this process", status)
+        got = wait(None)
+        if got is None or got.payload is None:
+            why = "it died" if got is None else f"{got.error[0]}: {got.error[1]}"
+            log.info("the forked 2-block capture failed (%s); planning it in this process", why)
             return fn(arg)
-        return pickle.loads(payload)
+        return pickle.loads(got.payload)
 
     return result
 

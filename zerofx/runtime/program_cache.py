@@ -123,7 +123,8 @@ class ProgramCache:
                                    world_size=self.world_size, rank=0, backend=str(dist.get_backend(self.group)),
                                    device=self.device, program_options=self.program_options)
         return rank_agreement.build_once(build, key=key, rank=self.rank, group=self.group, world_size=self.world_size,
-                                         timeout_s=self.timeout_s, program_options=self.program_options)
+                                         timeout_s=self.timeout_s, program_options=self.program_options,
+                                         in_child=self.device.type == "cpu")  # NOTE [Rank 0 builds in a child]
 
     def plan_cache_key(self, sig: Any) -> dict[str, Any]:
         """What this rank's program for input signature ``sig`` depends on (NOTE [What a

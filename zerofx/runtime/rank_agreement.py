@@ -11,6 +11,8 @@ on every call under sequence parallelism.
 from __future__ import annotations
 
 import hashlib
+import logging
+import pickle
 import time
 import traceback
 from collections.abc import Callable
@@ -22,12 +24,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerofx.common import errors
+from zerofx.common.fork import fork_is_safe, start_in_fork
 from zerofx.compiler import plan_cache
 from zerofx.config import ZeroConfig, first_config_difference
 from zerofx.common.errors import CollectiveTimeoutError, RankDivergenceError, ZeroFXError
 from zerofx.passes import _compat
 from zerofx.passes.check_collectives import collective_sequence, first_divergence
 from zerofx.compiler.program import Program
+
+log = logging.getLogger(__name__)
 
 # How long ranks wait for rank 0 to build the program (NOTE [One build per job]).
 BUILD_WAIT_S = 3600.0
@@ -176,9 +181,10 @@ def check_same_batch_in_group(inputs: list[torch.Tensor], *, rank: int, sequence
 
 
 def build_once(build: Callable[[], Program], *, key: dict[str, Any], rank: int, group: dist.ProcessGroup, world_size: int,
-               timeout_s: float, program_options: dict[str, Any]) -> Program:
+               timeout_s: float, program_options: dict[str, Any], in_child: bool = False) -> Program:
     """``build()`` on rank 0, its program sent to every other rank; ``key`` is this rank's
-    plan-cache key for it, as rank 0 would compute it.
+    plan-cache key for it, as rank 0 would compute it. With ``in_child`` rank 0 builds in a
+    forked child where that is safe (NOTE [Rank 0 builds in a child]).
 
     NOTE [One build per job]
     Every rank's program is the same (the graphs name groups, not ranks: NOTE [Shard groups
@@ -203,8 +209,8 @@ def build_once(build: Callable[[], Program], *, key: dict[str, Any], rank: int, 
     error: BaseException | None = None
     if rank == 0:
         try:
-            program = build()
-            message = [("program", plan_cache.program_bytes(program, rank))]
+            program, payload = _build_on_rank_0(build, rank, program_options, in_child=in_child)
+            message = [("program", payload)]
         except BaseException as exc:
             message, error = [("error", (type(exc).__name__, str(exc)))], exc
     # The other ranks wait for rank 0's build, not for a stalled peer: the collective timeout
@@ -229,3 +235,48 @@ def build_once(build: Callable[[], Program], *, key: dict[str, Any], rank: int, 
     program = plan_cache.program_from_bytes(value, program_options)
     program.setup_times = {"from rank 0": time.perf_counter() - start}
     return program
+
+
+# NOTE [Rank 0 builds in a child]
+# Capturing and lowering a step leaves CPython's allocator holding partly freed arenas: on this
+# project's machine rank 0 of the 25m DNA LM at 2 gloo ranks held 447 MiB after
+# ``zerofx.initialize`` with a fresh capture against 400 MiB when loading the same program from
+# the plan cache, the same live bytes in more arenas; clearing torch's fake-tensor, dynamo, sympy
+# and line caches, or glibc's ``malloc_trim``, frees none of it. The other ranks never hold it:
+# they rebuild the graphs from the bytes rank 0 sends (NOTE [One build per job]). So on a CPU
+# device rank 0 builds in a forked child (NOTE [Work in a forked child] in zerofx/common/fork.py)
+# and, like the others, keeps only the program read back from the child's bytes; what the build
+# allocated leaves with the child. On a GPU the residue is host memory, not the device's, and a
+# CUDA context forbids the fork: rank 0 builds in its own process, as it does wherever the fork is
+# not safe. A zerofx error in the child is raised again as itself (a ``MissingLossError`` still
+# defers capture to the first call); any other failure, or a child that dies, makes rank 0 build
+# in its own process, where the traceback is the user's.
+def _build_on_rank_0(build: Callable[[], Program], rank: int, program_options: dict[str, Any], *,
+                     in_child: bool) -> tuple[Program, bytes]:
+    """Rank 0's program and the bytes it sends the other ranks (NOTE [Rank 0 builds in a child])."""
+    if in_child and fork_is_safe():
+        def built() -> bytes:
+            program = build()
+            return pickle.dumps((plan_cache.program_bytes(program, rank), dict(program.setup_times), program.cache_entry))
+
+        start = time.perf_counter()
+        got = start_in_fork(built)(BUILD_WAIT_S)
+        if got is not None and got.payload is not None:
+            payload, setup_times, cache_entry = pickle.loads(got.payload)
+            read_start = time.perf_counter()
+            program = plan_cache.program_from_bytes(payload, program_options)
+            program.setup_times = {**setup_times, "read back from the build process": time.perf_counter() - read_start}
+            program.cache_entry = cache_entry
+            log.debug("rank 0 built its program in a child in %.1f s", time.perf_counter() - start)
+            return program, payload
+        if got is not None and got.error is not None:
+            name, text, child_traceback = got.error
+            same = getattr(errors, name, None)
+            if isinstance(same, type) and issubclass(same, ZeroFXError):
+                raise same(text)
+            log.info("rank 0's build in a child failed (%s: %s); building in this process:\n%s", name, text, child_traceback)
+        else:
+            log.info("rank 0's build in a child died or timed out; building in this process")
+    program = build()
+    return program, plan_cache.program_bytes(program, rank)
+
