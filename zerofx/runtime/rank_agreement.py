@@ -239,14 +239,15 @@ def build_once(build: Callable[[], Program], *, key: dict[str, Any], rank: int, 
 
 # NOTE [Rank 0 builds in a child]
 # Capturing and lowering a step leaves CPython's allocator holding partly freed arenas: on this
-# project's machine rank 0 of the 25m DNA LM at 2 gloo ranks held 447 MiB after
-# ``zerofx.initialize`` with a fresh capture against 400 MiB when loading the same program from
-# the plan cache, the same live bytes in more arenas; clearing torch's fake-tensor, dynamo, sympy
-# and line caches, or glibc's ``malloc_trim``, frees none of it. The other ranks never hold it:
-# they rebuild the graphs from the bytes rank 0 sends (NOTE [One build per job]). So on a CPU
-# device rank 0 builds in a forked child (NOTE [Work in a forked child] in zerofx/common/fork.py)
-# and, like the others, keeps only the program read back from the child's bytes; what the build
-# allocated leaves with the child. On a GPU the residue is host memory, not the device's, and a
+# project's machine rank 0 of the 25m DNA LM at 2 gloo ranks (stage 3, 1,024 tokens) held 425 MiB
+# after ``zerofx.initialize`` against rank 1's 396 MiB, the same live bytes in more arenas;
+# clearing torch's fake-tensor, dynamo, sympy and line caches, or glibc's ``malloc_trim``, frees
+# none of it. The other ranks never hold it: they rebuild the graphs from the bytes rank 0 sends
+# (NOTE [One build per job]). So on a CPU device rank 0 builds in a forked child (NOTE [Work in a
+# forked child] in zerofx/common/fork.py) and, like the others, keeps only the program read back
+# from the child's bytes; what the build allocated leaves with the child. Measured the same way:
+# 397-398 MiB after ``zerofx.initialize`` and a peak of 877-879 MiB over two steps, against
+# 905-906 MiB building in its own process, for 0.3 s more setup. On a GPU the residue is host memory, not the device's, and a
 # CUDA context forbids the fork: rank 0 builds in its own process, as it does wherever the fork is
 # not safe. A zerofx error in the child is raised again as itself (a ``MissingLossError`` still
 # defers capture to the first call); any other failure, or a child that dies, makes rank 0 build
