@@ -238,6 +238,9 @@ def test_the_printed_config_plans_the_same_thing(tmp_path: Path, capsys: pytest.
     assert planned["memory"]["budget_bytes"] is None or planned["memory"]["fits"]
     if chosen["candidate"]["offload"] == "none":
         assert planned["memory"]["peak_bytes"] == chosen["peak_bytes"]
+        # The search prices a candidate's step as zerofx plan does, the update included (NOTE [An
+        # optimizer step of several micro-batches], NOTE [The optimizer update's time]).
+        assert planned["summary"]["optimizer_step_s"] == pytest.approx(chosen["step_s"], rel=1e-6)
 
 
 def test_plan_auto_table_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
