@@ -66,7 +66,7 @@ def load_profile(name_or_path: str) -> tuple[CommSpec, DeviceSpec]:
     data = json.loads(path.read_text())
     try:
         comm, device = CommSpec(**data["comm"]), DeviceSpec(**data["device"])
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"profile file {name_or_path!r} is not a zerofx profile: {exc}") from exc
     threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
     if (mismatch := allocator_mismatch(device, threshold)) and (name_or_path, threshold) not in _WARNED:

@@ -254,3 +254,18 @@ def test_calibration_times_compute_on_at_most_cores_ranks_at_once() -> None:
         assert sum(s <= start < e for s, e in windows) <= 2
     assert windows[0][1] <= windows[2][0] and windows[1][1] <= windows[3][0]  # ranks 0, 1 first; then 2, 3
     assert all(r["combined"] == [0.0, -3.0] for r in results)
+
+
+def test_a_malformed_collective_scale_is_a_profile_error(tmp_path: Path) -> None:
+    # A hand-edited profile whose factors are not (name, number) pairs names the file.
+    from zerofx.common.errors import ConfigError
+    from zerofx.cost_models.compute import CPU_CORE
+    from zerofx.cost_models.profiles import load_profile, save_profile
+
+    path = tmp_path / "profile.json"
+    save_profile(path, CPU_GLOO, CPU_CORE)
+    data = json.loads(path.read_text())
+    data["comm"]["collective_scale"] = [["reduce_scatter", "fast"]]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="is not a zerofx profile"):
+        load_profile(str(path))
