@@ -90,6 +90,8 @@ CASES = (
     Case("25m W4 stage 3", "25m", 4, 3, 256),
     Case("25m W4 stage 3 SP2", "25m", 4, 3, 256, zerofx=SP2),
     Case("25m W2 stage 2 T1024 accum 2", "25m", 2, 2, 1024, accumulation=2),
+    Case("25m W2 stage 2 T1024 B2 tiling", "25m", 2, 2, 1024, batch=2, zerofx=TILING),
+    Case("25m W2 stage 3 T1024 B2 recompute", "25m", 2, 3, 1024, batch=2, zerofx={"recompute": True}),
     Case("100m W2 stage 3", "100m", 2, 3, 128),
     Case("100m W2 stage 2 offload", "100m", 2, 2, 128, zero=OFFLOAD),
     Case("100m W4 stage 3", "100m", 4, 3, 128),

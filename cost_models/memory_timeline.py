@@ -164,12 +164,18 @@ def aliases_of_inputs(gm: fx.GraphModule) -> set[str]:
     return {n.name for n in aliases}
 
 
+def saved_activations(forward: fx.GraphModule) -> list[fx.Node]:
+    """What ``forward`` saves for backward that holds bytes of its own: its outputs after the
+    first, less inputs and views of them (NOTE [A saved view of an input is that input])."""
+    aliases = aliases_of_inputs(forward)
+    return [a for a in forward.graph.find_nodes(op="output")[0].args[0][1:] if isinstance(a, fx.Node) and a.name not in aliases]
+
+
 def step_timeline(forward: fx.GraphModule, backward: fx.GraphModule, *, persistent_bytes: int = 0,
                   collective_copies: bool = False) -> list[TimelinePoint]:
     """The whole step: forward then backward, plus ``persistent_bytes`` of model state throughout;
     ``collective_copies`` as ``graph_timeline`` takes it."""
-    aliases = aliases_of_inputs(forward)
-    saved = {a.name for a in forward.graph.find_nodes(op="output")[0].args[0][1:] if isinstance(a, fx.Node) and a.name not in aliases}
+    saved = {a.name for a in saved_activations(forward)}
     fwd = graph_timeline(forward, "forward", keep_outputs=True, collective_copies=collective_copies)
     bwd_inputs = [n.name for n in backward.graph.find_nodes(op="placeholder")]
     # Saved values are forward outputs; entering backward they are its placeholders.

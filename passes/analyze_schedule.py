@@ -41,7 +41,7 @@ import torch.fx as fx
 
 from zerofx.cost_models.comm import CommSpec, estimate_all_gather_s, estimate_all_reduce_s, estimate_reduce_scatter_s
 from zerofx.cost_models.compute import DeviceSpec, estimate_node_s, estimate_optimizer_step_s, rank_device, value_bytes, writes_in_place
-from zerofx.cost_models.memory_timeline import TimelinePoint, collective_copy_bytes, peak, step_timeline
+from zerofx.cost_models.memory_timeline import TimelinePoint, collective_copy_bytes, peak, saved_activations, step_timeline
 from zerofx.passes import meta
 from zerofx.passes.check_collectives import GRAPH_ORDER
 from zerofx.passes.plan import REPLICATE, Plan
@@ -114,6 +114,7 @@ class ScheduleReport:
     timeline: tuple[TimelinePoint, ...]
     peak_module: str = ""  # the module the peak's node belongs to (NOTE [Naming a node by its module])
     timeline_s: tuple[float, ...] = ()  # when each timeline point's node is done, from the step's start (simulated)
+    saved_bytes: int = 0  # the activations the forward saves for backward (NOTE [Recompute in rounds])
 
     @property
     def comm_s(self) -> float:
@@ -429,6 +430,7 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
         rows=tuple(rows), spans=tuple(spans), compute_s=compute, exposed_s=exposed_total, step_s=t,
         persistent_bytes=persistent, peak=top, timeline=tuple(timeline), peak_module=module_of_node.get((top.graph, top.node), ""),
         timeline_s=tuple(done_at[(p.graph, p.node)] for p in timeline),
+        saved_bytes=sum(value_bytes(a.meta.get("val")) for a in saved_activations(modules["forward"])),
     )
 
 
@@ -474,7 +476,7 @@ def format_report(report: ScheduleReport, *, budget_bytes: float | None = None, 
         schedule_table(report.rows, verbose=verbose),
         "",
         f"memory per rank: persistent model state {format_bytes(report.persistent_bytes)}, "
-        f"peak {format_bytes(report.peak.live_bytes)} {where}",
+        f"activations saved for backward {format_bytes(report.saved_bytes)}, peak {format_bytes(report.peak.live_bytes)} {where}",
     ]
     if budget_bytes is not None:
         # With offload the budget is the device's: the peak less what the offload plans hold on

@@ -69,8 +69,10 @@ def test_a_tighter_budget_picks_recompute() -> None:
     assert chosen.candidate.recompute == "auto" and chosen.recomputed > 0
     plain = next(e for e in tight.ranked if e.candidate.recompute == "off")
     assert not plain.fits and plain.lowered
-    assert 0.9 * plain.tokens_per_s < chosen.tokens_per_s <= plain.tokens_per_s
-    assert f"({chosen.recomputed} activations recomputed)" in chosen.label()
+    # Within 1% above: once anything is recomputed the spine is saved (NOTE [The spine stays saved]),
+    # so the partitioner no longer rebuilds the residual adds it recomputes by default.
+    assert 0.9 * plain.tokens_per_s < chosen.tokens_per_s <= 1.01 * plain.tokens_per_s
+    assert f"({chosen.recomputed} activation" in chosen.label() and "recomputed)" in chosen.label()
     assert tight.config is not None and tight.config["zerofx"]["recompute"] == "auto"
     # A tighter budget still recomputes more.
     tighter = _search(512, 0.86 * plain_peak, RECOMPUTE)

@@ -75,6 +75,43 @@ def test_flops_of_matmul_and_attention() -> None:
     assert attn == 2 * 2 * (2 * 4) * 8 * 8 * 4  # QK^T and PV over (B*nh) heads of T x T x hd
 
 
+def test_flops_of_zerofx_custom_ops_are_the_products_they_run() -> None:
+    """NOTE [Custom ops' FLOPs]: the tiled attention counts as SDPA, a ring attention over every
+    rank's keys, the tiled linear and the chunked loss as their products; all take the roofline."""
+    import zerofx.passes.ring_attention  # noqa: F401  (registers zerofx::ring_attention)
+    import zerofx.passes.tiled_kernels  # noqa: F401
+
+    graph = torch.fx.Graph()
+
+    def call(target, *args, **kwargs):
+        node = graph.call_function(target, args, kwargs)
+        node.meta["val"] = torch.empty(1, device="meta")
+        return node
+
+    def tensor(*shape):
+        node = graph.placeholder(f"t{len(graph.nodes)}")
+        node.meta["val"] = torch.empty(shape, device="meta")
+        return node
+
+    q, k = tensor(2, 8, 64, 32), tensor(2, 8, 64, 32)
+    sdpa = 2 * 2 * (2 * 8) * 64 * 64 * 32
+    ops = torch.ops.zerofx
+    blocked = call(ops.blocked_attention.default, q, k, k, None, True, 0.1, 16, 16)
+    blocked_bwd = call(ops.blocked_attention_backward.default, q, q, k, k, q, q, None, True, 0.1, 16, 16)
+    ring = call(ops.ring_attention.default, q, k, k, None, True, 0.1, "group", 4, False)
+    ring_bwd = call(ops.ring_attention_backward.default, q, q, k, k, q, q, None, True, 0.1, "group", 4, False)
+    x, w = tensor(2, 64, 48), tensor(96, 48)
+    linear = call(ops.feature_tiled_linear.default, x, w, None, 4)
+    linear_bwd = call(ops.feature_tiled_linear_backward.default, x, x, w, 4, False)
+    loss_bwd = call(ops.chunked_linear_cross_entropy_backward.default, x, x, w, None, x, -100, 32)
+    assert estimate_flops(blocked) == sdpa and estimate_flops(blocked_bwd) == 2 * sdpa
+    assert estimate_flops(ring) == 4 * sdpa and estimate_flops(ring_bwd) == 8 * sdpa
+    product = 2 * (2 * 64) * 48 * 96
+    assert estimate_flops(linear) == product and estimate_flops(linear_bwd) == 2 * product and estimate_flops(loss_bwd) == 3 * product
+    slow = DeviceSpec("slow-flops", 1e9, 1e15)
+    assert estimate_node_s(blocked, slow) == pytest.approx(sdpa / 1e9)
+
+
 def test_overlap_hides_communication_in_the_model() -> None:
     on = meta_program(3, 2, **SMALL_BUCKETS).report(0)
     off = meta_program(3, 2, overlap_comm=False, **SMALL_BUCKETS).report(0)

@@ -18,7 +18,8 @@ from tests.support.recompute_workers import striped_sequence_parallel, with_and_
 from zerofx.common.errors import ConfigError
 from zerofx.config import parse_config
 from zerofx.cost_models.compute import CPU_CORE
-from zerofx.passes.plan_recompute import recompute_candidates
+from zerofx.passes import plan_recompute
+from zerofx.passes.plan_recompute import recompute_candidates, spine_values
 
 aten = torch.ops.aten
 
@@ -49,15 +50,24 @@ def _programs(stage: int, **own: object):
 def test_candidates_are_ranked_by_bytes_per_second_and_exclude_what_cannot_be_rebuilt() -> None:
     joint = _captured(TINY, True).captured.joint
     candidates, saved = recompute_candidates(joint, CPU_CORE)
-    assert candidates and saved >= sum(c.bytes for c in candidates)
-    ratios = [c.bytes_per_s for c in candidates]
-    assert ratios == sorted(ratios, reverse=True)
+    first = [c for c in candidates if c.round == 1]
+    assert first and saved >= sum(c.bytes for c in first)
+    # Later rounds follow the first (NOTE [Recompute in rounds]), each ranked on its own.
+    rounds = [c.round for c in candidates]
+    assert rounds == sorted(rounds) and rounds[-1] > 1
+    for r in set(rounds):
+        ratios = [c.bytes_per_s for c in candidates if c.round == r]
+        assert ratios == sorted(ratios, reverse=True)
     by_name = {n.name: n for n in joint.graph.nodes}
     for c in candidates:
         for name in c.tagged:
             node = by_name[name]
             assert node.op == "call_function" and node.meta.get("recompute") is None
             assert getattr(node.target, "namespace", "aten") == "aten"
+    # The residual stream is the spine: never a candidate (NOTE [The spine stays saved]).
+    spine = spine_values(joint.graph)
+    assert sum(n.target is aten.add.Tensor for n in spine) >= 2 * TINY.num_layers
+    assert not spine & {by_name[name] for c in candidates for name in c.tagged}
     # Matrix products are among them (the partitioner saves them; recompute is the only way to drop them).
     assert any(by_name[c.name].target is aten.mm.default for c in candidates)
 
@@ -74,7 +84,22 @@ def test_recompute_all_saves_less_and_recomputes_the_products_in_backward(stage:
     assert recomputed.report(0).compute_s["backward"] > plain.report(0).compute_s["backward"]
     assert recomputed.plan.fingerprint() != plain.plan.fingerprint()
     text = str(recomputed.plan)
-    assert "recompute (all): " in text and "recomputed" in text and "bytes freed" in text
+    assert "recompute (all): " in text and "recomputed" in text and "held saved" in text
+    # The report says what the lowered forward saves, and recomputing everything lowers the peak.
+    assert 0 < recomputed.report(0).saved_bytes < plain.report(0).saved_bytes
+    assert recomputed.report(0).peak.live_bytes <= plain.report(0).peak.live_bytes
+
+
+def test_later_rounds_save_less_than_the_first_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recomputing the first round's candidates makes the partitioner save what rebuilds them; the
+    later rounds recompute those too, and the spine keeps the backward peak from rising (NOTE
+    [Recompute in rounds], NOTE [The spine stays saved])."""
+    _, every = _programs(3, recompute=True)
+    monkeypatch.setattr(plan_recompute, "RECOMPUTE_ROUNDS", 1)
+    first_only = _captured(TINY, True).replan({"zero_optimization": {"stage": 3}, "zerofx": {"recompute": True}}, world_size=2)
+    assert every.plan.recompute.rounds > 1 and first_only.plan.recompute.rounds == 1
+    assert every.report(0).saved_bytes < first_only.report(0).saved_bytes
+    assert every.report(0).peak.live_bytes < first_only.report(0).peak.live_bytes
 
 
 def test_auto_keeps_the_partition_when_the_budget_fits() -> None:

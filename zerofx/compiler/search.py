@@ -182,8 +182,9 @@ def fit_tiling(first: P, build: Callable[[TilingOptions], P], options: TilingOpt
 
 
 # NOTE [Recompute under a memory budget]
-# The candidates of ``recompute_candidates`` come ranked by bytes freed per second of recompute
-# (NOTE [Selective activation recompute] in passes/plan_recompute.py); taking more frees more.
+# The candidates of ``recompute_candidates`` come ranked by bytes freed per second of recompute,
+# round after round (NOTE [Selective activation recompute], NOTE [Recompute in rounds] in
+# passes/plan_recompute.py); taking more frees more.
 # Under "auto" the search keeps the plan as it is when its lowered graphs' peak fits the budget;
 # otherwise it lowers every candidate recomputed, and when that fits, bisects for the fewest
 # best-ranked candidates that fit, each count planned and lowered anew (about log2 of the
