@@ -396,8 +396,8 @@ def test_zerofx_plan_reports_the_optimizer_step_of_several_micro_batches(tmp_pat
 
 def test_the_memory_curve_copies_into_memory_already_mapped() -> None:
     # NOTE [The memory curve is mapped memory]: the curve's copies write into one destination per
-    # size, so no new output's page faults (priced apart) enter the bandwidth; a clone per copy
-    # allocated up to 128 new tensors per size.
+    # size, so no new output's page faults (priced apart) enter the bandwidth (a clone per copy
+    # allocated up to 128 new tensors per size), from a source written before.
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from zerofx.app.calibrate import COPY_SIZES, measure_memory_curve
@@ -406,18 +406,29 @@ def test_the_memory_curve_copies_into_memory_already_mapped() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.count = 0
+            self.written: set[int] = set()  # data pointers of tensors some op has written
+            self.unwritten_sources = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             schema = func._schema
             in_place = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
             view = any(r.alias_info is not None for r in schema.returns)
             self.count += not (in_place or view)
-            return func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.copy_.default:
+                self.unwritten_sources += args[1].data_ptr() not in self.written
+            out = func(*args, **(kwargs or {}))
+            if in_place:
+                self.written.add(args[0].data_ptr())
+            elif not view and func not in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default):
+                self.written.add(out.data_ptr())
+            return out
 
     with NewTensors() as counted:
         curve = measure_memory_curve(repeats=1)
     assert [size for size, _ in curve] == [float(s) for s in COPY_SIZES] and all(rate > 0 for _, rate in curve)
     assert len(COPY_SIZES) <= counted.count <= 2 * len(COPY_SIZES)  # a source and a destination per size
+    # A source never written reads the shared zero page, from cache: every copy reads written memory.
+    assert counted.unwritten_sources == 0
 
 
 def test_a_profile_warns_in_a_process_with_another_malloc_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

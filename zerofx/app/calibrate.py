@@ -171,7 +171,11 @@ COPY_SIZES = (2**19, 2**21, 2**23, 2**25, 2**27)
 # mappings: calibrated with it at 256 KiB, the curve read 4.0-5.4 GB/s at every size where the
 # same core copies at 16-35 GB/s in cache, the faults were priced twice, and the elementwise ops
 # of the 25m DNA LM at 1024 tokens were predicted at twice their profiled time (``aten::mul``
-# 0.42 s against 0.20 s per step).
+# 0.42 s against 0.20 s per step). The source is written first too: an allocation never written
+# maps the kernel's shared zero page, so reading it reads one page that stays in cache, and with
+# an unwritten source the curve read 44 GB/s for a 128 MiB copy that moves 13 GB/s on this
+# project's machine (480 MiB of L3 shared with the host's other tenants), and the 25m DNA LM's
+# elementwise ops at 2x1024 tokens were predicted at 0.56 of their profiled time.
 def measure_memory_curve(repeats: int, device: torch.device | None = None) -> list[tuple[float, float]]:
     """(bytes moved, bytes/s) of a tensor copy into a kept destination at each of
     ``COPY_SIZES`` (NOTE [The memory curve is mapped memory]); each sample copies at least
@@ -179,9 +183,10 @@ def measure_memory_curve(repeats: int, device: torch.device | None = None) -> li
     device = device or torch.device("cpu")
     curve = []
     for moved in COPY_SIZES:
-        src = torch.empty(moved // 8, device=device)  # fp32: read once, written once
-        dst = torch.empty_like(src)
-        dst.fill_(0.0)  # its pages mapped before the timing
+        # Both written before the timing: a source never written reads the kernel's one zero page
+        # (NOTE [The memory curve is mapped memory]).
+        src = torch.full((moved // 8,), 1.0, device=device)  # fp32: read once, written once
+        dst = torch.zeros_like(src)
         copies = max(1, 2**26 // moved)
         curve.append((float(moved), moved * copies / _time(lambda src=src, dst=dst, copies=copies: [dst.copy_(src) for _ in range(copies)],
                                                           repeats)))
