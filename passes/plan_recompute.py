@@ -175,8 +175,9 @@ def _may_recompute(node: fx.Node) -> bool:
 # between its sub-blocks, the embedding's output) is read again by every later block. Recomputed,
 # its rebuild reaches back through all earlier blocks, and the partitioner computes each value
 # once, so the whole chain is rebuilt at the start of backward and stays live until each block's
-# backward: with the 25m DNA LM's residual stream recomputed, the backward peak rose from 567 MiB
-# to 915 MiB while the forward saved 65 MiB instead of 277 MiB. So the spine is never a candidate,
+# backward: on the 25m DNA LM at 2x1024 tokens, three rounds with the residual stream among the
+# candidates saved 65 MiB for backward instead of the first round's 277 MiB, and peaked at 915 MiB
+# in backward against the first round's 567 MiB. So the spine is never a candidate,
 # and once anything is recomputed it is tagged MUST_SAVE: a rebuild then stops at the nearest
 # spine value before it, as checkpointing each block stops at the block's input. The spine is
 # found as the dominators of the loss from each step input, over the forward's data flow.
@@ -221,7 +222,7 @@ def saved_for_backward(joint: fx.GraphModule, tagged: frozenset[str] = frozenset
 # NOTE [Recompute in rounds]
 # Recomputing a saved value makes the partitioner save what rebuilds it instead, and those values
 # were not saved before, so they were not candidates: with every first-round candidate recomputed,
-# the 25m DNA LM at 2x1024 tokens still saved 277 MiB of its 555 MiB, among them the attention's
+# the 25m DNA LM at 2x1024 tokens still saved 293 MiB of its 555 MiB, among them the attention's
 # q/k/v projection (12 MiB a block) that the recomputed rotary and split read. So the candidates
 # come in rounds: round k+1 partitions the joint graph with every candidate of rounds 1..k
 # recomputed, and the values it saves that may be recomputed join the list, ranked among
@@ -229,10 +230,11 @@ def saved_for_backward(joint: fx.GraphModule, tagged: frozenset[str] = frozenset
 # a later round's candidate is only saved once the earlier rounds are recomputed). Each round
 # costs one partition (0.4 s at that size). The rounds stop when one adds nothing, or after
 # RECOMPUTE_ROUNDS, which is enough to leave a transformer block's saved values at its input,
-# its attention's output and statistics (the attention op draws dropout, so it is never rebuilt)
-# and the projections the matrix products recompute from. What a plan frees is the difference
-# between the partitions with and without it (``RecomputePlan.saved_bytes_after``), not the sum
-# of its candidates' sizes, which counts bytes that their rebuilds then save.
+# its attention's output and statistics (the attention op is tagged as drawing random numbers, for
+# its dropout, so it is never rebuilt) and the projections the matrix products recompute from:
+# 141 MiB there. What a plan frees is what the lowered forward saves without it less what it
+# saves with it (``ScheduleReport.saved_bytes``, ``zerofx plan``'s memory line), not the sum of
+# its candidates' sizes, which counts bytes that their rebuilds then save.
 RECOMPUTE_ROUNDS = 4
 
 
