@@ -44,6 +44,7 @@ from benchmarks.systems import DEFAULT_LR, ZEROFX_VARIANTS, build_runner, needs_
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
 PHASES = ("bench::forward", "bench::backward", "bench::optimizer")
+MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 WAIT_OPS = frozenset({"_c10d_functional::wait_tensor", "c10d::wait"})
 
 
@@ -51,8 +52,9 @@ def is_collective(name: str) -> bool:
     return name.startswith(("c10d::", "_c10d_functional::", "FSDP::all_gather"))
 
 
-def summarize_profile(events: Any, num_steps: int, top: int) -> dict[str, Any]:
-    """Per-step averages of one rank's profile (``events``: ``prof.events()``)."""
+def summarize_profile(events: Any, num_steps: int, top: int, shapes: bool = False) -> dict[str, Any]:
+    """Per-step averages of one rank's profile (``events``: ``prof.events()``); with ``shapes``
+    (a profile taken with ``record_shapes``), also the main thread's matrix products by input shape."""
     steps = [e for e in events if e.name == "bench::step"]
     assert steps, "no bench::step events recorded"
     main = steps[0].thread
@@ -67,6 +69,7 @@ def summarize_profile(events: Any, num_steps: int, top: int) -> dict[str, Any]:
     issue: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     wait = [0, 0.0]
     self_time: dict[str, float] = defaultdict(float)
+    by_shape: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     background: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.thread != main:
@@ -77,6 +80,10 @@ def summarize_profile(events: Any, num_steps: int, top: int) -> dict[str, Any]:
         if e.name.startswith("bench::"):
             continue
         self_time[e.name] += e.self_cpu_time_total / 1e6 * per
+        if shapes and e.name in MATMUL_OPS:
+            key = f"{e.name} {e.input_shapes}"
+            by_shape[key][0] += per
+            by_shape[key][1] += e.self_cpu_time_total / 1e6 * per
         parent, outermost = e.cpu_parent, True
         while parent is not None:
             if is_collective(parent.name) or parent.name in WAIT_OPS:
@@ -98,11 +105,12 @@ def summarize_profile(events: Any, num_steps: int, top: int) -> dict[str, Any]:
         "waits": {"count": wait[0], "s": wait[1]},
         "gloo_threads": {k: {"count": c, "s": t} for k, (c, t) in sorted(background.items())},
         "top_ops": sorted(self_time.items(), key=lambda kv: -kv[1])[:top],
+        "matmul_shapes": sorted(((k, c, t) for k, (c, t) in by_shape.items()), key=lambda kct: -kct[2])[:top],
     }
 
 
 def _worker(system: str, rank: int, spec: BenchSpec, port: int, warmup: int, steps: int, top: int,
-            trace_dir: str | None, conn: Connection) -> None:
+            trace_dir: str | None, shapes: bool, conn: Connection) -> None:
     torch.set_num_threads(1)
     try:
         if needs_group(system):
@@ -119,7 +127,7 @@ def _worker(system: str, rank: int, spec: BenchSpec, port: int, warmup: int, ste
         if needs_group(system):
             dist.barrier()
         walls, blocked, others = [], [], []
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
             for i in range(warmup, warmup + steps):
                 wall0, cpu0, proc0 = time.perf_counter(), time.thread_time(), time.process_time()
                 with record_function("bench::step"):
@@ -130,7 +138,7 @@ def _worker(system: str, rank: int, spec: BenchSpec, port: int, warmup: int, ste
                 others.append(time.process_time() - proc0 - main_cpu)  # gloo's threads, mostly
         if trace_dir and rank == 0:
             prof.export_chrome_trace(str(Path(trace_dir) / f"{system}_rank{rank}.json"))
-        summary = summarize_profile(prof.events(), steps, top)
+        summary = summarize_profile(prof.events(), steps, top, shapes)
         summary.update(setup_s=setup_s, first_step_s=first_s, wall_s=walls, blocked_s=blocked, other_threads_cpu_s=others)
         conn.send(("ok", summary))
     except BaseException:
@@ -141,7 +149,8 @@ def _worker(system: str, rank: int, spec: BenchSpec, port: int, warmup: int, ste
         conn.close()
 
 
-def profile_system(system: str, spec: BenchSpec, *, warmup: int, steps: int, top: int, trace_dir: str | None) -> list[dict[str, Any]]:
+def profile_system(system: str, spec: BenchSpec, *, warmup: int, steps: int, top: int, trace_dir: str | None,
+                   shapes: bool = False) -> list[dict[str, Any]]:
     """Each rank's summary of ``steps`` profiled steps of ``system``."""
     ctx = mp.get_context("spawn")
     port = _free_port()
@@ -149,7 +158,7 @@ def profile_system(system: str, spec: BenchSpec, *, warmup: int, steps: int, top
     conns, procs = [], []
     for rank in range(num_ranks):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(system, rank, spec, port, warmup, steps, top, trace_dir, child), daemon=True)
+        proc = ctx.Process(target=_worker, args=(system, rank, spec, port, warmup, steps, top, trace_dir, shapes, child), daemon=True)
         proc.start()
         child.close()
         conns.append(parent)
@@ -204,6 +213,9 @@ def report(system: str, ranks: list[dict[str, Any]]) -> str:
     coll += [[f"{k} (gloo thread)", f"{v['count']:.0f}", f"{v['s']:.3f}"] for k, v in r0["gloo_threads"].items()]
     lines += ["", tabulate(coll, headers=["collective (main thread unless noted)", "per step", "s/step"], tablefmt="github")]
     lines += ["", tabulate([[k, f"{v:.4f}"] for k, v in r0["top_ops"]], headers=["op", "self s/step"], tablefmt="github")]
+    if r0["matmul_shapes"]:
+        rows = [[k, f"{c:.0f}", f"{t:.4f}"] for k, c, t in r0["matmul_shapes"]]
+        lines += ["", tabulate(rows, headers=["matrix product (input shapes)", "per step", "self s/step"], tablefmt="github")]
     return "\n".join(lines)
 
 
@@ -218,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--shapes", action="store_true", help="record input shapes and list the matrix products by shape")
     p.add_argument("--trace-dir", help="write rank 0's chrome trace per system here")
     p.add_argument("--zerofx-config", help='JSON merged into the zerofx config, e.g. \'{"zero_optimization": {"reduce_bucket_size": 4e6}}\'')
     p.add_argument("--compile", action="store_true", help="also cProfile zerofx.compile for each zerofx system")
@@ -231,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.trace_dir:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     for system in systems:
-        ranks = profile_system(system, spec, warmup=args.warmup, steps=args.steps, top=args.top, trace_dir=args.trace_dir)
+        ranks = profile_system(system, spec, warmup=args.warmup, steps=args.steps, top=args.top, trace_dir=args.trace_dir,
+                               shapes=args.shapes)
         print(report(system, ranks), "\n", flush=True)
         base, _ = split_system(system)
         if args.compile and base.startswith("zerofx"):

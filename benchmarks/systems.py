@@ -41,8 +41,8 @@ from torch.profiler import record_function
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
 SYSTEMS = (
-    "single", "local", "ddp", "fsdp2", "fsdp2_ac", "fsdp2_noreshard", "fsdp2_compile", "zerofx1", "zerofx2", "zerofx3",
-    "zerofx3_meta", "zerofx3_inductor", "zerofx3_wtiles", "deepspeed1", "deepspeed2", "deepspeed3",
+    "single", "local", "ddp", "fsdp2", "fsdp2_ac", "fsdp2_noreshard", "fsdp2_compile", "fsdp2_fused", "zerofx1", "zerofx2",
+    "zerofx3", "zerofx3_meta", "zerofx3_fused", "zerofx3_gloo_rs", "zerofx3_inductor", "zerofx3_wtiles", "deepspeed1", "deepspeed2", "deepspeed3",
 )
 DEFAULT_SYSTEMS = ("single", "ddp", "fsdp2", "fsdp2_noreshard", "zerofx1", "zerofx2", "zerofx3", "zerofx3_meta")
 # zerofx variants: (stage, build on the meta device, extra "zerofx" config section).
@@ -52,6 +52,11 @@ ZEROFX_VARIANTS: dict[str, tuple[int, bool, dict[str, Any]]] = {
     "zerofx3": (3, False, {}),
     # Built on the meta device: each rank initializes only its shard (zerofx.compiler.materialize).
     "zerofx3_meta": (3, True, {}),
+    # gloo's own reduce-scatter (an all-reduce) instead of the all-to-all and sum zerofx issues on
+    # gloo (NOTE [gloo's reduce-scatter as an all-to-all] in passes/reduce_scatter_all_to_all.py).
+    "zerofx3_gloo_rs": (3, False, {"reduce_scatter_by_all_to_all": False}),
+    # Fused AdamW (one kernel over the rank's flat shards); compare with fsdp2_fused.
+    "zerofx3_fused": (3, False, {"fused_optimizer": True}),
     # Also: forward and backward graphs compiled by Inductor, fused AdamW over the shards.
     "zerofx3_inductor": (3, True, {"compile": "inductor", "fused_optimizer": True}),
     # Also: every linear weight over 8 MiB gathered, used and reduced in tiles of at most 8 MiB
@@ -291,10 +296,10 @@ def build_runner(
 
         ddp = DDP(model, gradient_as_bucket_view=True)
         runner = EagerRunner(model, ddp, make_optimizer(optim_kind, lr, ddp.parameters()))
-    elif system in ("fsdp2", "fsdp2_ac", "fsdp2_noreshard", "fsdp2_compile"):
+    elif system in ("fsdp2", "fsdp2_ac", "fsdp2_noreshard", "fsdp2_compile", "fsdp2_fused"):
         compiled = system == "fsdp2_compile"
         shard_fsdp2(model, reshard=system != "fsdp2_noreshard", compiled=compiled, checkpoint=system == "fsdp2_ac")
-        fused = {"fused": True} if compiled and optim_kind == "AdamW" else {}
+        fused = {"fused": True} if system in ("fsdp2_compile", "fsdp2_fused") and optim_kind == "AdamW" else {}
         runner = EagerRunner(model, model, make_optimizer(optim_kind, lr, model.parameters(), **fused))
     elif system in ZEROFX_VARIANTS:
         stage, _, own = ZEROFX_VARIANTS[system]

@@ -61,8 +61,13 @@ class CommSpec:
     tree_bandwidth_fraction: float = 0.9
     collective_copies: bool = False
     collective_scale: tuple[tuple[str, float], ...] = ()
+    # The process-group backend the profile describes ("gloo", "nccl"); empty: read from the name
+    # (built-in and calibrated profiles name theirs: "cpu-gloo", "calibrated-nccl").
+    backend: str = ""
 
     def __post_init__(self) -> None:
+        if not self.backend:
+            object.__setattr__(self, "backend", "gloo" if "gloo" in self.name else "nccl")
         # A profile read back from JSON holds lists; the spec stays hashable.
         object.__setattr__(self, "collective_scale", tuple((str(c), float(f)) for c, f in self.collective_scale))
 

@@ -33,7 +33,9 @@ aten = torch.ops.aten
 _functional = torch.ops._c10d_functional
 # An all-gather into a buffer the graph allocated: its output is that buffer (its ``out``).
 _GATHER_INTO = _functional.all_gather_into_tensor_out.default
-_COLLECTIVES = {_functional.all_gather_into_tensor.default, _GATHER_INTO, _functional.reduce_scatter_tensor.default, _functional.all_reduce.default}
+# A collective reads its input until its wait, so the input lives that long.
+_COLLECTIVES = {_functional.all_gather_into_tensor.default, _GATHER_INTO, _functional.reduce_scatter_tensor.default, _functional.all_reduce.default,
+                _functional.all_to_all_single.default}
 _WAIT = _functional.wait_tensor.default
 
 # Ops whose output shares its input's storage.

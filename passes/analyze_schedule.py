@@ -275,11 +275,13 @@ def _comm_s(node: fx.Node, plan: Plan, spec: CommSpec) -> float:
     nbytes = val.numel() * val.element_size()
     if meta.is_all_gather(node):  # over the shard group: its size is the op's argument
         return estimate_all_gather_s(nbytes * int(node.args[1]), int(node.args[1]), spec)
+    if meta.is_all_to_all(node) or meta.is_reduce_scatter_by_all_to_all(node):
+        # One split per rank: each rank sends (S-1)/S of it, as in this all-gather, at the
+        # all-to-all's own factor (NOTE [Each collective's own factor] in cost_models/comm.py). A
+        # reduce-scatter issued as an all-to-all is priced as the all-to-all it is; its sum is a node of its own.
+        return estimate_all_gather_s(nbytes, len(node.args[1]), dataclasses.replace(spec, collective_scale=(("all_gather", spec.scale("all_to_all")),)))
     if meta.is_reduce_scatter(node):
         return estimate_reduce_scatter_s(nbytes, int(node.args[2]), spec)
-    if meta.is_all_to_all(node):  # over the sequence group (one split per rank): each rank sends (S-1)/S of it, as in this all-gather
-        # at the all-to-all's own factor (NOTE [Each collective's own factor] in cost_models/comm.py)
-        return estimate_all_gather_s(nbytes, len(node.args[1]), dataclasses.replace(spec, collective_scale=(("all_gather", spec.scale("all_to_all")),)))
     ranks = plan.num_shard_groups if node.meta.get(meta.COMM_GROUP) == REPLICATE else plan.world_size
     return estimate_all_reduce_s(nbytes, ranks, spec)
 

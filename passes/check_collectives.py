@@ -37,6 +37,8 @@ def _group_size(node: fx.Node) -> int:
     # all_reduce(x, op, group): the group size is not an argument of all_reduce.
     if meta.is_all_gather(node):
         return int(node.args[1])
+    if meta.is_all_to_all(node) or meta.is_reduce_scatter_by_all_to_all(node):
+        return len(node.args[1])  # all_to_all_single(x, output_splits, input_splits, group): one split per rank
     if meta.is_reduce_scatter(node):
         return int(node.args[2])
     return -1

@@ -21,6 +21,9 @@ ROLE = "zerofx_role"  # Role
 COMM_FQNS = "zerofx_comm_fqns"  # tuple[str, ...]: the bucket of parameters a collective moves
 COMM_BYTES = "zerofx_comm_bytes"  # int: bytes this rank contributes to the collective
 COMM_GROUP = "zerofx_comm_group"  # str: plan.SHARD or plan.REPLICATE, the group it runs over (absent: SHARD)
+# bool, on an all-to-all that does a bucket's reduce-scatter (NOTE [gloo's reduce-scatter as an
+# all-to-all] in passes/reduce_scatter_all_to_all.py)
+REDUCE_SCATTER_BY_ALL_TO_ALL = "zerofx_reduce_scatter_by_all_to_all"
 # In ``meta["custom"]`` (``_compat.annotate``) of a pre-autograd node the sequence-parallel rewrite
 # traced: the dim of its output that holds this rank's slice of the sequence (its attention outputs).
 SEQUENCE_DIM = "zerofx_sequence_dim"
@@ -52,7 +55,15 @@ def is_all_gather(node: fx.Node) -> bool:
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is _compat.REDUCE_SCATTER
+    """A bucket's reduce-scatter: the functional op, or the all-to-all that issues one on gloo
+    (``is_reduce_scatter_by_all_to_all``)."""
+    return node.op == "call_function" and (node.target is _compat.REDUCE_SCATTER or is_reduce_scatter_by_all_to_all(node))
+
+
+def is_reduce_scatter_by_all_to_all(node: fx.Node) -> bool:
+    """An all-to-all that does a bucket's reduce-scatter, a sum following its wait (NOTE [gloo's
+    reduce-scatter as an all-to-all] in passes/reduce_scatter_all_to_all.py)."""
+    return node.op == "call_function" and node.target is _compat.ALL_TO_ALL and bool(node.meta.get(REDUCE_SCATTER_BY_ALL_TO_ALL))
 
 
 def is_all_reduce(node: fx.Node) -> bool:
@@ -60,8 +71,10 @@ def is_all_reduce(node: fx.Node) -> bool:
 
 
 def is_all_to_all(node: fx.Node) -> bool:
-    """Sequence parallelism's exchange (both forms: autograd's, traced before autograd, and the plain one)."""
-    return node.op == "call_function" and node.target in (_compat.ALL_TO_ALL, _compat.ALL_TO_ALL_AUTOGRAD)
+    """Sequence parallelism's exchange (both forms: autograd's, traced before autograd, and the
+    plain one); not an all-to-all that issues a reduce-scatter."""
+    return (node.op == "call_function" and node.target in (_compat.ALL_TO_ALL, _compat.ALL_TO_ALL_AUTOGRAD)
+            and not is_reduce_scatter_by_all_to_all(node))
 
 
 def is_collective(node: fx.Node) -> bool:
@@ -70,8 +83,14 @@ def is_collective(node: fx.Node) -> bool:
 
 def collective_name(node: fx.Node) -> str:
     """A collective node's op as plans and errors name it: both forms of the all-gather (NOTE
-    [gloo's completion race] in passes/gather_into_buffers.py) are ``all_gather_into_tensor``."""
-    return "all_gather_into_tensor" if is_all_gather(node) else node.target._opname
+    [gloo's completion race] in passes/gather_into_buffers.py) are ``all_gather_into_tensor``, and
+    a reduce-scatter issued as an all-to-all (NOTE [gloo's reduce-scatter as an all-to-all]) is
+    ``reduce_scatter_tensor``."""
+    if is_all_gather(node):
+        return "all_gather_into_tensor"
+    if is_reduce_scatter(node):
+        return "reduce_scatter_tensor"
+    return node.target._opname
 
 
 def is_wait(node: fx.Node) -> bool:

@@ -110,6 +110,9 @@ class ScheduleOptions:
     memory_budget_bytes: float | None = None  # per rank, for the whole step's peak
     # zerofx.recompute: "off", "auto" (what the budget needs) or "all" (NOTE [Selective activation recompute])
     recompute: str = "off"
+    # Reduce-scatters issued as an all-to-all and a sum (NOTE [gloo's reduce-scatter as an
+    # all-to-all]); None: where the comm profile's backend is gloo. The engine sets it from its group.
+    reduce_scatter_by_all_to_all: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,9 @@ class Plan:
     offload_grads: bool = False
     # Saved activations recomputed in backward instead (NOTE [Selective activation recompute]).
     recompute: RecomputePlan | None = None
+    # Each reduce-scatter lowered to an all-to-all and a sum (NOTE [gloo's reduce-scatter as an
+    # all-to-all] in passes/reduce_scatter_all_to_all.py).
+    reduce_scatter_by_all_to_all: bool = False
 
     def __post_init__(self) -> None:
         if self.shard_group_size == 0:
@@ -196,6 +202,8 @@ class Plan:
             del d["tile_gathered"]
         if self.recompute is None:  # plans without recompute keep the JSON (and fingerprint) they had before it
             del d["recompute"]
+        if not self.reduce_scatter_by_all_to_all:  # as for recompute: plans issuing reduce-scatters keep their JSON
+            del d["reduce_scatter_by_all_to_all"]
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
@@ -222,6 +230,7 @@ class Plan:
             tile_gathered=tuple((f, t) for f, t in d.get("tile_gathered", ())),
             shard_group_size=d.get("shard_group_size", d["world_size"]),
             recompute=RecomputePlan.from_dict(d["recompute"]) if d.get("recompute") is not None else None,
+            reduce_scatter_by_all_to_all=bool(d.get("reduce_scatter_by_all_to_all", False)),
         )
 
     def fingerprint(self) -> str:

@@ -229,6 +229,11 @@ def _plan(
         schedule += [Collective(CommKind.ALL_GATHER, (fqn,), "backward", b) for b in tile_bytes if gathers_in_backward]
         schedule += [Collective(CommKind.REDUCE_SCATTER, (fqn,), "backward", world_size * b) for b in tile_bytes if reduces]
 
+    # NOTE [gloo's reduce-scatter as an all-to-all] (passes/reduce_scatter_all_to_all.py)
+    by_all_to_all = comm.backend == "gloo" if options.reduce_scatter_by_all_to_all is None else options.reduce_scatter_by_all_to_all
+    if by_all_to_all and any(c.kind is CommKind.REDUCE_SCATTER for c in schedule):
+        decisions.append("reduce-scatters issued as all-to-alls and a sum: gloo has no reduce-scatter of its own and runs one "
+                         "as an all-reduce, twice the bytes")
     return Plan(
         world_size=world_size,
         stage=stage,
@@ -247,6 +252,7 @@ def _plan(
         decisions=tuple(decisions),
         tile_gathered=tuple((f, t) for f, (t, _, _) in tiled.items()),
         shard_group_size=shard_group_size,
+        reduce_scatter_by_all_to_all=by_all_to_all,
     )
 
 

@@ -482,6 +482,7 @@ MUST_AGREE: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "zerofx.tiling.weight_tile_bytes": ("64MiB", "32MiB", BASE),
     "zerofx.compile": ("none", "inductor", BASE),
     "zerofx.fused_optimizer": (False, True, BASE),
+    "zerofx.reduce_scatter_by_all_to_all": (False, True, BASE),  # the collective each rank issues
     "zerofx.offload.delayed_update": (False, True, BASE),
     "zerofx.offload_gradients.device": ("none", "cpu", BASE),
     "zerofx.collective_timeout_s": (300, 60, BASE),

@@ -125,7 +125,12 @@ def test_prefetch_and_wait_placement(overlap: bool) -> None:
     bw = program.graph_modules(0)["backward"]
     pos = _positions(bw)
     reductions = [n for n in bw.graph.nodes if meta.is_reduce_scatter(n)]
-    compute_after = [n for n in bw.graph.nodes if n.op == "call_function" and not meta.is_wait(n)
+    # On gloo a reduce-scatter is an all-to-all whose wait a view and a sum follow (NOTE [gloo's
+    # reduce-scatter as an all-to-all]): they belong to the reduction, not to backward's compute.
+    assert reductions and all(meta.is_reduce_scatter_by_all_to_all(r) for r in reductions)
+    summed = {n for r in reductions for v in _wait(r).users for n in (v, *v.users)}
+    assert all(n.target in (torch.ops.aten.view.default, torch.ops.aten.sum.dim_IntList) for n in summed)
+    compute_after = [n for n in bw.graph.nodes if n.op == "call_function" and not meta.is_wait(n) and n not in summed
                      and n.target not in (torch.ops.aten.div.Tensor, torch.ops.aten.slice.Tensor)]
     assert len(reductions) >= 3
     for i, r in enumerate(reductions):
@@ -137,7 +142,7 @@ def test_prefetch_and_wait_placement(overlap: bool) -> None:
                 nxt = reductions[i + 1]
                 assert pos[_wait(r)] < pos[nxt]
                 between = list(bw.graph.nodes)[pos[_wait(r)] : pos[nxt]]
-                assert all(n.target in (torch.ops.aten.div.Tensor, torch.ops.aten.slice.Tensor) or meta.is_wait(n)
+                assert all(n.target in (torch.ops.aten.div.Tensor, torch.ops.aten.slice.Tensor) or meta.is_wait(n) or n in summed
                            for n in between), between
                 assert pos[_wait(r)] > max(pos[n] for n in compute_after if pos[n] < pos[nxt] and n is not r)
             else:
@@ -459,3 +464,42 @@ def test_replan_equals_a_new_capture_and_refuses_what_capture_fixed() -> None:
             replanned.replan(config, world_size=2, stage=3)
     with pytest.raises(zerofx.MissingExampleInputsError, match="program.replan"):
         zerofx.compile(model, world_size=2, stage=3).replan(stage=1)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reduce_scatters_issued_as_all_to_alls_on_gloo(stage: int) -> None:
+    # NOTE [gloo's reduce-scatter as an all-to-all]: planned for gloo (the cpu profile, or a gloo
+    # group), every reduce-scatter becomes an all-to-all of the same input, one equal split per
+    # rank, whose wait a sum over the received chunks follows, shaped as the shard; planned for
+    # NCCL (the h100 profile) they stay reduce-scatters; the config key overrides either.
+    functional = torch.ops._c10d_functional
+
+    def reductions(program: zerofx.Program) -> tuple[list[fx.Node], list[fx.Node]]:
+        nodes = [n for gm in program.graph_modules(0).values() for n in gm.graph.nodes]
+        return ([n for n in nodes if n.target is functional.reduce_scatter_tensor.default],
+                [n for n in nodes if n.target is functional.all_to_all_single.default])
+
+    for own, lowered in (({}, True), ({"profile": "h100"}, False), ({"reduce_scatter_by_all_to_all": False}, False),
+                         ({"profile": "h100", "reduce_scatter_by_all_to_all": True}, True)):
+        program = meta_program(stage, 4, own=own, **SMALL_BUCKETS)
+        native, exchanges = reductions(program)
+        assert program.plan.reduce_scatter_by_all_to_all is lowered, own
+        assert any(d.startswith("reduce-scatters issued as all-to-alls") for d in program.plan.decisions) is lowered
+        if not lowered:
+            assert len(native) == len(program.plan.reduce_buckets) > 2 and not exchanges, own
+            continue
+        assert not native and len(exchanges) == len(program.plan.reduce_buckets) > 2, own
+        for a2a in exchanges:
+            assert meta.is_reduce_scatter(a2a) and meta.is_reduce_scatter_by_all_to_all(a2a) and not meta.is_all_to_all(a2a)
+            assert meta.collective_name(a2a) == "reduce_scatter_tensor" and a2a.meta[meta.COMM_FQNS]
+            numel = a2a.args[0].meta["val"].numel()
+            assert a2a.args[1] == a2a.args[2] == [numel // 4] * 4
+            (wait,) = a2a.users
+            (view,) = wait.users
+            (summed,) = view.users
+            assert view.target is torch.ops.aten.view.default and view.args[1] == [4, numel // 4]
+            assert summed.target is torch.ops.aten.sum.dim_IntList and summed.args[1] == [0]
+            assert tuple(summed.meta["val"].shape) == (numel // 4,)
+        # The rank's collective sequence names them as the reduce-scatters they are.
+        calls = collective_sequence(program.graph_modules(0))
+        assert sum(c.op == "reduce_scatter_tensor" and c.group_size == 4 for c in calls) == len(exchanges)

@@ -294,8 +294,9 @@ def test_gloo_collectives_hold_a_copy_of_their_buffer_from_issue_to_wait(stage: 
     # NOTE [gloo copies a collective's buffer]: with the profile's collective_copies, each point of
     # the timeline holds the whole buffers of the all-gathers and reduce-scatters issued and not
     # yet waited on, and nothing more; at the end of each graph every one has been waited on.
+    # gloo's own reduce-scatter (not the all-to-all zerofx issues there by default).
     functional = torch.ops._c10d_functional
-    program = meta_program(stage, 2, **SMALL_BUCKETS)
+    program = meta_program(stage, 2, own={"reduce_scatter_by_all_to_all": False}, **SMALL_BUCKETS)
     plain = program.report(0)
     copied = program.report(0, comm=dataclasses.replace(CPU_GLOO, collective_copies=True))
     assert copied.step_s == plain.step_s and copied.peak.live_bytes > plain.peak.live_bytes
@@ -346,8 +347,9 @@ def test_a_saved_view_of_a_parameter_is_not_counted_again(stage: int) -> None:
 def test_a_collectives_new_buffers_pay_their_page_faults(stage: int) -> None:
     # NOTE [A collective's new buffers fault in]: each all-gather and reduce-scatter takes its new
     # output (not an out= one's) and, where the backend copies, that copy, at fresh_s_per_byte.
+    # gloo's own reduce-scatter (not the all-to-all zerofx issues there by default).
     functional = torch.ops._c10d_functional
-    program = meta_program(stage, 2, **SMALL_BUCKETS)
+    program = meta_program(stage, 2, own={"reduce_scatter_by_all_to_all": False}, **SMALL_BUCKETS)
     faulting = dataclasses.replace(CPU_CORE, fresh_s_per_byte=1e-9, fresh_min_bytes=1.0)
     expected = {True: 0, False: 0}  # collective_copies -> new bytes over the step
     for gm in program.graph_modules(0).values():

@@ -75,6 +75,7 @@ SHORT_NAMED_GLOO_OPS = {
     "c10d::_allgather_base_",  # _ALLGATHER_BASE
     "c10d::allreduce_",  # ALLREDUCE
     "c10d::reduce_scatter_tensor_coalesced_",  # gloo runs it as an ALLREDUCE of a copy
+    "c10d::alltoall_base_",  # ALLTOALL_BASE: a reduce-scatter on gloo (passes/reduce_scatter_all_to_all.py)
     "c10d::broadcast_", "c10d::allgather_", "c10d::barrier",
 }
 
@@ -83,4 +84,6 @@ SHORT_NAMED_GLOO_OPS = {
 def test_a_step_issues_only_short_named_gloo_ops(stage: int) -> None:
     for ops in run_ranks(2, fault_workers.gloo_ops_of_a_step, stage):
         assert "c10d::_allgather_base_" in ops and "c10d::allreduce_" in ops, ops
+        # gloo's reduce-scatters go out as all-to-alls (NOTE [gloo's reduce-scatter as an all-to-all])
+        assert "c10d::alltoall_base_" in ops and "c10d::reduce_scatter_tensor_coalesced_" not in ops, ops
         assert set(ops) <= SHORT_NAMED_GLOO_OPS, sorted(set(ops) - SHORT_NAMED_GLOO_OPS)

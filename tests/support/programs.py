@@ -31,10 +31,11 @@ def _captured(cfg: DNALMConfig, frozen: bool) -> zerofx.Program:
     return zerofx.compile(model, world_size=1, stage=0, example_inputs=(ids,), example_kwargs={"labels": ids})
 
 
-def meta_program(stage: int, world_size: int, cfg: DNALMConfig = TINY, frozen: bool = True, **zero: object) -> zerofx.Program:
+def meta_program(stage: int, world_size: int, cfg: DNALMConfig = TINY, frozen: bool = True, *, own: dict | None = None,
+                 **zero: object) -> zerofx.Program:
     """The meta-built DNA LM (``frozen``: one frozen norm weight) planned at ``stage`` for
-    ``world_size`` ranks with ``zero_optimization`` keys ``zero``."""
-    return _captured(cfg, frozen).replan({"zero_optimization": {"stage": stage, **zero}}, world_size=world_size)
+    ``world_size`` ranks with ``zero_optimization`` keys ``zero`` and ``zerofx`` keys ``own``."""
+    return _captured(cfg, frozen).replan({"zero_optimization": {"stage": stage, **zero}, "zerofx": own or {}}, world_size=world_size)
 
 
 def saved_views_of_inputs_bytes(program: zerofx.Program) -> int:

@@ -21,17 +21,19 @@ def train_steps(engine: zerofx.Engine, data: torch.Tensor, rank: int, steps: int
     return losses
 
 
-def train_zerofx(rank: int, world_size: int, kind: str, stages: list[int], steps: int, opt: dict, zero: dict | None = None) -> dict:
+def train_zerofx(rank: int, world_size: int, kind: str, stages: list[int], steps: int, opt: dict, zero: dict | None = None,
+                 own: dict | None = None) -> dict:
     """Train ``kind`` with zerofx at each of ``stages`` (extra ``zero_optimization`` keys from
-    ``zero``); return per stage the full state dict, the memory the engine really holds, and
-    what the program predicted."""
+    ``zero``, ``zerofx`` keys from ``own``); return per stage the full state dict, the memory the
+    engine really holds, what the program predicted, and how its graphs reduce gradients."""
+    from zerofx.passes import meta
     data = batches(world_size, steps, VOCAB[kind])
     out = {}
     for stage in stages:
         model = BUILDERS[kind]()
         example = data[0, rank]
         engine = zerofx.initialize(
-            model, {"zero_optimization": {"stage": stage, **(zero or {})}, "optimizer": opt},
+            model, {"zero_optimization": {"stage": stage, **(zero or {})}, "optimizer": opt, "zerofx": own or {}},
             example_inputs=(example,), example_kwargs={"labels": example},
         )
         losses = train_steps(engine, data, rank, steps)
@@ -43,6 +45,10 @@ def train_zerofx(rank: int, world_size: int, kind: str, stages: list[int], steps
             "num_tensors": sum(1 for p in engine.placements.values() if p.requires_grad),
             "losses": losses,
             "num_buckets": (len(engine.program.plan.gather_buckets), len(engine.program.plan.reduce_buckets)),
+            # (functional reduce-scatters, reduce-scatters issued as all-to-alls) over the rank's graphs
+            "reductions": tuple(sum(1 for gm in engine.graph_modules().values() for n in gm.graph.nodes if is_kind(n)) for is_kind in
+                                (lambda n: meta.is_reduce_scatter(n) and not meta.is_reduce_scatter_by_all_to_all(n),
+                                 meta.is_reduce_scatter_by_all_to_all)),
         }
     return out
 

@@ -72,6 +72,9 @@ def _collective(name: str, total_bytes: int, group: Any, device: torch.device) -
     if name == "all_gather":
         return lambda: _compat.all_gather_flat(full, shard, group=group)
     if name == "reduce_scatter":
+        if dist.get_backend(group) == "gloo":  # as the graphs issue it there (NOTE [gloo's reduce-scatter as an all-to-all])
+            received = torch.empty_like(full)
+            return lambda: (dist.all_to_all_single(received, full, group=group), torch.sum(received.view(n, -1), dim=0, out=shard))
         return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
     if name == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
@@ -332,7 +335,7 @@ def _worker(rank: int, world_size: int, port: int, out: str, repeats: int, sizes
     if rank == 0:
         alpha, bandwidth = fit_link(rows) if rows else (0.0, float("inf"))
         comm = CommSpec("calibrated-gloo", alpha, bandwidth, alpha, bandwidth, ranks_per_node=LOCAL_RANKS_PER_NODE, base_latency_s=launch_s,
-                        collective_copies=True)  # NOTE [gloo copies a collective's buffer]
+                        collective_copies=True, backend="gloo")  # NOTE [gloo copies a collective's buffer]
         comm = dataclasses.replace(comm, collective_scale=fit_collective_scale(rows, comm))  # NOTE [Each collective's own factor]
         device = DeviceSpec("calibrated-cpu-core", flops, mem, memory_curve=tuple(curve), cores=host_cores(), runtime_bytes=runtime,
                             fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min, update_s_per_element_pass=update_s)
@@ -404,8 +407,9 @@ def calibrate_across_nodes(out: Path, repeats: int = 5, sizes: Sequence[int] = S
     # A GPU's kernels run asynchronously to the host, so the host cannot time a collective after
     # compute this way; NCCL's launch cost is left to the fit (NOTE [A collective between compute]).
     launch_s = measure_interleaved_overhead(device=device) if device.type == "cpu" else 0.0
-    comm = CommSpec(f"calibrated-{dist.get_backend()}", intra_alpha, intra_bw, inter_alpha, inter_bw, ranks_per_node=per_node,
-                    base_latency_s=launch_s, collective_copies=dist.get_backend() == "gloo")  # NOTE [gloo copies a collective's buffer]
+    backend = str(dist.get_backend())
+    comm = CommSpec(f"calibrated-{backend}", intra_alpha, intra_bw, inter_alpha, inter_bw, ranks_per_node=per_node, base_latency_s=launch_s,
+                    collective_copies=backend == "gloo", backend=backend)  # NOTE [gloo copies a collective's buffer]
     # Each collective's factor, from the links the step's collectives mostly cross: within a node
     # where there is one (NOTE [Each collective's own factor]).
     comm = dataclasses.replace(comm, collective_scale=fit_collective_scale(merged[0] or merged[1], comm))

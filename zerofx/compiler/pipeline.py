@@ -23,9 +23,11 @@ through ``run_passes`` (the same, per pass, plus a lint of the graph it returns 
     partition      partition_joint: forward and backward                -
     graph          prefetch_gathers_pass, sink_reduce_waits_pass,       Plan (its param_offload, offload_grads)
                    fetch_params_pass, offload_grads_pass,
-                   gather_into_buffers_pass (last: NOTE [gloo's completion race])
+                   collective_passes (last: gather_into_buffers_pass,
+                   NOTE [gloo's completion race]; on gloo
+                   reduce_scatter_by_all_to_all_pass)
     sync           grad_sync (stage 1), param_sync (stages 1-2),        Plan
-                   each through gather_into_buffers_pass
+                   each through collective_passes
 
 The first three are ``StepCapture`` (a ``CapturedStep``); ``plan_step`` is stage four, and its
 ``Plan`` is the one input of the last four (``lower``). The searches of the plan stage
@@ -67,6 +69,7 @@ from zerofx.passes.plan_offload import ParamOffloadPlan
 from zerofx.passes.plan_recompute import RecomputeMode, RecomputePlan, plan_recompute, recompute_activations_pass, recompute_candidates
 from zerofx.passes.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
 from zerofx.passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
+from zerofx.passes.reduce_scatter_all_to_all import reduce_scatter_by_all_to_all_pass
 from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 from zerofx.passes.sequence_parallel import SequenceParallelPlan, SequenceParallelSpec, plan_sequence_parallel, sequence_parallel_pass
 from zerofx.passes.tile_forward import tile_forward_pass
@@ -163,11 +166,17 @@ def graph_passes(plan: Plan, *, backward: bool = False) -> list[tuple[str, Pass]
         passes.append(("fetch_params_pass", functools.partial(fetch_params_pass, plan=plan.param_offload)))
     if backward and plan.offload_grads:
         passes.append(("offload_grads_pass", functools.partial(offload_grads_pass, plan=plan)))
-    passes.append(("gather_into_buffers_pass", gather_into_buffers_pass))
+    return passes + collective_passes(plan)
+
+
+def collective_passes(plan: Plan) -> list[tuple[str, Pass]]:
+    """The rewrites of how collectives are issued, last on every lowered graph: all-gathers into
+    buffers (NOTE [gloo's completion race]) and, where the plan says, reduce-scatters as
+    all-to-alls (NOTE [gloo's reduce-scatter as an all-to-all])."""
+    passes: list[tuple[str, Pass]] = [("gather_into_buffers_pass", gather_into_buffers_pass)]
+    if plan.reduce_scatter_by_all_to_all:
+        passes.append(("reduce_scatter_by_all_to_all_pass", reduce_scatter_by_all_to_all_pass))
     return passes
-
-
-SYNC_PASSES: list[tuple[str, Pass]] = [("gather_into_buffers_pass", gather_into_buffers_pass)]
 
 
 # ----------------------------------------------------------------------------- stages 1-3
@@ -409,8 +418,8 @@ def sync_graphs(plan: Plan, *, group_name: str, replicate_group_name: str | None
     modules = {}
     grad_sync = build_grad_sync(plan, group_name=group_name, replicate_group_name=replicate_group_name)
     if grad_sync is not None:
-        modules["grad_sync"] = run_passes(grad_sync, SYNC_PASSES, disabled=disabled)
+        modules["grad_sync"] = run_passes(grad_sync, collective_passes(plan), disabled=disabled)
     param_sync = build_param_sync(plan, group_name=group_name)
     if param_sync is not None:
-        modules["param_sync"] = run_passes(param_sync, SYNC_PASSES, disabled=disabled)
+        modules["param_sync"] = run_passes(param_sync, collective_passes(plan), disabled=disabled)
     return modules

@@ -45,9 +45,12 @@ class CompileOptions:
         return None if self.tiling is None or self.tiling.enabled is False else self.tiling
 
 
-def compile_options(cfg: ZeroConfig, world_size: int) -> CompileOptions:
+def compile_options(cfg: ZeroConfig, world_size: int, *, backend: str | None = None) -> CompileOptions:
     """``cfg``'s options for ``world_size`` ranks, checked against it. ``cfg.stage`` must be set
-    (``zerofx.compiler.program.resolve`` and ``initialize`` see to it)."""
+    (``zerofx.compiler.program.resolve`` and ``initialize`` see to it). ``backend``: the
+    process-group backend the graphs run on, where there is a group (the engine's); it decides
+    how reduce-scatters are issued (NOTE [gloo's reduce-scatter as an all-to-all] in
+    passes/reduce_scatter_all_to_all.py), which a plan without a group takes from its comm profile."""
     assert cfg.stage is not None, "the stage is resolved before the compile options"
     value = cfg.shard_group_size
     decision = None
@@ -65,6 +68,9 @@ def compile_options(cfg: ZeroConfig, world_size: int) -> CompileOptions:
     if spec is not None:
         check_sequence_parallel_size(spec.size, world_size=world_size)
         spec = replace(spec, group_name=sequence_group_name(spec.size, world_size))
-    return CompileOptions(world_size=world_size, stage=ZeroStage(cfg.stage), optimizer=cfg.optimizer.kind, schedule=cfg.schedule,
+    schedule = cfg.schedule
+    if backend is not None and schedule.reduce_scatter_by_all_to_all is None:
+        schedule = replace(schedule, reduce_scatter_by_all_to_all=backend == "gloo")
+    return CompileOptions(world_size=world_size, stage=ZeroStage(cfg.stage), optimizer=cfg.optimizer.kind, schedule=schedule,
                           tiling=cfg.tiling, sequence_parallel=spec, shard_group_size=shard_group_size,
                           choose_shard_group_size=value == "auto", shard_group_decision=decision)

@@ -238,6 +238,7 @@ def schedule_options(zero: Mapping[str, Any], own: Mapping[str, Any]) -> Schedul
         overlap=zero.get("overlap_comm", default.overlap),
         memory_budget_bytes=planned_budget_bytes(own),
         recompute=RecomputeMode.from_config(own.get("recompute", False)).value,
+        reduce_scatter_by_all_to_all=None if own.get("reduce_scatter_by_all_to_all", "auto") == "auto" else bool(own["reduce_scatter_by_all_to_all"]),
     )
 
 

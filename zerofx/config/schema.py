@@ -260,6 +260,10 @@ SCHEMA: dict[str, Key] = {
         "compile": Key((str,), "compile each rank's forward and backward graphs: none (run them as FX code) or inductor",
                        lambda v: v in {c.value for c in GraphCompiler}, ", ".join(c.value for c in GraphCompiler)),
         "fused_optimizer": Key((bool,), "Adam/AdamW with fused=True (one kernel over all of a rank's shards)"),
+        "reduce_scatter_by_all_to_all": Key((bool, str), "issue each gradient reduce-scatter as an all-to-all and a sum: \"auto\" "
+                                            "(default) on a gloo process group, where a reduce-scatter runs as an all-reduce of twice "
+                                            "the bytes; true or false to choose (NOTE [gloo's reduce-scatter as an all-to-all])",
+                                            lambda v: v in (True, False, "auto"), "true, false or \"auto\""),
         "offload": Key((dict,), "offload planning and the delayed update (with zero_optimization.offload_optimizer)", children=_ZEROFX_OFFLOAD),
         "offload_gradients": Key((dict,), "gradient offload (stages 2-3): each reduced gradient shard goes to host memory or NVMe "
                                  "as soon as its bucket's reduction completes, and the optimizer reads it there", children=_OFFLOAD_GRADIENTS),

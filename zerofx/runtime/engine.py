@@ -196,7 +196,7 @@ class Engine:
         self.collective_timeout_s = cfg.collective_timeout_s
         _compat.set_group_timeout(self.group, timedelta(seconds=self.collective_timeout_s))
         # The config's options for this world size, checked against it (zerofx.config.compile_options).
-        self.compile_options = compile_options(cfg, self.world_size)
+        self.compile_options = compile_options(cfg, self.world_size, backend=dist.get_backend(self.group))
         # NOTE [Sequence groups] (``zerofx.runtime.rank_groups``): the name its all-to-alls run over.
         self.sequence_parallel = self.compile_options.sequence_parallel
         self._sequence_group = sequence_group(self.compile_options, self.group, timedelta(seconds=self.collective_timeout_s))
@@ -213,7 +213,7 @@ class Engine:
         self.shard_group_size, self.shard_group_decision = self._choose_shard_group_size(cfg, example_args, example_kwargs)
         if cfg.shard_group_size == "auto":  # the storage is laid out for this K: every later plan keeps it
             cfg = self.cfg = replace(cfg, shard_group_size=self.shard_group_size)
-            self.compile_options = compile_options(cfg, self.world_size)
+            self.compile_options = compile_options(cfg, self.world_size, backend=dist.get_backend(self.group))
         self.shard_group, self.replicate_group = shard_groups(self.group, self.world_size, self.shard_group_size,
                                                                timedelta(seconds=self.collective_timeout_s))
         k, n = self.shard_group_size, self.world_size
