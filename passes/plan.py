@@ -257,6 +257,8 @@ class Plan:
                          "state sharded within a group and replicated across groups")
         if self.stage is ZeroStage.THREE:
             lines.append(f"prefetch distance {self.prefetch_distance} bucket(s) ahead")
+        if self.reduce_scatter_by_all_to_all and any(c.kind is CommKind.REDUCE_SCATTER for c in self.schedule):
+            lines.append("reduce-scatters issued as all-to-alls and a sum (gloo runs its own as an all-reduce, twice the bytes)")
         lines += [f"decision: {d}" for d in self.decisions]
         lines += [f"weight tiles: {f} in {t} tiles of at most {format_bytes(-(-self.param(f).padded_numel // t) * self.param(f).itemsize)}, "
                   "each gathered, used and reduced in turn" for f, t in self.tile_gathered]

@@ -231,9 +231,6 @@ def _plan(
 
     # NOTE [gloo's reduce-scatter as an all-to-all] (passes/reduce_scatter_all_to_all.py)
     by_all_to_all = comm.backend == "gloo" if options.reduce_scatter_by_all_to_all is None else options.reduce_scatter_by_all_to_all
-    if by_all_to_all and any(c.kind is CommKind.REDUCE_SCATTER for c in schedule):
-        decisions.append("reduce-scatters issued as all-to-alls and a sum: gloo has no reduce-scatter of its own and runs one "
-                         "as an all-reduce, twice the bytes")
     return Plan(
         world_size=world_size,
         stage=stage,

@@ -130,11 +130,18 @@ def _backward_facts(engine: zerofx.Engine, rank: int) -> dict:
         strays = [n.name for n in nodes[position[wait] + 1 : position[h]] if n not in tail and not is_offload(n)]
         handoffs.append((h.args[1], strays))
     outputs = meta.output_node(backward.graph).args[0]
-    # The reduced means (the division after each bucket's wait) and the slices of them, and when
-    # the last of them is used: the output (the end) or a hand-off.
+    # The reduced means (the division after each bucket's wait, or on gloo after the sum over the
+    # all-to-all's chunks: NOTE [gloo's reduce-scatter as an all-to-all]) and the slices of them,
+    # and when the last of them is used: the output (the end) or a hand-off.
+    def reduced(n: fx.Node) -> bool:
+        if meta.is_wait(n):
+            return True
+        return (n.op == "call_function" and n.target is torch.ops.aten.sum.dim_IntList
+                and n.args[0].target is torch.ops.aten.view.default and meta.is_wait(n.args[0].args[0]))
+
     owner = {}
     for n in nodes:
-        if n.op == "call_function" and n.target is torch.ops.aten.div.Tensor and meta.is_wait(n.args[0]):
+        if n.op == "call_function" and n.target is torch.ops.aten.div.Tensor and reduced(n.args[0]):
             owner[n] = n
         elif n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) and n.args[0] in owner and not is_offload(n):
             owner[n] = owner[n.args[0]]
