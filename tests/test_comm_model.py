@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.calibrate_workers import calibrate_two_nodes, windows_in_turns
+from tests.support.calibrate_workers import calibrate_two_nodes, reduce_scatter_as_calibrated, windows_in_turns
 from tests.support.dist_utils import run_ranks
 from zerofx.app.calibrate import is_multi_node, node_groups
 from zerofx.cost_models.comm import (
@@ -241,6 +241,17 @@ def test_calibrate_measures_intra_and_inter_node_links_apart(tmp_path: Path) -> 
         assert {(c, n, b) for c, n, b, _ in rows} == {(c, 2, float(b)) for c in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
                                                       for b in (2**12, 2**16)}
     assert load_profile(str(out))[0] == spec
+    assert spec.backend == "gloo"
+
+
+@pytest.mark.multiprocess
+def test_calibrate_times_a_reduce_scatter_on_gloo_as_the_graphs_issue_it() -> None:
+    # NOTE [gloo's reduce-scatter as an all-to-all]: the profile's reduce-scatter factor is the
+    # all-to-all and sum the lowered graphs run on gloo, and it reduces: 1 + 2 on every element.
+    for r in run_ranks(2, reduce_scatter_as_calibrated):
+        assert r["backend"] == "gloo" and "c10d::alltoall_base_" in r["ops"], r
+        assert not any("reduce_scatter" in op or "allreduce" in op for op in r["ops"]), r
+        assert r["shard"] == [3.0] and r["numel"] == 2**12 // 4 // 2
 
 
 

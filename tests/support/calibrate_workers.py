@@ -37,3 +37,19 @@ def windows_in_turns(rank: int, world_size: int, cores: int) -> dict[str, Any]:
         return [float(rank), -float(rank)]
 
     return {"window": window, "combined": in_turns(local, cores)}
+
+
+def reduce_scatter_as_calibrated(rank: int, world_size: int) -> dict[str, Any]:
+    """The c10d ops ``zerofx calibrate``'s reduce-scatter issues on gloo, and the shard it leaves
+    when every rank's input is its rank + 1 (NOTE [gloo's reduce-scatter as an all-to-all])."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import profile
+
+    from zerofx.app.calibrate import _collective
+
+    run = _collective("reduce_scatter", 2**12, None, torch.device("cpu"), value=rank + 1)
+    with profile() as prof:
+        shard = run()
+    return {"ops": sorted({e.name for e in prof.events() if e.name.startswith("c10d::")}), "shard": shard.unique().tolist(),
+            "numel": shard.numel(), "backend": str(dist.get_backend())}

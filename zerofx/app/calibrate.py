@@ -64,18 +64,25 @@ def _time(fn: Callable[[], Any], repeats: int, *, typical: bool = False) -> floa
     return statistics.median(samples) if typical else min(samples)
 
 
-def _collective(name: str, total_bytes: int, group: Any, device: torch.device) -> Callable[[], None]:
+def _collective(name: str, total_bytes: int, group: Any, device: torch.device, *, value: float = 1.0) -> Callable[[], Any]:
+    """One call of collective ``name`` over ``group`` on a message of ``total_bytes``, filled with
+    ``value``, as zerofx's graphs issue it on that group's backend."""
     n = dist.get_world_size(group)
     numel = max(n, total_bytes // 4 // n * n)  # a multiple of the group's size, fp32
-    full = torch.ones(numel, device=device)
+    full = torch.full((numel,), value, device=device)
     shard = torch.ones(numel // n, device=device)
     if name == "all_gather":
         return lambda: _compat.all_gather_flat(full, shard, group=group)
     if name == "reduce_scatter":
         if dist.get_backend(group) == "gloo":  # as the graphs issue it there (NOTE [gloo's reduce-scatter as an all-to-all])
             received = torch.empty_like(full)
-            return lambda: (dist.all_to_all_single(received, full, group=group), torch.sum(received.view(n, -1), dim=0, out=shard))
-        return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
+
+            def by_all_to_all() -> torch.Tensor:
+                dist.all_to_all_single(received, full, group=group)
+                return torch.sum(received.view(n, -1), dim=0, out=shard)
+
+            return by_all_to_all
+        return lambda: (dist.reduce_scatter_tensor(shard, full, group=group), shard)[1]
     if name == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     out = torch.empty_like(full)
