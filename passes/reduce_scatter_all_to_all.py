@@ -21,7 +21,11 @@ reduce-scatter sends, and the sum of the K received chunks is one pass over memo
 with torch 2.13 between 2 gloo ranks on this project's 2-core machine (``dist`` calls back to
 back, reused buffers, 10 calls per trial, 3 trials): a 12 MB message took 14-18 ms as a
 reduce-scatter and 7-9 ms as an all-to-all and sum, with 9-14 ms of the process's CPU against
-5-6; 100 MB 118-124 ms against 69-75; between 4 ranks, 12 MB 27-33 ms against 12-15. The
+5-6; 100 MB 118-124 ms against 69-75; between 4 ranks, 12 MB 27-33 ms against 12-15
+(``benchmarks/gloo_reduce_scatter.py`` reruns it). Memory is the same: the all-to-all's receive
+buffer is the input's size, as gloo's copy of the input is (one 64 MiB call grows a rank's
+resident set by 97 MiB either way, with the 32 MiB shard; the timeline counts the buffer as the
+all-to-all's output, and the copy where the profile says ``collective_copies``). The
 rewrite applies where ``Plan.reduce_scatter_by_all_to_all`` says (the engine sets it for a
 gloo group; a plan without a group follows its comm profile's backend). NCCL has a ring
 reduce-scatter and keeps it. The sum's order over ranks differs from gloo's all-reduce, so
