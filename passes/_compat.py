@@ -125,11 +125,38 @@ CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
+# NOTE [Spent partitioner tags]
+# A rank graph is one side of a joint graph the min-cut partitioner has already split, and its
+# nodes keep the tags that split read: ``recompute`` (the planner's MUST_RECOMPUTE) and the
+# ``autograd_backward`` mark AOTAutograd puts on backward nodes. Inductor reads the same tags
+# as a request: its remat pass for forward-loss-backward graphs (Dynamo's
+# ``torch.autograd.grad`` inside one graph) takes each contiguous run of marked nodes as a
+# backward region and refuses a graph with more than one region that holds recomputed
+# inputs. Every node zerofx inserts after partitioning (gathers, reduce-scatters, the
+# all-to-all and its sum, fetches, hand-offs) is unmarked and splits a run, so a backward
+# graph of two blocks or more was refused. Inductor compiles a copy without those tags:
+# the partition they asked for is done.
+SPENT_PARTITIONER_TAGS = ("recompute", "ac_graph_id", "autograd_backward")
+
+
+def without_partitioner_tags(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` (its nodes' ``meta`` dicts copied, values shared) without the
+    partitioner's spent tags; ``gm`` is left as it is (NOTE [Spent partitioner tags])."""
+    graph = torch.fx.Graph()
+    value, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)  # node_copy copies each meta dict
+    graph.output(value, type_expr=old_output.type).meta = dict(old_output.meta)
+    graph._codegen = gm.graph._codegen  # how the graph is called (a CodeGen is stateless)
+    for node in graph.nodes:
+        for tag in SPENT_PARTITIONER_TAGS:
+            node.meta.pop(tag, None)
+    return torch.fx.GraphModule(gm, graph)
+
+
 def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
     """``gm`` compiled by TorchInductor for inputs like ``example_inputs``; called as ``gm`` is."""
     import torch._inductor
 
-    return torch._inductor.compile(gm, example_inputs)
+    return torch._inductor.compile(without_partitioner_tags(gm), example_inputs)
 
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any = None) -> None:

@@ -91,10 +91,6 @@ def fetch_params_pass(gm: fx.GraphModule, plan: ParamOffloadPlan) -> fx.GraphMod
             node = graph.call_function(FETCH, (ph, ph.meta[meta.FQN], shard.numel(), shard.dtype, shard.device))
         node.meta["val"] = shard
         node.meta[FETCH_FQN] = ph.meta[meta.FQN]
-        # Inductor's remat pass finds backward regions as contiguous runs of nodes marked
-        # ``autograd_backward``: the fetch takes its neighbour's mark so it splits no region.
-        if "autograd_backward" in first.meta:
-            node.meta["autograd_backward"] = first.meta["autograd_backward"]
         for user in users:
             user.replace_input_with(ph, node)
         with shard.fake_mode:

@@ -119,10 +119,6 @@ def offload_grads_pass(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             node = graph.call_function(OFFLOAD, (shard, p.fqn))
         node.meta["val"] = None
         node.meta[OFFLOAD_FQN] = p.fqn
-        # Inductor's remat pass finds backward regions as contiguous runs of nodes marked
-        # ``autograd_backward``: the hand-off takes its neighbour's mark so it splits no region.
-        if "autograd_backward" in shard.meta:
-            node.meta["autograd_backward"] = shard.meta["autograd_backward"]
         outputs[i] = None
         changed = True
     if not changed:

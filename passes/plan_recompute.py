@@ -333,7 +333,9 @@ def _round_candidates(joint: fx.GraphModule, device: DeviceSpec, saved_names: Se
         base = chain[-1] if chain[-1].target is not operator.getitem else chain[-2]
         shape = tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor) else ()
         what = f"{getattr(base.target, '__name__', str(base.target))} {'x'.join(map(str, shape))}"
-        seconds = {n: estimate_node_s(n, device) for n in rebuild}
+        # In graph order, not the set's (node hashes are addresses): the sum's rounding decides
+        # the order of candidates that tie, and with it the plan, which must not vary by process.
+        seconds = {n: estimate_node_s(n, device) for n in sorted(rebuild, key=order.__getitem__)}
         ranked.append((size / max(sum(seconds.values()), 1e-12), order[node], node, what, tuple(n.name for n in chain), size, seconds))
     ranked.sort(key=lambda r: (-r[0], r[1]))
     candidates = []

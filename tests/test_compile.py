@@ -21,15 +21,17 @@ from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 # fp32 sums: ulp-level differences, grown over 3 SGD steps at lr 0.1 to about 1e-6 here. A
 # gradient averaged twice or not at all moves parameters by ~1e-2 per step on this model.
 TOL = 2e-5
-# One block of the tiny LM: every op kind the compiled graphs hold (embedding, RMSNorm, rotary
-# attention, SwiGLU, the tied head, each parameter's gather and reduce-scatter) once. Inductor's
-# compile time grows with the graph, and a second block only repeats the first.
-ONE_BLOCK = dataclasses.replace(DNA_LM_SIZES["tiny"], num_layers=1)
+# Two blocks of the tiny LM: every op kind the compiled graphs hold (embedding, RMSNorm, rotary
+# attention, SwiGLU, the tied head, each parameter's gather and reduce-scatter), and the block
+# boundary where the collectives inserted after partitioning split the backward marks into runs
+# (NOTE [Spent partitioner tags]): with one block Inductor took the graph even with the tags.
+# Inductor's compile time grows with the graph; a third block only repeats the second.
+TWO_BLOCKS = dataclasses.replace(DNA_LM_SIZES["tiny"], num_layers=2)
 
 
 @pytest.mark.inductor
 def test_inductor_graphs_match_fx_graphs_at_two_ranks() -> None:
-    for res in run_ranks(2, eager_vs_inductor, ONE_BLOCK, 3, 3):
+    for res in run_ranks(2, eager_vs_inductor, TWO_BLOCKS, 3, 3):
         fx_run, compiled = res["none"], res["inductor"]
         assert fx_run["compiled"] == [] and fx_run["compile_s"] == 0
         assert compiled["compiled"] == ["backward", "forward"] and compiled["compile_s"] > 0
@@ -157,3 +159,24 @@ def test_the_capture_orders_buckets_by_first_use() -> None:
     assert shapes.params == program.plan.params and shapes.estimates == program.plan.estimates
     assert shapes.gather_order == ("head.weight", "head.bias", "body.weight", "body.bias")
     assert program.plan.gather_order == ("body.weight", "body.bias", "head.weight", "head.bias")
+
+
+def test_inductor_is_handed_graphs_without_the_partitioners_spent_tags() -> None:
+    """NOTE [Spent partitioner tags]: the copy Inductor compiles has no recompute tag or backward
+    mark, computes what the rank graph computes, and the rank graph keeps its tags."""
+    from tests.support.programs import meta_program
+    from zerofx.passes import _compat
+
+    program = meta_program(3, 2, TWO_BLOCKS, own={"recompute": True})
+    for name, gm in program.graph_modules(0).items():
+        if name not in ("forward", "backward"):
+            continue
+        tags = lambda g: {t for n in g.graph.nodes for t in _compat.SPENT_PARTITIONER_TAGS if t in n.meta}  # noqa: E731
+        before = [(n.name, n.target, n.args) for n in gm.graph.nodes]
+        had = tags(gm)
+        copy = _compat.without_partitioner_tags(gm)
+        assert tags(copy) == set() and tags(gm) == had
+        assert [(n.name, n.target, str(n.args)) for n in copy.graph.nodes] == [(a, t, str(b)) for a, t, b in before]
+        assert copy.code == gm.code
+        if name == "backward":
+            assert "autograd_backward" in had, "the backward graph should carry AOTAutograd's marks"
