@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -87,6 +88,17 @@ def initialize_error(rank: int, world_size: int, size: str, kwargs: dict) -> str
     return "no error"
 
 
+_ISSUED = ("_c10d_functional::all_gather_into_tensor_out", "_c10d_functional::all_to_all_single",
+           "_c10d_functional::reduce_scatter_tensor", "_c10d_functional::wait_tensor")
+
+
+def _collectives_issued(prof: Any) -> list[str]:
+    """The functional collectives and waits a profiled step issued on this thread, in order."""
+    events = [e for e in prof.events() if e.name in _ISSUED]
+    main = min(events, key=lambda e: e.time_range.start).thread
+    return [e.name.split("::")[1] for e in sorted(events, key=lambda e: e.time_range.start) if e.thread == main]
+
+
 def eager_vs_inductor(rank: int, world_size: int, cfg: DNALMConfig, stage: int, steps: int) -> dict:
     """Train the DNA LM of ``cfg`` (meta-built, same init) for ``steps`` SGD steps with the graphs
     run as FX code and compiled by Inductor (``zerofx.compile``); losses and final full state of each."""
@@ -99,11 +111,13 @@ def eager_vs_inductor(rank: int, world_size: int, cfg: DNALMConfig, stage: int, 
         engine = zerofx.initialize(model, _config(stage, {"zerofx": {"compile": compiler}}),
                                    example_inputs=(data[0],), example_kwargs={"labels": data[0]}, init_seed=1)
         losses = []
-        for ids in data:
-            loss = engine(ids, labels=ids)
-            engine.backward(loss)
+        for i, ids in enumerate(data):
+            last = i == len(data) - 1
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if last else contextlib.nullcontext() as prof:
+                loss = engine(ids, labels=ids)
+                engine.backward(loss)
             engine.step()
             losses.append(loss.item())
         out[compiler] = {"losses": losses, "state": engine.full_state_dict(), "compile_s": engine.compile_s,
-                         "compiled": sorted(engine.program.compiled_graphs)}
+                         "compiled": sorted(engine.program.compiled_graphs), "issued": _collectives_issued(prof)}
     return out
