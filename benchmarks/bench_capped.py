@@ -22,8 +22,10 @@ What runs, in this order:
    with each block checkpointed first): micro-batches tried from 1 upwards, each in fresh ranks
    for two steps, one probe at a time; the largest whose peak RSS stays under the cap is the
    configuration that enters the rounds. A variant none of whose micro-batches fits keeps its
-   probe row, marked as not fitting.
-5. **Rounds.** Every configuration (``auto``, the hand grid, the fitting FSDP2 ones) runs once
+   probe row, marked as not fitting. With ``--compiled`` also ``fsdp2_compile`` and
+   ``fsdp2_ac_compile`` (each block under ``torch.compile``, fused AdamW).
+5. **Rounds.** Every configuration (``auto``, with ``--compiled`` auto's configuration compiled
+   by Inductor with fused AdamW, the hand grid, the fitting FSDP2 ones) runs once
    per round, in fresh ranks, so its peak RSS is its own; round r starts at the r-th
    configuration, so a noisy minute on a shared machine hits every configuration alike.
 
@@ -82,6 +84,10 @@ TARGET_VS_HAND = 0.95
 TARGET_VS_FSDP2 = 1.3
 CAP_BELOW_FSDP2 = "below-fsdp2"
 FSDP2_SYSTEMS = ("fsdp2", "fsdp2_ac")
+# With --compiled: FSDP2 with each block under torch.compile (Inductor) and fused AdamW, with and
+# without checkpointing, beside auto's configuration run with zerofx's Inductor and fused AdamW.
+COMPILED_FSDP2_SYSTEMS = ("fsdp2_compile", "fsdp2_ac_compile")
+COMPILED_ZEROFX = {"zerofx": {"compile": "inductor", "fused_optimizer": True}}
 LR = 1e-3
 
 
@@ -91,7 +97,7 @@ class RunConfig:
     micro-batch and accumulation steps (micro x accumulation x ranks = the global batch)."""
 
     name: str
-    system: str  # "zerofx", "fsdp2" or "fsdp2_ac"
+    system: str  # "zerofx", or one of FSDP2_SYSTEMS and COMPILED_FSDP2_SYSTEMS
     micro_batch: int
     accumulation: int
     zerofx: dict[str, Any] = field(default_factory=dict)  # the zerofx config, without the batch keys
@@ -207,11 +213,11 @@ def batch_ids(args: dict[str, Any], rank: int, step: int, sequence_parallel: int
 
 
 class _FSDP2Runner:
-    def __init__(self, model: torch.nn.Module, checkpoint: bool) -> None:
+    def __init__(self, model: torch.nn.Module, checkpoint: bool, compiled: bool = False) -> None:
         from benchmarks.systems import make_optimizer, shard_fsdp2
 
-        self.model = shard_fsdp2(model, checkpoint=checkpoint)
-        self.optim = make_optimizer("AdamW", LR, model.parameters())
+        self.model = shard_fsdp2(model, checkpoint=checkpoint, compiled=compiled)
+        self.optim = make_optimizer("AdamW", LR, model.parameters(), **({"fused": True} if compiled else {}))
 
     def step(self, micro_batches: list[torch.Tensor]) -> float:
         self.optim.zero_grad(set_to_none=True)
@@ -268,7 +274,8 @@ def _train_rank(rank: int, world_size: int, port: int, args: dict[str, Any], que
             example = torch.zeros(run.micro_batch, args["seq_len"], dtype=torch.long)
             runner: Any = _ZeroFXRunner(model, zerofx_config(run, world_size), example, args["seed"])
         else:
-            runner = _FSDP2Runner(build_model(args["size"], args["seed"], torch.device("cpu")), checkpoint=run.system == "fsdp2_ac")
+            runner = _FSDP2Runner(build_model(args["size"], args["seed"], torch.device("cpu")), checkpoint="_ac" in run.system,
+                                  compiled=run.system.endswith("_compile"))
         setup_s = time.perf_counter() - start
         rss_before = current_rss_bytes()
         steps = []
@@ -426,8 +433,16 @@ def auto_run(result: Any, world_size: int) -> RunConfig:
     return RunConfig("auto", "zerofx", micro, accumulation, config, "auto: " + result.chosen.candidate.label())
 
 
+def compiled_run(auto: RunConfig) -> RunConfig:
+    """Auto's configuration with zerofx's Inductor compile and fused AdamW: not the search's choice
+    (it prices neither Inductor's speed nor its memory), measured beside it."""
+    return RunConfig("auto_compiled", "zerofx", auto.micro_batch, auto.accumulation, _merged(auto.zerofx, COMPILED_ZEROFX),
+                     "auto's configuration + Inductor and fused AdamW (not chosen by the search)")
+
+
 def fsdp2_run(system: str, micro: int, per_rank: int) -> RunConfig:
-    label = f"{system}, micro {micro} x {per_rank // micro}" + (", each block checkpointed" if system == "fsdp2_ac" else "")
+    label = (f"{system}, micro {micro} x {per_rank // micro}" + (", each block checkpointed" if "_ac" in system else "")
+             + (", each block under torch.compile, fused AdamW" if system.endswith("_compile") else ""))
     return RunConfig(f"{system}_m{micro}", system, micro, per_rank // micro, label=label)
 
 
@@ -502,7 +517,7 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     by_name = {r["name"]: r for r in rows}
     auto = by_name.get("auto")
     out: dict[str, Any] = {"vs_hand_target": TARGET_VS_HAND, "vs_fsdp2_target": TARGET_VS_FSDP2}
-    hand = [r for r in rows if r["system"] == "zerofx" and r["name"] != "auto" and r.get("fits")]
+    hand = [r for r in rows if r["system"] == "zerofx" and r["name"] not in ("auto", "auto_compiled") and r.get("fits")]
     fsdp = [r for r in rows if r["system"] in FSDP2_SYSTEMS and r.get("fits") and "round_step_s" in r]
     out["auto_fits"] = bool(auto and auto.get("fits"))
     if hand:
@@ -518,6 +533,15 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if fsdp:
             out["vs_fsdp2"] = ratio(auto, best_f)
             out["vs_fsdp2_met"] = out["auto_fits"] and out["vs_fsdp2"]["median"] >= TARGET_VS_FSDP2
+    compiled = by_name.get("auto_compiled")
+    if compiled is not None and "round_step_s" in compiled:
+        out["compiled_fits"] = bool(compiled.get("fits"))
+        for key, pool in (("compiled_vs_fsdp2", fsdp),
+                          ("compiled_vs_fsdp2_compiled", [r for r in rows if r["system"] in COMPILED_FSDP2_SYSTEMS and r.get("fits")
+                                                          and "round_step_s" in r])):
+            if pool:
+                best_c = max(pool, key=lambda r: r["tokens_per_s"])
+                out[key] = {**ratio(compiled, best_c), "against": best_c["name"]}
     return out
 
 
@@ -549,7 +573,8 @@ def run(opts: argparse.Namespace, log: Any = print, save: Any = None) -> dict[st
     if budget <= 0:
         raise SystemExit(f"the cap {human_bytes(opts.cap_bytes)} is below the runtime's own {human_bytes(baseline['peak_rss_bytes'])}")
     if opts.probe_only:
-        result["probes"] = [p for system in FSDP2_SYSTEMS for p in probe_fsdp2(system, opts, log, known)[0]]
+        systems = FSDP2_SYSTEMS + (COMPILED_FSDP2_SYSTEMS if opts.compiled else ())
+        result["probes"] = [p for system in systems for p in probe_fsdp2(system, opts, log, known)[0]]
         return result
     search_result, base = run_search(opts, budget)
     from zerofx.app.cli import format_auto_plan
@@ -559,9 +584,10 @@ def run(opts: argparse.Namespace, log: Any = print, save: Any = None) -> dict[st
     result["search"] = {"base_config": base, "text": search_text, "result": json.loads(search_result.to_json())}
     if search_result.chosen is None:
         raise SystemExit("the search found nothing that fits the budget; raise --cap")
-    runs = [auto_run(search_result, opts.world_size), *hand_grid(opts.global_batch // opts.world_size, opts.grid)]
+    auto = auto_run(search_result, opts.world_size)
+    runs = [auto, *([compiled_run(auto)] if opts.compiled else []), *hand_grid(opts.global_batch // opts.world_size, opts.grid)]
     probes: list[dict[str, Any]] = []
-    for system in FSDP2_SYSTEMS:
+    for system in FSDP2_SYSTEMS + (COMPILED_FSDP2_SYSTEMS if opts.compiled else ()):
         found, best = probe_fsdp2(system, opts, log, known)
         probes += found
         if best is not None:
@@ -667,6 +693,13 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"- auto against {what}: no ratio ({'none fits the cap' if ran else 'auto did not run'}).")
     if not t.get("auto_fits", True):
         lines.append("- auto's configuration does not fit the cap as measured.")
+    for key, what in (("compiled_vs_fsdp2", "FSDP2's best eager configuration that fits"),
+                      ("compiled_vs_fsdp2_compiled", "FSDP2's best compiled configuration that fits")):
+        if key in t:
+            r = t[key]
+            lines.append(f"- auto's configuration with Inductor against {what} ({names[r['against']]}): {r['median']:.2f}× tokens/s "
+                         f"[{r['p25']:.2f}–{r['p75']:.2f}] (per-round ratios); it "
+                         + ("fits the cap." if t["compiled_fits"] else "does not fit the cap."))
     lines += _prediction_lines(result)
     if "search" in result:
         lines += ["", "The search's output (`zerofx plan --auto` prints the same):", "", "```", result["search"]["text"].rstrip(), "```"]
@@ -716,6 +749,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="the tiny model, 128 tokens, one round of one step, two hand configurations "
                    "(CI; well under a minute); other options given after it override it")
     p.add_argument("--out", default=None, help="output path without extension (default benchmarks/results/capped_<today>)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also run auto's configuration with zerofx's Inductor compile and fused AdamW, and probe FSDP2 with each "
+                        "block under torch.compile and fused AdamW, with and without checkpointing; reported beside the targets, "
+                        "which stay auto's")
     p.add_argument("--probe-only", action="store_true", help="measure the baseline and the FSDP2 probes only (to choose a cap)")
     p.add_argument("--render", default=None, metavar="JSON", help="only rewrite the markdown of a result file")
     return p

@@ -11,8 +11,8 @@ import pytest
 
 import torch
 
-from benchmarks.bench_capped import (HAND_GRID, TARGET_VS_FSDP2, TARGET_VS_HAND, RunConfig, batch_ids, hand_grid, main, markdown, targets,
-                                     zerofx_config)
+from benchmarks.bench_capped import (HAND_GRID, TARGET_VS_FSDP2, TARGET_VS_HAND, RunConfig, batch_ids, compiled_run, hand_grid, main,
+                                     markdown, targets, zerofx_config)
 
 
 def _row(name: str, system: str, rounds: list[float], *, fits: bool = True) -> dict[str, Any]:
@@ -41,6 +41,39 @@ def test_ratios_are_per_round_against_the_best_that_fits() -> None:
     rows[0] = {**rows[0], "fits": False}
     t = targets(rows)
     assert not t["vs_hand_met"] and not t["vs_fsdp2_met"]
+
+
+def test_the_compiled_rows_are_compared_apart_from_the_targets() -> None:
+    """--compiled: auto's configuration under Inductor is neither a hand configuration nor auto;
+    it is compared with FSDP2's best eager and best compiled configurations that fit."""
+    auto = RunConfig("auto", "zerofx", 1, 2, {"zero_optimization": {"stage": 2}, "zerofx": {"recompute": "auto"}})
+    compiled = compiled_run(auto)
+    assert (compiled.micro_batch, compiled.accumulation) == (1, 2)
+    assert compiled.zerofx == {"zero_optimization": {"stage": 2},
+                               "zerofx": {"recompute": "auto", "compile": "inductor", "fused_optimizer": True}}
+    assert auto.zerofx == {"zero_optimization": {"stage": 2}, "zerofx": {"recompute": "auto"}}  # left alone
+    rows = [
+        _row("auto", "zerofx", [1.0, 1.0, 1.0]),
+        _row("auto_compiled", "zerofx", [0.5, 0.5, 0.5], fits=False),
+        _row("z3_m1", "zerofx", [1.2, 1.2, 1.2]),
+        _row("fsdp2_ac_m2", "fsdp2_ac", [1.5, 1.5, 1.5]),
+        _row("fsdp2_ac_compile_m2", "fsdp2_ac_compile", [1.0, 1.0, 1.0]),
+        _row("fsdp2_compile_m2", "fsdp2_compile", [0.8, 0.8, 0.8], fits=False),
+    ]
+    t = targets(rows)
+    assert t["best_hand"] == "z3_m1" and t["best_fsdp2"] == "fsdp2_ac_m2"  # the targets stay auto's, against eager FSDP2
+    assert t["vs_fsdp2"]["median"] == pytest.approx(1.5)
+    assert not t["compiled_fits"]
+    assert t["compiled_vs_fsdp2"]["against"] == "fsdp2_ac_m2" and t["compiled_vs_fsdp2"]["median"] == pytest.approx(3.0)
+    assert t["compiled_vs_fsdp2_compiled"]["against"] == "fsdp2_ac_compile_m2"
+    assert t["compiled_vs_fsdp2_compiled"]["median"] == pytest.approx(2.0)
+    result = {"options": {"global_batch": 4, "seq_len": 1024, "size": "25m", "world_size": 2, "cap_bytes": 2 * 2**30, "warmup": 1,
+                          "steps": 2, "malloc_mmap_threshold": "256KiB", "memory_margin": 0.1},
+              "machine": {"cpu": "cpu", "cores": 2, "memory_gib": 1, "torch": "x"}, "load_average": [(1.0, 1.0, 1.0)],
+              "command": "c", "date": "d", "baseline": {"peak_rss_bytes": 2**28}, "budget_bytes": 2**30, "rows": rows, "targets": t}
+    text = markdown(result)
+    assert "auto's configuration with Inductor against FSDP2's best compiled configuration that fits (fsdp2_ac_compile_m2): 2.00×" in text
+    assert "does not fit the cap." in text
 
 
 def test_the_hand_grid_keeps_the_global_batch() -> None:
