@@ -67,6 +67,7 @@ def test_the_compiled_rows_are_compared_apart_from_the_targets() -> None:
     assert t["compiled_vs_fsdp2"]["against"] == "fsdp2_ac_m2" and t["compiled_vs_fsdp2"]["median"] == pytest.approx(3.0)
     assert t["compiled_vs_fsdp2_compiled"]["against"] == "fsdp2_ac_compile_m2"
     assert t["compiled_vs_fsdp2_compiled"]["median"] == pytest.approx(2.0)
+    assert t["vs_fsdp2_compiled"]["against"] == "fsdp2_ac_compile_m2" and t["vs_fsdp2_compiled"]["median"] == pytest.approx(1.0)
     result = {"options": {"global_batch": 4, "seq_len": 1024, "size": "25m", "world_size": 2, "cap_bytes": 2 * 2**30, "warmup": 1,
                           "steps": 2, "malloc_mmap_threshold": "256KiB", "memory_margin": 0.1},
               "machine": {"cpu": "cpu", "cores": 2, "memory_gib": 1, "torch": "x"}, "load_average": [(1.0, 1.0, 1.0)],
@@ -74,6 +75,7 @@ def test_the_compiled_rows_are_compared_apart_from_the_targets() -> None:
     text = markdown(result)
     assert "auto's configuration with Inductor against FSDP2's best compiled configuration that fits (fsdp2_ac_compile_m2): 2.00×" in text
     assert "does not fit the cap." in text
+    assert "auto against FSDP2's best compiled configuration that fits (fsdp2_ac_compile_m2): 1.00×" in text
 
 
 def test_the_hand_grid_keeps_the_global_batch() -> None:
