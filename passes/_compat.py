@@ -168,12 +168,49 @@ def without_partitioner_tags(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False, "reorder_for_locality": False}
 
 
-def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+# NOTE [Inductor's graphs are called boxed]
+# ``torch._inductor.compile`` returns AOTAutograd's ``forward(*args)``, which holds every input
+# in its argument tuple until the compiled graph returns. For a backward graph those inputs are
+# the saved activations, so none is freed before the whole backward ends, where the FX graphs
+# free each after its last use (NOTE [Boxed graphs] in zerofx/compiler/program.py). Under that
+# wrapper is AOTAutograd's boxed runtime wrapper, which takes the list, empties it, and lets
+# Inductor's code free each input after its last use; the graphs are called through it. The
+# unwrapping reads torch's own ``__wrapped__`` chain (``functools.wraps``): where it does not
+# find a boxed function, or the graph module holds parameters the outer wrapper would have
+# prepended, the unboxed call is kept (right, with the higher peak), and
+# ``test_inductor_graphs_are_called_boxed`` fails.
+_AOT_UNBOXED_FORWARD = "aot_module_simplified.<locals>.forward"
+
+
+def _boxed(compiled: Callable[..., Any], gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any] | None:
+    if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+        return None
+    fn: Any = compiled
+    while getattr(fn, "__qualname__", "") == _AOT_UNBOXED_FORWARD and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    if fn is compiled or not getattr(fn, "_boxed_call", False):
+        return None
+    return fn
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[[list[Any]], Any]:
     """``gm`` compiled by TorchInductor for inputs like ``example_inputs``, in its own order
-    (NOTE [Inductor keeps the planned order]); called as ``gm`` is."""
+    (NOTE [Inductor keeps the planned order]), as a function of a list of inputs that it empties
+    (NOTE [Inductor's graphs are called boxed])."""
     import torch._inductor
 
-    return torch._inductor.compile(without_partitioner_tags(gm), example_inputs, options=dict(INDUCTOR_OPTIONS))
+    compiled = torch._inductor.compile(without_partitioner_tags(gm), example_inputs, options=dict(INDUCTOR_OPTIONS))
+    boxed = _boxed(compiled, gm)
+    if boxed is not None:
+        return boxed
+
+    def unboxed(args_list: list[Any]) -> Any:
+        args = tuple(args_list)
+        args_list.clear()
+        return compiled(*args)
+
+    unboxed.unboxed = True  # type: ignore[attr-defined]
+    return unboxed
 
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any = None) -> None:

@@ -184,3 +184,23 @@ def test_inductor_is_handed_graphs_without_the_partitioners_spent_tags() -> None
         assert copy.code == gm.code
         if name == "backward":
             assert "autograd_backward" in had, "the backward graph should carry AOTAutograd's marks"
+
+
+@pytest.mark.inductor
+def test_inductor_graphs_are_called_boxed() -> None:
+    """NOTE [Inductor's graphs are called boxed]: the compiled graph is called through
+    AOTAutograd's boxed wrapper, which empties the caller's list, so each input can be freed after
+    its last use; the result equals the graph's."""
+    from zerofx.passes import _compat
+
+    def step(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
+        return ((a * 2).sum() + (b * 3).sum(),)
+
+    a, b = torch.randn(64), torch.randn(64)
+    gm = _compat.make_fx(step)(a, b)
+    compiled = _compat.inductor_compile(gm, [a, b])
+    assert not getattr(compiled, "unboxed", False), "torch's wrappers changed: the compiled graphs hold their inputs to the end"
+    args = [a.clone(), b.clone()]
+    (out,) = compiled(args)
+    assert args == []
+    torch.testing.assert_close(out, step(a, b)[0])

@@ -186,10 +186,10 @@ class Program:
                 return boxed
             return lambda args_list: gm(*_take(args_list))
         start = time.perf_counter()
-        compiled = _compat.inductor_compile(gm, list(example))
+        compiled = _compat.inductor_compile(gm, list(example))  # boxed: it empties the list
         self.compile_s += time.perf_counter() - start
         self.compiled_graphs.add(name)
-        return lambda args_list: compiled(*_take(args_list))
+        return compiled
 
     def with_decision(self, why: str) -> Program:
         """This program with ``why`` added to its plan's decision notes. A note changes no graph,
