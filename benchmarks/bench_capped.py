@@ -88,6 +88,7 @@ FSDP2_SYSTEMS = ("fsdp2", "fsdp2_ac")
 # without checkpointing, beside auto's configuration run with zerofx's Inductor and fused AdamW.
 COMPILED_FSDP2_SYSTEMS = ("fsdp2_compile", "fsdp2_ac_compile")
 COMPILED_ZEROFX = {"zerofx": {"compile": "inductor", "fused_optimizer": True}}
+AUTO_ROWS = ("auto", "auto_compiled", "auto_eager")  # auto and its configuration the other way (--compiled)
 LR = 1e-3
 
 
@@ -434,10 +435,26 @@ def auto_run(result: Any, world_size: int) -> RunConfig:
 
 
 def compiled_run(auto: RunConfig) -> RunConfig:
-    """Auto's configuration with zerofx's Inductor compile and fused AdamW: not the search's choice
-    (it prices neither Inductor's speed nor its memory), measured beside it."""
+    """Auto's configuration with zerofx's Inductor compile and fused AdamW, measured beside an
+    eager choice (the search prices Inductor only with a profile that measured its resident
+    memory, and chose the eager step here)."""
     return RunConfig("auto_compiled", "zerofx", auto.micro_batch, auto.accumulation, _merged(auto.zerofx, COMPILED_ZEROFX),
-                     "auto's configuration + Inductor and fused AdamW (not chosen by the search)")
+                     "auto's configuration + Inductor and fused AdamW (the search chose it eager)")
+
+
+def eager_run(auto: RunConfig) -> RunConfig:
+    """Auto's configuration without Inductor and the fused update, measured beside a compiled choice."""
+    config = json.loads(json.dumps(auto.zerofx))
+    own = config.get("zerofx", {})
+    for key in COMPILED_ZEROFX["zerofx"]:
+        own.pop(key, None)
+    return RunConfig("auto_eager", "zerofx", auto.micro_batch, auto.accumulation, config,
+                     "auto's configuration without Inductor (the search chose it compiled)")
+
+
+def counterpart_run(auto: RunConfig) -> RunConfig:
+    """With --compiled: auto's configuration the other way, compiled where auto is eager, eager where it compiles."""
+    return eager_run(auto) if auto.zerofx.get("zerofx", {}).get("compile") == "inductor" else compiled_run(auto)
 
 
 def fsdp2_run(system: str, micro: int, per_rank: int) -> RunConfig:
@@ -517,7 +534,7 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     by_name = {r["name"]: r for r in rows}
     auto = by_name.get("auto")
     out: dict[str, Any] = {"vs_hand_target": TARGET_VS_HAND, "vs_fsdp2_target": TARGET_VS_FSDP2}
-    hand = [r for r in rows if r["system"] == "zerofx" and r["name"] not in ("auto", "auto_compiled") and r.get("fits")]
+    hand = [r for r in rows if r["system"] == "zerofx" and r["name"] not in AUTO_ROWS and r.get("fits")]
     fsdp = [r for r in rows if r["system"] in FSDP2_SYSTEMS and r.get("fits") and "round_step_s" in r]
     out["auto_fits"] = bool(auto and auto.get("fits"))
     if hand:
@@ -587,7 +604,7 @@ def run(opts: argparse.Namespace, log: Any = print, save: Any = None) -> dict[st
     if search_result.chosen is None:
         raise SystemExit("the search found nothing that fits the budget; raise --cap")
     auto = auto_run(search_result, opts.world_size)
-    runs = [auto, *([compiled_run(auto)] if opts.compiled else []), *hand_grid(opts.global_batch // opts.world_size, opts.grid)]
+    runs = [auto, *([counterpart_run(auto)] if opts.compiled else []), *hand_grid(opts.global_batch // opts.world_size, opts.grid)]
     probes: list[dict[str, Any]] = []
     for system in FSDP2_SYSTEMS + (COMPILED_FSDP2_SYSTEMS if opts.compiled else ()):
         found, best = probe_fsdp2(system, opts, log, known)

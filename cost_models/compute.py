@@ -35,7 +35,10 @@ class DeviceSpec:
     of a new tensor of at least ``fresh_min_bytes`` whose pages the kernel writing it faults in
     first (NOTE [New tensors' pages]); 0 where unmeasured. ``update_s_per_element_pass``: torch's
     default AdamW update timed, per element and per pass of ``OPTIMIZER_PASSES`` (NOTE [The
-    optimizer update's time]); 0 where unmeasured."""
+    optimizer update's time]); 0 where unmeasured. ``inductor_bytes``: the memory a rank keeps
+    after Inductor has compiled its graphs, beyond ``runtime_bytes`` (NOTE [What Inductor keeps
+    resident] in cost_models/memory.py); None where unmeasured, and then the whole-job search
+    does not price ``"compile": "inductor"``."""
 
     name: str
     matmul_flops_per_s: float
@@ -47,6 +50,7 @@ class DeviceSpec:
     fresh_s_per_byte: float = 0.0
     fresh_min_bytes: float = 0.0
     update_s_per_element_pass: float = 0.0
+    inductor_bytes: float | None = None
 
     def __post_init__(self) -> None:
         # A profile file gives lists; the spec keeps tuples (frozen, hashable, equal on reload).
@@ -290,14 +294,21 @@ def estimate_node_s(node: fx.Node, spec: DeviceSpec) -> float:
 # their bytes (the foreach path's temporaries are new tensors whose pages fault in, the sqrt and
 # the division allocate), and on this project's machine torch's AdamW steps 12.7M elements in
 # 0.074 s where the memory curve of in-place copies predicts 0.02 s and of new copies 0.19 s.
+# torch's fused Adam and AdamW (``fused=True``, config key ``zerofx.fused_optimizer``) run one
+# kernel over every tensor: each element's parameter, gradient and two moments read once and
+# the parameter and moments written once, 7 passes, priced at the same per-pass rate.
 OPTIMIZER_PASSES = {"AdamW": 20, "Adam": 18, "SGD": 3, "SGD+momentum": 8}
+FUSED_OPTIMIZER_PASSES = {"AdamW": 7, "Adam": 7}
 STATE_ITEMSIZE = 4  # optimizer state and the updated master elements are fp32
 
 
-def estimate_optimizer_step_s(owned_numels: Iterable[int], optimizer: str, spec: DeviceSpec) -> float:
+def estimate_optimizer_step_s(owned_numels: Iterable[int], optimizer: str, spec: DeviceSpec, *, fused: bool = False) -> float:
     """Seconds of one optimizer update over parameter tensors of ``owned_numels`` elements
-    each (NOTE [The optimizer update's time])."""
+    each (NOTE [The optimizer update's time]); ``fused``: torch's fused kernel where the
+    optimizer has one."""
     passes = OPTIMIZER_PASSES.get(optimizer, OPTIMIZER_PASSES["AdamW"])
+    if fused:
+        passes = FUSED_OPTIMIZER_PASSES.get(optimizer, passes)
     if spec.update_s_per_element_pass > 0:
         return passes * sum(owned_numels) * spec.update_s_per_element_pass
     total = 0.0
@@ -306,3 +317,90 @@ def estimate_optimizer_step_s(owned_numels: Iterable[int], optimizer: str, spec:
         tensor_bytes = numel * STATE_ITEMSIZE
         total += passes * tensor_bytes / memory_rate(spec, 3 * tensor_bytes) if numel else 0.0
     return total
+
+
+# NOTE [Fused kernels under Inductor]
+# With ``"zerofx": {"compile": "inductor"}`` each rank graph runs as Inductor's generated code:
+# the matrix products, attention, convolutions and zerofx's own ops stay library calls, and every
+# connected run of the other ATen ops between them (pointwise ops, reductions, the views among
+# them) becomes a few generated loops that keep their intermediates in registers and cache. Such
+# a run reads what it takes from outside once and writes only what is used outside it, so the
+# schedule prices it as one memory-bound kernel over those bytes (and the pages of its new
+# outputs, NOTE [New tensors' pages]), charged at its last node; the library calls keep
+# ``estimate_node_s``. This counts the bytes of a perfect fusion: Inductor splits a run where a
+# reduction's shape differs from its neighbours' (a layer norm's statistics, then the normalized
+# output) and reads the shared input again, so it is a lower bound on the run's traffic.
+# Collectives (``_c10d_functional``) and custom ops are not ATen ops, so a run never crosses
+# them. The optimizer update is a separate matter (NOTE [The optimizer update's time]).
+_LIBRARY_OPS = frozenset({"aten::convolution", "aten::convolution_backward", "aten::_fft_r2c", "aten::_fft_c2r", "aten::_fft_c2c",
+                          "aten::sort", "aten::topk", "aten::randperm"})
+
+
+def _runs_fused(node: fx.Node) -> bool:
+    """Whether Inductor generates ``node``'s code as part of a fused run (NOTE [Fused kernels under Inductor])."""
+    if node.op != "call_function" or node.target is operator.getitem or is_matmul_like(node):
+        return False
+    name = _custom_op_name(node)
+    return name.startswith(("aten::", "prims::")) and name not in _LIBRARY_OPS
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """The tensor a chain of views ends at: what a fused run reads for it."""
+    while is_view_op(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def fused_node_seconds(graph: fx.Graph, spec: DeviceSpec) -> dict[fx.Node, float]:
+    """Seconds of each node of ``graph`` as Inductor runs it (NOTE [Fused kernels under Inductor]):
+    a fused run's time at its last node and 0 at the others, ``estimate_node_s`` for the rest."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    fused = [n for n in graph.nodes if _runs_fused(n) and not is_view_op(n)]
+    for n in fused:
+        parent[n] = n
+    for n in fused:
+        for a in n.all_input_nodes:
+            s = _source(a)
+            if s in parent:
+                parent[find(s)] = find(n)
+    runs: dict[fx.Node, list[fx.Node]] = {}
+    for n in fused:
+        runs.setdefault(find(n), []).append(n)
+    seconds = {n: estimate_node_s(n, spec) for n in graph.nodes if n not in parent}
+    for members in runs.values():
+        inside = set(members)
+        read: dict[fx.Node, int] = {}
+        written = 0.0
+        for n in members:
+            for a in n.all_input_nodes:
+                s = _source(a)
+                if s not in inside:
+                    read[s] = max(read.get(s, 0), value_bytes(a.meta.get("val")))
+            if _used_outside(n, inside):
+                produced = value_bytes(n.meta.get("val"))
+                written += produced
+                if spec.fresh_s_per_byte and produced >= spec.fresh_min_bytes and not writes_in_place(n):
+                    written += produced * spec.fresh_s_per_byte * spec.memory_bytes_per_s
+        for n in members:
+            seconds[n] = 0.0
+        seconds[max(members, key=order.__getitem__)] = (sum(read.values()) + written) / spec.memory_bytes_per_s
+    return seconds
+
+
+def _used_outside(node: fx.Node, inside: set[fx.Node]) -> bool:
+    """Whether ``node``'s value is read by anything outside ``inside``, through views, or is an output."""
+    for user in node.users:
+        if is_view_op(user):
+            if _used_outside(user, inside):
+                return True
+        elif user not in inside:
+            return True
+    return False

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from zerofx.common.errors import PlanError
+from zerofx.cost_models.compute import DeviceSpec
 from zerofx.cost_models.tiers import NO_OFFLOAD, PLACEMENT_CHOICES
 
 
@@ -167,3 +168,20 @@ def estimate_process_peak_bytes(timeline_peak_bytes: float, runtime_bytes: float
     """A rank's peak resident memory: the step's peak live bytes and the runtime's baseline
     (NOTE [What a rank's resident memory holds])."""
     return timeline_peak_bytes + runtime_bytes
+
+
+# NOTE [What Inductor keeps resident]
+# A rank whose graphs Inductor compiled (``"zerofx": {"compile": "inductor"}``) holds more than
+# the runtime baseline: Inductor's modules, the compiled kernels loaded into the process and
+# their Python wrappers, and the caches compiling leaves. Compiled ahead from fake inputs
+# (NOTE [Inductor compiles the backward ahead] in zerofx/compiler/program.py), that is 45-50 MiB
+# on this project's machine for the 25m DNA LM's forward and backward and about as much for the
+# tiny model's: mostly Inductor's own code, not the model's. ``zerofx calibrate`` measures it
+# once, as the resident memory the tiny model's compiled rank graphs add
+# (``DeviceSpec.inductor_bytes``). Where the rank's memory is its device's (a CPU rank), it
+# counts against the memory budget: the planners that fit the budget (prefetch, recompute,
+# tiling, the whole-job search) fit the step to the budget less it. On a GPU it is host memory
+# and the calibrated figure is 0.
+def inductor_resident_bytes(device: DeviceSpec) -> float:
+    """Device memory a rank keeps once Inductor has compiled its graphs (NOTE [What Inductor keeps resident])."""
+    return 0.0 if device.cores is None else float(device.inductor_bytes or 0.0)

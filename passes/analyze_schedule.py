@@ -40,7 +40,8 @@ import torch
 import torch.fx as fx
 
 from zerofx.cost_models.comm import CommSpec, estimate_all_gather_s, estimate_all_reduce_s, estimate_reduce_scatter_s
-from zerofx.cost_models.compute import DeviceSpec, estimate_node_s, estimate_optimizer_step_s, rank_device, value_bytes, writes_in_place
+from zerofx.cost_models.compute import (DeviceSpec, estimate_node_s, estimate_optimizer_step_s, fused_node_seconds, rank_device, value_bytes,
+                                        writes_in_place)
 from zerofx.cost_models.memory_timeline import TimelinePoint, collective_copy_bytes, peak, saved_activations, step_timeline
 from zerofx.passes import meta
 from zerofx.passes.check_collectives import GRAPH_ORDER
@@ -321,17 +322,21 @@ def comm_takes_the_core(device: DeviceSpec, ranks_on_host: int) -> bool:
     return device.cores is not None and ranks_on_host >= device.cores
 
 
-def _optimizer_update(plan: Plan, device: DeviceSpec, t: float, compute: dict[str, float], spans: list[Span]) -> float:
+def _optimizer_update(plan: Plan, device: DeviceSpec, t: float, compute: dict[str, float], spans: list[Span], *, fused: bool) -> float:
     """Add the optimizer update over the elements this rank owns at ``t``; return when it ends
     (NOTE [The optimizer update's time] in cost_models/compute.py)."""
     owned = [p.padded_numel if int(plan.stage) == 0 else p.shard_numel for p in plan.params if p.requires_grad]
-    dt = estimate_optimizer_step_s(owned, plan.optimizer, device)
+    dt = estimate_optimizer_step_s(owned, plan.optimizer, device, fused=fused)
     compute["optimizer"] = dt
     spans.append(Span("optimizer", t, t + dt))
     return t + dt
 
 
-def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm: CommSpec, device: DeviceSpec) -> ScheduleReport:
+def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm: CommSpec, device: DeviceSpec,
+                     fused: bool = False, fused_update: bool = False) -> ScheduleReport:
+    """The simulated step of one rank running ``modules``. ``fused``: the forward and backward
+    run compiled by Inductor (NOTE [Fused kernels under Inductor] in cost_models/compute.py);
+    ``fused_update``: the optimizer update is torch's fused kernel (NOTE [The optimizer update's time])."""
     # The ranks of one node share its cores where the profile says it has fewer than them.
     ranks_on_host = min(plan.world_size, comm.ranks_per_node)
     serial = comm_takes_the_core(device, ranks_on_host)  # NOTE [Collectives on the ranks' cores]
@@ -350,10 +355,12 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
     forward_seq: dict[int, str] = {}
     for name in GRAPH_ORDER:
         if name == "param_sync":  # the optimizer update runs before the updated shards are gathered
-            t = _optimizer_update(plan, device, t, compute, spans)
+            t = _optimizer_update(plan, device, t, compute, spans, fused=fused_update)
         gm = modules.get(name)
         if gm is None:
             continue
+        # Only forward and backward are compiled; grad_sync and param_sync run as FX code.
+        fused_s = fused_node_seconds(gm.graph, device) if fused and name in ("forward", "backward") else None
         node_module = name_modules(gm, plan, known=forward_seq if name != "forward" else None)
         if name == "forward":
             forward_seq = sequence_modules(gm, node_module)
@@ -410,11 +417,11 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
                         waited_at=node.name, overlap_compute_s=0.0, comm_s=dur, exposed_s=blocked, start_s=begin, end_s=channel_free,
                         issued_after_module=previous_module, waited_at_module=next_compute[node]))
                     issued += 1
-                dt = estimate_node_s(node, device)  # the blocks' attention, after the sends in this model
+                dt = fused_s[node] if fused_s is not None else estimate_node_s(node, device)  # the blocks' attention, after the sends
                 t += dt
                 start_compute += dt
             else:
-                dt = estimate_node_s(node, device)
+                dt = fused_s.get(node, 0.0) if fused_s is not None else estimate_node_s(node, device)
                 t += dt
                 start_compute += dt
                 if _is_compute(node) and node_module[node]:

@@ -15,16 +15,19 @@ from collections.abc import Callable
 import torch.fx as fx
 
 from zerofx.cost_models.comm import CommSpec
-from zerofx.cost_models.compute import DeviceSpec, estimate_node_s
+from zerofx.cost_models.compute import DeviceSpec, estimate_node_s, fused_node_seconds
 from zerofx.cost_models.comm import estimate_all_gather_s
 from zerofx.cost_models.hierarchy import StepEstimate, choose_prefetch_distance_s, choose_shard_group_size
 from zerofx.passes.plan import Plan, ScheduleOptions, ZeroStage
 from zerofx.passes.plan_sharding import plan_sharding
 
 
-def estimate_compute_s(joint: fx.GraphModule, device: DeviceSpec) -> float:
+def estimate_compute_s(joint: fx.GraphModule, device: DeviceSpec, *, fused: bool = False) -> float:
     """Seconds of compute in one step of the captured joint graph (forward and backward), from
-    the compute model: the same on every rank and at every world size (weak scaling)."""
+    the compute model: the same on every rank and at every world size (weak scaling). ``fused``:
+    as Inductor runs it (NOTE [Fused kernels under Inductor] in cost_models/compute.py)."""
+    if fused:
+        return sum(fused_node_seconds(joint.graph, device).values())
     return sum(estimate_node_s(n, device) for n in joint.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
 
 

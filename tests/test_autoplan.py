@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import zerofx
+
 from tests.support.autoplan_workers import MeanLM, auto_initialize
 from tests.support.dist_utils import run_ranks
 from zerofx.app.cli import main
@@ -77,6 +79,57 @@ def test_a_tighter_budget_picks_recompute() -> None:
     # A tighter budget still recomputes more.
     tighter = _search(512, 0.86 * plain_peak, RECOMPUTE)
     assert tighter.chosen is not None and tighter.chosen.recomputed > chosen.recomputed
+
+
+COMPILERS = SearchSpace(stages=(3,), sequence_parallel=(1,), shard_group_sizes=None, offloads=("none",), tilings=("off",),
+                        recomputes=("off",), micro_batch=1, accumulation=1, compilers=("none", "inductor"))
+
+
+def test_inductor_is_chosen_where_what_it_keeps_resident_fits(tmp_path: Path) -> None:
+    """NOTE [Fused kernels under Inductor], NOTE [What Inductor keeps resident]: with a profile
+    that measured Inductor's resident memory, the compiled step is predicted faster and chosen
+    while the budget holds its peak plus that memory; a budget between the two peaks keeps the
+    eager step. The chosen config compiles with the fused update, and planned again it fits the
+    step to the budget less Inductor's memory, and says so."""
+    import dataclasses
+
+    from zerofx.cost_models.comm import CPU_GLOO
+    from zerofx.cost_models.compute import CPU_CORE
+    from zerofx.cost_models.profiles import save_profile
+
+    resident = 2 * 2**20
+    profile = tmp_path / "profile.json"
+    save_profile(profile, CPU_GLOO, dataclasses.replace(CPU_CORE, cores=2, inductor_bytes=resident))
+    model = build_model("tiny", device="meta")
+    ids = torch.zeros(1, 512, dtype=torch.long, device="meta")  # (B, T)
+
+    def run(budget: float) -> AutoPlan:
+        return search(model, resize_inputs((ids,), {"labels": ids}), {"zerofx": {"memory_budget": budget, "profile": str(profile)}},
+                      world_size=2, seq_len=512, batch=1, budget_bytes=budget, space=COMPILERS)
+
+    loose = run(1e9)
+    chosen = loose.chosen
+    assert chosen is not None and chosen.candidate.compiler == "inductor" and "inductor" in chosen.label()
+    # The eager step's compute alone is longer than the compiled step: it is not lowered.
+    eager = next(e for e in loose.ranked if e.candidate.compiler == "none")
+    assert not eager.lowered and eager.step_bound_s > chosen.step_s and "slower than" in eager.why
+    assert loose.config is not None and loose.config["zerofx"]["compile"] == "inductor" and loose.config["zerofx"]["fused_optimizer"] is True
+    tight = run(chosen.peak_bytes - resident / 2)
+    assert tight.chosen is not None and tight.chosen.candidate.compiler == "none" and tight.chosen.step_s > chosen.step_s
+    assert chosen.peak_bytes == pytest.approx(tight.chosen.peak_bytes + resident)
+    over = next(e for e in tight.ranked if e.candidate.compiler == "inductor")
+    assert not over.fits and over.why.startswith("over budget by ")
+    # The search's choice planned again: the step is fitted to the budget less Inductor's memory.
+    again = zerofx.compile(model, world_size=2, config=loose.config, example_inputs=(ids,), example_kwargs={"labels": ids})
+    assert any("Inductor keeps resident" in d for d in again.plan.decisions)
+    # A config that sets zerofx.compile keeps it; a profile that did not measure Inductor leaves it out.
+    from zerofx.compiler.autoplan import search_space
+
+    for own, expected in (({"compile": "none", "profile": str(profile)}, ("config",)), ({"profile": str(profile)}, ("none", "inductor")),
+                          ({}, ("none",))):
+        cfg = parse_config({"zerofx": {"auto": True, "memory_budget": 1e9, **own}}, world_size=2)
+        assert cfg.auto is not None
+        assert search_space(cfg, cfg.auto, world_size=2, seq_len=512, batch=1).compilers == expected
 
 
 def test_a_memory_margin_keeps_the_choice_clear_of_the_budget() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 import torch
 
-from benchmarks.bench_capped import (HAND_GRID, TARGET_VS_FSDP2, TARGET_VS_HAND, RunConfig, batch_ids, compiled_run, hand_grid, main,
+from benchmarks.bench_capped import (HAND_GRID, TARGET_VS_FSDP2, TARGET_VS_HAND, RunConfig, batch_ids, compiled_run, counterpart_run, hand_grid, main,
                                      markdown, targets, zerofx_config)
 
 
@@ -52,10 +52,16 @@ def test_the_compiled_rows_are_compared_apart_from_the_targets() -> None:
     assert compiled.zerofx == {"zero_optimization": {"stage": 2},
                                "zerofx": {"recompute": "auto", "compile": "inductor", "fused_optimizer": True}}
     assert auto.zerofx == {"zero_optimization": {"stage": 2}, "zerofx": {"recompute": "auto"}}  # left alone
+    # The counterpart of an eager choice is compiled; of a compiled choice, eager.
+    assert counterpart_run(auto) == compiled
+    chosen_compiled = RunConfig("auto", "zerofx", 1, 2, compiled.zerofx)
+    eager = counterpart_run(chosen_compiled)
+    assert eager.name == "auto_eager" and eager.zerofx == auto.zerofx and chosen_compiled.zerofx == compiled.zerofx
     rows = [
         _row("auto", "zerofx", [1.0, 1.0, 1.0]),
         _row("auto_compiled", "zerofx", [0.5, 0.5, 0.5], fits=False),
         _row("z3_m1", "zerofx", [1.2, 1.2, 1.2]),
+        _row("auto_eager", "zerofx", [0.1, 0.1, 0.1]),  # never a hand configuration
         _row("fsdp2_ac_m2", "fsdp2_ac", [1.5, 1.5, 1.5]),
         _row("fsdp2_ac_compile_m2", "fsdp2_ac_compile", [1.0, 1.0, 1.0]),
         _row("fsdp2_compile_m2", "fsdp2_compile", [0.8, 0.8, 0.8], fits=False),

@@ -21,6 +21,7 @@ from zerofx.cost_models.compute import (
     estimate_flops,
     estimate_node_s,
     estimate_optimizer_step_s,
+    fused_node_seconds,
     is_view_op,
     memory_rate,
     rank_device,
@@ -170,15 +171,21 @@ def test_process_peak_adds_the_runtime_baseline(tmp_path: Path) -> None:
 
     assert estimate_process_peak_bytes(100, 0) == 100 and estimate_process_peak_bytes(2**20, 3 * 2**20) == 4 * 2**20
     profile = tmp_path / "profile.json"
-    save_profile(profile, CPU_GLOO, DeviceSpec("calibrated-cpu-core", 74e9, 2.2e9, cores=2, runtime_bytes=345_678_912))
+    save_profile(profile, CPU_GLOO, DeviceSpec("calibrated-cpu-core", 74e9, 2.2e9, cores=2, runtime_bytes=345_678_912,
+                                               inductor_bytes=50 * 2**20))
+    compiled = tmp_path / "compiled.json"
+    compiled.write_text(json.dumps({"zerofx": {"compile": "inductor"}}))
     data = {}
-    for name in ("cpu", str(profile)):
+    for name, extra in (("cpu", []), (str(profile), []), ("compiled", ["--profile", str(profile), "--config", str(compiled)])):
         out = io.StringIO()
+        args = ["--profile", name] if not extra else extra
         with contextlib.redirect_stdout(out):
-            assert main(["plan", "tiny", "--world-size", "2", "--stage", "3", "--seq-len", "32", "--profile", name, "--format", "json"]) == 0
+            assert main(["plan", "tiny", "--world-size", "2", "--stage", "3", "--seq-len", "32", *args, "--format", "json"]) == 0
         data[name] = json.loads(out.getvalue())["memory"]
     assert data["cpu"]["process_peak_bytes"] == data["cpu"]["peak_bytes"]  # the built-in profile states no baseline
     assert data[str(profile)]["process_peak_bytes"] == data[str(profile)]["peak_bytes"] + 345_678_912
+    # NOTE [What Inductor keeps resident]: a config compiling with Inductor holds that too.
+    assert data["compiled"]["process_peak_bytes"] == data["compiled"]["peak_bytes"] + 345_678_912 + 50 * 2**20
 
 
 def _aten_graph(fn, *shapes: tuple[int, ...]) -> torch.fx.GraphModule:
@@ -251,6 +258,48 @@ def test_optimizer_update_time() -> None:
     assert report.compute_s["optimizer"] == pytest.approx(estimate_optimizer_step_s(owned, "AdamW", dram))
     assert [s.graph for s in report.spans][-2:] == ["optimizer", "param_sync"]
     assert report.step_s == pytest.approx(sum(report.compute_s.values()) + report.exposed_s)
+
+
+def test_inductor_runs_price_their_outside_bytes_once() -> None:
+    """NOTE [Fused kernels under Inductor]: the pointwise ops and the reduction between two
+    products are one run, priced by what it reads from outside (the first product's output, the
+    bias) and writes for outside (its input to the second product), at its last node; eager prices
+    every op's own bytes. The products keep their own price, and a run never crosses them."""
+    def block(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x @ w + b) * 2  # add, relu, mul: one run between the two products
+        return (h.t().t() @ w).sum()  # the views do not split it; the sum is a run of its own
+
+    gm = _aten_graph(block, (64, 32), (32, 32), (32,))
+    spec = DeviceSpec("d", 1e12, 1e9)
+    fused = fused_node_seconds(gm.graph, spec)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    products = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    assert len(products) == 2 and all(fused[n] == estimate_node_s(n, spec) for n in products)
+    run = [n for n in nodes if n.target in (torch.ops.aten.add.Tensor, torch.ops.aten.relu.default, torch.ops.aten.mul.Tensor)]
+    assert len(run) == 3 and [fused[n] for n in run[:-1]] == [0.0, 0.0]
+    out = 64 * 32 * 4
+    assert fused[run[-1]] == pytest.approx((out + 32 * 4 + out) / 1e9)  # read the product and the bias, write the input to the next
+    assert sum(estimate_node_s(n, spec) for n in run) == pytest.approx((6 * out + 32 * 4) / 1e9)  # each op reads and writes its own
+    (total,) = [n for n in nodes if n.target is torch.ops.aten.sum.default]
+    assert fused[total] == estimate_node_s(total, spec)  # alone in its run: the same bytes
+    assert all(fused[n] == 0.0 for n in nodes if is_view_op(n))
+
+
+def test_the_fused_update_and_the_compiled_schedule() -> None:
+    """torch's fused AdamW makes 7 passes where the default makes 20; a program whose config
+    compiles with Inductor is priced with its runs fused, faster than the same plan eager, and
+    ``report(compiler=...)`` overrides the config."""
+    from zerofx.config.options import GraphCompiler
+
+    dram = DeviceSpec("d", 1e12, 2e9)
+    assert estimate_optimizer_step_s([1000], "AdamW", dram, fused=True) == pytest.approx(7 * 4 * 1000 / 2e9)
+    assert estimate_optimizer_step_s([1000], "SGD", dram, fused=True) == estimate_optimizer_step_s([1000], "SGD", dram)
+    program = meta_program(2, 2, **SMALL_BUCKETS)
+    eager = program.report(0, device=dram)
+    compiled = program.report(0, device=dram, compiler=GraphCompiler.INDUCTOR, fused_optimizer=True)
+    assert compiled.compute_s["forward"] < eager.compute_s["forward"] and compiled.compute_s["backward"] < eager.compute_s["backward"]
+    assert compiled.compute_s["optimizer"] == pytest.approx(7 / 20 * eager.compute_s["optimizer"])
+    assert compiled.peak.live_bytes == eager.peak.live_bytes  # the memory timeline is the graphs', compiled or not
 
 
 def test_collectives_take_the_core_where_ranks_fill_the_cores() -> None:

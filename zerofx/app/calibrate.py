@@ -22,6 +22,7 @@ each link on its own measurements.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -317,6 +318,43 @@ def runtime_rss_bytes(device: torch.device | None = None) -> float:
     return worst.item()
 
 
+def inductor_rss_bytes(device: torch.device | None = None) -> float | None:
+    """The resident memory Inductor adds to this rank once it has compiled the tiny model's rank
+    graphs (stage 3, ahead of any step, from their fake inputs, as the engine compiles the
+    backward), max-reduced across ranks (NOTE [What Inductor keeps resident] in
+    cost_models/memory.py); None where Inductor cannot compile here (no C++ compiler). Run after
+    every other measurement: what it imports stays."""
+    import ctypes
+    import gc
+
+    import zerofx.compiler.program
+    from zerofx.common.rss import current_rss_bytes
+    from zerofx.models.registry import build_model
+
+    ids = torch.zeros(1, 64, dtype=torch.long)  # on the CPU, whose code Inductor generates
+    program = zerofx.compiler.program.compile(build_model("tiny"), world_size=dist.get_world_size(), stage=3,
+                                              example_inputs=(ids,), example_kwargs={"labels": ids})
+    _compat.register_group_name(program.group_name, dist.group.WORLD)
+    modules = program.graph_modules(dist.get_rank())
+    gc.collect()
+    before = current_rss_bytes()
+    compiled = []
+    failed = torch.zeros(1, dtype=torch.float64, device=device or torch.device("cpu"))
+    try:
+        for name in ("forward", "backward"):
+            fakes = [n.meta["val"] for n in modules[name].graph.nodes if n.op == "placeholder"]
+            compiled.append(_compat.inductor_compile(modules[name], fakes))
+    except Exception:  # noqa: BLE001  (no C++ compiler, or Inductor refusing this machine: nothing to price)
+        failed += 1
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # what compiling freed goes back, as it does in a long run
+    added = torch.tensor([float(current_rss_bytes() - before)], dtype=torch.float64, device=failed.device)
+    dist.all_reduce(failed)
+    dist.all_reduce(added, op=dist.ReduceOp.MAX)
+    return None if failed.item() else max(added.item(), 0.0)
+
+
 def host_cores() -> int:
     """The cores this process may run on (its affinity), which local ranks share."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -339,13 +377,15 @@ def _worker(rank: int, world_size: int, port: int, out: str, repeats: int, sizes
     flops, mem, curve = measure_compute(repeats, cores=host_cores())
     fresh_s, fresh_min = measure_fresh_pages(repeats, cores=host_cores())
     update_s = measure_update(repeats, cores=host_cores())
+    inductor = inductor_rss_bytes()
     if rank == 0:
         alpha, bandwidth = fit_link(rows) if rows else (0.0, float("inf"))
         comm = CommSpec("calibrated-gloo", alpha, bandwidth, alpha, bandwidth, ranks_per_node=LOCAL_RANKS_PER_NODE, base_latency_s=launch_s,
                         collective_copies=True, backend="gloo")  # NOTE [gloo copies a collective's buffer]
         comm = dataclasses.replace(comm, collective_scale=fit_collective_scale(rows, comm))  # NOTE [Each collective's own factor]
         device = DeviceSpec("calibrated-cpu-core", flops, mem, memory_curve=tuple(curve), cores=host_cores(), runtime_bytes=runtime,
-                            fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min, update_s_per_element_pass=update_s)
+                            fresh_s_per_byte=fresh_s, fresh_min_bytes=fresh_min, update_s_per_element_pass=update_s,
+                            inductor_bytes=inductor)
         _write(Path(out), comm, device, {"intra": rows})
     dist.destroy_process_group()
 

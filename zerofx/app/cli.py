@@ -416,7 +416,7 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
         data = json.loads(report_json(program, report, budget, device_peak_bytes=None if tiers is None else tiers["device"],
                                       micro_batches=cfg.gradient_accumulation_steps))
         # A rank's resident memory with the runtime's (NOTE [What a rank's resident memory holds]).
-        data["memory"]["process_peak_bytes"] = estimate_process_peak_bytes(report.peak.live_bytes, device.runtime_bytes)
+        data["memory"]["process_peak_bytes"] = estimate_process_peak_bytes(report.peak.live_bytes, rank_runtime_bytes(device, cfg))
         if offload is not None:
             data["offload"] = json.loads(offload.to_json())
         if tiers is not None:
@@ -496,6 +496,16 @@ def folded_explanation(blocks: RepeatedBlocks, *, block_params: int, num_params:
             f"The plan below is the {high}-block copy's:")
 
 
+def rank_runtime_bytes(device: Any, cfg: Any) -> float:
+    """What a rank holds besides the step's tensors: the runtime's baseline, and what Inductor keeps
+    resident where the config compiles with it (NOTE [What Inductor keeps resident] in cost_models/memory.py)."""
+    from zerofx.config.options import GraphCompiler
+    from zerofx.cost_models.memory import inductor_resident_bytes
+
+    compiled = inductor_resident_bytes(device) if cfg.graph_compiler is GraphCompiler.INDUCTOR else 0.0
+    return device.runtime_bytes + compiled
+
+
 def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBlocks, comm: Any, device: Any,
                  budget: float | None) -> int:
     """``zerofx plan`` from captures of the model cut to 2 and 3 blocks (``zerofx.compiler.folding``)."""
@@ -545,7 +555,8 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
         plan_json = json.loads(sample.plan.to_json())
         plan_json["decisions"] = [*plan_json.get("decisions", []), *decisions]
         data = folded_json(folded, plan_json, budget, micro_batches=micro_batches)
-        data["memory"]["process_peak_bytes"] = estimate_process_peak_bytes(folded.peak_bytes, device.runtime_bytes)
+        data["memory"]["process_peak_bytes"] = estimate_process_peak_bytes(
+            folded.peak_bytes, rank_runtime_bytes(device, resolve(config, stage=args.stage, world_size=args.world_size)))
         print(json.dumps(data, indent=1, default=list))
         return 0
     num_params = sum(p.numel() for p in spec.model.parameters())

@@ -96,9 +96,10 @@ from zerofx.compiler.capture import LossFn
 from zerofx.compiler.folding import AUTO_FOLD_MIN_BLOCKS, FOLD_BLOCKS, RepeatedBlocks, extrapolate, find_repeated_blocks, fold_reports, with_num_blocks
 from zerofx.compiler.program import Program, compile, plan_from_shapes, resolve
 from zerofx.config.compile_options import compile_options
-from zerofx.config.options import BUDGET_KEYS
+from zerofx.config.options import BUDGET_KEYS, GraphCompiler
 from zerofx.config import ZeroConfig, parse_config
 from zerofx.cost_models.compute import CPU_CORE
+from zerofx.cost_models.memory import inductor_resident_bytes
 from zerofx.cost_models.hierarchy import STEP_TIE_FRACTION, estimate_step_comm_s, estimate_step_s
 from zerofx.cost_models.offload import FP32_BYTES, record_numels
 from zerofx.cost_models.profiles import load_profile
@@ -207,8 +208,9 @@ class _Search:
         self.num_captures = 0
         self.num_lowered = 0
         self._states: dict[Candidate, float] = {}
-        self._compute_s: dict[tuple[int, int, str], float] = {}  # per capture group
-        self.profile = parse_config(base).profile
+        self._compute_s: dict[tuple[int, int, str, bool], float] = {}  # per capture group, eager or fused
+        parsed = parse_config(base)
+        self.profile, self.base_compiler = parsed.profile, parsed.graph_compiler
         self.comm, self.device = load_profile(self.profile)
 
     def config(self, c: Candidate) -> dict[str, Any]:
@@ -236,15 +238,21 @@ class _Search:
         return plan_from_shapes(self.model, cfg, compile_options(cfg, self.world_size)), cfg
 
     def compute_s(self, c: Candidate) -> float:
-        """One micro-step's compute, from the compute model over the capture group's joint graph."""
-        key = c.capture_group
+        """One micro-step's compute, from the compute model over the capture group's joint graph
+        (its fused runs priced as Inductor runs them for an Inductor candidate)."""
+        group, fused = c.capture_group, self.compiles(c)
+        key = (*group, fused)
         if key not in self._compute_s:
             if self.blocks is None:
-                self._compute_s[key] = estimate_compute_s(self.groups[key].captured.joint, self.device)
+                self._compute_s[key] = estimate_compute_s(self.groups[group].captured.joint, self.device, fused=fused)
             else:
-                small, large = (estimate_compute_s(self.cut_groups[key][n].captured.joint, self.device) for n in FOLD_BLOCKS)
+                small, large = (estimate_compute_s(self.cut_groups[group][n].captured.joint, self.device, fused=fused) for n in FOLD_BLOCKS)
                 self._compute_s[key] = extrapolate(small, large, self.blocks.count)
         return self._compute_s[key]
+
+    def compiles(self, c: Candidate) -> bool:
+        """Whether ``c``'s graphs are compiled by Inductor (the search's choice or the config's)."""
+        return c.compiler == "inductor" or (c.compiler == "config" and self.base_compiler is GraphCompiler.INDUCTOR)
 
     def _sharding_comm(self, c: Candidate) -> Any:
         plan, _ = self.shapes_plan(replace(c, offload=NO_OFFLOAD, recompute="off"))
@@ -428,7 +436,8 @@ class _Search:
         else:  # the report's update, timed by the profile where it measured one (NOTE [The optimizer update's time])
             update_s = spans.get("optimizer", 0.0)
         step_s = c.accumulation * micro_s + sync_s + update_s
-        peak = max(peak_bytes - offloaded, 0.0)
+        # NOTE [What Inductor keeps resident]: its modules and code count against the budget.
+        peak = max(peak_bytes - offloaded, 0.0) + (inductor_resident_bytes(self.device) if self.compiles(c) else 0.0)
         tokens = self.global_batch * self.seq_len
         return Evaluated(c, step_s, tokens / step_s if step_s > 0 else float("inf"), peak, persistent_bytes - offloaded,
                          fits=peak <= self.budget_bytes, fingerprint=fingerprint, recomputed=recomputed)
@@ -535,9 +544,9 @@ def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_
                 results, s.budget_bytes, s.global_batch * s.seq_len, lambda e: e.candidate.sequence_parallel == sp and e.candidate.tiling in ("off", "config")):
             continue  # nothing untiled over the budget that tiling could make fit and win (NOTE [How the whole-job search prunes])
         for micro, accumulation in _micro_batches(space, per_group):
-            group = [Candidate(stage, sp, k, offload, tiling, micro, accumulation, recompute)
+            group = [Candidate(stage, sp, k, offload, tiling, micro, accumulation, recompute, compiler)
                      for stage in space.stages for k in _shard_group_sizes(space, stage, s.world_size) for offload in space.offloads
-                     for recompute in space.recomputes]
+                     for recompute in space.recomputes for compiler in _compilers(space, sp)]
             try:
                 ops = s.tiled_ops(group[0])
                 seen = tiled.setdefault(micro, {})
@@ -556,6 +565,14 @@ def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_
             if lowered and not seen[ops]:
                 break  # a larger micro-batch holds more: none of its candidates would fit
     return None
+
+
+def _compilers(space: SearchSpace, sp: int) -> tuple[str, ...]:
+    """The compilers searched at sequence-parallel size ``sp``: the config refuses Inductor with
+    sequence parallelism (no parity run has checked the two together), so not "inductor" there."""
+    if sp == 1:
+        return space.compilers
+    return tuple(c for c in space.compilers if c != "inductor") or ("none",)
 
 
 def _best_tokens_per_s(results: Sequence[Evaluated]) -> float:
@@ -594,15 +611,16 @@ def _search_group(s: _Search, group: Sequence[Candidate], earlier: Sequence[Eval
     out: list[Evaluated] = []
     # The smallest peak less persistent state measured in this group, per recompute setting:
     # recompute lowers the transient memory, so one measured without it bounds nothing with it.
-    transient: dict[str, float] = {}
-    # Per stage, offload and recompute: the shard-group model's place of the first K that fit.
-    first_fit: dict[tuple[int, str, str], tuple[tuple[float, float, int], Candidate]] = {}
+    # Inductor's resident memory is in an Inductor candidate's peak, so the two are kept apart too.
+    transient: dict[tuple[str, str], float] = {}
+    # Per stage, offload, recompute and compiler: the shard-group model's place of the first K that fit.
+    first_fit: dict[tuple[int, str, str, str], tuple[tuple[float, float, int], Candidate]] = {}
 
     def run(candidates: Sequence[Candidate]) -> None:
         states = {c: s.model_state_bytes(c) for c in candidates}
         order = {c: s.sharding_order(c) for c in candidates}
-        for c in sorted(candidates, key=lambda c: (c.stage, c.offload, c.recompute, order[c] or (0.0, 0.0, 0), states[c])):
-            ahead = [first_fit.get((c.stage, o, r)) for o, r in ((c.offload, c.recompute), (NO_OFFLOAD, "off"))]
+        for c in sorted(candidates, key=lambda c: (c.stage, c.offload, c.recompute, c.compiler, order[c] or (0.0, 0.0, 0), states[c])):
+            ahead = [first_fit.get((c.stage, o, r, c.compiler)) for o, r in ((c.offload, c.recompute), (NO_OFFLOAD, "off"))]
             ahead_of = next((f for f in ahead if f is not None and order[c] is not None and order[c] > f[0]), None)
             if ahead_of is not None:
                 out.append(Evaluated(c, float("inf"), 0.0, states[c], states[c], fits=False, lowered=False,
@@ -615,13 +633,13 @@ def _search_group(s: _Search, group: Sequence[Candidate], earlier: Sequence[Eval
                                      why=f"at least {bound_s * 1e3:.3g} ms a step by its compute and the shard-group model, slower than "
                                          f"{best.label()} ({best.step_s * 1e3:.3g} ms); not lowered"))
                 continue
-            least = transient.get(c.recompute, float("inf"))
+            least = transient.get((c.recompute, c.compiler), float("inf"))
             e = _evaluate_or_bound(s, c, states[c], least, bound_s)
             out.append(e if not e.lowered else replace(e, step_bound_s=bound_s))
             if e.lowered:
-                transient[c.recompute] = min(least, e.peak_bytes - e.model_state_bytes)
+                transient[(c.recompute, c.compiler)] = min(least, e.peak_bytes - e.model_state_bytes)
                 if e.fits and order[c] is not None:
-                    first_fit.setdefault((c.stage, c.offload, c.recompute), (order[c], c))
+                    first_fit.setdefault((c.stage, c.offload, c.recompute, c.compiler), (order[c], c))
 
     run(plain)
     over = {(e.candidate.stage, e.candidate.shard_group_size) for e in out if e.lowered and not e.fits or not e.lowered and not e.why}

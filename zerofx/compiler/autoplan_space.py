@@ -13,7 +13,8 @@ import torch
 
 from zerofx.common.errors import ZeroFXError
 from zerofx.config import ZeroConfig
-from zerofx.config.options import AutoOptions
+from zerofx.config.options import DEFAULT_OPTIMIZER_TYPE, AutoOptions
+from zerofx.cost_models.profiles import load_profile
 from zerofx.cost_models.tiers import NO_OFFLOAD, Tier
 
 # (micro-batch, seq_len) -> the model call's (args, kwargs) at that shape.
@@ -23,6 +24,11 @@ OFFLOADS = (NO_OFFLOAD, Tier.CPU.value)
 # "off": the default min-cut saves; "auto": the fewest recomputed activations that fit the budget
 # (NOTE [Selective activation recompute] in passes/plan_recompute.py); "config": the config's own.
 RECOMPUTES = ("off", "auto")
+# "none": the graphs run as FX code in eager ATen; "inductor": compiled by Inductor, with torch's
+# fused optimizer update where the optimizer has one (NOTE [Fused kernels under Inductor] in
+# cost_models/compute.py); "config": the config's own zerofx.compile.
+COMPILERS = ("none", "inductor")
+FUSABLE_OPTIMIZERS = ("Adam", "AdamW")
 
 
 def powers_of_two_dividing(n: int, *, start: int = 1) -> tuple[int, ...]:
@@ -46,6 +52,7 @@ class Candidate:
     micro_batch: int  # sequences per rank per micro-step
     accumulation: int  # micro-steps per optimizer step
     recompute: str = "off"  # "off", "auto", or "config" (the config's own zerofx.recompute)
+    compiler: str = "none"  # "none", "inductor", or "config" (the config's own zerofx.compile)
 
     @property
     def capture_group(self) -> tuple[int, int, str]:
@@ -61,6 +68,8 @@ class Candidate:
         parts.append(f"tiling {self.tiling}")
         if self.recompute != "off":
             parts.append(f"recompute {self.recompute}")
+        if self.compiler == "inductor":
+            parts.append("inductor")
         parts.append(f"micro {self.micro_batch} x {self.accumulation}")
         return ", ".join(parts)
 
@@ -77,12 +86,15 @@ class SearchSpace:
     recomputes: tuple[str, ...]
     micro_batch: int | None  # None: searched (divisors of the sequences a data-parallel group takes per step)
     accumulation: int | None
+    compilers: tuple[str, ...] = ("none",)
 
 
 def search_space(cfg: ZeroConfig, auto: AutoOptions, *, world_size: int, seq_len: int, batch: int,
                  search_sequence_parallel: bool = True, search_batch: bool = True) -> SearchSpace:
     """What ``cfg`` leaves to the search: every dimension in ``auto.fixed`` (and sequence
-    parallelism and the batch when their searches are off) keeps the config's value."""
+    parallelism and the batch when their searches are off) keeps the config's value. Inductor is
+    searched only where the profile measured what it keeps resident (``DeviceSpec.inductor_bytes``,
+    ``zerofx calibrate``): without that figure its memory cannot be priced."""
     fixed = auto.fixed
     stages = (cfg.stage,) if "stage" in fixed and cfg.stage is not None else (0, 1, 2, 3)
     if "sequence_parallel" in fixed or not search_sequence_parallel:
@@ -97,7 +109,11 @@ def search_space(cfg: ZeroConfig, auto: AutoOptions, *, world_size: int, seq_len
         micro, accumulation = batch, cfg.gradient_accumulation_steps
     else:
         micro, accumulation = None, None
-    return SearchSpace(stages, sp, ks, offloads, tilings, recomputes, micro, accumulation)
+    if "compile" in fixed:
+        compilers: tuple[str, ...] = ("config",)
+    else:
+        compilers = COMPILERS if load_profile(cfg.profile)[1].inductor_bytes is not None else ("none",)
+    return SearchSpace(stages, sp, ks, offloads, tilings, recomputes, micro, accumulation, compilers)
 
 
 def _merge(config: dict[str, Any], section: str, values: Mapping[str, Any]) -> None:
@@ -137,6 +153,12 @@ def candidate_config(base: Mapping[str, Any], c: Candidate, *, world_size: int, 
         out.get("zerofx", {}).pop("recompute", None)
         if c.recompute == "auto":
             _merge(out, "zerofx", {"recompute": "auto"})
+    if "compile" not in fixed:
+        out.get("zerofx", {}).pop("compile", None)
+        if c.compiler == "inductor":
+            _merge(out, "zerofx", {"compile": "inductor"})
+            if out.get("optimizer", {}).get("type", DEFAULT_OPTIMIZER_TYPE) in FUSABLE_OPTIMIZERS and "fused_optimizer" not in out["zerofx"]:
+                out["zerofx"]["fused_optimizer"] = True
     if "batch" not in fixed:
         out.update(train_batch_size=global_batch, train_micro_batch_size_per_gpu=c.micro_batch, gradient_accumulation_steps=c.accumulation)
     if "zerofx" in out and not out["zerofx"]:

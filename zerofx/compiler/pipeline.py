@@ -56,8 +56,11 @@ from zerofx.common.errors import CaptureError, CompileStageError, SequenceParall
 from zerofx.compiler.capture import CapturedStep, LossFn, StepTracer, TensorInfo
 from zerofx.compiler.search import Planned, fit_prefetch, fit_recompute, fit_tiling
 from zerofx.config import ZeroConfig
+from zerofx.common.units import format_bytes
 from zerofx.config.compile_options import CompileOptions
-from zerofx.cost_models.memory import device_model_state_bytes
+from zerofx.config.options import GraphCompiler
+from zerofx.cost_models.compute import DeviceSpec
+from zerofx.cost_models.memory import device_model_state_bytes, inductor_resident_bytes
 from zerofx.cost_models.profiles import load_profile
 from zerofx.passes import Plan, ZeroStage, _compat, build_param_sync, meta, partition_joint, plan_sharding, reduce_grads_pass, shard_params_pass
 from zerofx.passes.fetch_params import fetch_params_pass
@@ -313,6 +316,7 @@ def _plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpt
     world_size, stage, optimizer, options = compile_opts.world_size, compile_opts.stage, compile_opts.optimizer, compile_opts.schedule
     comm, device = load_profile(cfg.profile)  # zerofx.profile: buckets, prefetch and K are sized for it
     shard_group_size, decision = compile_opts.shard_group_size, compile_opts.shard_group_decision
+    options, compiled_note = _budget_beside_inductor(cfg, options, device)
     if compile_opts.choose_shard_group_size and choose_shard_group_size:
         shard_group_size, decision = plan_auto_shard_group_size(captured.joint, world_size=world_size, stage=stage, optimizer=optimizer,
                                                                 options=options, comm=comm, device=device)
@@ -327,6 +331,8 @@ def _plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpt
                              shard_group_size=shard_group_size, comm=comm)
         if decision is not None:
             plan = replace(plan, decisions=(decision, *plan.decisions))
+        if compiled_note is not None:
+            plan = replace(plan, decisions=(*plan.decisions, compiled_note))
         if captured.tiling is not None:
             plan = replace(plan, tiling=captured.tiling)
         if captured.sequence_parallel is not None:
@@ -344,6 +350,19 @@ def _plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpt
     candidates, saved_bytes = recompute_candidates(captured.joint, device)
     return fit_recompute(chosen, lambda count: plan_with(fitted, plan_recompute(candidates, count, mode=mode, saved_bytes=saved_bytes)),
                          len(candidates), mode=mode, budget_bytes=options.memory_budget_bytes)
+
+
+def _budget_beside_inductor(cfg: ZeroConfig, options: ScheduleOptions, device: DeviceSpec) -> tuple[ScheduleOptions, str | None]:
+    """``options`` with the memory budget less what Inductor keeps resident, where the graphs are
+    compiled by Inductor and the profile measured it (NOTE [What Inductor keeps resident] in
+    cost_models/memory.py); and the plan's note saying so, or None."""
+    resident = inductor_resident_bytes(device) if cfg.graph_compiler is GraphCompiler.INDUCTOR else 0.0
+    if not resident or options.memory_budget_bytes is None:
+        return options, None
+    budget = options.memory_budget_bytes - resident
+    note = (f"memory budget {format_bytes(budget)} for the step: {format_bytes(options.memory_budget_bytes)} less "
+            f"{format_bytes(resident)} Inductor keeps resident (zerofx.compile \"inductor\", profile {device.name})")
+    return replace(options, memory_budget_bytes=budget), note
 
 
 def with_offloaded_grads(plan: Plan, cfg: ZeroConfig) -> Plan:

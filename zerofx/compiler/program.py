@@ -68,6 +68,8 @@ class Program:
         self._modules: dict[str, fx.GraphModule] | None = None
         self._runners: dict[tuple[int, str], Callable[[list[torch.Tensor]], Any]] = {}
         self.compiled_graphs: set[str] = set()  # names of the graphs Inductor compiled
+        # Those compiled ahead from fake inputs and run as compiled (NOTE [Inductor compiles the backward ahead])
+        self.compiled_ahead: set[str] = set()
         self.compile_s = 0.0  # seconds spent compiling this program's graphs (GraphCompiler.INDUCTOR)
         # Seconds per setup phase, measured where each runs: "capture" and "plan" by
         # capture_and_plan, "lower" by graph_modules the first time it lowers.
@@ -189,7 +191,48 @@ class Program:
         compiled = _compat.inductor_compile(gm, list(example))  # boxed: it empties the list
         self.compile_s += time.perf_counter() - start
         self.compiled_graphs.add(name)
+        if name == "forward":
+            self._compile_ahead(rank, "backward")
         return compiled
+
+    # NOTE [Inductor compiles the backward ahead]
+    # Inductor's lowering holds its IR, its scheduler's state and sympy's caches while it
+    # compiles: tens of MiB of the rank's memory for the 25m DNA LM's backward. Compiled at the
+    # first backward call, that transient sat on top of every activation the first forward saved,
+    # the step's peak, and a rank under a memory cap passed it. So the backward is compiled at the
+    # first forward call, before that forward runs, from its placeholders' fake values (the shapes
+    # and strides the capture recorded); what stays resident after compiling is the runtime cost
+    # ``zerofx calibrate`` measures (``DeviceSpec.inductor_bytes``, NOTE [What Inductor keeps
+    # resident] in cost_models/memory.py). Inductor's generated code checks each input's size and
+    # stride; where a real input's layout differs from its fake value's, the backward is compiled
+    # again from the real inputs at its first call rather than failing.
+    def _compile_ahead(self, rank: int, name: str) -> None:
+        key = (rank, name)
+        gm = self.graph_modules(rank).get(name)
+        if gm is None or key in self._runners:
+            return
+        fakes = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        if not all(isinstance(f, torch.Tensor) for f in fakes):
+            return
+        start = time.perf_counter()
+        compiled = _compat.inductor_compile(gm, list(fakes))
+        self.compile_s += time.perf_counter() - start
+        self.compiled_graphs.add(name)
+        layouts = [(f.shape, f.stride(), f.dtype) for f in fakes]
+
+        def first_call(args_list: list[torch.Tensor]) -> Any:
+            same = len(args_list) == len(layouts) and all(
+                isinstance(a, torch.Tensor) and (a.shape, a.stride(), a.dtype) == layout for a, layout in zip(args_list, layouts))
+            if same:
+                self._runners[key] = compiled
+                self.compiled_ahead.add(name)
+            else:
+                start = time.perf_counter()
+                self._runners[key] = _compat.inductor_compile(gm, list(args_list))
+                self.compile_s += time.perf_counter() - start
+            return self._runners[key](args_list)
+
+        self._runners[key] = first_call
 
     def with_decision(self, why: str) -> Program:
         """This program with ``why`` added to its plan's decision notes. A note changes no graph,
@@ -237,13 +280,22 @@ class Program:
         program.setup_times = {"plan": time.perf_counter() - start}
         return program
 
-    def report(self, rank: int, *, comm: CommSpec = CPU_GLOO, device: DeviceSpec = CPU_CORE) -> ScheduleReport:
+    def report(self, rank: int, *, comm: CommSpec = CPU_GLOO, device: DeviceSpec = CPU_CORE,
+               compiler: GraphCompiler | None = None, fused_optimizer: bool | None = None) -> ScheduleReport:
         """The estimated schedule of rank ``rank``: one row per collective (where it is issued and
         waited for, the compute it overlaps, its time), the memory timeline and its peak, and the
         estimated step time with the communication left exposed. ``str(format_report(...))``
-        prints it."""
+        prints it. ``compiler`` and ``fused_optimizer`` say how the graphs and the update run
+        (NOTE [Fused kernels under Inductor] in cost_models/compute.py); None: as this program's
+        config says (``zerofx.compile``, ``zerofx.fused_optimizer``), eager for a program without one."""
         self._require_capture("program.report(rank) (the schedule, step time and memory timeline)")
-        return analyze_schedule(self.graph_modules(rank), self.plan, comm=comm, device=device)
+        cfg = self._source.cfg if self._source is not None else None
+        if compiler is None:
+            compiler = cfg.graph_compiler if cfg is not None else GraphCompiler.NONE
+        if fused_optimizer is None:
+            fused_optimizer = cfg.fused_optimizer if cfg is not None else False
+        return analyze_schedule(self.graph_modules(rank), self.plan, comm=comm, device=device,
+                                fused=compiler is GraphCompiler.INDUCTOR, fused_update=fused_optimizer)
 
     def memory(self, rank: int) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer states rank ``rank`` holds between steps:
@@ -276,8 +328,8 @@ class Program:
 # alive until the whole backward returned; boxed, each is freed as soon as the backward is done
 # with it, as eager autograd frees saved tensors node by node. AOTAutograd calls its compiled
 # graphs the same way (make_boxed_func); FX's own boxed codegen is private, hence ours in
-# passes/_compat.py. Inductor-compiled graphs are called unboxed: its entry point takes
-# positional inputs, so there the caller's copy lives to the end.
+# passes/_compat.py. Inductor's compiled graphs are called boxed too (NOTE [Inductor's graphs
+# are called boxed] in passes/_compat.py).
 def _take(args_list: list[torch.Tensor]) -> list[torch.Tensor]:
     """The list's items, leaving it empty (the boxed convention, for callables that are not)."""
     items = list(args_list)

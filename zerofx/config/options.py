@@ -153,7 +153,7 @@ class MonitorOptions:
 
 # The dimensions ``zerofx.auto`` searches (zerofx/compiler/autoplan.py), each named by what the
 # config sets to fix it: a dimension the config sets itself is kept as set.
-AUTO_DIMENSIONS = ("stage", "sequence_parallel", "shard_group_size", "offload_optimizer", "tiling", "recompute", "batch")
+AUTO_DIMENSIONS = ("stage", "sequence_parallel", "shard_group_size", "offload_optimizer", "tiling", "recompute", "compile", "batch")
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class AutoOptions:
             return None
         given = {"stage": "stage" in zero, "sequence_parallel": "sequence_parallel" in own,
                  "shard_group_size": "shard_group_size" in own, "offload_optimizer": "offload_optimizer" in zero,
-                 "tiling": "tiling" in own, "recompute": "recompute" in own,
+                 "tiling": "tiling" in own, "recompute": "recompute" in own, "compile": "compile" in own,
                  "batch": any(k in raw for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))}
         return cls(fixed=frozenset(d for d in AUTO_DIMENSIONS if given[d]))
 
