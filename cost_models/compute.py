@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -404,3 +404,22 @@ def _used_outside(node: fx.Node, inside: set[fx.Node]) -> bool:
         elif user not in inside:
             return True
     return False
+
+
+def rebuild_seconds(nodes: Sequence[fx.Node], spec: DeviceSpec, *, fused: bool = False) -> dict[fx.Node, float]:
+    """Seconds each of ``nodes`` takes when backward computes it again to rebuild a recomputed
+    activation: ``estimate_node_s``, or under Inductor (``fused``), for an op it fuses, only the
+    reading of what it takes from outside ``nodes``: the rebuilt run is generated into the
+    backward kernel that reads the activation, so its output is never written (NOTE [Fused
+    kernels under Inductor])."""
+    if not fused:
+        return {n: estimate_node_s(n, spec) for n in nodes}
+    inside = set(nodes)
+    out: dict[fx.Node, float] = {}
+    for n in nodes:
+        if _runs_fused(n):
+            read = sum(value_bytes(a.meta.get("val")) for a in n.all_input_nodes if _source(a) not in inside)
+            out[n] = 0.0 if is_view_op(n) else read / spec.memory_bytes_per_s
+        else:
+            out[n] = estimate_node_s(n, spec)
+    return out

@@ -18,7 +18,10 @@ a memory budget the step's peak exceeds, each saved activation is a candidate, r
 bytes it frees per second of extra compute (``estimate_node_s`` on the device profile, summed
 over the ops it takes to rebuild it from what stays saved): a normalization's output or a
 projection of a narrow input comes before an attention output, whose rebuild is quadratic in
-the sequence. The budget search takes the fewest best-ranked candidates whose lowered graphs'
+the sequence. Under Inductor (``"compile": "inductor"``) an elementwise op or reduction rebuilt
+in backward is generated into the backward kernel that reads it, so it costs only the reading of
+its inputs (``rebuild_seconds``), and such candidates rank ahead of rebuilt products. The budget
+search takes the fewest best-ranked candidates whose lowered graphs'
 peak fits, so nothing is recomputed when the step fits already, and the partitioner's own
 choice stands. A candidate is left out when recomputing it would be wrong or pointless:
 - its rebuild reaches a random op (dropout would draw a different mask), a collective (the
@@ -47,7 +50,7 @@ import torch.fx as fx
 
 from zerofx.common.errors import PlanError
 from zerofx.common.units import format_bytes
-from zerofx.cost_models.compute import DeviceSpec, estimate_node_s, value_bytes
+from zerofx.cost_models.compute import DeviceSpec, rebuild_seconds, value_bytes
 from zerofx.passes import _compat, meta
 from zerofx.passes.partition import partition_joint
 
@@ -239,22 +242,23 @@ RECOMPUTE_ROUNDS = 4
 
 
 def recompute_candidates(joint: fx.GraphModule, device: DeviceSpec, saved: Sequence[str] | None = None, *,
-                         rounds: int | None = None) -> tuple[list[RecomputedActivation], int]:
+                         rounds: int | None = None, fused: bool = False) -> tuple[list[RecomputedActivation], int]:
     """The activations of ``joint`` that may be recomputed, in rounds (NOTE [Recompute in rounds]),
     each round best bytes per second first, and the bytes the default partition saves (NOTE
     [Selective activation recompute]). ``saved`` (names) skips the first partition when the
-    caller has it; ``rounds`` defaults to RECOMPUTE_ROUNDS."""
+    caller has it; ``rounds`` defaults to RECOMPUTE_ROUNDS; ``fused``: the graphs run compiled
+    by Inductor, which rebuilds fused ops inside the backward's kernels (``rebuild_seconds``)."""
     rounds = RECOMPUTE_ROUNDS if rounds is None else rounds
     saved_names = list(saved) if saved is not None else saved_for_backward(joint)
     counted: set[str] = set()  # ops the candidates so far rebuild: each is priced once
     spine = frozenset(n.name for n in spine_values(joint.graph))
-    candidates, all_bytes = _round_candidates(joint, device, saved_names, counted=counted, skip=spine, round_number=1)
+    candidates, all_bytes = _round_candidates(joint, device, saved_names, counted=counted, skip=spine, round_number=1, fused=fused)
     tagged = frozenset(n for c in candidates for n in c.tagged)
     for round_number in range(2, rounds + 1):
         if not candidates:
             break
         more, _ = _round_candidates(joint, device, saved_for_backward(joint, tagged), counted=counted, skip=tagged | spine,
-                                    round_number=round_number)
+                                    round_number=round_number, fused=fused)
         if not more:
             break
         candidates += more
@@ -263,7 +267,7 @@ def recompute_candidates(joint: fx.GraphModule, device: DeviceSpec, saved: Seque
 
 
 def _round_candidates(joint: fx.GraphModule, device: DeviceSpec, saved_names: Sequence[str], *, counted: set[str],
-                      skip: frozenset[str], round_number: int) -> tuple[list[RecomputedActivation], int]:
+                      skip: frozenset[str], round_number: int, fused: bool) -> tuple[list[RecomputedActivation], int]:
     """One round of ``recompute_candidates``: the values ``saved_names`` that may be recomputed,
     none named in ``skip``; ops named in ``counted`` are rebuilt by earlier candidates already, and
     this round's rebuilds are added to it."""
@@ -335,7 +339,7 @@ def _round_candidates(joint: fx.GraphModule, device: DeviceSpec, saved_names: Se
         what = f"{getattr(base.target, '__name__', str(base.target))} {'x'.join(map(str, shape))}"
         # In graph order, not the set's (node hashes are addresses): the sum's rounding decides
         # the order of candidates that tie, and with it the plan, which must not vary by process.
-        seconds = {n: estimate_node_s(n, device) for n in sorted(rebuild, key=order.__getitem__)}
+        seconds = rebuild_seconds(sorted(rebuild, key=order.__getitem__), device, fused=fused)
         ranked.append((size / max(sum(seconds.values()), 1e-12), order[node], node, what, tuple(n.name for n in chain), size, seconds))
     ranked.sort(key=lambda r: (-r[0], r[1]))
     candidates = []

@@ -23,6 +23,7 @@ from zerofx.cost_models.compute import (
     estimate_optimizer_step_s,
     fused_node_seconds,
     is_view_op,
+    rebuild_seconds,
     memory_rate,
     rank_device,
 )
@@ -283,6 +284,23 @@ def test_inductor_runs_price_their_outside_bytes_once() -> None:
     (total,) = [n for n in nodes if n.target is torch.ops.aten.sum.default]
     assert fused[total] == estimate_node_s(total, spec)  # alone in its run: the same bytes
     assert all(fused[n] == 0.0 for n in nodes if is_view_op(n))
+
+
+def test_a_rebuilt_run_under_inductor_costs_reading_its_inputs() -> None:
+    """``rebuild_seconds``: eager, each rebuilt op costs its own bytes; under Inductor the fused
+    ops read only what comes from outside the rebuilt set (their output feeds the backward
+    kernel unwritten), and a product keeps its price."""
+    gm = _aten_graph(lambda x, w, b: torch.relu(x @ w + b) * 2, (64, 32), (32, 32), (32,))
+    spec = DeviceSpec("d", 1e12, 1e9)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    eager = rebuild_seconds(nodes, spec)
+    fused = rebuild_seconds(nodes, spec, fused=True)
+    assert eager == {n: estimate_node_s(n, spec) for n in nodes}
+    (mm,) = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    assert fused[mm] == eager[mm]
+    add, relu, mul = (n for n in nodes if n is not mm)
+    assert fused[add] == pytest.approx(32 * 4 / 1e9)  # the bias; the product is rebuilt too
+    assert fused[relu] == fused[mul] == 0.0 and sum(fused.values()) < sum(eager.values())
 
 
 def test_the_fused_update_and_the_compiled_schedule() -> None:

@@ -128,6 +128,9 @@ def test_profiles_builtin_file_and_calibration(tmp_path: Path) -> None:
     # The optimizer update timed (NOTE [The optimizer update's time]): torch's AdamW moves well
     # under 1 TB/s on a CPU core, so a pass over an element takes more than 4e-12 s.
     assert 4e-12 < measured_device.update_s_per_element_pass < 1e-6
+    # What Inductor keeps resident once it compiled the tiny model's graphs (NOTE [What Inductor
+    # keeps resident]): its modules and code, tens of MiB; priced only because it was measured.
+    assert measured_device.inductor_bytes is not None and 5 * 2**20 < measured_device.inductor_bytes < 1024 * 2**20
     # A collective after compute costs its launch, measured (NOTE [A collective between compute]).
     assert 0 <= measured_comm.base_latency_s < 1
     sizes = [size for size, _ in measured_device.memory_curve]

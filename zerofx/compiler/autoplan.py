@@ -4,7 +4,8 @@ whose peak memory per rank fits a budget (``zerofx plan --auto``, ``"zerofx": {"
 The search plans candidates through ``zerofx.compile`` and ``Program.replan`` and reads each
 one's estimated schedule (``program.report``): nothing runs and no process group is needed. It
 varies the ZeRO stage, the sequence-parallel size, the shard group size, where the optimizer
-state lives, tiling, activation recompute, and the micro-batch with gradient accumulation keeping the global batch
+state lives, tiling, activation recompute, the compiler (eager, or Inductor where the profile
+measured what it keeps resident), and the micro-batch with gradient accumulation keeping the global batch
 fixed; a dimension the config sets itself is kept (``AutoOptions.fixed``). The result is an
 ``AutoPlan``: the chosen candidate, every candidate ranked with why it lost, and, when nothing
 fits, what would have to change. The command line and the engine only format and apply it.
@@ -29,8 +30,11 @@ cannot win:
   ranks that is one or two lowerings per stage instead of ten.
 - A candidate whose step floor is longer than the best predicted step that fits is not
   lowered. The floor is every micro-step's compute (the compute model over its capture's joint
-  graph) or the shard-group model's step less ``SHARDING_MODEL_MARGIN``, whichever is longer;
-  the update, offload and recompute only add to it.
+  graph, its runs fused for an Inductor candidate) or the shard-group model's step less
+  ``SHARDING_MODEL_MARGIN``, whichever is longer; the update, offload and recompute only add to it.
+- Inductor shortens the step and adds what it keeps resident to the peak, so a compiled
+  candidate is searched beside the eager one of each configuration; the transient-memory bound
+  and the shard-group order above are kept apart per compiler.
 - Offloading the optimizer state only adds time (its updates run on the host, its records
   cross the host link), and so does recomputing activations (their ops run again in backward),
   so a candidate with either is tried only for a stage and shard group size that is over the

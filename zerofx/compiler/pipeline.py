@@ -347,7 +347,7 @@ def _plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpt
         return chosen
     # Recompute is planned at the prefetch distance the budget left (NOTE [Selective activation recompute]).
     fitted = replace(options, prefetch_distance=chosen.plan.prefetch_distance)
-    candidates, saved_bytes = recompute_candidates(captured.joint, device)
+    candidates, saved_bytes = recompute_candidates(captured.joint, device, fused=cfg.graph_compiler is GraphCompiler.INDUCTOR)
     return fit_recompute(chosen, lambda count: plan_with(fitted, plan_recompute(candidates, count, mode=mode, saved_bytes=saved_bytes)),
                          len(candidates), mode=mode, budget_bytes=options.memory_budget_bytes)
 
