@@ -82,6 +82,8 @@ class Case:
 SP2 = {"sequence_parallel": {"size": 2, "attention": "ulysses"}}
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 TILING = {"tiling": {"enabled": True}}
+# Compiled by Inductor, with the fused update (NOTE [Fused kernels under Inductor] in cost_models/compute.py).
+INDUCTOR = {"compile": "inductor", "fused_optimizer": True}
 CASES = (
     Case("25m W2 stage 2", "25m", 2, 2, 256),
     Case("25m W2 stage 3", "25m", 2, 3, 256),
@@ -96,6 +98,8 @@ CASES = (
     Case("100m W2 stage 2 offload", "100m", 2, 2, 128, zero=OFFLOAD),
     Case("100m W4 stage 3", "100m", 4, 3, 128),
     Case("100m W4 stage 3 SP2 tiling", "100m", 4, 3, 128, zerofx={**SP2, **TILING}),
+    Case("25m W2 stage 3 inductor", "25m", 2, 3, 256, zerofx=INDUCTOR),
+    Case("25m W2 stage 2 T1024 accum 2 inductor", "25m", 2, 2, 1024, accumulation=2, zerofx=INDUCTOR),
 )
 SMOKE_CASES = (
     Case("tiny W2 stage 3", "tiny", 2, 3, 64),
