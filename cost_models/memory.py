@@ -28,11 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from zerofx.common.errors import PlanError
-from zerofx.cost_models.compute import DeviceSpec
 from zerofx.cost_models.tiers import NO_OFFLOAD, PLACEMENT_CHOICES
+
+if TYPE_CHECKING:  # compute imports torch, which `zerofx estimate` and --help never load
+    from zerofx.cost_models.compute import DeviceSpec
 
 
 @dataclass(frozen=True)
