@@ -175,10 +175,10 @@ def estimate_process_peak_bytes(timeline_peak_bytes: float, runtime_bytes: float
 # NOTE [What Inductor keeps resident]
 # A rank whose graphs Inductor compiled (``"zerofx": {"compile": "inductor"}``) holds more than
 # the runtime baseline: Inductor's modules, the compiled kernels loaded into the process and
-# their Python wrappers, and the caches compiling leaves. Compiled ahead from fake inputs
-# (NOTE [Inductor compiles the backward ahead] in zerofx/compiler/program.py), that is 45-50 MiB
-# on this project's machine for the 25m DNA LM's forward and backward and about as much for the
-# tiny model's: mostly Inductor's own code, not the model's. ``zerofx calibrate`` measures it
+# their Python wrappers, and the caches compiling leaves. Compiled from fake inputs, that is
+# 45-50 MiB on this project's machine for the 25m DNA LM's forward and backward and about as
+# much for the tiny model's: mostly Inductor's own code, not the model's (importing compile_fx
+# is 25 MiB of it). ``zerofx calibrate`` measures it
 # once, as the resident memory the tiny model's compiled rank graphs add
 # (``DeviceSpec.inductor_bytes``). Where the rank's memory is its device's (a CPU rank), it
 # counts against the memory budget: the planners that fit the budget (prefetch, recompute,

@@ -163,8 +163,8 @@ def without_partitioner_tags(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 # stage 3 (25m, 2x512 tokens a rank): under glibc's default allocator the planned order steps in
 # 1.64 s against 1.70 s at a 50 MiB lower peak; under a 256 KiB mmap threshold, where every
 # large tensor is a new mapping, Inductor's own order is faster (1.98 s against 2.18 s, and at
-# stage 2 under a cap 3.9-4.0 s against 4.1-4.4 s) at a 6-20 MiB higher peak. With the backward
-# compiled ahead and called boxed, the whole-job search's compiled choice under that cap (stage 2,
+# stage 2 under a cap 3.9-4.0 s against 4.1-4.4 s) at a 6-20 MiB higher peak. With the graphs
+# called boxed, the whole-job search's compiled choice under that cap (stage 2,
 # micro-batch 1 x 2, 115 recomputed) steps 4-5% faster in Inductor's order but peaks 104 MiB
 # higher (967 against 863 MiB, 3 interleaved rounds; which values its schedule keeps longer is
 # not examined). The planned order is what the cost model prices, and what a GPU's caching

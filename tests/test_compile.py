@@ -35,9 +35,6 @@ def test_inductor_graphs_match_fx_graphs_at_two_ranks() -> None:
         fx_run, compiled = res["none"], res["inductor"]
         assert fx_run["compiled"] == [] and fx_run["compile_s"] == 0
         assert compiled["compiled"] == ["backward", "forward"] and compiled["compile_s"] > 0
-        # NOTE [Inductor compiles the backward ahead]: compiled from its fake inputs at the first
-        # forward, and run as compiled (no second compile from the real inputs).
-        assert compiled["compiled_ahead"] == ["backward"] and fx_run["compiled_ahead"] == []
         assert compiled["losses"] == pytest.approx(fx_run["losses"], abs=TOL)
         for key, value in fx_run["state"].items():
             torch.testing.assert_close(compiled["state"][key], value, atol=TOL, rtol=0, msg=key)

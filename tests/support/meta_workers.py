@@ -119,6 +119,5 @@ def eager_vs_inductor(rank: int, world_size: int, cfg: DNALMConfig, stage: int, 
             engine.step()
             losses.append(loss.item())
         out[compiler] = {"losses": losses, "state": engine.full_state_dict(), "compile_s": engine.compile_s,
-                         "compiled": sorted(engine.program.compiled_graphs),
-                         "compiled_ahead": sorted(engine.program.compiled_ahead), "issued": _collectives_issued(prof)}
+                         "compiled": sorted(engine.program.compiled_graphs), "issued": _collectives_issued(prof)}
     return out

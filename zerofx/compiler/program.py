@@ -68,8 +68,6 @@ class Program:
         self._modules: dict[str, fx.GraphModule] | None = None
         self._runners: dict[tuple[int, str], Callable[[list[torch.Tensor]], Any]] = {}
         self.compiled_graphs: set[str] = set()  # names of the graphs Inductor compiled
-        # Those compiled ahead from fake inputs and run as compiled (NOTE [Inductor compiles the backward ahead])
-        self.compiled_ahead: set[str] = set()
         self.compile_s = 0.0  # seconds spent compiling this program's graphs (GraphCompiler.INDUCTOR)
         # Seconds per setup phase, measured where each runs: "capture" and "plan" by
         # capture_and_plan, "lower" by graph_modules the first time it lowers.
@@ -191,48 +189,7 @@ class Program:
         compiled = _compat.inductor_compile(gm, list(example))  # boxed: it empties the list
         self.compile_s += time.perf_counter() - start
         self.compiled_graphs.add(name)
-        if name == "forward":
-            self._compile_ahead(rank, "backward")
         return compiled
-
-    # NOTE [Inductor compiles the backward ahead]
-    # Inductor's lowering holds its IR, its scheduler's state and sympy's caches while it
-    # compiles: tens of MiB of the rank's memory for the 25m DNA LM's backward. Compiled at the
-    # first backward call, that transient sat on top of every activation the first forward saved,
-    # the step's peak, and a rank under a memory cap passed it. So the backward is compiled at the
-    # first forward call, before that forward runs, from its placeholders' fake values (the shapes
-    # and strides the capture recorded); what stays resident after compiling is the runtime cost
-    # ``zerofx calibrate`` measures (``DeviceSpec.inductor_bytes``, NOTE [What Inductor keeps
-    # resident] in cost_models/memory.py). Inductor's generated code checks each input's size and
-    # stride; where a real input's layout differs from its fake value's, the backward is compiled
-    # again from the real inputs at its first call rather than failing.
-    def _compile_ahead(self, rank: int, name: str) -> None:
-        key = (rank, name)
-        gm = self.graph_modules(rank).get(name)
-        if gm is None or key in self._runners:
-            return
-        fakes = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        if not all(isinstance(f, torch.Tensor) for f in fakes):
-            return
-        start = time.perf_counter()
-        compiled = _compat.inductor_compile(gm, list(fakes))
-        self.compile_s += time.perf_counter() - start
-        self.compiled_graphs.add(name)
-        layouts = [(f.shape, f.stride(), f.dtype) for f in fakes]
-
-        def first_call(args_list: list[torch.Tensor]) -> Any:
-            same = len(args_list) == len(layouts) and all(
-                isinstance(a, torch.Tensor) and (a.shape, a.stride(), a.dtype) == layout for a, layout in zip(args_list, layouts))
-            if same:
-                self._runners[key] = compiled
-                self.compiled_ahead.add(name)
-            else:
-                start = time.perf_counter()
-                self._runners[key] = _compat.inductor_compile(gm, list(args_list))
-                self.compile_s += time.perf_counter() - start
-            return self._runners[key](args_list)
-
-        self._runners[key] = first_call
 
     def with_decision(self, why: str) -> Program:
         """This program with ``why`` added to its plan's decision notes. A note changes no graph,
