@@ -183,7 +183,8 @@ def estimate_process_peak_bytes(timeline_peak_bytes: float, runtime_bytes: float
 # (``DeviceSpec.inductor_bytes``). Where the rank's memory is its device's (a CPU rank), it
 # counts against the memory budget: the planners that fit the budget (prefetch, recompute,
 # tiling, the whole-job search) fit the step to the budget less it. On a GPU it is host memory
-# and the calibrated figure is 0.
+# and does not count (a profile that states no host cores); ``zerofx calibrate`` under torchrun
+# does not measure it, so the whole-job search leaves Inductor out there.
 def inductor_resident_bytes(device: DeviceSpec) -> float:
     """Device memory a rank keeps once Inductor has compiled its graphs (NOTE [What Inductor keeps resident])."""
     return 0.0 if device.cores is None else float(device.inductor_bytes or 0.0)

@@ -320,8 +320,8 @@ def runtime_rss_bytes(device: torch.device | None = None) -> float:
 
 def inductor_rss_bytes(device: torch.device | None = None) -> float | None:
     """The resident memory Inductor adds to this rank once it has compiled the tiny model's rank
-    graphs (stage 3, before any step, from their fake inputs), max-reduced across ranks (NOTE [What Inductor keeps resident] in
-    cost_models/memory.py); None where Inductor cannot compile here (no C++ compiler). Run after
+    graphs (stage 3, before any step, from their fake inputs), max-reduced across ranks (NOTE
+    [What Inductor keeps resident] in cost_models/memory.py); None where Inductor cannot compile here (no C++ compiler). Run after
     every other measurement: what it imports stays."""
     import ctypes
     import gc
