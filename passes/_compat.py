@@ -166,8 +166,8 @@ def without_partitioner_tags(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 # stage 2 under a cap 3.9-4.0 s against 4.1-4.4 s) at a 6-20 MiB higher peak. With the graphs
 # called boxed, the whole-job search's compiled choice under that cap (stage 2,
 # micro-batch 1 x 2, 115 recomputed) steps 4-5% faster in Inductor's order but peaks 104 MiB
-# higher (967 against 863 MiB, 3 interleaved rounds; which values its schedule keeps longer is
-# not examined). The planned order is what the cost model prices, and what a GPU's caching
+# higher (967 against 863 MiB; by hand with ``benchmarks.bench_capped.measure``, 3 interleaved
+# rounds of fresh ranks; which values its schedule keeps longer is not examined). The planned order is what the cost model prices, and what a GPU's caching
 # allocator makes cheap.
 INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False, "reorder_for_locality": False}
 
