@@ -169,9 +169,10 @@ def test_folded_plan_matches_the_full_capture() -> None:
     assert cut.blocks[1] is model.blocks[1] and cut.embed is model.embed  # shared, nothing allocated
 
     def report_for(m: torch.nn.Module):
-        return zerofx.compile(m, world_size=8, stage=3, example_inputs=args, example_kwargs=kwargs).report(0)
+        program = zerofx.compile(m, world_size=8, stage=3, example_inputs=args, example_kwargs=kwargs)
+        return program.report(0), program.plan
 
-    full = report_for(model)
+    full, _ = report_for(model)
     folded = plan_folded(model, blocks, report_for, parallel=True)  # the 2-block capture in a forked child
     assert folded.persistent_bytes == full.persistent_bytes
     assert folded.bytes_moved_per_rank == full.bytes_moved_per_rank
@@ -185,6 +186,49 @@ def test_folded_plan_matches_the_full_capture() -> None:
     # Block 1's collectives stand for blocks 1..3; the others (embedding, head, block 0) once.
     assert set(folded.repeats.values()) == {3}
     assert all(f.startswith("blocks.1.") for r in folded.sample.rows if r.order in folded.repeats for f in r.bucket)
+
+
+@pytest.mark.slow
+def test_folded_peak_is_exact_when_the_prefetch_window_spans_blocks() -> None:
+    """NOTE [A window that spans blocks]: with one gather bucket per block, a prefetch distance
+    of d buckets reaches d blocks ahead. The 2- and 3-block cuts under-predict such a peak, so
+    folding cuts larger (or plans the whole model) until the peak is exact."""
+    from zerofx.compiler.folding import find_repeated_blocks, fold_reports, plan_folded, with_num_blocks
+    from zerofx.models import DNADecoderLM
+    from zerofx.models.sizes import DNALMConfig
+
+    with torch.device("meta"):
+        model = DNADecoderLM(DNALMConfig(dim=64, num_layers=12, num_heads=4, ffn_dim=172, max_seq_len=256))
+    ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
+    blocks = find_repeated_blocks(model)
+    assert blocks is not None and blocks.count == 12
+    one_bucket_per_block = sum(p.numel() for p in model.blocks[0].parameters()) + 1
+    captures: dict[int, zerofx.Program] = {}  # by block count; each prefetch distance replans them
+
+    def report_at(m: torch.nn.Module, distance: int):
+        config = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": one_bucket_per_block},
+                  "zerofx": {"prefetch_distance": distance}}
+        n = len(m.blocks)
+        if n not in captures:
+            captures[n] = zerofx.compile(m, world_size=4, stage=3, config=config, example_inputs=(ids,), example_kwargs={"labels": ids})
+        program = captures[n].replan(config)
+        return program.report(0), program.plan
+
+    # distance -> the cuts folding settles on: a window of at most one block keeps 2 and 3; from
+    # 4 blocks on, the two cuts would hold more blocks than the whole model, which is planned.
+    expected_cuts = {1: (2, 3), 2: (4, 5), 3: (5, 6), 4: (12, 12)}
+    for distance, cuts in expected_cuts.items():
+        full, plan = report_at(model, distance)
+        assert plan.prefetch_distance == distance and sum(1 for b in plan.gather_buckets if b[0].startswith("blocks.1.")) == 1
+        folded = plan_folded(model, blocks, lambda m, d=distance: report_at(m, d))
+        assert folded.cuts == cuts, distance
+        assert folded.peak_bytes == full.peak.live_bytes, distance
+        assert folded.bytes_moved_per_rank == full.bytes_moved_per_rank and folded.persistent_bytes == full.persistent_bytes
+        # The step's exposed communication settles about a block later than the peak: close, not equal.
+        assert folded.step_s == pytest.approx(full.step_s, rel=0.05), distance
+        if distance >= 2:  # what the 2- and 3-block cuts alone said: short of the whole model's peak
+            small, large = (report_at(with_num_blocks(model, blocks, n), distance)[0] for n in (2, 3))
+            assert fold_reports(small, large, blocks).peak_bytes < full.peak.live_bytes
 
 
 def test_fold_finds_the_blocks_of_a_transformers_model() -> None:

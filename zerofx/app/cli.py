@@ -484,12 +484,14 @@ def _with_memory_budget(config: Path | Mapping[str, Any] | None, budget_bytes: f
     return raw
 
 
-def folded_explanation(blocks: RepeatedBlocks, *, block_params: int, num_params: int) -> str:
+def folded_explanation(folded: FoldedReport, *, block_params: int, num_params: int) -> str:
     """One line saying what folding did, so that the whole model's parameter count and the smaller
-    one of the plan printed after it (the 3-block copy's) read together."""
-    from zerofx.compiler.folding import FOLD_BLOCKS
-
-    low, high = FOLD_BLOCKS
+    one of the plan printed after it (the larger cut's) read together."""
+    blocks, (low, high) = folded.blocks, folded.cuts
+    if folded.planned_whole:
+        return (f"folded: {blocks.path!r} holds {blocks.count} identical blocks of {block_params:,} parameters; the prefetch "
+                f"window spans too many of them for copies cut short to show the whole model's peak "
+                f"(docs/planner.md#layer-folding-planning-a-20b-model-in-seconds), so zerofx planned all {blocks.count}:")
     return (f"folded: {blocks.path!r} holds {blocks.count} identical blocks of {block_params:,} parameters; zerofx planned "
             f"copies of the model cut to {low} and {high} blocks, and the whole model's figures are the {high}-block copy's "
             f"plus {blocks.count - high} times what one more block adds (--fold off plans all {blocks.count}). "
@@ -512,7 +514,7 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     import zerofx
     from zerofx.config import load_config
     from zerofx.config.options import BUDGET_KEYS
-    from zerofx.compiler.folding import FOLD_BLOCKS, folded_json, format_folded, plan_folded
+    from zerofx.compiler.folding import folded_json, format_folded, plan_folded
     from zerofx.compiler.search import lower_prefetch_distance
     from zerofx.cost_models.memory import estimate_process_peak_bytes
     from zerofx.compiler.program import resolve
@@ -525,7 +527,7 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
         program = zerofx.compile(model, world_size=args.world_size, stage=args.stage, config=config,
                                  example_inputs=spec.args, example_kwargs=spec.kwargs)
         programs[len(model.get_submodule(blocks.path))] = program
-        return program.report(args.rank, comm=comm, device=device)
+        return program.report(args.rank, comm=comm, device=device), program.plan
 
     # The cut models' peaks are smaller than the whole model's, so the planner cannot fit the
     # prefetch distance to the budget on them (NOTE [Prefetch under a memory budget]): folding
@@ -536,8 +538,8 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     def fold(zerofx_section: Mapping[str, Any]) -> tuple[FoldedReport, Program]:
         folded = plan_folded(spec.model, blocks, lambda m: report_for(m, {**config, "zerofx": zerofx_section}), parallel=True)
         # The 2-block capture may run in a forked child (NOTE [Planning the two captures in
-        # parallel]); the 3-block one always runs here, so its plan is the one printed.
-        return folded, programs[FOLD_BLOCKS[1]]
+        # parallel]); the larger cut always runs here, so its plan is the one printed.
+        return folded, programs[folded.cuts[1]]
 
     def fold_at(distance: int) -> tuple[tuple[FoldedReport, Program], int, float]:
         folded, sample = fold({**own, "prefetch_distance": distance})
@@ -563,7 +565,7 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     block_params = sum(p.numel() for p in spec.model.get_submodule(blocks.path)[0].parameters())
     print(f"model {spec.label}: {type(spec.model).__name__}, {num_params:,} parameters, example inputs {_shapes(spec)}; "
           f"profile {comm.name} / {device.name}")
-    print(folded_explanation(blocks, block_params=block_params, num_params=num_params))
+    print(folded_explanation(folded, block_params=block_params, num_params=num_params))
     print(sample.plan)
     for d in decisions:
         print(f"decision: {d}")

@@ -97,7 +97,7 @@ from zerofx.common.units import format_bytes
 from zerofx.compiler.autoplan_space import (Candidate, InputsAt, SearchSpace, candidate_config, example_shape,
                                             powers_of_two_dividing, resize_inputs, search_space, with_auto_tiling)
 from zerofx.compiler.capture import LossFn
-from zerofx.compiler.folding import AUTO_FOLD_MIN_BLOCKS, FOLD_BLOCKS, RepeatedBlocks, extrapolate, find_repeated_blocks, fold_reports, with_num_blocks
+from zerofx.compiler.folding import AUTO_FOLD_MIN_BLOCKS, FOLD_BLOCKS, RepeatedBlocks, extrapolate, find_repeated_blocks, fold, graph_seconds, with_num_blocks
 from zerofx.compiler.program import Program, compile, plan_from_shapes, resolve
 from zerofx.config.compile_options import compile_options
 from zerofx.config.options import BUDGET_KEYS, GraphCompiler
@@ -202,9 +202,10 @@ class _Search:
                  global_batch: int, budget_bytes: float, fixed: frozenset[str], loss_fn: LossFn | None, fold: str = "auto") -> None:
         self.model, self.inputs_at, self.base, self.fold = model, inputs_at, base, fold
         self.blocks = _blocks_to_fold(model, fold)
-        self.cuts = {n: with_num_blocks(model, self.blocks, n) for n in FOLD_BLOCKS} if self.blocks is not None else {}
-        self.cut_groups: dict[tuple[int, int, str], dict[int, Program]] = {}  # folded: the first cut programs of each capture group
+        self.cuts: dict[int, nn.Module] = {}  # folded: the model cut to n blocks, by n
+        self.cut_groups: dict[tuple[int, int, str], dict[int, Program]] = {}  # folded: each capture group's first program per cut
         self.folded: set[Candidate] = set()  # candidates measured on the cut models
+        self._fresh: set[tuple[Candidate, int]] = set()  # cut captures made with that candidate's config, not yet used
         self.world_size, self.seq_len, self.global_batch = world_size, seq_len, global_batch
         self.budget_bytes, self.fixed, self.loss_fn = budget_bytes, fixed, loss_fn
         self.groups: dict[tuple[int, int, str], Program] = {}  # the first program of each capture group
@@ -250,7 +251,9 @@ class _Search:
             if self.blocks is None:
                 self._compute_s[key] = estimate_compute_s(self.groups[group].captured.joint, self.device, fused=fused)
             else:
-                small, large = (estimate_compute_s(self.cut_groups[group][n].captured.joint, self.device, fused=fused) for n in FOLD_BLOCKS)
+                config = self.cut_config(self.config(c))
+                small, large = (estimate_compute_s(self.cut_capture(c, config, n).captured.joint, self.device, fused=fused) for n in FOLD_BLOCKS)
+                # Compute is a sum over nodes: exact from the first two cuts whatever the peak needed.
                 self._compute_s[key] = extrapolate(small, large, self.blocks.count)
         return self._compute_s[key]
 
@@ -302,23 +305,37 @@ class _Search:
         device_budget = tiers[Tier.DEVICE].budget_bytes
         return max(sum(b for _, b in records) - device_budget, 0.0)
 
-    def cut_programs(self, c: Candidate, configs: Mapping[int, dict[str, Any]]) -> dict[int, Program]:
-        """Folded: the candidate planned on the model cut to each of ``FOLD_BLOCKS`` blocks, from
-        its group's captures of them, capturing the group's first."""
-        key = c.capture_group
-        first = self.cut_groups.get(key)
-        if first is None:
+    def cut_capture(self, c: Candidate, config: Mapping[str, Any], n: int) -> Program:
+        """Folded: the first program of ``c``'s capture group on the model cut to ``n`` blocks,
+        capturing it with ``config`` if there is none yet."""
+        assert self.blocks is not None
+        group = self.cut_groups.setdefault(c.capture_group, {})
+        if n not in group:
+            if n not in self.cuts:
+                self.cuts[n] = with_num_blocks(self.model, self.blocks, n)
             args, kwargs = self.inputs_at(c.micro_batch, self.seq_len)
-            first = {n: compile(self.cuts[n], world_size=self.world_size, config=configs[n], example_inputs=args, example_kwargs=kwargs,
-                                loss_fn=self.loss_fn) for n in FOLD_BLOCKS}
-            self.num_captures += len(FOLD_BLOCKS)
-            self.cut_groups[key] = first
+            group[n] = compile(self.cuts[n], world_size=self.world_size, config=dict(config), example_inputs=args, example_kwargs=kwargs,
+                               loss_fn=self.loss_fn)
+            self.num_captures += 1
+            self._fresh.add((c, n))
+        return group[n]
+
+    def cut_program(self, c: Candidate, config: Mapping[str, Any], n: int) -> Program:
+        """Folded: the candidate planned on the model cut to ``n`` blocks, from its group's capture
+        of that cut (the capture itself where ``c``'s config made it)."""
+        first = self.cut_capture(c, config, n)
+        if (c, n) in self._fresh:
+            self._fresh.discard((c, n))
             return first
-        return {n: first[n].replan(configs[n]) for n in FOLD_BLOCKS}
+        return first.replan(dict(config))
+
+    def cut_programs(self, c: Candidate, config: Mapping[str, Any]) -> dict[int, Program]:
+        """Folded: the candidate planned on the models cut to each of ``FOLD_BLOCKS`` blocks."""
+        return {n: self.cut_program(c, config, n) for n in FOLD_BLOCKS}
 
     @staticmethod
-    def cut_configs(config: Mapping[str, Any], prefetch_distance: int | None = None) -> dict[int, dict[str, Any]]:
-        """Folded: the config each cut model is planned with: without the memory budget, at
+    def cut_config(config: Mapping[str, Any], prefetch_distance: int | None = None) -> dict[str, Any]:
+        """Folded: the config the cut models are planned with: without the memory budget, at
         ``prefetch_distance`` when given (NOTE [Budgets of the cut models])."""
         cut = copy.deepcopy(dict(config))
         own = cut.setdefault("zerofx", {})
@@ -326,13 +343,13 @@ class _Search:
             own.pop(key, None)
         if prefetch_distance is not None:
             own["prefetch_distance"] = prefetch_distance
-        return {n: cut for n in FOLD_BLOCKS}
+        return cut
 
     def program(self, c: Candidate, config: dict[str, Any], *, whole: bool = False) -> Program:
         """The candidate planned from its group's capture, capturing the group's first (folded
         unless ``whole``: the 3-block cut's, the one ``tiled_ops`` reads)."""
         if self.blocks is not None and not whole:
-            return self.cut_programs(c, self.cut_configs(config))[FOLD_BLOCKS[1]]
+            return self.cut_program(c, self.cut_config(config), FOLD_BLOCKS[1])
         key = c.capture_group
         first = self.groups.get(key)
         if first is None:
@@ -392,35 +409,37 @@ class _Search:
         linear extrapolation is exact here] in zerofx/compiler/folding.py), the prefetch distance
         fitted to the budget on the extrapolated peak (NOTE [Budgets of the cut models])."""
         cfg = resolve(config, stage=None, world_size=self.world_size)
-        programs = self.cut_programs(c, self.cut_configs(config))
-        evaluated, peak = self._measure_cuts(c, programs, cfg)
+        evaluated, peak, distance = self._measure_cuts(c, self.cut_config(config), cfg)
         budget = config.get("zerofx", {}).get("memory_budget")
-        distance = programs[FOLD_BLOCKS[1]].plan.prefetch_distance
         while budget is not None and peak > self.budget_bytes and distance > 0:
-            distance -= 1
-            evaluated, peak = self._measure_cuts(c, self.cut_programs(c, self.cut_configs(config, distance)), cfg)
+            evaluated, peak, distance = self._measure_cuts(c, self.cut_config(config, distance - 1), cfg)
         self.folded.add(c)
         return evaluated
 
-    def _measure_cuts(self, c: Candidate, programs: Mapping[int, Program], cfg: ZeroConfig) -> tuple[Evaluated, float]:
-        """The folded figures of ``c`` from its cut programs, and the extrapolated peak before
-        anything is offloaded (the figure ``fit_prefetch`` checks)."""
+    def _measure_cuts(self, c: Candidate, config: Mapping[str, Any], cfg: ZeroConfig) -> tuple[Evaluated, float, int]:
+        """The folded figures of ``c`` planned with ``config`` on the cut models (NOTE [A window
+        that spans blocks] in zerofx/compiler/folding.py says which), the extrapolated peak before
+        anything is offloaded (the figure ``fit_prefetch`` checks), and the prefetch distance."""
         assert self.blocks is not None
         count = self.blocks.count
-        reports = {n: programs[n].report(0, comm=self.comm, device=self.device) for n in FOLD_BLOCKS}
+        programs: dict[int, Program] = {}
+
+        def report_at(n: int) -> tuple[ScheduleReport, Plan]:
+            programs[n] = self.program(c, config, whole=True) if n >= count else self.cut_program(c, config, n)
+            return programs[n].report(0, comm=self.comm, device=self.device), programs[n].plan
+
+        folded = fold(self.blocks, report_at)
         self.num_lowered += 1
-        folded = fold_reports(*(reports[n] for n in FOLD_BLOCKS), self.blocks)
-        spans_at = [_spans(reports[n]) for n in FOLD_BLOCKS]
-        spans = {g: extrapolate(spans_at[0].get(g, 0.0), spans_at[1].get(g, 0.0), count) for g in {*spans_at[0], *spans_at[1]}}
-        recomputed = [0 if programs[n].plan.recompute is None else len(programs[n].plan.recompute.activations) for n in FOLD_BLOCKS]
+        low, high = folded.cuts
+        recomputed = [0 if programs[n].plan.recompute is None else len(programs[n].plan.recompute.activations) for n in (low, high)]
         plan, _ = self.shapes_plan(c)
-        evaluated = self._figures(c, spans, folded.peak_bytes, folded.persistent_bytes, plan, cfg, fingerprint="",
-                                  recomputed=max(round(extrapolate(*recomputed, count)), 0))
-        return evaluated, folded.peak_bytes
+        evaluated = self._figures(c, folded.graph_s, folded.peak_bytes, folded.persistent_bytes, plan, cfg, fingerprint="",
+                                  recomputed=max(round(extrapolate(*recomputed, count, folded.cuts)), 0))
+        return evaluated, folded.peak_bytes, programs[high].plan.prefetch_distance
 
     def measure(self, c: Candidate, program: Program, report: ScheduleReport, cfg: ZeroConfig) -> Evaluated:
         recomputed = 0 if program.plan.recompute is None else len(program.plan.recompute.activations)
-        return self._figures(c, _spans(report), report.peak.live_bytes, report.persistent_bytes, program.plan, cfg,
+        return self._figures(c, graph_seconds(report), report.peak.live_bytes, report.persistent_bytes, program.plan, cfg,
                              fingerprint=program.plan.fingerprint(), recomputed=recomputed)
 
     def _figures(self, c: Candidate, spans: Mapping[str, float], peak_bytes: float, persistent_bytes: float, plan: Plan, cfg: ZeroConfig,
@@ -445,14 +464,6 @@ class _Search:
         tokens = self.global_batch * self.seq_len
         return Evaluated(c, step_s, tokens / step_s if step_s > 0 else float("inf"), peak, persistent_bytes - offloaded,
                          fits=peak <= self.budget_bytes, fingerprint=fingerprint, recomputed=recomputed)
-
-
-def _spans(report: ScheduleReport) -> dict[str, float]:
-    """Seconds per graph of the report's schedule."""
-    spans: dict[str, float] = {}
-    for span in report.spans:
-        spans[span.graph] = spans.get(span.graph, 0.0) + span.end_s - span.start_s
-    return spans
 
 
 def _blocks_to_fold(model: nn.Module, fold: str) -> RepeatedBlocks | None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from zerofx.passes.plan import Plan
 from zerofx.passes.analyze_schedule import CollectiveRow, ScheduleReport, format_summary, schedule_table, summary_json
 from zerofx.common.limits import AUTO_FOLD_MIN_BLOCKS  # noqa: F401  (re-exported: zerofx.compiler.folding names it)
 from zerofx.common.units import format_bytes
@@ -107,22 +108,25 @@ def with_num_blocks(model: nn.Module, blocks: RepeatedBlocks, keep: int) -> nn.M
     return root
 
 
-# The block counts of the two captures folding extrapolates from (see NOTE [Why linear
-# extrapolation is exact here]).
+# The block counts of the two captures folding starts from (see NOTE [Why linear
+# extrapolation is exact here]); NOTE [A window that spans blocks] says when it needs larger ones.
 FOLD_BLOCKS = (2, 3)
 
 
-def extrapolate(first: float, second: float, count: int) -> float:
-    """The value at ``count`` blocks of a quantity that is ``first`` and ``second`` at the
-    ``FOLD_BLOCKS`` counts."""
-    low, high = FOLD_BLOCKS
+def extrapolate(first: float, second: float, count: int, cuts: tuple[int, int] = FOLD_BLOCKS) -> float:
+    """The value at ``count`` blocks of a quantity that is ``first`` and ``second`` at the block
+    counts ``cuts``; ``second`` itself where the second cut is the whole model."""
+    low, high = cuts
+    if high >= count:
+        return second
     return first + (count - low) * (second - first) / (high - low)
 
 
 @dataclass(frozen=True)
 class FoldedReport:
-    """Whole-model figures extrapolated from the 2- and 3-block captures, and the 2-block
-    capture's own report, whose rows ``zerofx plan`` prints."""
+    """Whole-model figures extrapolated from two captures of the model cut short (``cuts`` blocks;
+    the whole model's own where ``cuts[1]`` is its block count), and the 2-block capture's report,
+    whose rows ``zerofx plan`` prints."""
 
     blocks: RepeatedBlocks
     sample: ScheduleReport  # the 2-block capture
@@ -136,12 +140,17 @@ class FoldedReport:
     num_collectives: int
     micro_batch_s: float = 0.0  # NOTE [An optimizer step of several micro-batches] in passes/analyze_schedule.py
     repeats: Mapping[int, int] = field(default_factory=dict)  # row order -> times it repeats in the whole model
-
     peak_graph: str = ""
+    cuts: tuple[int, int] = FOLD_BLOCKS  # the block counts the figures are extrapolated from
+    graph_s: Mapping[str, float] = field(default_factory=dict)  # seconds per graph on the simulated timeline
 
     @property
     def peak_at(self) -> str:
         return f"the {self.peak_graph} graph"
+
+    @property
+    def planned_whole(self) -> bool:
+        return self.cuts[1] >= self.blocks.count
 
 
 def _is_block_one(row: CollectiveRow, blocks: RepeatedBlocks) -> bool:
@@ -153,49 +162,145 @@ def _graph_points(report: ScheduleReport, graph: str) -> list[int]:
     return [p.live_bytes for p in report.timeline if p.graph == graph]
 
 
-def _graph_peak(small: ScheduleReport, large: ScheduleReport, graph: str, count: int) -> float:
-    """A graph's peak live bytes at ``count`` blocks: the larger capture's peak (the first with a
-    middle block), grown by what each further block keeps alive, read at the graph's ends,
-    where the nodes of the two captures align."""
+def _per_block(p1: list[int], p2: list[int]) -> int:
+    """What one more block keeps alive through a graph: read at its ends, where the nodes of
+    two captures one block apart align."""
+    return max(p2[0] - p1[0], p2[-1] - p1[-1], 0)
+
+
+def _graph_peak(small: ScheduleReport, large: ScheduleReport, graph: str, count: int, high: int) -> float:
+    """A graph's peak live bytes at ``count`` blocks: the larger capture's peak (``high`` blocks),
+    grown by what each further block keeps alive."""
     p1, p2 = _graph_points(small, graph), _graph_points(large, graph)
     if not p2:
         return 0.0
-    if not p1:
+    if not p1 or high >= count:
         return float(max(p2))
-    per_block = max(p2[0] - p1[0], p2[-1] - p1[-1], 0)
-    return max(p2) + (count - FOLD_BLOCKS[1]) * per_block
+    return max(p2) + (count - high) * _per_block(p1, p2)
 
 
-def fold_reports(small: ScheduleReport, large: ScheduleReport, blocks: RepeatedBlocks) -> FoldedReport:
-    """Fold the reports of the captures with ``FOLD_BLOCKS`` blocks into the whole model's."""
+def unsteady_graphs(small: ScheduleReport, large: ScheduleReport) -> list[str]:
+    """The graphs whose peak grew from ``small`` to ``large`` (captures one block apart) by other
+    than what one block keeps alive: a window still filling (NOTE [A window that spans blocks])."""
+    unsteady = []
+    for graph in sorted({p.graph for p in large.timeline}):
+        p1, p2 = _graph_points(small, graph), _graph_points(large, graph)
+        if p1 and p2 and max(p2) - max(p1) != _per_block(p1, p2):
+            unsteady.append(graph)
+    return unsteady
+
+
+def window_blocks(plan: Plan, blocks: RepeatedBlocks) -> int:
+    """How many blocks ahead a stage-3 gather is issued: the prefetch distance in buckets, over
+    the gather buckets of one block (block 1's), rounded up; 0 without prefetch."""
+    prefix = f"{blocks.path}.1." if blocks.path else "1."
+    per_block = sum(1 for b in plan.gather_buckets if b and all(f.startswith(prefix) for f in b))
+    if plan.prefetch_distance <= 0 or per_block == 0:
+        return 0
+    return -(-plan.prefetch_distance // per_block)
+
+
+def fold_reports(small: ScheduleReport, large: ScheduleReport, blocks: RepeatedBlocks, *,
+                 cuts: tuple[int, int] = FOLD_BLOCKS, sample: ScheduleReport | None = None) -> FoldedReport:
+    """Fold the reports of the captures with ``cuts`` blocks into the whole model's; ``sample``
+    (default ``small``) is the 2-block capture whose rows are printed."""
     n = blocks.count
 
     def ex(a: float, b: float) -> float:
-        return extrapolate(a, b, n)
+        return extrapolate(a, b, n, cuts)
 
+    sample = small if sample is None else sample
+    small_s, large_s = graph_seconds(small), graph_seconds(large)
     graphs = sorted(set(small.compute_s) | set(large.compute_s))
+    peaks = {g: _graph_peak(small, large, g, n, cuts[1]) for g in {p.graph for p in large.timeline}}
     return FoldedReport(
         blocks=blocks,
-        sample=small,
+        sample=sample,
         persistent_bytes=ex(small.persistent_bytes, large.persistent_bytes),
         # Per graph: a decoder's forward and backward peaks grow at different rates per block.
-        peak_bytes=max(_graph_peak(small, large, g, n) for g in {p.graph for p in large.timeline}),
+        peak_bytes=max(peaks.values()),
         bytes_moved_per_rank=ex(small.bytes_moved_per_rank, large.bytes_moved_per_rank),
         compute_s={g: ex(small.compute_s.get(g, 0.0), large.compute_s.get(g, 0.0)) for g in graphs},
         comm_s=ex(small.comm_s, large.comm_s),
         exposed_s=ex(small.exposed_s, large.exposed_s),
         step_s=ex(small.step_s, large.step_s),
         micro_batch_s=ex(small.micro_batch_s, large.micro_batch_s),
+        graph_s={g: ex(small_s.get(g, 0.0), large_s.get(g, 0.0)) for g in {*small_s, *large_s}},
         num_collectives=round(ex(len(small.rows), len(large.rows))),
-        peak_graph=max({p.graph for p in large.timeline}, key=lambda g: _graph_peak(small, large, g, n)),
-        repeats={r.order: n - 1 for r in small.rows if _is_block_one(r, blocks)},
+        peak_graph=max(peaks, key=peaks.__getitem__),
+        repeats={r.order: n - 1 for r in sample.rows if _is_block_one(r, blocks)},
+        cuts=cuts,
     )
 
 
+def graph_seconds(report: ScheduleReport) -> dict[str, float]:
+    """Seconds per graph of the report's simulated schedule."""
+    seconds: dict[str, float] = {}
+    for span in report.spans:
+        seconds[span.graph] = seconds.get(span.graph, 0.0) + span.end_s - span.start_s
+    return seconds
+
+
+# NOTE [A window that spans blocks]
+# A figure the captures grow linearly in is exact from any two cuts, but a peak is exact only
+# once the larger cut holds a middle block whose collectives behave as in the whole model. A
+# stage-3 gather prefetched d buckets ahead, with b gather buckets per block, is issued
+# ceil(d / b) blocks before its block: in a cut shorter than that window plus the two end
+# blocks, the buckets ahead run out before the window fills, the cut holds fewer gathered
+# buckets than the whole model does at the same point, and each extra block grows the peak by
+# more than it keeps alive, until the window fits. On the 100m DNA LM (14 blocks, one bucket
+# per block, prefetch 4) the 3-block cut predicted 640 MiB for a backward the whole capture
+# peaks at 804 MiB; the backward's peak grows by what a block keeps alive only from 6 blocks
+# on, the forward's only from 7. Measured for windows w of 1 to 4 blocks (one and two buckets
+# per block, prefetch 1 to 6), every graph's peak grew by what a block keeps alive from
+# ``3 + w`` blocks on at the latest, sometimes from ``2 + w``; no rule in d and b alone says
+# which. So folding keeps the first two cuts only where the window is at most one block and
+# the peak of every graph grew from 2 to 3 blocks by exactly what a block keeps alive at the
+# graph's ends (``unsteady_graphs``). Otherwise it cuts at ``3 + w`` and ``4 + w`` blocks and
+# checks the same, growing both cuts by one while a graph's peak did not. Two cuts cost what
+# the blocks they hold cost: where they would hold more than the whole model, the whole model
+# is planned instead (the 100m above: 15 blocks in the cuts, 14 whole). ``tests/test_planning.py``
+# checks the folded figures against full captures with prefetch windows of 1 to 4 blocks.
+def fold(blocks: RepeatedBlocks, report_at: Callable[[int], tuple[ScheduleReport, Plan]]) -> FoldedReport:
+    """Fold the captures ``report_at(n)`` makes of the model cut to ``n`` blocks (the whole model
+    at ``n == blocks.count``) into the whole model's figures (NOTE [A window that spans blocks])."""
+    count = blocks.count
+    if count < FOLD_BLOCKS[1]:
+        raise PlanError(f"folding needs at least {FOLD_BLOCKS[1]} repeated blocks, {blocks.path!r} has {blocks.count}")
+    got: dict[int, tuple[ScheduleReport, Plan]] = {}
+
+    def at(n: int) -> tuple[ScheduleReport, Plan]:
+        if n not in got:
+            got[n] = report_at(n)
+        return got[n]
+
+    low, high = FOLD_BLOCKS
+    (sample, _), (large, plan) = at(low), at(high)
+    window = window_blocks(plan, blocks)
+    if window <= 1:
+        return fold_reports(sample, large, blocks, cuts=FOLD_BLOCKS, sample=sample)
+    # Measured, every peak settles by 3 + window blocks, often by 2 + window (see the NOTE). Two
+    # cuts cost about what the blocks they hold cost: past the whole model's count, the whole
+    # model is cheaper.
+    high = max(3 + window, 4)
+    while (high - 1) + high <= count:
+        large, plan = at(high)
+        small = at(high - 1)[0]
+        unsteady = unsteady_graphs(small, large)
+        if not unsteady and 2 + window_blocks(plan, blocks) <= high:
+            return fold_reports(small, large, blocks, cuts=(high - 1, high), sample=sample)
+        log.info("folding: the %s peak grows by more than a block keeps alive from %d to %d blocks",
+                 "/".join(unsteady) or "prefetch window's", high - 1, high)
+        high += 1
+    whole = at(count)[0]
+    return fold_reports(whole, whole, blocks, cuts=(count, count), sample=sample)
+
+
 def plan_folded(
-    model: nn.Module, blocks: RepeatedBlocks, report_for: Callable[[nn.Module], ScheduleReport], *, parallel: bool = False
+    model: nn.Module, blocks: RepeatedBlocks, report_for: Callable[[nn.Module], tuple[ScheduleReport, Plan]], *, parallel: bool = False
 ) -> FoldedReport:
-    """Plan ``model`` by folding: ``report_for`` captures, plans and reports a (cut) model.
+    """Plan ``model`` by folding: ``report_for`` captures, plans and reports a (cut) model, and
+    returns its report and plan.
 
     With ``parallel``, the 2-block capture runs in a forked child while this process plans the
     3-block one (NOTE [Planning the two captures in parallel])."""
@@ -207,9 +312,16 @@ def plan_folded(
     # pool does not survive a fork.
     on_meta = all(p.is_meta for p in model.parameters())
     pending_small = _in_forked_child(report_for, small_cut) if parallel and on_meta else None
-    large = report_for(with_num_blocks(model, blocks, high))
-    small = pending_small() if pending_small is not None else report_for(small_cut)
-    return fold_reports(small, large, blocks)
+    first_large = report_for(with_num_blocks(model, blocks, high))
+
+    def report_at(n: int) -> tuple[ScheduleReport, Plan]:
+        if n == low:
+            return pending_small() if pending_small is not None else report_for(small_cut)
+        if n == high:
+            return first_large
+        return report_for(model if n >= blocks.count else with_num_blocks(model, blocks, n))
+
+    return fold(blocks, report_at)
 
 
 # NOTE [Planning the two captures in parallel]
@@ -217,16 +329,16 @@ def plan_folded(
 # so on a machine with two cores or more ``zerofx plan`` runs the 2-block one in a child
 # process made by fork (NOTE [Work in a forked child] in zerofx/common/fork.py): it inherits the
 # imported torch and the meta model for free, where a spawned process would pay the 6 s import
-# again. The child pickles its ScheduleReport (plain dataclasses) through a pipe. Only a model
+# again. The child pickles its ScheduleReport and Plan (plain dataclasses) through a pipe. Only a model
 # on the meta device is forked: nothing has run a parallel ATen kernel then, so no OpenMP pool
 # is copied half-alive. If the child fails or dies, the parent plans the 2-block model itself:
 # the answer never depends on the fork.
-def _in_forked_child(fn: Callable[[nn.Module], ScheduleReport], arg: nn.Module) -> Callable[[], ScheduleReport]:
+def _in_forked_child(fn: Callable[[nn.Module], tuple[ScheduleReport, Plan]], arg: nn.Module) -> Callable[[], tuple[ScheduleReport, Plan]]:
     if (os.cpu_count() or 1) < 2 or not fork_is_safe(runs_kernels=False):  # a meta model: no kernel runs
         return lambda: fn(arg)
     wait = start_in_fork(lambda: pickle.dumps(fn(arg)))  # NOTE [Work in a forked child]
 
-    def result() -> ScheduleReport:
+    def result() -> tuple[ScheduleReport, Plan]:
         got = wait(None)
         if got is None or got.payload is None:
             why = "it died" if got is None else f"{got.error[0]}: {got.error[1]}"
@@ -243,19 +355,20 @@ def format_folded(report: FoldedReport, *, budget_bytes: float | None = None, ve
     the whole model's memory and summary (extrapolated); as ``format_report``, with the same
     ``verbose`` and ``step_note``."""
     b = report.blocks
+    how = "planned whole" if report.planned_whole else "extrapolated"
     lines = [
         f"communication schedule of the 2-block copy (one row per collective, in issue order; sizes per rank, times in ms, "
         f"estimated{'' if verbose else '; --verbose adds the FX node names'}). Rows marked x{b.count - 1} are block 1's: "
         f"blocks 1..{b.count - 1} each issue them; the whole model issues {report.num_collectives} collectives.",
         schedule_table(report.sample.rows, verbose=verbose, repeats=report.repeats),
         "",
-        f"memory per rank ({b.count} blocks, extrapolated): persistent model state {format_bytes(report.persistent_bytes)}, "
+        f"memory per rank ({b.count} blocks, {how}): persistent model state {format_bytes(report.persistent_bytes)}, "
         f"peak {format_bytes(report.peak_bytes)} in {report.peak_at}",
     ]
     if budget_bytes is not None:
         verdict = "fits" if report.peak_bytes <= budget_bytes else "does NOT fit"
         lines.append(f"budget {format_bytes(budget_bytes)}: {verdict}")
-    lines.append(format_summary(report, f"summary ({b.count} blocks, extrapolated)", step_note=step_note, micro_batches=micro_batches))
+    lines.append(format_summary(report, f"summary ({b.count} blocks, {how})", step_note=step_note, micro_batches=micro_batches))
     return "\n".join(lines)
 
 
@@ -263,7 +376,7 @@ def folded_json(report: FoldedReport, plan_json: Mapping, budget_bytes: float | 
     """The same keys as an unfolded ``zerofx plan --format json``, plus ``folded``."""
     b = report.blocks
     return {
-        "folded": {"path": b.path, "num_blocks": b.count, "captured_blocks": list(FOLD_BLOCKS), "num_collectives": report.num_collectives},
+        "folded": {"path": b.path, "num_blocks": b.count, "captured_blocks": list(dict.fromkeys(report.cuts)), "num_collectives": report.num_collectives},
         "plan": plan_json,  # of the 3-block capture (zerofx plan prints that one)
         "schedule": [{**r.__dict__, "repeats": report.repeats.get(r.order, 1)} for r in report.sample.rows],
         "memory": {
