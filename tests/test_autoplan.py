@@ -219,6 +219,31 @@ def test_a_folded_search_chooses_and_predicts_what_the_whole_one_does() -> None:
     assert folded.chosen.fits and folded.chosen.fingerprint
 
 
+@pytest.mark.slow
+def test_a_folded_search_cuts_longer_where_the_prefetch_window_spans_blocks() -> None:
+    """NOTE [A window that spans blocks]: with one gather bucket per block and a prefetch
+    distance of 2 or 3 buckets, a candidate is lowered on cuts longer than 2 and 3 blocks, and
+    its folded peak is the whole model's."""
+    from zerofx.compiler.autoplan import Candidate, _Search
+    from zerofx.models import DNADecoderLM
+    from zerofx.models.sizes import DNALMConfig
+
+    with torch.device("meta"):
+        model = DNADecoderLM(DNALMConfig(dim=64, num_layers=12, num_heads=4, ffn_dim=172, max_seq_len=256))
+    ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
+    inputs_at = resize_inputs((ids,), {"labels": ids})
+    one_bucket_per_block = sum(p.numel() for p in model.blocks[0].parameters()) + 1
+    candidate = Candidate(3, 1, 4, "none", "off", 1, 1)
+    for distance in (2, 3):
+        base = {"zero_optimization": {"stage3_prefetch_bucket_size": one_bucket_per_block}, "zerofx": {"prefetch_distance": distance}}
+        folded, whole = (_Search(model, inputs_at, base, world_size=4, seq_len=64, global_batch=4, budget_bytes=1e9, fixed=frozenset(),
+                                 loss_fn=None, fold=fold) for fold in ("on", "off"))
+        f, w = folded.evaluate(candidate), whole.evaluate(candidate)
+        assert folded.num_captures == 4  # cut to 2, 3, then 4 and 5 (distance 2) or 5 and 6 (distance 3) blocks
+        assert f.peak_bytes == w.peak_bytes, distance
+        assert f.step_s == pytest.approx(w.step_s, rel=0.05), distance
+
+
 SEQUENCE = SearchSpace(stages=(3,), sequence_parallel=(1, 2), shard_group_sizes=None, offloads=("none",), tilings=("off",), recomputes=("off",),
                        micro_batch=None, accumulation=None)
 
