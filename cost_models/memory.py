@@ -174,12 +174,14 @@ def estimate_process_peak_bytes(timeline_peak_bytes: float, runtime_bytes: float
 
 # NOTE [What Inductor keeps resident]
 # A rank whose graphs Inductor compiled (``"zerofx": {"compile": "inductor"}``) holds more than
-# the runtime baseline: Inductor's modules, the compiled kernels loaded into the process and
-# their Python wrappers, and the caches compiling leaves. Compiled from fake inputs, that is
-# 45-50 MiB on this project's machine for the 25m DNA LM's forward and backward and about as
-# much for the tiny model's: mostly Inductor's own code, not the model's (importing compile_fx
-# is 25 MiB of it). ``zerofx calibrate`` measures it
-# once, as the resident memory the tiny model's compiled rank graphs add
+# the runtime baseline: Inductor's modules (importing compile_fx is 25 MiB), the compiled
+# kernels loaded into the process and their Python wrappers, and what compiling leaves in
+# CPython's arenas. A rank compiles its graphs from Inductor's on-disk cache after a forked
+# child compiled them (NOTE [Inductor compiles first in a child] in zerofx/compiler/program.py),
+# so what stays is a cache hit's: 28-31 MiB for the tiny model's graphs on this project's
+# machine, against 54-67 MiB compiled in the rank itself, where lowering 25m's 8-block graphs
+# left about 30 MiB more than the tiny model's 2 blocks. ``zerofx calibrate`` measures it once,
+# as a rank does it, as the resident memory the tiny model's compiled rank graphs add
 # (``DeviceSpec.inductor_bytes``). Where the rank's memory is its device's (a CPU rank), it
 # counts against the memory budget: the planners that fit the budget (prefetch, recompute,
 # tiling, the whole-job search) fit the step to the budget less it. On a GPU it is host memory

@@ -6,6 +6,7 @@ captured from the first example inputs given."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn as nn
 
 import zerofx
 from tests.support.dist_utils import run_ranks
-from tests.support.meta_workers import eager_vs_inductor
+from tests.support.meta_workers import eager_vs_inductor, inductor_cache_hits
 from tests.support.models import BATCH, SEQ, dna_lm
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
@@ -204,3 +205,38 @@ def test_inductor_graphs_are_called_boxed() -> None:
     (out,) = compiled(args)
     assert args == []
     torch.testing.assert_close(out, step(a, b)[0])
+
+
+@pytest.mark.inductor
+def test_inductor_compiles_from_its_cache_fakes_and_real_tensors_alike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [Inductor's cache needs a shape environment]: a graph compiled once is a cache hit
+    the second time, whether compiled from real tensors or from fakes of their shapes."""
+    from torch._dynamo.utils import counters
+
+    from zerofx.passes import _compat
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def step(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
+        return ((a.sin() * 2).sum() + (b * 3).cos().sum(),)
+
+    a, b = torch.randn(64), torch.randn(64)
+    gm = _compat.make_fx(step)(a, b)
+    counters.clear()
+    with _compat.FakeTensorMode() as other_mode:  # fakes of another mode, as the capture's are
+        fakes = [other_mode.from_tensor(a), other_mode.from_tensor(b)]
+    _compat.inductor_compile(gm, fakes)
+    assert counters["inductor"]["fxgraph_cache_miss"] == 1 and counters["inductor"]["fxgraph_cache_hit"] == 0
+    compiled = _compat.inductor_compile(gm, [a, b])
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])
+    (out,) = compiled([a.clone(), b.clone()])
+    torch.testing.assert_close(out, step(a, b)[0])
+
+
+@pytest.mark.inductor
+def test_a_rank_compiles_its_graphs_from_what_a_child_compiled(tmp_path: Path) -> None:
+    """NOTE [Inductor compiles first in a child]: into an empty cache, a rank's forward and backward
+    compiles are both hits, the child having compiled them first."""
+    for res in run_ranks(2, inductor_cache_hits, TWO_BLOCKS, str(tmp_path)):
+        assert res["compiled"] == ["backward", "forward"] and res["warmed"]
+        assert res["counters"].get("fxgraph_cache_hit") == 2 and not res["counters"].get("fxgraph_cache_miss"), res["counters"]

@@ -121,3 +121,25 @@ def eager_vs_inductor(rank: int, world_size: int, cfg: DNALMConfig, stage: int, 
         out[compiler] = {"losses": losses, "state": engine.full_state_dict(), "compile_s": engine.compile_s,
                          "compiled": sorted(engine.program.compiled_graphs), "issued": _collectives_issued(prof)}
     return out
+
+
+def inductor_cache_hits(rank: int, world_size: int, cfg: DNALMConfig, cache_dir: str) -> dict:
+    """One step of the DNA LM of ``cfg`` compiled by Inductor into an empty on-disk cache
+    (``cache_dir``): the cache counters of this rank's own compiles (NOTE [Inductor compiles
+    first in a child]: a child compiled the graphs first, so the rank's are hits)."""
+    import os
+
+    from torch._dynamo.utils import counters
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    counters.clear()
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(rank))
+    with torch.device("meta"):
+        model = DNADecoderLM(cfg)
+    engine = zerofx.initialize(model, _config(3, {"zerofx": {"compile": "inductor"}}), example_inputs=(ids,),
+                               example_kwargs={"labels": ids}, init_seed=1)
+    loss = engine(ids, labels=ids)
+    engine.backward(loss)
+    engine.step()
+    return {"counters": dict(counters["inductor"]), "compiled": sorted(engine.program.compiled_graphs),
+            "warmed": sorted(engine.program.warmed_ranks)}
