@@ -197,6 +197,13 @@ def _boxed(compiled: Callable[..., Any], gm: torch.fx.GraphModule) -> Callable[[
     return fn
 
 
+def inductor_cache_enabled() -> bool:
+    """Whether Inductor keeps what it compiles in its on-disk cache (``TORCHINDUCTOR_FX_GRAPH_CACHE``)."""
+    import torch._inductor.config
+
+    return bool(torch._inductor.config.fx_graph_cache)
+
+
 # NOTE [Inductor's cache needs a shape environment]
 # Inductor keeps what it compiled in an on-disk cache (the FX graph cache) keyed by the graph,
 # its inputs' shapes and strides and the options, but only where the fake-tensor mode it traces

@@ -7,7 +7,7 @@ process (multiprocessing's "forkserver") that imported torch and zerofx once and
 torch op, so no thread pool or device state is forked; and ``run_ranks`` keeps one pool
 of rank processes that stay up between calls, grown to the largest world size asked for; a call
 on W ranks runs on the pool's first W processes, each told its rank. Each call still runs in a new
-process group (a fresh port, ``init_process_group`` before and ``destroy_process_group`` after),
+process group (a fresh rendezvous file, ``init_process_group`` before and ``destroy_process_group`` after),
 so nothing communicates across calls; between calls a rank restores its environment variables,
 thread count and default dtype. A call that fails in any way (an exception, a timeout, a rank
 killed by a signal) discards its pool, so the next call starts clean processes. ``fresh=True``
@@ -18,6 +18,7 @@ peak resident memory.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import io
 import multiprocessing.connection as mp_connection
@@ -25,8 +26,10 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -45,8 +48,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_one(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> tuple[str, bytes | str]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+# NOTE [Ranks meet in a file]
+# Each call's ranks rendezvous through a file of their own (``file://``), not a TCP port. A
+# port from ``free_port`` is free only when asked, and the suite runs two pytest workers. Twice
+# a full run stalled with both ranks of a 2-rank call never finishing (900 s), in a test that
+# passes when its file runs alone; two calls meeting on one port would look like that, though
+# the cause is not confirmed. A path made from this process's id and a random name is never
+# another call's. A call that does not finish has its ranks print their Python stacks
+# (faulthandler on SIGUSR1) before it fails, so the next stall shows where it waits.
+def _run_one(rank: int, world_size: int, store: str, fn: Callable[..., Any], args: tuple) -> tuple[str, bytes | str]:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         # Serialise with torch.save: tensors shared through a pipe vanish when this process exits.
         buf = io.BytesIO()
@@ -63,6 +74,7 @@ def _serve(conn: Any, once: bool) -> None:
     send back its outcome."""
     sys.path.insert(0, ROOT)
     faulthandler.enable()  # a segfault in a rank prints every thread's Python stack to stderr
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # and a call that never finishes, when asked
     torch.set_num_threads(1)
     environ = dict(os.environ)
     while True:
@@ -72,8 +84,8 @@ def _serve(conn: Any, once: bool) -> None:
             return
         if call is None:
             return
-        rank, world_size, port, fn, args = call
-        conn.send((rank, *_run_one(rank, world_size, port, fn, args)))
+        rank, world_size, store, fn, args = call
+        conn.send((rank, *_run_one(rank, world_size, store, fn, args)))
         if once:
             return
         os.environ.clear()
@@ -139,9 +151,16 @@ class _Ranks:
 
     def call(self, world_size: int, fn: Callable[..., Any], args: tuple) -> tuple[dict[int, Any], list[str]]:
         """``fn`` on the first ``world_size`` processes, as ranks 0..world_size - 1."""
-        port = free_port()
+        store = os.path.join(tempfile.gettempdir(), f"zerofx-ranks-{os.getpid()}-{uuid.uuid4().hex}")  # NOTE [Ranks meet in a file]
+        try:
+            return self._call(world_size, fn, args, store)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(store)
+
+    def _call(self, world_size: int, fn: Callable[..., Any], args: tuple, store: str) -> tuple[dict[int, Any], list[str]]:
         for rank, conn in enumerate(self.conns[:world_size]):
-            conn.send((rank, world_size, port, fn, args))
+            conn.send((rank, world_size, store, fn, args))
         results: dict[int, Any] = {}
         errors: list[str] = []
         waiting = {conn: rank for rank, conn in enumerate(self.conns[:world_size])}
@@ -149,7 +168,11 @@ class _Ranks:
         while waiting:
             ready = mp_connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:  # the remaining ranks are stuck, most likely in a collective
-                errors.append(f"ranks {sorted(waiting.values())} did not finish in time")
+                errors.append(f"ranks {sorted(waiting.values())} did not finish in time (their Python stacks are in the captured stderr)")
+                for rank in waiting.values():
+                    with contextlib.suppress(ProcessLookupError, TypeError):
+                        os.kill(self.procs[rank].pid, signal.SIGUSR1)
+                time.sleep(1.0)
                 break
             for conn in ready:
                 rank = waiting.pop(conn)

@@ -31,6 +31,7 @@ from zerofx.config import ZeroConfig, parse_config, source_config
 from zerofx.config.compile_options import CompileOptions, compile_options
 from zerofx.config.options import GraphCompiler
 from zerofx.common.errors import MissingExampleInputsError, ZeroFXError
+from zerofx.common.fork import fork_is_safe, start_in_fork
 from zerofx.common.limits import MAX_WORLD_SIZE
 from zerofx.compiler import pipeline
 from zerofx.compiler.pipeline import StepCapture, lower, plan_step, with_offloaded_grads
@@ -221,11 +222,7 @@ class Program:
     def compile_in_child(self, rank: int) -> None:
         """Compile rank ``rank``'s forward and backward graphs with Inductor in a forked child, into
         Inductor's on-disk cache (NOTE [Inductor compiles first in a child]); nothing where a fork is unsafe."""
-        import torch._inductor.config as inductor_config
-
-        from zerofx.common.fork import fork_is_safe, start_in_fork
-
-        if not inductor_config.fx_graph_cache or not fork_is_safe(runs_kernels=False):
+        if not _compat.inductor_cache_enabled() or not fork_is_safe(runs_kernels=False):
             return
         modules = self.graph_modules(rank)
 
