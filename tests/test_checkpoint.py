@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support import checkpoint_workers as cw
-from tests.support.dist_utils import ROOT, free_port, rank_context, rank_main, run_ranks
+from tests.support.dist_utils import ROOT, free_port, rank_context, rank_main, rendezvous_file, run_ranks
 from tests.support.models import BUILDERS, TINY
 from zerofx.runtime.checkpoint import CheckpointError, check_structure, consolidate, latest_complete_tag, model_structure, read_metadata
 from zerofx.runtime.checkpoint_format import RankFiles, check_rank_files, read_client, resolve_tag
@@ -470,8 +470,8 @@ def test_consolidate_that_fails_midway_removes_its_temp_file_and_keeps_the_old_o
 def test_save_killed_mid_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     """Rank 1 gets SIGKILL halfway through writing its rank file of the second save."""
     ctx = rank_context()  # processes of their own, forked from a server that imported torch once
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, 2, port, cw.killed_save, (str(tmp_path),))) for r in range(2)]
+    store = rendezvous_file()
+    procs = [ctx.Process(target=rank_main, args=(r, 2, store, cw.killed_save, (str(tmp_path),))) for r in range(2)]
     for p in procs:
         p.start()
     procs[1].join(timeout=300)

@@ -94,13 +94,18 @@ def _serve(conn: Any, once: bool) -> None:
         torch.set_default_dtype(torch.float32)
 
 
-def rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+def rendezvous_file() -> str:
+    """A path for one call's ranks to meet at (NOTE [Ranks meet in a file]); nothing is there yet."""
+    return os.path.join(tempfile.gettempdir(), f"zerofx-ranks-{os.getpid()}-{uuid.uuid4().hex}")
+
+
+def rank_main(rank: int, world_size: int, store: str, fn: Callable[..., Any], args: tuple) -> None:
     """One rank in a process of its own, for tests that watch the processes themselves (a rank
     that gets killed): ``fn``'s result is dropped; a failure prints its traceback and exits 1."""
     sys.path.insert(0, ROOT)
     faulthandler.enable()
     torch.set_num_threads(1)
-    status, value = _run_one(rank, world_size, port, fn, args)
+    status, value = _run_one(rank, world_size, store, fn, args)
     if status == "error":
         print(value, file=sys.stderr)
         sys.exit(1)
@@ -151,7 +156,7 @@ class _Ranks:
 
     def call(self, world_size: int, fn: Callable[..., Any], args: tuple) -> tuple[dict[int, Any], list[str]]:
         """``fn`` on the first ``world_size`` processes, as ranks 0..world_size - 1."""
-        store = os.path.join(tempfile.gettempdir(), f"zerofx-ranks-{os.getpid()}-{uuid.uuid4().hex}")  # NOTE [Ranks meet in a file]
+        store = rendezvous_file()
         try:
             return self._call(world_size, fn, args, store)
         finally:
