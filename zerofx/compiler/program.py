@@ -36,14 +36,14 @@ from zerofx.common.limits import MAX_WORLD_SIZE
 from zerofx.compiler import pipeline
 from zerofx.compiler.pipeline import StepCapture, lower, plan_step, with_offloaded_grads
 
-# The group name planned graphs carry when no process group exists; the engine lowers again
-# with the real group's name.
 log = logging.getLogger("zerofx.compiler.program")
 
 # How long a rank waits for the child that compiles its graphs first (NOTE [Inductor compiles
 # first in a child]): a cold compile of a large model's graphs takes minutes on a loaded host.
 INDUCTOR_CHILD_WAIT_S = 1800.0
 
+# The group name planned graphs carry when no process group exists; the engine lowers again
+# with the real group's name.
 PLANNING_GROUP = "zerofx_planning_group"
 # The group across shard groups that planned graphs carry (NOTE [Shard groups of consecutive ranks]).
 PLANNING_REPLICATE_GROUP = "zerofx_planning_replicate"
@@ -206,15 +206,16 @@ class Program:
     # NOTE [Inductor compiles first in a child]
     # What Inductor's lowering allocates partly stays in the process that compiled (CPython's
     # arenas, caches): on the 25m DNA LM's stage-2 rank graphs the rank held 86 MiB more
-    # between steps than the same configuration eager, of which the cached compile's own
-    # residue is 31-44 MiB. So before a rank compiles its first graph, a forked child compiles
+    # between steps than the same configuration eager (38 MiB more since). So before a rank compiles its first graph, a forked child compiles
     # the rank's forward and backward graphs from their inputs' fakes (nothing allocated for
     # them) into Inductor's on-disk cache and exits, taking the lowering's memory with it; the
     # rank's own compiles are then cache hits (NOTE [Inductor's cache needs a shape
     # environment] in passes/_compat.py). Measured by hand on that configuration (2 ranks, 25m,
-    # 1x1,024 tokens, 115 recomputed, MALLOC_MMAP_THRESHOLD_ 256 KiB): the steps' peak 820-821
-    # MiB against 862-863 MiB, the first step's compile 3 s instead of about 20 s per rank where
-    # the cache already held the graphs. The child runs on the first call, before the forward,
+    # 1x1,024 tokens, 115 recomputed, MALLOC_MMAP_THRESHOLD_ 256 KiB; fresh ranks, VmHWM reset
+    # per step): the steps' peak 814-815 MiB with an empty cache and with a full one, against
+    # 862-863 MiB before. Where the cache holds the graphs, the child's compiles and the rank's
+    # are hits, and the compiled configuration took 4-5 s longer from launch to its last step
+    # than the same configuration eager (the capped benchmark's rounds). The child runs on the first call, before the forward,
     # while the rank holds only its model state and batch: it adds its own compile's memory to
     # the host then, not to a step's peak. Where a fork is unsafe (a CUDA context, NOTE [Work in
     # a forked child]), or the child fails or runs past ``INDUCTOR_CHILD_WAIT_S``, the rank
