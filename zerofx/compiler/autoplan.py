@@ -203,9 +203,9 @@ class _Search:
         self.model, self.inputs_at, self.base, self.fold = model, inputs_at, base, fold
         self.blocks = _blocks_to_fold(model, fold)
         self.cuts: dict[int, nn.Module] = {}  # folded: the model cut to n blocks, by n
-        self.cut_groups: dict[tuple[int, int, str], dict[int, Program]] = {}  # folded: each capture group's first program per cut
+        # Folded: each capture group's first program per cut, and the config it was planned with.
+        self.cut_groups: dict[tuple[int, int, str], dict[int, tuple[Program, dict[str, Any]]]] = {}
         self.folded: set[Candidate] = set()  # candidates measured on the cut models
-        self._fresh: set[tuple[Candidate, int]] = set()  # cut captures made with that candidate's config, not yet used
         self.world_size, self.seq_len, self.global_batch = world_size, seq_len, global_batch
         self.budget_bytes, self.fixed, self.loss_fn = budget_bytes, fixed, loss_fn
         self.groups: dict[tuple[int, int, str], Program] = {}  # the first program of each capture group
@@ -252,7 +252,7 @@ class _Search:
                 self._compute_s[key] = estimate_compute_s(self.groups[group].captured.joint, self.device, fused=fused)
             else:
                 config = self.cut_config(self.config(c))
-                small, large = (estimate_compute_s(self.cut_capture(c, config, n).captured.joint, self.device, fused=fused) for n in FOLD_BLOCKS)
+                small, large = (estimate_compute_s(self.cut_capture(c, config, n)[0].captured.joint, self.device, fused=fused) for n in FOLD_BLOCKS)
                 # Compute is a sum over nodes: exact from the first two cuts whatever the peak needed.
                 self._compute_s[key] = extrapolate(small, large, self.blocks.count)
         return self._compute_s[key]
@@ -305,33 +305,26 @@ class _Search:
         device_budget = tiers[Tier.DEVICE].budget_bytes
         return max(sum(b for _, b in records) - device_budget, 0.0)
 
-    def cut_capture(self, c: Candidate, config: Mapping[str, Any], n: int) -> Program:
+    def cut_capture(self, c: Candidate, config: Mapping[str, Any], n: int) -> tuple[Program, dict[str, Any]]:
         """Folded: the first program of ``c``'s capture group on the model cut to ``n`` blocks,
-        capturing it with ``config`` if there is none yet."""
+        capturing it with ``config`` if there is none yet, and the config it was planned with."""
         assert self.blocks is not None
         group = self.cut_groups.setdefault(c.capture_group, {})
         if n not in group:
             if n not in self.cuts:
                 self.cuts[n] = with_num_blocks(self.model, self.blocks, n)
             args, kwargs = self.inputs_at(c.micro_batch, self.seq_len)
-            group[n] = compile(self.cuts[n], world_size=self.world_size, config=dict(config), example_inputs=args, example_kwargs=kwargs,
-                               loss_fn=self.loss_fn)
+            program = compile(self.cuts[n], world_size=self.world_size, config=dict(config), example_inputs=args, example_kwargs=kwargs,
+                              loss_fn=self.loss_fn)
             self.num_captures += 1
-            self._fresh.add((c, n))
+            group[n] = (program, copy.deepcopy(dict(config)))
         return group[n]
 
     def cut_program(self, c: Candidate, config: Mapping[str, Any], n: int) -> Program:
         """Folded: the candidate planned on the model cut to ``n`` blocks, from its group's capture
-        of that cut (the capture itself where ``c``'s config made it)."""
-        first = self.cut_capture(c, config, n)
-        if (c, n) in self._fresh:
-            self._fresh.discard((c, n))
-            return first
-        return first.replan(dict(config))
-
-    def cut_programs(self, c: Candidate, config: Mapping[str, Any]) -> dict[int, Program]:
-        """Folded: the candidate planned on the models cut to each of ``FOLD_BLOCKS`` blocks."""
-        return {n: self.cut_program(c, config, n) for n in FOLD_BLOCKS}
+        of that cut (the capture itself where it was planned with ``config``)."""
+        first, planned_with = self.cut_capture(c, config, n)
+        return first if planned_with == dict(config) else first.replan(dict(config))
 
     @staticmethod
     def cut_config(config: Mapping[str, Any], prefetch_distance: int | None = None) -> dict[str, Any]:
@@ -429,6 +422,8 @@ class _Search:
             return programs[n].report(0, comm=self.comm, device=self.device), programs[n].plan
 
         folded = fold(self.blocks, report_at)
+        if folded.planned_whole:  # captured, if it was, from the cut config (no budget): not ``c``'s own config
+            self.own_capture.discard(c)
         self.num_lowered += 1
         low, high = folded.cuts
         recomputed = [0 if programs[n].plan.recompute is None else len(programs[n].plan.recompute.activations) for n in (low, high)]
