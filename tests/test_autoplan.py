@@ -6,6 +6,7 @@ models on the meta device, small search spaces: seconds each."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,35 @@ def test_many_ranks_lower_one_or_two_shard_group_sizes_per_stage() -> None:
     assert result.chosen.candidate == best.candidate and result.chosen.tokens_per_s == pytest.approx(best.tokens_per_s)
 
 
+def test_the_memory_bound_holds_per_stage_and_shard_group_size() -> None:
+    """NOTE [How the whole-job search prunes]: at 64 ranks and 32 tokens the gradients are most
+    of the transient memory, and stage 0 holds them whole where stage 2 holds shards, so a bound
+    taken from stage 0's transient would skip stage 2 K 8, the fastest that fits. Every
+    candidate skipped by the memory bound peaks at least at its bound, and the search chooses
+    what lowering every candidate chooses."""
+    from zerofx.compiler.autoplan import _Search
+
+    model = build_model("small", device="meta")
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")  # (B, T)
+    inputs_at = resize_inputs((ids,), {"labels": ids})
+    budget = 8 * 2**20
+    base = {"zerofx": {"memory_budget": budget, "profile": "h100"}}
+    space = SearchSpace(stages=(0, 2), sequence_parallel=(1,), shard_group_sizes=(8, 64), offloads=("none", "cpu"), tilings=("off",),
+                        recomputes=("off",), micro_batch=1, accumulation=1)
+    result = search(model, inputs_at, base, world_size=64, seq_len=32, batch=1, budget_bytes=budget, space=space)
+    every = _Search(model, inputs_at, base, world_size=64, seq_len=32, global_batch=64, budget_bytes=budget, fixed=frozenset(), loss_fn=None)
+    exhaustive = {e.candidate: every.evaluate(e.candidate) for e in result.ranked}
+    bounded = [e for e in result.ranked if not e.lowered and "over budget by at least" in e.why]
+    assert all(e.peak_bytes <= exhaustive[e.candidate].peak_bytes for e in bounded)
+    best = max((e for e in exhaustive.values() if e.fits), key=lambda e: e.tokens_per_s)
+    assert (best.candidate.stage, best.candidate.shard_group_size, best.candidate.offload) == (2, 8, "none")
+    assert result.chosen is not None and result.chosen.candidate == best.candidate
+    # The offloaded update is in the step floor: never above the lowered step.
+    assert all(e.step_s >= every.step_floor_s(e.candidate) for e in exhaustive.values())
+    assert any(e.candidate.offload == "cpu" and every.step_floor_s(e.candidate) > every.compute_s(e.candidate)
+               for e in exhaustive.values())
+
+
 def test_a_folded_search_chooses_and_predicts_what_the_whole_one_does() -> None:
     """Folded (captures of 2 and 3 of the 4 blocks, NOTE [Budgets of the cut models]), every
     candidate's step and peak are the whole model's, also under a budget that makes stage 3 fit
@@ -217,6 +247,27 @@ def test_a_folded_search_chooses_and_predicts_what_the_whole_one_does() -> None:
     assert folded.chosen.candidate == whole.chosen.candidate and folded.chosen.candidate.recompute == "auto"
     assert folded.chosen.recomputed == whole.chosen.recomputed > 0
     assert folded.chosen.fits and folded.chosen.fingerprint
+
+
+def test_a_folded_recompute_candidate_is_not_planned_whole_where_nothing_recomputed_is_slower() -> None:
+    """NOTE [Budgets of the cut models]: recompute only adds to the step, so a folded candidate
+    that recomputes to the budget, planned with nothing recomputed, gives its step's floor; where
+    that is slower than the best so far it is not captured and planned whole."""
+    from zerofx.compiler.autoplan import Candidate, Evaluated, _Search
+
+    model = build_model("small", device="meta")
+    ids = torch.zeros(1, 64, dtype=torch.long, device="meta")  # (B, T)
+    inputs_at = resize_inputs((ids,), {"labels": ids})
+    c = Candidate(3, 1, 2, "none", "off", 1, 1, "auto")
+
+    s = _Search(model, inputs_at, {"zerofx": {"memory_budget": 1e9}}, world_size=2, seq_len=64, global_batch=2, budget_bytes=1e9,
+                fixed=frozenset(), loss_fn=None, fold="on")
+    faster = Evaluated(Candidate(2, 1, 2, "none", "off", 1, 1), 1e-9, 1.0, 0.0, 0.0, fits=True)
+    e = s.evaluate(c, best=faster)
+    assert not e.lowered and not e.fits and "not planned whole" in e.why and s.num_captures == 2  # cut to 2 and 3 blocks
+    whole = s.evaluate(c, best=replace(faster, step_s=1e9))
+    assert whole.lowered and whole.fits and s.num_captures == 3  # and whole
+    assert whole.step_s >= e.step_bound_s > faster.step_s
 
 
 @pytest.mark.slow

@@ -19,9 +19,18 @@ placement (``Program.replan``, NOTE [Planning again from one capture]). The sear
 cannot win:
 - Each candidate's model state per rank is known from the parameters' shapes, without
   lowering. A candidate whose model state plus the smallest
-  transient memory (peak less persistent state) measured in the group exceeds the budget is
-  not lowered: it is reported over budget by at least that much. Recompute lowers the transient
-  memory, so candidates that recompute are bounded only by those measured with it.
+  transient memory (peak less persistent state) measured in the group at its stage and shard
+  group size (with another optimizer-state placement: it does not change the transient)
+  exceeds the budget is not lowered: it is reported over budget by at least that much. Stage
+  and K are not shared: stages 0 and 1 hold every gradient whole until the step ends, which
+  stages 2 and 3 reduce into shards as the backward goes, and the buckets in flight change with
+  K (a bound taken across stages had skipped the 1B model's fastest candidate at 1,024 ranks).
+  Recompute lowers the transient
+  memory, so candidates that recompute are bounded only by those measured with it; before any
+  is measured the bound is the model state alone (at 1,024 ranks a 1B model's stage 0, with or
+  without its optimizer state offloaded, is over 8 GiB by its state: lowering each cost 0.4 to
+  3 s). When every candidate is over by its state alone, the leanest is lowered so the report
+  can say what budget it needs.
 - Within a stage (and offload and recompute setting), the shard group sizes are lowered in the
   order of the shard-group model's predicted step (NOTE [Hierarchical sharding cost]: the
   buckets from the parameters' shapes, the capture's compute estimate; ties broken as
@@ -31,7 +40,11 @@ cannot win:
 - A candidate whose step floor is longer than the best predicted step that fits is not
   lowered. The floor is every micro-step's compute (the compute model over its capture's joint
   graph, its runs fused for an Inductor candidate) or the shard-group model's step less
-  ``SHARDING_MODEL_MARGIN``, whichever is longer; the update, offload and recompute only add to it.
+  ``SHARDING_MODEL_MARGIN``, or, with the optimizer state offloaded, the host's update of the
+  records past the device tier (the offload timeline runs them one after another), whichever is
+  longest; recompute only adds to it. At 1,024 ranks on the H100 profile a 1B model's offloaded
+  update takes a second or more, so no offloaded candidate is lowered once one without offload
+  fits (each had cost 0.5 to 3 s).
 - Inductor shortens the step and adds what it keeps resident to the peak, so a compiled
   candidate is searched beside the eager one of each configuration; the transient-memory bound
   and the shard-group order above are kept apart per compiler.
@@ -76,7 +89,11 @@ exact, so the whole model fits at the same distance. ``zerofx.recompute: "auto"`
 activations one by one from a graph's own ranking, which two cut models need not share, so a
 candidate that recomputes to the budget is first planned folded with every candidate
 recomputed (the same in every block, so exact), the most ``"auto"`` can free; only if that fits
-is it planned whole (one whole capture per capture group, made only where one is needed). The winner is captured whole from its own config
+is it planned whole (one whole capture per capture group, made only where one is needed).
+Recompute only adds to the step, and ``"auto"`` recomputes at the prefetch distance the budget
+left without it, so the candidate planned folded with nothing recomputed is its step's floor:
+where that floor, less ``FOLDED_STEP_MARGIN``, is slower than the best that fits so far, it is
+not planned whole (at 1,024 ranks a 1B model's whole capture and plan took 16 s). The winner is captured whole from its own config
 and measured as that config plans it before it is kept; it must still fit, or the next one is
 (``MAX_RECAPTURES``).
 """
@@ -105,7 +122,7 @@ from zerofx.config import ZeroConfig, parse_config
 from zerofx.cost_models.compute import CPU_CORE
 from zerofx.cost_models.memory import inductor_resident_bytes
 from zerofx.cost_models.hierarchy import STEP_TIE_FRACTION, estimate_step_comm_s, estimate_step_s
-from zerofx.cost_models.offload import FP32_BYTES, record_numels
+from zerofx.cost_models.offload import FP32_BYTES, estimate_update_s, record_numels
 from zerofx.cost_models.profiles import load_profile
 from zerofx.cost_models.tiers import NO_OFFLOAD, Tier
 from zerofx.passes import Plan
@@ -120,6 +137,10 @@ MAX_RECAPTURES = 3
 # more than the lowered schedule exposes (up to 14% seen, at 64 ranks on the H100 profile;
 # tests/test_autoplan.py checks the floor holds): a candidate is skipped by it only with this margin.
 SHARDING_MODEL_MARGIN = 0.25
+# A folded step is within 5% of the whole model's where the prefetch window spans blocks (NOTE [A
+# window that spans blocks] in zerofx/compiler/folding.py): a folded step skips a candidate as a
+# floor only with this margin.
+FOLDED_STEP_MARGIN = 0.1
 # Halvings of the sequence tried to say how short a sequence the leanest candidate fits.
 MAX_SEQUENCE_HALVINGS = 5
 
@@ -270,13 +291,24 @@ class _Search:
         """What ``c``'s optimizer step takes at least, before lowering it: every micro-step's
         compute (the compute model over the capture's joint graph), or the shard-group model's
         step (NOTE [Hierarchical sharding cost]: communication perfectly overlapped) less
-        ``SHARDING_MODEL_MARGIN``, whichever is longer. The update, offload and recompute only
-        add to it."""
+        ``SHARDING_MODEL_MARGIN``, or the host's update of the offloaded optimizer state,
+        whichever is longest. Recompute only adds to it."""
         compute = c.accumulation * self.compute_s(c)
+        floor = max(compute, self._offloaded_update_s(c))
         if c.stage == 0 or not isinstance(c.shard_group_size, int):
-            return compute
+            return floor
         comm = self._sharding_comm(c)
-        return max(compute, (1 - SHARDING_MODEL_MARGIN) * (max(compute, comm.intra_s, comm.inter_s) + comm.tail_s))
+        return max(floor, (1 - SHARDING_MODEL_MARGIN) * (max(compute, comm.intra_s, comm.inter_s) + comm.tail_s))
+
+    def _offloaded_update_s(self, c: Candidate) -> float:
+        """The host's update of the records past the device tier, from the shapes alone: the
+        offload timeline runs the updates one after another (memory-bound, twice each record's
+        bytes), and with the update delayed the step still waits for all of them beyond one
+        micro-step, so the step takes at least this (NOTE [The step's I/O timeline])."""
+        if c.offload == NO_OFFLOAD:
+            return 0.0
+        plan, cfg = self.shapes_plan(c)
+        return estimate_update_s(int(self._offloaded_bytes(plan, cfg)), CPU_CORE.memory_bytes_per_s)
 
     def sharding_order(self, c: Candidate) -> tuple[float, float, int] | None:
         """Where the shard-group model (NOTE [Hierarchical sharding cost]) puts ``c`` among the
@@ -378,7 +410,9 @@ class _Search:
         tiling = self.program(c, self.config(c)).plan.tiling
         return () if tiling is None else tuple(tiling.ops)
 
-    def evaluate(self, c: Candidate) -> Evaluated:
+    def evaluate(self, c: Candidate, *, best: Evaluated | None = None) -> Evaluated:
+        """``c``'s figures. ``best``, the fastest that fits so far: a folded candidate that
+        recomputes to the budget is not planned whole when nothing recomputed would be slower."""
         config = self.config(c)
         if self.blocks is not None:
             if config.get("zerofx", {}).get("recompute") != "auto":
@@ -390,6 +424,15 @@ class _Search:
             most = self.evaluate_folded(c, every)
             if not most.fits:
                 return most
+            if best is not None:
+                nothing = copy.deepcopy(config)
+                nothing["zerofx"]["recompute"] = False
+                floor_s = (1 - FOLDED_STEP_MARGIN) * self.evaluate_folded(c, nothing).step_s
+                if floor_s > best.step_s:
+                    return Evaluated(c, float("inf"), 0.0, most.peak_bytes, most.model_state_bytes, fits=False, lowered=False,
+                                     step_bound_s=floor_s,
+                                     why=f"at least {floor_s * 1e3:.3g} ms a step with nothing recomputed (folded), slower than "
+                                         f"{best.label()} ({best.step_s * 1e3:.3g} ms); not planned whole")
             self.folded.discard(c)  # measured whole below, as its config plans it
         program = self.program(c, config, whole=True)
         report = program.report(0, comm=self.comm, device=self.device)
@@ -518,6 +561,11 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
             break  # this doubling made nothing fit that wins; the next frees half as much (NOTE [How the whole-job search prunes])
     ranked = _rank(results, budget_bytes)
     chosen = ranked[0] if ranked and ranked[0].fits else None
+    if chosen is None and results and not any(e.lowered for e in results):
+        # Every candidate's model state alone is over the budget: the leanest is lowered so the
+        # report can say what budget it needs.
+        leanest = min(results, key=lambda e: e.peak_bytes)
+        results = [s.evaluate(e.candidate) if e is leanest else e for e in results]
     if chosen is None and any(e.lowered for e in results):
         # What would fit is the leanest candidate's peak: one the memory bound skipped may need
         # less than every one lowered, so those are lowered now.
@@ -619,10 +667,15 @@ def _search_group(s: _Search, group: Sequence[Candidate], earlier: Sequence[Eval
     plain = [c for c in group if not _saves_memory_only(c)] or list(group)
     savers = [c for c in group if c not in plain]
     out: list[Evaluated] = []
-    # The smallest peak less persistent state measured in this group, per recompute setting:
-    # recompute lowers the transient memory, so one measured without it bounds nothing with it.
-    # Inductor's resident memory is in an Inductor candidate's peak, so the two are kept apart too.
-    transient: dict[tuple[str, str], float] = {}
+    # The peak less persistent state measured in this group, per stage, shard group size,
+    # recompute setting and compiler; offloading the optimizer state leaves it as it is. Neither
+    # stage nor K can be shared: stages 0 and 1 hold every gradient whole until the step ends,
+    # which stages 2 and 3 reduce into shards (at 1,024 ranks a 1B model's is 4.0 GiB at stage 0
+    # against 2.1 GiB at stage 2), and the buckets in flight change with K (at 64 ranks the
+    # small model's stage 2 holds 3.45 MiB at K 2 and 2.86 MiB at K 64). Recompute lowers it, so
+    # one measured without it bounds nothing with it; Inductor's resident memory is in an
+    # Inductor candidate's peak.
+    transient: dict[tuple[int, int | str, str, str], float] = {}
     # Per stage, offload, recompute and compiler: the shard-group model's place of the first K that fit.
     first_fit: dict[tuple[int, str, str, str], tuple[tuple[float, float, int], Candidate]] = {}
 
@@ -639,15 +692,16 @@ def _search_group(s: _Search, group: Sequence[Candidate], earlier: Sequence[Eval
             bound_s = s.step_floor_s(c)
             best = min((e for e in (*earlier, *out) if e.fits), key=lambda e: e.step_s, default=None)
             if best is not None and bound_s > best.step_s:
+                by = "its compute, its offloaded update" if c.offload != NO_OFFLOAD else "its compute"
                 out.append(Evaluated(c, float("inf"), 0.0, states[c], states[c], fits=False, lowered=False, step_bound_s=bound_s,
-                                     why=f"at least {bound_s * 1e3:.3g} ms a step by its compute and the shard-group model, slower than "
+                                     why=f"at least {bound_s * 1e3:.3g} ms a step by {by} and the shard-group model, slower than "
                                          f"{best.label()} ({best.step_s * 1e3:.3g} ms); not lowered"))
                 continue
-            least = transient.get((c.recompute, c.compiler), float("inf"))
-            e = _evaluate_or_bound(s, c, states[c], least, bound_s)
+            least = transient.get((c.stage, c.shard_group_size, c.recompute, c.compiler), float("inf"))
+            e = _evaluate_or_bound(s, c, states[c], least, bound_s, best)
             out.append(e if not e.lowered else replace(e, step_bound_s=bound_s))
             if e.lowered:
-                transient[(c.recompute, c.compiler)] = min(least, e.peak_bytes - e.model_state_bytes)
+                transient[(c.stage, c.shard_group_size, c.recompute, c.compiler)] = min(least, e.peak_bytes - e.model_state_bytes)
                 if e.fits and order[c] is not None:
                     first_fit.setdefault((c.stage, c.offload, c.recompute, c.compiler), (order[c], c))
 
@@ -657,11 +711,14 @@ def _search_group(s: _Search, group: Sequence[Candidate], earlier: Sequence[Eval
     return out
 
 
-def _evaluate_or_bound(s: _Search, c: Candidate, state: float, transient: float, step_bound_s: float) -> Evaluated:
+def _evaluate_or_bound(s: _Search, c: Candidate, state: float, transient: float, step_bound_s: float,
+                       best: Evaluated | None) -> Evaluated:
+    # The peak holds the model state at least, so one over the budget by its state alone is not
+    # lowered even before a transient memory is measured (NOTE [How the whole-job search prunes]).
     bound = state + (transient if transient != float("inf") else 0.0)
-    if bound > s.budget_bytes and transient != float("inf"):
+    if bound > s.budget_bytes:
         return Evaluated(c, float("inf"), 0.0, bound, state, fits=False, lowered=False, step_bound_s=step_bound_s)
-    return s.evaluate(c)
+    return s.evaluate(c, best=best)
 
 
 def _rank(results: Sequence[Evaluated], budget_bytes: float) -> tuple[Evaluated, ...]:
@@ -682,9 +739,13 @@ def _rank(results: Sequence[Evaluated], budget_bytes: float) -> tuple[Evaluated,
             ranked.append(e)
             continue
         by = format_bytes(e.peak_bytes - budget_bytes)
-        why = (f"over budget by {by} (peak {format_bytes(e.peak_bytes)})" if e.lowered else
-               f"over budget by at least {by} (model state {format_bytes(e.model_state_bytes)} plus the least transient memory "
-               "measured at its capture; not lowered)")
+        if e.lowered:
+            why = f"over budget by {by} (peak {format_bytes(e.peak_bytes)})"
+        elif e.peak_bytes <= e.model_state_bytes:
+            why = f"over budget by at least {by} (its model state alone, {format_bytes(e.model_state_bytes)}; not lowered)"
+        else:
+            why = (f"over budget by at least {by} (model state {format_bytes(e.model_state_bytes)} plus the transient memory "
+                   "measured at its capture, stage and shard group size; not lowered)")
         ranked.append(replace(e, why=why))
     return tuple(ranked)
 
