@@ -384,8 +384,13 @@ def test_plan_auto_table_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "tiny", "--world-size", "2", "--margin", "0.1"]) == 2
     assert "--margin 0.1 needs --budget" in capsys.readouterr().err
     assert main(["plan", "tiny", "--auto", "--world-size", "2", "--stage", "3", "--seq-len", "64", "--budget", "1GiB", "--margin", "0.5"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "kept as the config sets them: stage" in out and "chosen: stage 3" in out
+    # Progress, one line per candidate planned, on stderr: the table and config stay on stdout.
+    progress = [line for line in captured.err.splitlines() if line.startswith("zerofx plan --auto: ")]
+    assert progress and all(" lowered, " in line and "stage 3, K 2" in line for line in progress)
+    assert "fits, " in progress[-1] and "zerofx plan --auto: " not in out
     assert '"stage": 3' in out and "why not" in out
     assert "budget 512 MiB (1 GiB less a 50% margin) per rank" in out and '"memory_margin": 0.5' in out
 

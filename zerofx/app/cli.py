@@ -274,7 +274,8 @@ def _plan_auto(args: argparse.Namespace) -> int:
     space = search_space(cfg, cfg.auto, world_size=world_size, seq_len=seq_len, batch=batch)
     with running_model_code(spec.label):
         result = search(spec.model, resize_inputs(spec.args, spec.kwargs), raw, world_size=world_size, seq_len=seq_len, batch=batch,
-                        budget_bytes=budget, space=space, fixed=cfg.auto.fixed, fold=args.fold)
+                        budget_bytes=budget, space=space, fixed=cfg.auto.fixed, fold=args.fold,
+                        progress=lambda line: print(f"zerofx plan --auto: {line}", file=sys.stderr, flush=True))
     if args.format == "json":
         data = json.loads(result.to_json())
         data["model"] = spec.label

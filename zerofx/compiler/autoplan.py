@@ -131,6 +131,8 @@ from zerofx.passes.plan_offload import plan_offload
 from zerofx.passes.plan_shard_groups import bucket_bytes, estimate_compute_s
 
 
+# Told a line per candidate as the search goes (``zerofx plan --auto`` prints it to stderr).
+Progress = Callable[[str], None]
 # Auto-tiled winners captured again from their own config before one is kept.
 MAX_RECAPTURES = 3
 # The shard-group model prices each collective alone on its link, so across nodes it can predict
@@ -220,8 +222,10 @@ class _Search:
     """The state of one search: the captures made, what each candidate measured."""
 
     def __init__(self, model: nn.Module, inputs_at: InputsAt, base: Mapping[str, Any], *, world_size: int, seq_len: int,
-                 global_batch: int, budget_bytes: float, fixed: frozenset[str], loss_fn: LossFn | None, fold: str = "auto") -> None:
+                 global_batch: int, budget_bytes: float, fixed: frozenset[str], loss_fn: LossFn | None, fold: str = "auto",
+                 progress: Progress | None = None) -> None:
         self.model, self.inputs_at, self.base, self.fold = model, inputs_at, base, fold
+        self.progress, self.start_s = progress, time.perf_counter()
         self.blocks = _blocks_to_fold(model, fold)
         self.cuts: dict[int, nn.Module] = {}  # folded: the model cut to n blocks, by n
         # Folded: each capture group's first program per cut, and the config it was planned with.
@@ -402,8 +406,8 @@ class _Search:
         self.num_captures += 1
         self.num_lowered += 1
         self.own_capture.add(c)
-        return self.measure(c, program, program.report(0, comm=self.comm, device=self.device),
-                            resolve(config, stage=None, world_size=self.world_size))
+        return self.reported(self.measure(c, program, program.report(0, comm=self.comm, device=self.device),
+                                          resolve(config, stage=None, world_size=self.world_size)))
 
     def tiled_ops(self, c: Candidate) -> tuple[Any, ...]:
         """What the capture of ``c``'s group tiles (capturing it if not done yet)."""
@@ -413,6 +417,20 @@ class _Search:
     def evaluate(self, c: Candidate, *, best: Evaluated | None = None) -> Evaluated:
         """``c``'s figures. ``best``, the fastest that fits so far: a folded candidate that
         recomputes to the budget is not planned whole when nothing recomputed would be slower."""
+        return self.reported(self._evaluate(c, best))
+
+    def reported(self, e: Evaluated) -> Evaluated:
+        """``e``, said to ``progress`` (when given) with the time and the work so far."""
+        if self.progress is not None:
+            if e.lowered:
+                what = f"{'fits' if e.fits else 'over budget'}, {e.step_s * 1e3:.3g} ms a step, peak {format_bytes(e.peak_bytes)}"
+            else:
+                what = e.why or "over budget by its memory bound"
+            self.progress(f"{time.perf_counter() - self.start_s:.1f} s, {self.num_lowered} lowered, {self.num_captures} "
+                          f"capture{'' if self.num_captures == 1 else 's'}: {e.label()}: {what}")
+        return e
+
+    def _evaluate(self, c: Candidate, best: Evaluated | None) -> Evaluated:
         config = self.config(c)
         if self.blocks is not None:
             if config.get("zerofx", {}).get("recompute") != "auto":
@@ -533,7 +551,7 @@ def _micro_batches(space: SearchSpace, per_group: int) -> tuple[tuple[int, int],
 
 def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any], *, world_size: int, seq_len: int, batch: int,
            budget_bytes: float, space: SearchSpace, fixed: frozenset[str] = frozenset(), loss_fn: LossFn | None = None,
-           fold: str = "auto") -> AutoPlan:
+           fold: str = "auto", progress: Progress | None = None) -> AutoPlan:
     """The configuration of ``space`` with the most predicted tokens/s whose device peak per rank
     fits ``budget_bytes`` (NOTE [How the whole-job search prunes]).
 
@@ -543,11 +561,13 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
     ``batch * S`` sequences per step, in micro-batches). ``base_config`` is the user's config: the
     dimensions in ``fixed`` keep its values, and every candidate's config is it with the choice
     written in. ``fold`` ("auto", "on", "off") plans a model of repeated blocks from captures
-    cut to 2 and 3 blocks (NOTE [Budgets of the cut models]); the winner is then captured whole."""
+    cut to 2 and 3 blocks (NOTE [Budgets of the cut models]); the winner is then captured whole.
+    ``progress`` is given a line per candidate planned, as the search goes (it takes seconds to
+    minutes)."""
     start = time.perf_counter()
     global_batch = batch * world_size
     s = _Search(model, inputs_at, base_config, world_size=world_size, seq_len=seq_len, global_batch=global_batch,
-                budget_bytes=budget_bytes, fixed=fixed, loss_fn=loss_fn, fold=fold)
+                budget_bytes=budget_bytes, fixed=fixed, loss_fn=loss_fn, fold=fold, progress=progress)
     results: list[Evaluated] = []
     not_candidates: list[tuple[str, str]] = []
     for sp in space.sequence_parallel:
@@ -762,7 +782,7 @@ def _what_would_fit(s: _Search, ranked: Sequence[Evaluated]) -> tuple[str, ...]:
         if seq < max(step, 2):
             break
         shorter = _Search(s.model, s.inputs_at, s.base, world_size=s.world_size, seq_len=seq, global_batch=s.global_batch,
-                          budget_bytes=s.budget_bytes, fixed=s.fixed, loss_fn=s.loss_fn, fold=s.fold)
+                          budget_bytes=s.budget_bytes, fixed=s.fixed, loss_fn=s.loss_fn, fold=s.fold, progress=s.progress)
         e = shorter.evaluate(c)
         s.num_captures += 1
         if e.fits:

@@ -45,6 +45,7 @@ until a named point, and nothing writes into it or frees it before then:
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 import weakref
@@ -602,7 +603,8 @@ def _search_on_rank_zero(model: nn.Module, raw: Mapping[str, Any], example_args:
     fixed = cfg.auto.fixed | {"sequence_parallel", "batch"}
     space = search_space(cfg, replace(cfg.auto, fixed=fixed), world_size=n, seq_len=seq_len, batch=batch)
     result = autoplan_search(model, resize_inputs(example_args, kwargs), raw, world_size=n, seq_len=seq_len, batch=batch,
-                             budget_bytes=cfg.schedule.memory_budget_bytes, space=space, fixed=fixed, loss_fn=loss_fn)
+                             budget_bytes=cfg.schedule.memory_budget_bytes, space=space, fixed=fixed, loss_fn=loss_fn,
+                             progress=lambda line: print(f"zerofx auto: {line}", file=sys.stderr, flush=True))
     print(result.summary(), flush=True)
     return result.config if result.config is not None else result.summary()
 
