@@ -299,6 +299,33 @@ SEQUENCE = SearchSpace(stages=(3,), sequence_parallel=(1, 2), shard_group_sizes=
                        micro_batch=None, accumulation=None)
 
 
+@pytest.mark.slow
+def test_cut_models_are_planned_at_the_whole_models_prefetch_distance() -> None:
+    """NOTE [The whole model's prefetch distance]: at stage 3 on the H100 profile the distance
+    the planner takes from the profile differs between the cut models (4 buckets ahead) and the
+    whole one (3), so the cuts are planned at the whole model's, and the folded peak and step
+    are the whole model's."""
+    from zerofx.compiler.autoplan import Candidate, _Search
+    from zerofx.compiler.program import resolve
+    from zerofx.models import DNADecoderLM
+    from zerofx.models.sizes import DNA_LM_SIZES
+
+    with torch.device("meta"):
+        model = DNADecoderLM(replace(DNA_LM_SIZES["1b"], num_layers=12))
+    ids = torch.zeros(1, 512, dtype=torch.long, device="meta")
+    inputs_at = resize_inputs((ids,), {"labels": ids})
+    base = {"zerofx": {"memory_budget": 8 * 2**30, "profile": "h100"}}
+    folded, whole = (_Search(model, inputs_at, base, world_size=1024, seq_len=512, global_batch=1024, budget_bytes=8 * 2**30,
+                             fixed=frozenset(), loss_fn=None, fold=fold) for fold in ("on", "off"))
+    c = Candidate(3, 1, 8, "none", "off", 1, 1)
+    f, w = folded.evaluate(c), whole.evaluate(c)
+    distance = folded.whole_prefetch_distance(c, resolve(folded.config(c), stage=None, world_size=1024))
+    assert distance == whole.groups[c.capture_group].plan.prefetch_distance == 3
+    assert folded.cut_program(c, folded.cut_config(folded.config(c)), 3).plan.prefetch_distance == 4  # the cut's own
+    assert f.peak_bytes == pytest.approx(w.peak_bytes, rel=1e-9)
+    assert f.step_s == pytest.approx(w.step_s, rel=0.01)
+
+
 def test_a_longer_context_picks_sequence_parallelism() -> None:
     """At a short context every rank runs whole sequences; at 4x the context under the same
     budget only splitting each sequence over 2 ranks fits, one sequence per micro-step with 2

@@ -188,6 +188,40 @@ def test_folded_plan_matches_the_full_capture() -> None:
     assert all(f.startswith("blocks.1.") for r in folded.sample.rows if r.order in folded.repeats for f in r.bucket)
 
 
+WIDE_12_BLOCKS = """
+from dataclasses import replace
+import torch
+from zerofx.models import DNADecoderLM
+from zerofx.models.sizes import DNA_LM_SIZES
+
+def build():
+    with torch.device("meta"):
+        model = DNADecoderLM(replace(DNA_LM_SIZES["1b"], num_layers=12))
+    ids = torch.zeros(1, 512, dtype=torch.long, device="meta")
+    return model, ((ids,), {"labels": ids})
+"""
+
+
+@pytest.mark.slow
+def test_folded_plan_takes_the_whole_models_prefetch_distance_from_the_profile(tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """NOTE [The whole model's prefetch distance]: 12 blocks of the 1b's width at 1,024 ranks, K
+    8, on the H100 profile: the cut models alone would gather 4 buckets ahead and the whole
+    model 3, so ``zerofx plan`` folds at 3, says so, and its peak is the whole model's."""
+    from zerofx.app.cli import main
+
+    (tmp_path / "wide.py").write_text(WIDE_12_BLOCKS)
+    (tmp_path / "k8.json").write_text(json.dumps({"zerofx": {"shard_group_size": 8}}))
+    out = {}
+    for fold in ("on", "off"):
+        assert main(["plan", f"{tmp_path / 'wide.py'}:build", "--world-size", "1024", "--stage", "3", "--profile", "h100",
+                     "--config", str(tmp_path / "k8.json"), "--fold", fold, "--format", "json"]) == 0
+        out[fold] = json.loads(capsys.readouterr().out)
+    assert out["on"]["plan"]["prefetch_distance"] == out["off"]["plan"]["prefetch_distance"] == 3
+    assert any("the cut models' own was 4" in d for d in out["on"]["plan"]["decisions"])
+    assert out["on"]["memory"]["peak_bytes"] == out["off"]["memory"]["peak_bytes"]
+
+
 @pytest.mark.slow
 def test_folded_peak_is_exact_when_the_prefetch_window_spans_blocks() -> None:
     """NOTE [A window that spans blocks]: with one gather bucket per block, a prefetch distance

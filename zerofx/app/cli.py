@@ -547,8 +547,14 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
         return (folded, sample), distance, folded.peak_bytes
 
     folded, sample = fold(own)
-    micro_batches = resolve(args.config, stage=args.stage, world_size=args.world_size).gradient_accumulation_steps
     decisions: list[str] = []
+    distance = _whole_prefetch_distance(args, spec, blocks, {**config, "zerofx": own}, folded, programs)
+    if distance is not None and distance != sample.plan.prefetch_distance:
+        decisions.append(f"prefetch distance {distance} bucket(s) ahead, the whole model's from the profile (the cut models' own "
+                         f"was {sample.plan.prefetch_distance}; NOTE [The whole model's prefetch distance])")
+        own = {**own, "prefetch_distance": distance}
+        folded, sample = fold(own)
+    micro_batches = resolve(args.config, stage=args.stage, world_size=args.world_size).gradient_accumulation_steps
     if budget is not None:
         search = lower_prefetch_distance((folded, sample), sample.plan.prefetch_distance, folded.peak_bytes, budget, fold_at)
         folded, sample = search.result
@@ -573,6 +579,37 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     print(format_folded(folded, budget_bytes=budget, verbose=args.verbose, step_note=step_note(args.profile, comm, device),
                         micro_batches=micro_batches))
     return 0
+
+
+def _whole_prefetch_distance(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBlocks, config: Mapping[str, Any],
+                             folded: Any, programs: Mapping[int, Program]) -> int | None:
+    """Stage 3 on an explicit profile with no prefetch distance configured: the distance the
+    planner takes from the profile for the whole model, from its parameters' shapes and its
+    compute extrapolated from the cut models' captures (NOTE [The whole model's prefetch
+    distance] in zerofx/compiler/autoplan.py); None otherwise."""
+    import zerofx
+    from zerofx.compiler.folding import extrapolate, with_num_blocks
+    from zerofx.compiler.program import plan_from_shapes, resolve
+    from zerofx.config.compile_options import compile_options
+    from zerofx.cost_models.profiles import load_profile
+    from zerofx.passes.plan_shard_groups import estimate_compute_s, prefetch_from_profile
+
+    cfg = resolve(config, stage=args.stage, world_size=args.world_size)
+    low, high = folded.cuts
+    if cfg.stage != 3 or not cfg.profile_is_explicit or cfg.schedule.prefetch_distance is not None or low == high:
+        return None
+    comm, device = load_profile(cfg.profile)
+
+    def compute_at(n: int) -> float:
+        program = programs.get(n)
+        if program is None:  # captured in the forked child (NOTE [Planning the two captures in parallel])
+            program = zerofx.compile(with_num_blocks(spec.model, blocks, n), world_size=args.world_size, stage=args.stage, config=config,
+                                     example_inputs=spec.args, example_kwargs=spec.kwargs)
+        return estimate_compute_s(program.captured.joint, device)
+
+    compute_s = extrapolate(compute_at(low), compute_at(high), blocks.count, (low, high))
+    plan = plan_from_shapes(spec.model, cfg, compile_options(cfg, args.world_size))
+    return prefetch_from_profile(plan, compute_s=compute_s, comm=comm)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:

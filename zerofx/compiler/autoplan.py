@@ -128,7 +128,7 @@ from zerofx.cost_models.tiers import NO_OFFLOAD, Tier
 from zerofx.passes import Plan
 from zerofx.passes.analyze_schedule import ScheduleReport
 from zerofx.passes.plan_offload import plan_offload
-from zerofx.passes.plan_shard_groups import bucket_bytes, estimate_compute_s
+from zerofx.passes.plan_shard_groups import bucket_bytes, estimate_compute_s, prefetch_from_profile
 
 
 # Told a line per candidate as the search goes (``zerofx plan --auto`` prints it to stderr).
@@ -267,10 +267,11 @@ class _Search:
         cfg = resolve(config, stage=None, world_size=self.world_size)
         return plan_from_shapes(self.model, cfg, compile_options(cfg, self.world_size)), cfg
 
-    def compute_s(self, c: Candidate) -> float:
+    def compute_s(self, c: Candidate, *, fused: bool | None = None) -> float:
         """One micro-step's compute, from the compute model over the capture group's joint graph
-        (its fused runs priced as Inductor runs them for an Inductor candidate)."""
-        group, fused = c.capture_group, self.compiles(c)
+        (its fused runs priced as Inductor runs them for an Inductor candidate, or as ``fused``
+        says)."""
+        group, fused = c.capture_group, self.compiles(c) if fused is None else fused
         key = (*group, fused)
         if key not in self._compute_s:
             if self.blocks is None:
@@ -463,12 +464,31 @@ class _Search:
         linear extrapolation is exact here] in zerofx/compiler/folding.py), the prefetch distance
         fitted to the budget on the extrapolated peak (NOTE [Budgets of the cut models])."""
         cfg = resolve(config, stage=None, world_size=self.world_size)
-        evaluated, peak, distance = self._measure_cuts(c, self.cut_config(config), cfg)
+        evaluated, peak, distance = self._measure_cuts(c, self.cut_config(config, self.whole_prefetch_distance(c, cfg)), cfg)
         budget = config.get("zerofx", {}).get("memory_budget")
         while budget is not None and peak > self.budget_bytes and distance > 0:
             evaluated, peak, distance = self._measure_cuts(c, self.cut_config(config, distance - 1), cfg)
         self.folded.add(c)
         return evaluated
+
+    def whole_prefetch_distance(self, c: Candidate, cfg: ZeroConfig) -> int | None:
+        """Folded, stage 3 with an explicit profile and no prefetch distance in the config: the
+        distance the planner takes from the profile for the whole model, or None otherwise.
+
+        NOTE [The whole model's prefetch distance]
+        Without a distance in the config, stage 3 on an explicit profile gathers as many buckets
+        ahead as the largest bucket's gather takes of the compute per bucket
+        (``prefetch_from_profile``), and the compute per bucket is the step's over its buckets.
+        The buckets outside the blocks (embedding, head) carry little compute, so that average,
+        and with it the distance, changes with the number of blocks: the 1b DNA LM at 1,024
+        ranks on the H100 profile gets 4 buckets ahead cut to 4 or 5 blocks and 3 whole, and the
+        folded peak (3.75 GiB) was that of another plan than the whole model's (3.68 GiB). So the
+        cut models are planned at the whole model's distance: from the plan of its parameters'
+        shapes and its extrapolated compute estimate, as the planner takes it from its capture."""
+        if self.blocks is None or c.stage != 3 or not cfg.profile_is_explicit or cfg.schedule.prefetch_distance is not None:
+            return None
+        plan, _ = self.shapes_plan(c)
+        return prefetch_from_profile(plan, compute_s=self.compute_s(c, fused=False), comm=self.comm)
 
     def _measure_cuts(self, c: Candidate, config: Mapping[str, Any], cfg: ZeroConfig) -> tuple[Evaluated, float, int]:
         """The folded figures of ``c`` planned with ``config`` on the cut models (NOTE [A window
