@@ -589,16 +589,15 @@ def _whole_prefetch_distance(args: argparse.Namespace, spec: ModelSpec, blocks: 
     distance] in zerofx/compiler/autoplan.py); None otherwise."""
     import zerofx
     from zerofx.compiler.folding import extrapolate, with_num_blocks
-    from zerofx.compiler.program import plan_from_shapes, resolve
-    from zerofx.config.compile_options import compile_options
+    from zerofx.compiler.program import prefetch_from_the_profile, resolve, whole_prefetch_distance
     from zerofx.cost_models.profiles import load_profile
-    from zerofx.passes.plan_shard_groups import estimate_compute_s, prefetch_from_profile
+    from zerofx.passes.plan_shard_groups import estimate_compute_s
 
     cfg = resolve(config, stage=args.stage, world_size=args.world_size)
     low, high = folded.cuts
-    if cfg.stage != 3 or not cfg.profile_is_explicit or cfg.schedule.prefetch_distance is not None or low == high:
-        return None
-    comm, device = load_profile(cfg.profile)
+    if low == high or not prefetch_from_the_profile(cfg):
+        return None  # planned whole, or the distance is not the profile's
+    device = load_profile(cfg.profile)[1]
 
     def compute_at(n: int) -> float:
         program = programs.get(n)
@@ -607,9 +606,7 @@ def _whole_prefetch_distance(args: argparse.Namespace, spec: ModelSpec, blocks: 
                                      example_inputs=spec.args, example_kwargs=spec.kwargs)
         return estimate_compute_s(program.captured.joint, device)
 
-    compute_s = extrapolate(compute_at(low), compute_at(high), blocks.count, (low, high))
-    plan = plan_from_shapes(spec.model, cfg, compile_options(cfg, args.world_size))
-    return prefetch_from_profile(plan, compute_s=compute_s, comm=comm)
+    return whole_prefetch_distance(spec.model, cfg, args.world_size, extrapolate(compute_at(low), compute_at(high), blocks.count, (low, high)))
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:

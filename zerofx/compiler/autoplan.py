@@ -115,7 +115,7 @@ from zerofx.compiler.autoplan_space import (Candidate, InputsAt, SearchSpace, ca
                                             powers_of_two_dividing, resize_inputs, search_space, with_auto_tiling)
 from zerofx.compiler.capture import LossFn
 from zerofx.compiler.folding import AUTO_FOLD_MIN_BLOCKS, FOLD_BLOCKS, RepeatedBlocks, extrapolate, find_repeated_blocks, fold, graph_seconds, with_num_blocks
-from zerofx.compiler.program import Program, compile, plan_from_shapes, resolve
+from zerofx.compiler.program import Program, compile, plan_from_shapes, prefetch_from_the_profile, resolve, whole_prefetch_distance
 from zerofx.config.compile_options import compile_options
 from zerofx.config.options import BUDGET_KEYS, GraphCompiler
 from zerofx.config import ZeroConfig, parse_config
@@ -128,7 +128,7 @@ from zerofx.cost_models.tiers import NO_OFFLOAD, Tier
 from zerofx.passes import Plan
 from zerofx.passes.analyze_schedule import ScheduleReport
 from zerofx.passes.plan_offload import plan_offload
-from zerofx.passes.plan_shard_groups import bucket_bytes, estimate_compute_s, prefetch_from_profile
+from zerofx.passes.plan_shard_groups import bucket_bytes, estimate_compute_s
 
 
 # Told a line per candidate as the search goes (``zerofx plan --auto`` prints it to stderr).
@@ -485,10 +485,9 @@ class _Search:
         folded peak (3.75 GiB) was that of another plan than the whole model's (3.68 GiB). So the
         cut models are planned at the whole model's distance: from the plan of its parameters'
         shapes and its extrapolated compute estimate, as the planner takes it from its capture."""
-        if self.blocks is None or c.stage != 3 or not cfg.profile_is_explicit or cfg.schedule.prefetch_distance is not None:
-            return None
-        plan, _ = self.shapes_plan(c)
-        return prefetch_from_profile(plan, compute_s=self.compute_s(c, fused=False), comm=self.comm)
+        if self.blocks is None or not prefetch_from_the_profile(cfg):
+            return None  # before the compute estimate, which captures the cuts
+        return whole_prefetch_distance(self.model, cfg, self.world_size, self.compute_s(c, fused=False))
 
     def _measure_cuts(self, c: Candidate, config: Mapping[str, Any], cfg: ZeroConfig) -> tuple[Evaluated, float, int]:
         """The folded figures of ``c`` planned with ``config`` on the cut models (NOTE [A window

@@ -25,6 +25,7 @@ from zerofx.cost_models.profiles import load_profile
 from zerofx.passes import Plan, ZeroStage, _compat
 from zerofx.passes.analyze_schedule import ScheduleReport, analyze_schedule
 from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan_shard_groups import prefetch_from_profile
 from zerofx.passes.plan_sharding import plan_sharding_from_shapes
 from zerofx.compiler.capture import CapturedStep, LossFn, flatten_call, traced_param_infos
 from zerofx.config import ZeroConfig, parse_config, source_config
@@ -413,6 +414,24 @@ def plan_from_shapes(model: nn.Module, cfg: ZeroConfig, compile_opts: CompileOpt
     plan = with_offloaded_grads(plan, cfg)
     decision = compile_opts.shard_group_decision
     return plan if decision is None else replace(plan, decisions=(decision, *plan.decisions))
+
+
+def prefetch_from_the_profile(cfg: ZeroConfig) -> bool:
+    """Whether the planner takes the prefetch distance from the profile: stage 3, an explicit
+    profile, no distance configured (``plan_step``)."""
+    return cfg.stage == 3 and cfg.profile_is_explicit and cfg.schedule.prefetch_distance is None
+
+
+def whole_prefetch_distance(model: nn.Module, cfg: ZeroConfig, world_size: int, compute_s: float) -> int | None:
+    """The prefetch distance the planner takes from the profile for all of ``model`` (stage 3,
+    an explicit profile, no distance configured), from its parameters' shapes and ``compute_s``,
+    one step's compute estimate; None where the planner would not take it from the profile. Folded
+    plans use it for their cut models (NOTE [The whole model's prefetch distance] in
+    zerofx/compiler/autoplan.py)."""
+    if not prefetch_from_the_profile(cfg):
+        return None
+    plan = plan_from_shapes(model, cfg, compile_options(cfg, world_size))
+    return prefetch_from_profile(plan, compute_s=compute_s, comm=load_profile(cfg.profile)[0])
 
 
 def _plan_waits_for(compile_opts: CompileOptions, plan: Plan) -> str | None:
