@@ -58,6 +58,15 @@ def free_port() -> int:
 # (faulthandler on SIGUSR1) before it fails, so the next stall shows where it waits.
 def _run_one(rank: int, world_size: int, store: str, fn: Callable[..., Any], args: tuple) -> tuple[str, bytes | str]:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    # NOTE [Every rank connected before any leaves]
+    # gloo's init connects each pair of ranks, and one rank can count its side of a pair done
+    # while the other is still reading the handshake. A call whose ``fn`` runs no collective
+    # (an error raised before any, as the bad-input tests expect) then reached
+    # ``destroy_process_group`` on the faster rank, closed the sockets, and the slower rank's
+    # init failed with "Connection closed by peer": 3 times in 300 calls of a no-op ``fn`` here,
+    # and the flaky failure of a bad-input test in CI. A barrier completes on no rank before every
+    # rank has finished connecting, so no rank tears down a half-open mesh.
+    dist.barrier()
     try:
         # Serialise with torch.save: tensors shared through a pipe vanish when this process exits.
         buf = io.BytesIO()
