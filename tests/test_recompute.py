@@ -16,6 +16,7 @@ from tests.support.models import TINY
 from tests.support.programs import _captured
 from tests.support.recompute_workers import striped_sequence_parallel, with_and_without
 from zerofx.common.errors import ConfigError
+from zerofx.compiler import pipeline
 from zerofx.config import parse_config
 from zerofx.cost_models.compute import CPU_CORE
 from zerofx.passes import plan_recompute
@@ -100,6 +101,27 @@ def test_later_rounds_save_less_than_the_first_alone(monkeypatch: pytest.MonkeyP
     assert every.plan.recompute.rounds > 1 and first_only.plan.recompute.rounds == 1
     assert every.report(0).saved_bytes < first_only.report(0).saved_bytes
     assert every.report(0).peak.live_bytes < first_only.report(0).peak.live_bytes
+
+
+def test_the_candidates_are_found_once_per_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans of one capture share its recompute candidates (NOTE [Recompute candidates once per
+    capture]); another capture, or another device profile, finds its own."""
+    calls: list[str] = []
+    found = pipeline.recompute_candidates
+
+    def counted(joint, device, **kwargs):
+        calls.append(device.name)
+        return found(joint, device, **kwargs)
+
+    monkeypatch.setattr(pipeline, "recompute_candidates", counted)
+    captured = _captured.__wrapped__(TINY, False)  # a capture of its own, not the cached one
+    plans = [captured.replan({"zero_optimization": {"stage": stage}, "zerofx": {"recompute": True}}, world_size=2) for stage in (1, 2, 3)]
+    assert len(calls) == 1
+    assert plans[0].plan.recompute.activations == plans[2].plan.recompute.activations
+    captured.replan({"zero_optimization": {"stage": 2}, "zerofx": {"recompute": True, "profile": "h100"}}, world_size=2)
+    assert len(calls) == 2 and calls[0] != calls[1]
+    _captured.__wrapped__(TINY, False).replan({"zero_optimization": {"stage": 2}, "zerofx": {"recompute": True}}, world_size=2)
+    assert len(calls) == 3
 
 
 def test_auto_keeps_the_partition_when_the_budget_fits() -> None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -68,8 +69,9 @@ from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
 from zerofx.passes.grad_sync import build_grad_sync
 from zerofx.passes.offload_grads import offload_grads_pass
 from zerofx.passes.plan import ScheduleOptions
+from zerofx.passes import plan_recompute as recompute_module
 from zerofx.passes.plan_offload import ParamOffloadPlan
-from zerofx.passes.plan_recompute import RecomputeMode, RecomputePlan, plan_recompute, recompute_activations_pass, recompute_candidates
+from zerofx.passes.plan_recompute import RecomputedActivation, RecomputeMode, RecomputePlan, plan_recompute, recompute_activations_pass, recompute_candidates
 from zerofx.passes.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
 from zerofx.passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
 from zerofx.passes.reduce_scatter_all_to_all import reduce_scatter_by_all_to_all_pass
@@ -347,9 +349,34 @@ def _plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpt
         return chosen
     # Recompute is planned at the prefetch distance the budget left (NOTE [Selective activation recompute]).
     fitted = replace(options, prefetch_distance=chosen.plan.prefetch_distance)
-    candidates, saved_bytes = recompute_candidates(captured.joint, device, fused=cfg.graph_compiler is GraphCompiler.INDUCTOR)
+    candidates, saved_bytes = recompute_candidates_of(captured, device, fused=cfg.graph_compiler is GraphCompiler.INDUCTOR)
     return fit_recompute(chosen, lambda count: plan_with(fitted, plan_recompute(candidates, count, mode=mode, saved_bytes=saved_bytes)),
                          len(candidates), mode=mode, budget_bytes=options.memory_budget_bytes)
+
+
+# NOTE [Recompute candidates once per capture]
+# The recompute candidates are a function of the captured joint graph, the device profile and
+# whether Inductor runs the graphs; finding them partitions the joint graph once per round
+# (NOTE [Recompute in rounds] in passes/plan_recompute.py). A plan never changes the captured
+# joint (NOTE [Planning again from one capture] in zerofx/compiler/program.py), so every plan of one capture with recompute
+# "auto" or on (``Program.replan``, and the whole-job search's candidates of one capture group)
+# shares them. On the 100m DNA LM at 8k tokens, tiled, partitioning was three quarters of a
+# recomputing candidate's planning time, and one capture group plans up to a dozen of them.
+_RECOMPUTE_CANDIDATES: weakref.WeakKeyDictionary[fx.GraphModule, dict[tuple[DeviceSpec, bool, int], tuple[tuple[RecomputedActivation, ...], int]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def recompute_candidates_of(captured: CapturedStep, device: DeviceSpec, *, fused: bool) -> tuple[list[RecomputedActivation], int]:
+    """``recompute_candidates`` of ``captured``'s joint graph, found once per capture, device
+    profile, ``fused`` and number of rounds (NOTE [Recompute candidates once per capture])."""
+    found = _RECOMPUTE_CANDIDATES.setdefault(captured.joint, {})
+    rounds = recompute_module.RECOMPUTE_ROUNDS  # read at the call, as recompute_candidates does
+    key = (device, fused, rounds)
+    if key not in found:
+        candidates, saved_bytes = recompute_candidates(captured.joint, device, fused=fused, rounds=rounds)
+        found[key] = (tuple(candidates), saved_bytes)
+    candidates, saved_bytes = found[key]
+    return list(candidates), saved_bytes
 
 
 def _budget_beside_inductor(cfg: ZeroConfig, options: ScheduleOptions, device: DeviceSpec) -> tuple[ScheduleOptions, str | None]:
