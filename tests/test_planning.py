@@ -410,3 +410,20 @@ def test_cli_fold_on_needs_three_blocks(capsys: pytest.CaptureFixture[str]) -> N
 
     assert main(["plan", "tiny", "--world-size", "2", "--stage", "3", "--seq-len", "32", "--fold", "on"]) == 2
     assert re.search(r"'blocks' holds 2 blocks; folding needs at least 3 .*use --fold off", capsys.readouterr().err)
+
+
+def test_cli_recompute_auto_is_planned_whole(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Recompute "auto" fits the whole model's peak to the budget, which the cut models of a folded
+    plan are planned without: folding by default plans the whole model and says so; --fold on is refused."""
+    from zerofx.app import cli
+
+    config = tmp_path / "auto.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "zerofx": {"recompute": "auto"}}))
+    argv = ["plan", "small", "--world-size", "4", "--seq-len", "64", "--budget", "1GiB", "--config", str(config), "--format", "json"]
+    assert cli.main([*argv, "--fold", "on"]) == 2
+    assert "--fold on cannot plan zerofx.recompute \"auto\"" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "AUTO_FOLD_MIN_BLOCKS", 3)  # the small model's 4 blocks would fold
+    assert cli.main(argv) == 0
+    out = capsys.readouterr()
+    assert "planning all 4 blocks of 'blocks', not folded" in out.err
+    assert "folded" not in json.loads(out.out)

@@ -379,9 +379,20 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
     from zerofx.app.planning import plot_report, report_json, solve_memory
     from zerofx.cost_models.memory import estimate_process_peak_bytes
     from zerofx.compiler.program import resolve
+    from zerofx.config import load_config
 
     blocks = find_repeated_blocks(spec.model)
     fold = args.fold == "on" or (args.fold == "auto" and blocks is not None and blocks.count >= AUTO_FOLD_MIN_BLOCKS)
+    # NOTE [Budgets of the cut models] (zerofx/compiler/autoplan.py): recompute "auto" recomputes
+    # until the whole model's peak fits the budget, which the cut models are planned without.
+    recompute_auto = args.config is not None and load_config(args.config).get("zerofx", {}).get("recompute") == "auto"
+    if recompute_auto and args.fold == "on":
+        raise UsageError("--fold on cannot plan zerofx.recompute \"auto\": it recomputes until the whole model's peak fits the "
+                         "budget, and the cut models are planned without one; use --fold off or auto (or zerofx.recompute true or false)")
+    if recompute_auto and fold:
+        print(f"zerofx plan: planning all {blocks.count} blocks of {blocks.path!r}, not folded: zerofx.recompute \"auto\" "
+              "recomputes until the whole model's peak fits the budget", file=sys.stderr)
+        fold = False
     if args.fold == "on" and blocks is None:
         raise UsageError(f"--fold on: {spec.label} has no nn.ModuleList/nn.Sequential of identical blocks to fold; use --fold off")
     if args.fold == "on" and blocks.count < FOLD_BLOCKS[1]:
