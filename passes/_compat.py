@@ -66,6 +66,11 @@ def make_graph_module(root: torch.nn.Module | dict[str, Any], graph: torch.fx.Gr
     return _LazyGraphModule(root, graph)
 
 
+def lazy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` as a GraphModule whose code is written on first use (``gm`` itself if it is one)."""
+    return _LazyGraphModule.from_graphmodule(gm)
+
+
 def lazy_graph_modules() -> Any:
     """A context in which torch's tracers and partitioners build lazy GraphModules too."""
     return _use_lazy_graph_module(True)

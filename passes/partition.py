@@ -25,7 +25,11 @@ def partition_joint(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModu
     primal_vals = [n.meta["val"] for n in nodes if n.meta[meta.ROLE] is not meta.Role.TANGENT]
     tangent_vals = [n.meta["val"] for n in nodes if n.meta[meta.ROLE] is meta.Role.TANGENT]
     eliminate_common_subexpressions(joint)
-    fw, bw = _compat.min_cut_partition_without_cse(joint, (primal_vals, tangent_vals), num_fwd_outputs=1)
+    # NOTE [Code written on first use] in passes/_compat.py: the partitioner's own modules, and
+    # the two it returns, which the graph passes rewrite next.
+    with _compat.lazy_graph_modules():
+        fw, bw = _compat.min_cut_partition_without_cse(joint, (primal_vals, tangent_vals), num_fwd_outputs=1)
+    fw, bw = _compat.lazy_graph_module(fw), _compat.lazy_graph_module(bw)
 
     joint_meta = {n.name: n.meta for n in nodes}
     for gm in (fw, bw):

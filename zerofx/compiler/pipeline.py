@@ -351,7 +351,7 @@ def _plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpt
     fitted = replace(options, prefetch_distance=chosen.plan.prefetch_distance)
     candidates, saved_bytes = recompute_candidates_of(captured, device, fused=cfg.graph_compiler is GraphCompiler.INDUCTOR)
     return fit_recompute(chosen, lambda count: plan_with(fitted, plan_recompute(candidates, count, mode=mode, saved_bytes=saved_bytes)),
-                         len(candidates), mode=mode, budget_bytes=options.memory_budget_bytes)
+                         len(candidates), mode=mode, budget_bytes=options.memory_budget_bytes, freed_bytes=[c.bytes for c in candidates])
 
 
 # NOTE [Recompute candidates once per capture]
