@@ -16,8 +16,9 @@ import zerofx
 
 from tests.support.autoplan_workers import MeanLM, auto_initialize
 from tests.support.dist_utils import run_ranks
-from zerofx.app.cli import main
+from zerofx.app.cli import format_auto_plan, main
 from zerofx.common.errors import ConfigError
+from zerofx.compiler import autoplan
 from zerofx.compiler.autoplan import AutoPlan, SearchSpace, candidate_config, resize_inputs, search
 from zerofx.config import parse_config
 from zerofx.models.registry import build_model
@@ -465,3 +466,24 @@ def test_a_margin_survives_folding(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--auto", "--stage", "3"]) == 0
     out = capsys.readouterr().out
     assert "budget 922 MiB (1 GiB less a 10% margin) per rank" in out and "chosen: stage 3" in out
+
+
+TILINGS = SearchSpace(stages=(1, 3), sequence_parallel=(1,), shard_group_sizes=None, offloads=("none",), tilings=("off", "auto"),
+                      recomputes=("off",), micro_batch=1, accumulation=1)
+
+
+def test_a_winner_not_captured_from_its_own_config_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An auto-tiled winner planned from another candidate's capture is captured again from its
+    own config; one still planned from another capture once the search stops capturing again is
+    reported with the caveat (NOTE [Budgets of the cut models])."""
+    loose = _search(512, 1e9, TILINGS)
+    untiled = next(e.peak_bytes for e in loose.ranked if e.candidate.stage == 3 and e.candidate.tiling == "off")
+    checked = _search(512, 0.8 * untiled, TILINGS)
+    assert checked.chosen is not None and checked.chosen.candidate.tiling == "auto" and checked.unchecked == ""
+    assert "not captured" not in checked.summary()
+    monkeypatch.setattr(autoplan, "MAX_RECAPTURES", 0)
+    unchecked = _search(512, 0.8 * untiled, TILINGS)
+    assert unchecked.chosen is not None and unchecked.chosen.candidate.tiling == "auto"
+    assert unchecked.unchecked.startswith("not captured from its own config")
+    assert unchecked.unchecked in unchecked.summary()
+    assert f"note: {unchecked.unchecked}" in format_auto_plan(unchecked, label="tiny")

@@ -306,6 +306,8 @@ def format_auto_plan(result: Any, *, label: str) -> str:
     if chosen is not None:
         lines.append(f"chosen: {chosen.label()}: predicted step {chosen.step_s * 1e3:.3g} ms, {chosen.tokens_per_s:,.0f} "
                      f"tokens/s, peak {format_bytes(chosen.peak_bytes)} per rank (model state {format_bytes(chosen.model_state_bytes)})")
+        if result.unchecked:
+            lines.append(f"note: {result.unchecked}")
     else:
         lines.append(f"nothing fits {result.budget_text()} per rank. To fit, it would take:")
         lines += [f"  - {x}" for x in result.to_fit]

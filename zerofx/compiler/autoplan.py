@@ -95,7 +95,10 @@ left without it, so the candidate planned folded with nothing recomputed is its 
 where that floor, less ``FOLDED_STEP_MARGIN``, is slower than the best that fits so far, it is
 not planned whole (at 1,024 ranks a 1B model's whole capture and plan took 16 s). The winner is captured whole from its own config
 and measured as that config plans it before it is kept; it must still fit, or the next one is
-(``MAX_RECAPTURES``).
+(``MAX_RECAPTURES``). A winner still planned from another capture after that many is reported
+with a caveat saying so (``AutoPlan.unchecked``): on the 100m DNA LM at 8k tokens, 4 ranks and
+1 GiB, three auto-tiled winners planned at 856-941 MiB from their group's capture peaked at
+1.3-1.39 GiB captured from their own configs, 2.5-3 minutes each.
 """
 
 from __future__ import annotations
@@ -194,6 +197,10 @@ class AutoPlan:
     num_captures: int
     num_lowered: int
     memory_margin: float = 0.0  # the share of the config's budget held back (NOTE [The memory margin] in zerofx/config/options.py)
+    # Non-empty when the chosen candidate was not captured from its own config, and why (NOTE
+    # [How the whole-job search prunes]: after MAX_RECAPTURES winners did not fit as their own
+    # config plans them, the next is reported as measured, with this caveat).
+    unchecked: str = ""
 
     def budget_text(self) -> str:
         """The budget the search fits, with the config's budget and margin where a margin is held back."""
@@ -215,7 +222,7 @@ class AutoPlan:
         c = self.chosen
         return (f"zerofx auto: chose {c.label()} (predicted {c.tokens_per_s:,.0f} tokens/s, step {c.step_s * 1e3:.3g} ms, "
                 f"peak {format_bytes(c.peak_bytes)} per rank of {self.budget_text()}; {len(self.ranked)} candidates, "
-                f"{_count(self.num_captures, 'capture')}, {self.search_s:.1f} s)")
+                f"{_count(self.num_captures, 'capture')}, {self.search_s:.1f} s)" + (f"; {self.unchecked}" if self.unchecked else ""))
 
 
 class _Search:
@@ -621,6 +628,11 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
         results = [own if e.candidate == chosen.candidate else e for e in results]
         ranked = _rank(results, budget_bytes)
         chosen = ranked[0] if ranked[0].fits else None
+    unchecked = ""
+    if chosen is not None and s.needs_own_capture(chosen.candidate):
+        unchecked = (f"not captured from its own config: it was planned from another candidate's capture, whose tiling was fitted "
+                     f"there; the search captures at most {MAX_RECAPTURES} winners again, and those did not fit as their own "
+                     f"configs plan them; zerofx plan --config FILE plans it as the config says")
     to_fit: tuple[str, ...] = ()
     if chosen is None and any(e.lowered for e in ranked):
         to_fit = _what_would_fit(s, ranked)
@@ -628,7 +640,8 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
     return AutoPlan(chosen=chosen, ranked=ranked, not_candidates=tuple(not_candidates), to_fit=to_fit, config=config,
                     budget_bytes=budget_bytes, world_size=world_size, seq_len=seq_len, global_batch=global_batch, profile=s.profile,
                     fixed=tuple(sorted(fixed)), search_s=time.perf_counter() - start, num_captures=s.num_captures,
-                    num_lowered=s.num_lowered, memory_margin=float(base_config.get("zerofx", {}).get("memory_margin", 0)))
+                    num_lowered=s.num_lowered, memory_margin=float(base_config.get("zerofx", {}).get("memory_margin", 0)),
+                    unchecked=unchecked)
 
 
 def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_group: int, results: list[Evaluated]) -> str | None:
