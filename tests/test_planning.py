@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import sympy
@@ -12,7 +13,9 @@ import torch
 
 import zerofx
 from tests.support.models import dna_one_block
+from zerofx.compiler.folding import RepeatedBlocks, same_tiling_per_block
 from zerofx.config import parse_bytes
+from zerofx.passes.plan_tiling import TiledOp
 from zerofx.cost_models.memory import paper_breakdown
 from zerofx.cost_models.symbolic import B, T, fit_exact, fit_timeline, longest_fitting
 from zerofx.app.planning import (
@@ -427,3 +430,33 @@ def test_cli_recompute_auto_is_planned_whole(capsys: pytest.CaptureFixture[str],
     out = capsys.readouterr()
     assert "planning all 4 blocks of 'blocks', not folded" in out.err
     assert "folded" not in json.loads(out.out)
+
+
+def _tiled(*ops: tuple[str, str, int, int]) -> SimpleNamespace:
+    """A plan whose tiling tiles ``ops``: (kind, what, block size, how many)."""
+    return SimpleNamespace(tiling=SimpleNamespace(ops=tuple(
+        TiledOp(kind, i, what, (1, 8192, 768), block, 1, 1) for kind, what, block, times in ops for i in range(times))))
+
+
+def test_folding_checks_that_every_cut_tiles_its_blocks_alike() -> None:
+    """NOTE [Tiling the same in every cut]: cuts that tile a block's op at another block size, or
+    leave it untiled in one cut and not the other, do not extrapolate; a last block tiled apart
+    (its region reaching into the head) and weights named per block do."""
+    blocks = RepeatedBlocks("blocks", 14)
+    attn, mlp, last = ("attention", "sdpa", 512), ("region", "mlp", 2048), ("region", "mlp and head", 2048)
+    two = _tiled((*attn, 2), (*mlp, 1), (*last, 1))
+    three = _tiled((*attn, 3), (*mlp, 2), (*last, 1))
+    assert same_tiling_per_block(two, three, blocks, (2, 3))
+    assert same_tiling_per_block(_tiled(), _tiled(), blocks, (2, 3))
+    # Block 0's region untiled in the 2-block cut, tiled in two blocks of the 3-block one (the 100m at 8k).
+    assert not same_tiling_per_block(_tiled((*attn, 2), (*last, 1)), three, blocks, (2, 3))
+    # Another block size in one cut.
+    assert not same_tiling_per_block(_tiled((*attn, 2), ("region", "mlp", 1024, 1), (*last, 1)), three, blocks, (2, 3))
+    # Longer cuts: two blocks apart, a whole number of blocks' worth.
+    assert same_tiling_per_block(_tiled((*attn, 4), (*mlp, 3), (*last, 1)), _tiled((*attn, 6), (*mlp, 5), (*last, 1)), blocks, (4, 6))
+    assert not same_tiling_per_block(_tiled((*attn, 4), (*mlp, 3)), _tiled((*attn, 5), (*mlp, 5)), blocks, (4, 6))
+    # Weight tiles are named per block.
+    weights = [SimpleNamespace(tiling=SimpleNamespace(ops=tuple(
+        TiledOp("weight", i, f"linear blocks.{i}.mlp.up", (3072, 768), 4, 1, 1, param=f"blocks.{i}.mlp.up.weight") for i in range(n))))
+        for n in (2, 3)]
+    assert same_tiling_per_block(*weights, blocks, (2, 3))

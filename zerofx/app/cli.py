@@ -503,8 +503,7 @@ def folded_explanation(folded: FoldedReport, *, block_params: int, num_params: i
     one of the plan printed after it (the larger cut's) read together."""
     blocks, (low, high) = folded.blocks, folded.cuts
     if folded.planned_whole:
-        return (f"folded: {blocks.path!r} holds {blocks.count} identical blocks of {block_params:,} parameters; the prefetch "
-                f"window spans too many of them for copies cut short to show the whole model's peak "
+        return (f"folded: {blocks.path!r} holds {blocks.count} identical blocks of {block_params:,} parameters; {folded.whole_because} "
                 f"(docs/planner.md#layer-folding-planning-a-20b-model-in-seconds), so zerofx planned all {blocks.count}:")
     return (f"folded: {blocks.path!r} holds {blocks.count} identical blocks of {block_params:,} parameters; zerofx planned "
             f"copies of the model cut to {low} and {high} blocks, and the whole model's figures are the {high}-block copy's "

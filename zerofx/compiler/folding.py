@@ -36,8 +36,11 @@ import copy
 import logging
 import os
 import pickle
+import re
+from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch.nn as nn
 
@@ -122,6 +125,11 @@ def extrapolate(first: float, second: float, count: int, cuts: tuple[int, int] =
     return first + (count - low) * (second - first) / (high - low)
 
 
+# Why a folded plan planned the whole model (``FoldedReport.whole_because``).
+WINDOW_SPANS = "the prefetch window spans too many of them for copies cut short to show the whole model's peak"
+TILED_APART = "copies cut to different lengths tile their blocks differently, so they do not extrapolate"
+
+
 @dataclass(frozen=True)
 class FoldedReport:
     """Whole-model figures extrapolated from two captures of the model cut short (``cuts`` blocks;
@@ -142,6 +150,7 @@ class FoldedReport:
     repeats: Mapping[int, int] = field(default_factory=dict)  # row order -> times it repeats in the whole model
     peak_graph: str = ""
     cuts: tuple[int, int] = FOLD_BLOCKS  # the block counts the figures are extrapolated from
+    whole_because: str = WINDOW_SPANS  # planned whole (``cuts`` at the block count): why
     graph_s: Mapping[str, float] = field(default_factory=dict)  # seconds per graph on the simulated timeline
 
     @property
@@ -263,9 +272,42 @@ def graph_seconds(report: ScheduleReport) -> dict[str, float]:
 # the blocks they hold cost: where they would hold more than the whole model, the whole model
 # is planned instead (the 100m above: 15 blocks in the cuts, 14 whole). ``tests/test_planning.py``
 # checks the folded figures against full captures with prefetch windows of 1 to 4 blocks.
+# NOTE [Tiling the same in every cut]
+# Extrapolating from two cuts assumes each block of each cut is planned alike. Tiling "auto"
+# fits each capture's tiles to that capture's own memory timeline (NOTE [Tiling checked against
+# the memory timeline] in zerofx/compiler/search.py), so cuts of different lengths can tile their
+# blocks differently. On the 100m DNA LM at 8k tokens, 4 ranks, stage 3, the 2-block cut left
+# block 0's MLP region untiled where the 3-block cut tiled it in two blocks; the fold
+# extrapolated an 856 MiB peak where the whole model, captured with the same config, peaks at
+# 1.3 GiB. So the cuts' tiled ops are compared, counted by kind, op, shape and block size (a
+# weight's name without its block index): what the larger cut tiles beyond the smaller must be
+# a whole number of blocks' worth, and the smaller cut must tile all but its last block that
+# way (the last block may differ: its region can reach into the head). Where not, the whole
+# model is planned, and the report says why.
+def same_tiling_per_block(small: Plan, large: Plan, blocks: RepeatedBlocks, cuts: tuple[int, int]) -> bool:
+    """Whether the cuts of ``cuts`` blocks (plans ``small`` and ``large``) tile every block alike
+    (NOTE [Tiling the same in every cut])."""
+    pattern = re.compile(rf"(^|\b){re.escape(blocks.path)}\.\d+\." if blocks.path else r"^\d+\.")
+
+    def counted(plan: Plan) -> Counter[tuple[Any, ...]]:
+        ops = plan.tiling.ops if plan.tiling is not None else ()
+        return Counter((o.kind, pattern.sub(f"{blocks.path}.*.", o.what), o.shape, o.block_size) for o in ops)
+
+    low, high = cuts
+    in_small, in_large = counted(small), counted(large)
+    per_block: dict[tuple[Any, ...], int] = {}
+    for key in in_small.keys() | in_large.keys():
+        more = in_large[key] - in_small[key]
+        if more < 0 or more % (high - low):
+            return False
+        per_block[key] = more // (high - low)
+    return all(in_small[key] - (low - 1) * per_block[key] >= 0 for key in per_block)
+
+
 def fold(blocks: RepeatedBlocks, report_at: Callable[[int], tuple[ScheduleReport, Plan]]) -> FoldedReport:
     """Fold the captures ``report_at(n)`` makes of the model cut to ``n`` blocks (the whole model
-    at ``n == blocks.count``) into the whole model's figures (NOTE [A window that spans blocks])."""
+    at ``n == blocks.count``) into the whole model's figures (NOTE [A window that spans blocks],
+    NOTE [Tiling the same in every cut])."""
     count = blocks.count
     if count < FOLD_BLOCKS[1]:
         raise PlanError(f"folding needs at least {FOLD_BLOCKS[1]} repeated blocks, {blocks.path!r} has {blocks.count}")
@@ -277,7 +319,11 @@ def fold(blocks: RepeatedBlocks, report_at: Callable[[int], tuple[ScheduleReport
         return got[n]
 
     low, high = FOLD_BLOCKS
-    (sample, _), (large, plan) = at(low), at(high)
+    (sample, small_plan), (large, plan) = at(low), at(high)
+    if not same_tiling_per_block(small_plan, plan, blocks, (low, high)):
+        log.info("folding: the cuts of %d and %d blocks tile their blocks differently; planning all %d", low, high, count)
+        whole = at(count)[0]
+        return replace(fold_reports(whole, whole, blocks, cuts=(count, count), sample=sample), whole_because=TILED_APART)
     window = window_blocks(plan, blocks)
     if window <= 1:
         return fold_reports(sample, large, blocks, cuts=FOLD_BLOCKS, sample=sample)
