@@ -96,9 +96,11 @@ where that floor, less ``FOLDED_STEP_MARGIN``, is slower than the best that fits
 not planned whole (at 1,024 ranks a 1B model's whole capture and plan took 16 s). The winner is captured whole from its own config
 and measured as that config plans it before it is kept; it must still fit, or the next one is
 (``MAX_RECAPTURES``). A winner still planned from another capture after that many is reported
-with a caveat saying so (``AutoPlan.unchecked``): on the 100m DNA LM at 8k tokens, 4 ranks and
-1 GiB, three auto-tiled winners planned at 856-941 MiB from their group's capture peaked at
-1.3-1.39 GiB captured from their own configs, 2.5-3 minutes each.
+with a caveat saying so (``AutoPlan.unchecked``). Cut models whose auto tiling differs from
+block to block are not extrapolated (NOTE [Tiling the same in every cut] in
+zerofx/compiler/folding.py): on the 100m DNA LM at 8k tokens, 4 ranks and 1 GiB they had put
+three auto-tiled winners at 856-941 MiB that peaked at 1.3-1.39 GiB captured from their own
+configs, each capture 2.5-3 minutes of the search.
 """
 
 from __future__ import annotations
