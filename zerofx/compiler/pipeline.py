@@ -360,8 +360,9 @@ def _plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpt
 # (NOTE [Recompute in rounds] in passes/plan_recompute.py). A plan never changes the captured
 # joint (NOTE [Planning again from one capture] in zerofx/compiler/program.py), so every plan of one capture with recompute
 # "auto" or on (``Program.replan``, and the whole-job search's candidates of one capture group)
-# shares them. On the 100m DNA LM at 8k tokens, tiled, partitioning was three quarters of a
-# recomputing candidate's planning time, and one capture group plans up to a dozen of them.
+# shares them. On the 100m DNA LM at 8k tokens, 4 ranks, tiled, partitioning took about three
+# quarters of the samples of a recomputing candidate's planning (py-spy), finding the candidates
+# over half, and one capture group of the search plans up to a dozen such candidates.
 _RECOMPUTE_CANDIDATES: weakref.WeakKeyDictionary[fx.GraphModule, dict[tuple[DeviceSpec, bool, int], tuple[tuple[RecomputedActivation, ...], int]]] = \
     weakref.WeakKeyDictionary()
 
