@@ -18,6 +18,7 @@ from tests.support.autoplan_workers import MeanLM, auto_initialize
 from tests.support.dist_utils import run_ranks
 from zerofx.app.cli import format_auto_plan, main
 from zerofx.common.errors import ConfigError
+from zerofx.common.units import format_bytes
 from zerofx.compiler import autoplan
 from zerofx.compiler.autoplan import AutoPlan, SearchSpace, candidate_config, resize_inputs, search
 from zerofx.config import parse_config
@@ -487,3 +488,24 @@ def test_a_winner_not_captured_from_its_own_config_says_so(monkeypatch: pytest.M
     assert unchecked.unchecked.startswith("not captured from its own config")
     assert unchecked.unchecked in unchecked.summary()
     assert f"note: {unchecked.unchecked}" in format_auto_plan(unchecked, label="tiny")
+
+
+def test_a_folded_candidate_planned_whole_says_so_before_it_starts() -> None:
+    """The whole model's plan is the longest step of a folded search: the progress says it is
+    under way before it starts, and the candidate's figures are the whole model's."""
+    from zerofx.compiler.autoplan import Candidate, _Search
+    from zerofx.models import DNADecoderLM
+    from zerofx.models.sizes import DNALMConfig
+
+    with torch.device("meta"):
+        model = DNADecoderLM(DNALMConfig(dim=64, num_layers=4, num_heads=4, ffn_dim=172, max_seq_len=256))
+    ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
+    one_bucket_per_block = sum(p.numel() for p in model.blocks[0].parameters()) + 1
+    base = {"zero_optimization": {"stage3_prefetch_bucket_size": one_bucket_per_block}, "zerofx": {"prefetch_distance": 3}}
+    said: list[str] = []
+    folded = _Search(model, resize_inputs((ids,), {"labels": ids}), base, world_size=4, seq_len=64, global_batch=4, budget_bytes=1e9,
+                     fixed=frozenset(), loss_fn=None, fold="on", progress=said.append)
+    candidate = Candidate(3, 1, 4, "none", "off", 1, 1)
+    evaluated = folded.evaluate(candidate)
+    whole = next(i for i, line in enumerate(said) if "planning all 4 blocks, its cut models do not extrapolate" in line)
+    assert whole < len(said) - 1 and candidate.label() in said[whole] and said[-1].endswith(f"peak {format_bytes(evaluated.peak_bytes)}")

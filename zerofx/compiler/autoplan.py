@@ -507,6 +507,9 @@ class _Search:
         programs: dict[int, Program] = {}
 
         def report_at(n: int) -> tuple[ScheduleReport, Plan]:
+            if n >= count and self.progress is not None:  # the longest step of a folded search: say it is under way
+                self.progress(f"{time.perf_counter() - self.start_s:.1f} s: {c.label()}: planning all {count} blocks, "
+                              f"its cut models do not extrapolate (NOTE [A window that spans blocks], NOTE [Tiling the same in every cut])")
             programs[n] = self.program(c, config, whole=True) if n >= count else self.cut_program(c, config, n)
             return programs[n].report(0, comm=self.comm, device=self.device), programs[n].plan
 
