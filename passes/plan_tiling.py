@@ -235,7 +235,7 @@ def estimate_loss_bytes(match: seq_regions.LossMatch, block: int) -> tuple[int, 
     return 2 * n * v * 4, 2 * min(block, n) * v * 4, (n, v)
 
 
-def _block_choices(seq_len: int, options: TilingOptions) -> list[int]:
+def block_choices(seq_len: int, options: TilingOptions) -> list[int]:
     """Region and loss block sizes to try, largest first: the configured one, else the sequence in
     2, 4, 8, ... even chunks (rounded up to 64 tokens) down to ``MIN_AUTO_BLOCK``, at most ``MAX_AUTO_CHUNKS``."""
     if options.block_size is not None:
@@ -466,7 +466,7 @@ def plan_tiling(gm: fx.GraphModule, options: TilingOptions, *, seq_len: int | No
     ablock = options.attention_block_size or DEFAULT_ATTENTION_BLOCK
     budget = options.budget_bytes if options.budget_bytes is not None else DEFAULT_BUDGET_BYTES
     bound = options.estimate_budget_bytes if options.estimate_budget_bytes is not None else budget
-    for block in _block_choices(seq_len, options):  # largest first: the first that fits the budget
+    for block in block_choices(seq_len, options):  # largest first: the first that fits the budget
         candidates, skipped = _candidates(analysis, block, ablock)
         chosen, tiled_total = _choose(candidates, options, bound)
         if tiled_total <= bound:

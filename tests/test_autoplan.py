@@ -509,3 +509,57 @@ def test_a_folded_candidate_planned_whole_says_so_before_it_starts() -> None:
     evaluated = folded.evaluate(candidate)
     whole = next(i for i, line in enumerate(said) if "planning all 4 blocks, its cut models do not extrapolate" in line)
     assert whole < len(said) - 1 and candidate.label() in said[whole] and said[-1].endswith(f"peak {format_bytes(evaluated.peak_bytes)}")
+
+
+def test_a_folded_search_pins_one_tiling_for_every_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [One tiling for every cut]: a folded capture group's tiling is written into its config
+    (every kind on or off, one block size), so both cuts tile their blocks alike and fold, no
+    candidate is planned whole, and the config plans the whole model to the folded figures.
+    ``true`` pins the block size the whole model's planner takes; ``"auto"`` the least tiled
+    setting whose folded timeline fits, or, when none does, one of those needing the least."""
+    from zerofx.compiler import folded_tiling
+    from zerofx.compiler.autoplan import Candidate, _Search
+    from zerofx.compiler.pipeline import StepCapture
+    from zerofx.compiler.program import compile, resolve
+    from zerofx.models import DNADecoderLM
+    from zerofx.models.sizes import DNALMConfig
+
+    with torch.device("meta"):
+        model = DNADecoderLM(DNALMConfig(dim=32, num_layers=4, num_heads=4, ffn_dim=88, max_seq_len=1024))
+    ids = torch.zeros(1, 512, dtype=torch.long, device="meta")
+    fits: list[list[tuple[object, float, float]]] = []
+
+    def recorded(rungs, transient_of, budget):
+        chosen, tried = folded_tiling.fit_pinned(rungs, transient_of, budget)
+        fits.append([(r, t, budget) for r, t in tried])
+        return chosen, tried
+
+    monkeypatch.setattr(autoplan, "fit_pinned", recorded)
+    for tiling, budget in (("on", 1e9), ("auto", 1e9), ("auto", 1.0)):
+        said: list[str] = []
+        s = _Search(model, resize_inputs((ids,), {"labels": ids}), {"zerofx": {"memory_budget": budget}}, world_size=2, seq_len=512,
+                    global_batch=2, budget_bytes=budget, fixed=frozenset(), loss_fn=None, fold="on", progress=said.append)
+        c = Candidate(3, 1, 2, "none", tiling, 1, 1)
+        e = s.evaluate(c)
+        config = s.config(c)
+        section = config["zerofx"]["tiling"]
+        assert section["enabled"] is True and isinstance(section["block_size"], int) and e.tiling and e.tiling in e.label()
+        assert not any("planning all" in line for line in said)  # the cuts folded
+        whole = compile(model, world_size=2, config=config, example_inputs=(ids,), example_kwargs={"labels": ids})
+        measured = s.measure(c, whole, whole.report(0), resolve(config, stage=None, world_size=2))
+        assert e.peak_bytes == measured.peak_bytes and e.model_state_bytes == measured.model_state_bytes
+        assert e.step_s == pytest.approx(measured.step_s, rel=1e-6)
+        if tiling == "on":  # the whole model's planner, given ``true`` alone, tiles the same ops in the same blocks
+            assert StepCapture(model, (ids,), {"labels": ids}).tiling_plan(parse_config({"zerofx": {"tiling": {"enabled": True}}}).tiling).ops \
+                == whole.plan.tiling.ops and fits == []
+            continue
+        tried = fits.pop()
+        rungs = folded_tiling.ladder(folded_tiling.whole_estimates(
+            lambda n, options, s=s: StepCapture(s.cut(n), (ids,), {"labels": ids}).tiling_plan(options), (2, 3), 4))
+        assert len(rungs) > 1 and len(tried) <= len(rungs).bit_length()
+        if budget == 1e9:  # the least tiled fits
+            assert tried[0][0] == rungs[0] and tried[0][1] <= tried[0][2] and e.tiling == rungs[0].describe()
+        else:  # nothing fits: among those needing the least, the least tiled
+            assert all(t > b for _, t, b in tried)
+            least = min(t for _, t, _ in tried)
+            assert e.tiling == next(r for r, t, _ in tried if t <= least * 1.01).describe()

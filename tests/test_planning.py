@@ -432,6 +432,28 @@ def test_cli_recompute_auto_is_planned_whole(capsys: pytest.CaptureFixture[str],
     assert "folded" not in json.loads(out.out)
 
 
+def test_cli_tiling_on_folds_at_the_whole_models_block(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """NOTE [One tiling for every cut]: with tiling ``true`` each cut would take the largest block
+    its own estimate fits (here 512 tokens, where the whole model's needs 256, and both cuts alike,
+    so nothing said they differ); the folded plan pins the whole model's block in its cuts and its
+    figures are the whole model's."""
+    from zerofx.app import cli
+
+    config = tmp_path / "on.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "zerofx": {"tiling": {"enabled": True, "budget": "70MiB"}}}))
+    argv = ["plan", "small", "--world-size", "2", "--seq-len", "1024", "--config", str(config), "--format", "json"]
+    got = {}
+    for fold in ("on", "off"):
+        assert cli.main([*argv, "--fold", fold]) == 0
+        got[fold] = json.loads(capsys.readouterr().out)
+    folded, whole = got["on"], got["off"]
+    assert {op["block_size"] for op in whole["plan"]["tiling"]["ops"] if op["kind"] == "region"} == {256}
+    assert {op["block_size"] for op in folded["plan"]["tiling"]["ops"] if op["kind"] == "region"} == {256}
+    assert any("tiling block size 256 tokens, the whole model's" in d for d in folded["plan"]["decisions"])
+    assert folded["memory"]["peak_bytes"] == whole["memory"]["peak_bytes"]
+    assert folded["summary"]["step_s"] == pytest.approx(whole["summary"]["step_s"], rel=1e-9)
+
+
 def _tiled(*ops: tuple[str, str, int, int]) -> SimpleNamespace:
     """A plan whose tiling tiles ``ops``: (kind, what, block size, how many)."""
     return SimpleNamespace(tiling=SimpleNamespace(ops=tuple(

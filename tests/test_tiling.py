@@ -495,11 +495,11 @@ def test_region_pass_structure_and_idempotence() -> None:
 
 
 def test_planner_picks_the_fewest_chunks_that_fit_the_budget(caplog: pytest.LogCaptureFixture) -> None:
-    from zerofx.passes.plan_tiling import MIN_AUTO_BLOCK, _block_choices, plan_tiling
+    from zerofx.passes.plan_tiling import MIN_AUTO_BLOCK, block_choices, plan_tiling
 
-    assert _block_choices(1000, TilingOptions()) == [512, 256]  # 2 and 4 even chunks, rounded up to 64 tokens
-    assert _block_choices(1000, TilingOptions(block_size=100)) == [100]
-    assert _block_choices(300, TilingOptions()) == [1024] and MIN_AUTO_BLOCK == 256  # halves under 256 tokens: not split
+    assert block_choices(1000, TilingOptions()) == [512, 256]  # 2 and 4 even chunks, rounded up to 64 tokens
+    assert block_choices(1000, TilingOptions(block_size=100)) == [100]
+    assert block_choices(300, TilingOptions()) == [1024] and MIN_AUTO_BLOCK == 256  # halves under 256 tokens: not split
     gm = _mlp_forward(seq=1024)  # (2, 1024, 32) hidden, fake tensors only
     roomy = plan_tiling(gm, TilingOptions(enabled=True, budget_bytes=1 << 30))
     assert [(op.kind, op.block_size) for op in roomy.ops] == [("region", 512)]

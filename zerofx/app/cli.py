@@ -527,6 +527,7 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     import zerofx
     from zerofx.config import load_config
     from zerofx.config.options import BUDGET_KEYS
+    from zerofx.compiler.folded_tiling import model_estimates, pinned_on
     from zerofx.compiler.folding import folded_json, format_folded, plan_folded
     from zerofx.compiler.search import lower_prefetch_distance
     from zerofx.cost_models.memory import estimate_process_peak_bytes
@@ -558,8 +559,19 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
         folded, sample = fold({**own, "prefetch_distance": distance})
         return (folded, sample), distance, folded.peak_bytes
 
-    folded, sample = fold(own)
     decisions: list[str] = []
+    tiling = resolve(args.config, stage=args.stage, world_size=args.world_size).tiling
+    if tiling is not None and tiling.enabled is True and tiling.block_size is None:
+        # NOTE [One tiling for every cut]: each cut would take the largest block its own smaller
+        # estimate fits; the whole model's block, pinned, tiles every cut as the whole model.
+        estimates = model_estimates(spec.model, blocks, spec.args, spec.kwargs or {},
+                                    resolve(config, stage=args.stage, world_size=args.world_size), args.world_size)
+        if estimates is not None:
+            block = pinned_on(estimates, tiling).block_size
+            own = {**own, "tiling": {**own.get("tiling", {}), "block_size": block}}
+            decisions.append(f"tiling block size {block} tokens, the whole model's from its estimate (the cut models, planned with "
+                             "this block, fold to it; NOTE [One tiling for every cut])")
+    folded, sample = fold(own)
     distance = _whole_prefetch_distance(args, spec, blocks, {**config, "zerofx": own}, folded, programs)
     if distance is not None and distance != sample.plan.prefetch_distance:
         decisions.append(f"prefetch distance {distance} bucket(s) ahead, the whole model's from the profile (the cut models' own "

@@ -96,11 +96,11 @@ where that floor, less ``FOLDED_STEP_MARGIN``, is slower than the best that fits
 not planned whole (at 1,024 ranks a 1B model's whole capture and plan took 16 s). The winner is captured whole from its own config
 and measured as that config plans it before it is kept; it must still fit, or the next one is
 (``MAX_RECAPTURES``). A winner still planned from another capture after that many is reported
-with a caveat saying so (``AutoPlan.unchecked``). Cut models whose auto tiling differs from
-block to block are not extrapolated (NOTE [Tiling the same in every cut] in
-zerofx/compiler/folding.py): on the 100m DNA LM at 8k tokens, 4 ranks and 1 GiB they had put
-three auto-tiled winners at 856-941 MiB that peaked at 1.3-1.39 GiB captured from their own
-configs, each capture 2.5-3 minutes of the search.
+with a caveat saying so (``AutoPlan.unchecked``). Tiling ``"auto"`` and ``true`` would tile
+the cut models otherwise than the whole model (NOTE [Tiling the same in every cut] in
+zerofx/compiler/folding.py), so a folded capture group's tiling is pinned in its config, the
+same in every block and chosen for the whole model (NOTE [One tiling for every cut] in
+zerofx/compiler/folded_tiling.py).
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ from zerofx.common.units import format_bytes
 from zerofx.compiler.autoplan_space import (Candidate, InputsAt, SearchSpace, candidate_config, example_shape,
                                             powers_of_two_dividing, resize_inputs, search_space, with_auto_tiling)
 from zerofx.compiler.capture import LossFn
+from zerofx.compiler.folded_tiling import PinnedTiling, fit_pinned, ladder, model_estimates, pinned_on
 from zerofx.compiler.folding import AUTO_FOLD_MIN_BLOCKS, FOLD_BLOCKS, RepeatedBlocks, extrapolate, find_repeated_blocks, fold, graph_seconds, with_num_blocks
 from zerofx.compiler.program import Program, compile, plan_from_shapes, prefetch_from_the_profile, resolve, whole_prefetch_distance
 from zerofx.config.compile_options import compile_options
@@ -172,10 +173,15 @@ class Evaluated:
     fingerprint: str = ""  # the plan's, for a lowered candidate
     recomputed: int = 0  # saved activations the plan recomputes in backward
     step_bound_s: float = 0.0  # ``_Search.step_floor_s``: what the step takes at least (0: none computed)
+    tiling: str = ""  # folded: what its tiling pins (NOTE [One tiling for every cut]); "" otherwise
 
     def label(self) -> str:
-        """The candidate, with how many activations its plan recomputes where any."""
-        return self.candidate.label() + (f" ({_count(self.recomputed, 'activation')} recomputed)" if self.recomputed else "")
+        """The candidate, with what its tiling pins and how many activations its plan recomputes
+        where any."""
+        label = self.candidate.label()
+        if self.tiling:
+            label = label.replace(f"tiling {self.candidate.tiling}", f"tiling {self.candidate.tiling} ({self.tiling})", 1)
+        return label + (f" ({_count(self.recomputed, 'activation')} recomputed)" if self.recomputed else "")
 
 
 @dataclass(frozen=True)
@@ -240,6 +246,8 @@ class _Search:
         # Folded: each capture group's first program per cut, and the config it was planned with.
         self.cut_groups: dict[tuple[int, int, str], dict[int, tuple[Program, dict[str, Any]]]] = {}
         self.folded: set[Candidate] = set()  # candidates measured on the cut models
+        # Folded: each capture group's tiling, pinned for the whole model (NOTE [One tiling for every cut]).
+        self.pinned: dict[tuple[int, int, str], PinnedTiling | None] = {}
         self.world_size, self.seq_len, self.global_batch = world_size, seq_len, global_batch
         self.budget_bytes, self.fixed, self.loss_fn = budget_bytes, fixed, loss_fn
         self.groups: dict[tuple[int, int, str], Program] = {}  # the first program of each capture group
@@ -254,10 +262,81 @@ class _Search:
 
     def config(self, c: Candidate) -> dict[str, Any]:
         config = candidate_config(self.base, c, world_size=self.world_size, global_batch=self.global_batch, fixed=self.fixed)
+        if c.tiling in ("auto", "on") and self.blocks is not None:
+            pinned = self.pinned_tiling(c, config)
+            if pinned is not None:
+                config.setdefault("zerofx", {})["tiling"] = pinned.section()
+                return config
         if c.tiling == "auto":
-            lean = self.model_state_bytes(replace(c, stage=3, offload=NO_OFFLOAD, shard_group_size=self.world_size))
-            config = with_auto_tiling(config, self.budget_bytes - lean)
+            config = with_auto_tiling(config, self.activation_budget_bytes(c))
         return config
+
+    def activation_budget_bytes(self, c: Candidate) -> float:
+        """What ``"auto"`` tiling fits the memory timeline (peak less model state) to: the budget
+        less the leanest model state."""
+        return self.budget_bytes - self.model_state_bytes(replace(c, stage=3, offload=NO_OFFLOAD, shard_group_size=self.world_size))
+
+    def pinned_tiling(self, c: Candidate, config: Mapping[str, Any]) -> PinnedTiling | None:
+        """Folded: the tiling of ``c``'s capture group, the same in every block and chosen for the
+        whole model (NOTE [One tiling for every cut] in zerofx/compiler/folded_tiling.py); None
+        where nothing can be tiled. ``config`` is ``c``'s, its tiling aside."""
+        assert self.blocks is not None
+        key = c.capture_group
+        if key in self.pinned:
+            return self.pinned[key]
+        untiled = copy.deepcopy(dict(config))
+        untiled.get("zerofx", {}).pop("tiling", None)
+        args, kwargs = self.inputs_at(c.micro_batch, self.seq_len)
+        estimates = model_estimates(self.model, self.blocks, args, kwargs, resolve(untiled, stage=None, world_size=self.world_size),
+                                    self.world_size, loss_fn=self.loss_fn, cuts={n: self.cut(n) for n in FOLD_BLOCKS})
+        if estimates is None:
+            self.pinned[key] = None
+            return None
+        if c.tiling == "on":
+            self.pinned[key] = pinned_on(estimates)
+            return self.pinned[key]
+        budget = self.activation_budget_bytes(c)
+        tested: dict[PinnedTiling, dict[int, tuple[Program, dict[str, Any]]]] = {}
+
+        def transient_of(rung: PinnedTiling) -> float:
+            tiled = copy.deepcopy(untiled)
+            tiled.setdefault("zerofx", {})["tiling"] = rung.section()
+            cut = self.cut_config(tiled)
+            programs: dict[int, tuple[Program, dict[str, Any]]] = {}
+
+            def report_at(n: int) -> tuple[ScheduleReport, Plan]:
+                if n >= self.blocks.count:
+                    self.say_planned_whole(f"tiling auto for micro {c.micro_batch}, sp {c.sequence_parallel}: {rung.describe()}")
+                model = self.model if n >= self.blocks.count else self.cut(n)
+                program = compile(model, world_size=self.world_size, config=dict(cut), example_inputs=args, example_kwargs=kwargs,
+                                  loss_fn=self.loss_fn)
+                self.num_captures += 1
+                if n < self.blocks.count:
+                    programs[n] = (program, copy.deepcopy(cut))
+                return program.report(0, comm=self.comm, device=self.device), program.plan
+
+            folded = fold(self.blocks, report_at)
+            self.num_lowered += 1
+            tested[rung] = programs
+            transient = folded.peak_bytes - folded.persistent_bytes
+            if self.progress is not None:
+                self.progress(f"{time.perf_counter() - self.start_s:.1f} s: tiling auto for micro {c.micro_batch}, sp "
+                              f"{c.sequence_parallel}: {rung.describe()}: activations {format_bytes(transient)} (folded) against "
+                              f"{format_bytes(budget)}")
+            return transient
+
+        chosen, _ = fit_pinned(ladder(estimates), transient_of, budget)
+        if tested.get(chosen):  # its cut captures serve the group (``cut_capture``)
+            self.cut_groups[key] = dict(tested[chosen])
+        self.pinned[key] = chosen
+        return chosen
+
+    def cut(self, n: int) -> nn.Module:
+        """Folded: the model cut to ``n`` blocks."""
+        assert self.blocks is not None
+        if n not in self.cuts:
+            self.cuts[n] = with_num_blocks(self.model, self.blocks, n)
+        return self.cuts[n]
 
     def model_state_bytes(self, c: Candidate) -> float:
         """The candidate's model state on the device per rank, from the parameters' shapes alone."""
@@ -357,10 +436,8 @@ class _Search:
         assert self.blocks is not None
         group = self.cut_groups.setdefault(c.capture_group, {})
         if n not in group:
-            if n not in self.cuts:
-                self.cuts[n] = with_num_blocks(self.model, self.blocks, n)
             args, kwargs = self.inputs_at(c.micro_batch, self.seq_len)
-            program = compile(self.cuts[n], world_size=self.world_size, config=dict(config), example_inputs=args, example_kwargs=kwargs,
+            program = compile(self.cut(n), world_size=self.world_size, config=dict(config), example_inputs=args, example_kwargs=kwargs,
                               loss_fn=self.loss_fn)
             self.num_captures += 1
             group[n] = (program, copy.deepcopy(dict(config)))
@@ -498,6 +575,13 @@ class _Search:
             return None  # before the compute estimate, which captures the cuts
         return whole_prefetch_distance(self.model, cfg, self.world_size, self.compute_s(c, fused=False))
 
+    def say_planned_whole(self, what: str) -> None:
+        """Tell ``progress`` that ``what`` is planned on the whole model, the longest step of a
+        folded search, before it starts."""
+        if self.progress is not None and self.blocks is not None:
+            self.progress(f"{time.perf_counter() - self.start_s:.1f} s: {what}: planning all {self.blocks.count} blocks, its cut "
+                          f"models do not extrapolate (NOTE [A window that spans blocks], NOTE [Tiling the same in every cut])")
+
     def _measure_cuts(self, c: Candidate, config: Mapping[str, Any], cfg: ZeroConfig) -> tuple[Evaluated, float, int]:
         """The folded figures of ``c`` planned with ``config`` on the cut models (NOTE [A window
         that spans blocks] in zerofx/compiler/folding.py says which), the extrapolated peak before
@@ -507,9 +591,8 @@ class _Search:
         programs: dict[int, Program] = {}
 
         def report_at(n: int) -> tuple[ScheduleReport, Plan]:
-            if n >= count and self.progress is not None:  # the longest step of a folded search: say it is under way
-                self.progress(f"{time.perf_counter() - self.start_s:.1f} s: {c.label()}: planning all {count} blocks, "
-                              f"its cut models do not extrapolate (NOTE [A window that spans blocks], NOTE [Tiling the same in every cut])")
+            if n >= count:
+                self.say_planned_whole(c.label())
             programs[n] = self.program(c, config, whole=True) if n >= count else self.cut_program(c, config, n)
             return programs[n].report(0, comm=self.comm, device=self.device), programs[n].plan
 
@@ -549,8 +632,10 @@ class _Search:
         # NOTE [What Inductor keeps resident]: its modules and code count against the budget.
         peak = max(peak_bytes - offloaded, 0.0) + (inductor_resident_bytes(self.device) if self.compiles(c) else 0.0)
         tokens = self.global_batch * self.seq_len
+        pinned = self.pinned.get(c.capture_group) if c.tiling in ("auto", "on") else None
         return Evaluated(c, step_s, tokens / step_s if step_s > 0 else float("inf"), peak, persistent_bytes - offloaded,
-                         fits=peak <= self.budget_bytes, fingerprint=fingerprint, recomputed=recomputed)
+                         fits=peak <= self.budget_bytes, fingerprint=fingerprint, recomputed=recomputed,
+                         tiling="" if pinned is None else pinned.describe())
 
 
 def _blocks_to_fold(model: nn.Module, fold: str) -> RepeatedBlocks | None:
