@@ -563,3 +563,23 @@ def test_a_folded_search_pins_one_tiling_for_every_block(monkeypatch: pytest.Mon
             assert all(t > b for _, t, b in tried)
             least = min(t for _, t, _ in tried)
             assert e.tiling == next(r for r, t, _ in tried if t <= least * 1.01).describe()
+
+
+def test_a_folded_search_skips_tiling_on_where_auto_tried_it_for_nothing() -> None:
+    """NOTE [How the whole-job search prunes]: folded, tiling ``true`` is not searched where
+    ``"auto"`` at the same micro-batch and sequence-parallel size tried its pinned tiling and it
+    needed no less memory than the less tiled one ``"auto"`` kept."""
+    from zerofx.compiler.autoplan import Candidate, _Search
+    from zerofx.compiler.folded_tiling import PinnedTiling
+
+    s = _Search(build_model("small", device="meta"), resize_inputs((torch.zeros(1, 64, dtype=torch.long, device="meta"),), {}), {},
+                world_size=2, seq_len=64, global_batch=2, budget_bytes=1e9, fixed=frozenset(), loss_fn=None, fold="on")
+    on = Candidate(3, 1, 2, "none", "on", 1, 1)
+    auto = replace(on, tiling="auto")
+    kept, every = PinnedTiling(("region",), 512), PinnedTiling(("attention", "region", "loss"), 256)
+    s.pinned.update({auto.capture_group: kept, on.capture_group: every})
+    for tried, skipped in (({kept: 100.0, every: 100.0}, True), ({kept: 100.0, every: 98.0}, False), ({kept: 100.0}, False)):
+        s.tiling_tried[auto.capture_group] = tried
+        why = s.needless_tiling(on)
+        assert bool(why) is skipped and (not skipped or every.describe() in why)
+    assert s.needless_tiling(auto) == "" and s.needless_tiling(replace(on, micro_batch=2)) == ""
