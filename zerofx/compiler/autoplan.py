@@ -356,8 +356,8 @@ class _Search:
         if pinned is None or pinned == kept or pinned not in tried or tried[pinned] < tried[kept] * (1 - NO_FIT_TOLERANCE):
             return ""
         return (f"tiling on ({pinned.describe()}) was tried by tiling auto at this micro-batch and sequence-parallel size: "
-                f"activations {format_bytes(tried[pinned])} (folded), no less than the {format_bytes(tried[kept])} of "
-                f"{kept.describe()}, which tiles less; not searched")
+                f"activations {format_bytes(tried[pinned])} (folded) where {kept.describe()}, which tiles less, needs "
+                f"{format_bytes(tried[kept])}: not {NO_FIT_TOLERANCE:.0%} less; not searched")
 
     def cut(self, n: int) -> nn.Module:
         """Folded: the model cut to ``n`` blocks."""
@@ -660,10 +660,13 @@ class _Search:
         # NOTE [What Inductor keeps resident]: its modules and code count against the budget.
         peak = max(peak_bytes - offloaded, 0.0) + (inductor_resident_bytes(self.device) if self.compiles(c) else 0.0)
         tokens = self.global_batch * self.seq_len
-        pinned = self.pinned.get(c.capture_group) if c.tiling in ("auto", "on") else None
         return Evaluated(c, step_s, tokens / step_s if step_s > 0 else float("inf"), peak, persistent_bytes - offloaded,
-                         fits=peak <= self.budget_bytes, fingerprint=fingerprint, recomputed=recomputed,
-                         tiling="" if pinned is None else pinned.describe())
+                         fits=peak <= self.budget_bytes, fingerprint=fingerprint, recomputed=recomputed, tiling=self.tiling_detail(c))
+
+    def tiling_detail(self, c: Candidate) -> str:
+        """What ``c``'s capture group pins its tiling to (NOTE [One tiling for every cut]), or ""."""
+        pinned = self.pinned.get(c.capture_group) if c.tiling in ("auto", "on") else None
+        return "" if pinned is None else pinned.describe()
 
 
 def _blocks_to_fold(model: nn.Module, fold: str) -> RepeatedBlocks | None:
@@ -755,6 +758,9 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
     if chosen is None and any(e.lowered for e in ranked):
         to_fit = _what_would_fit(s, ranked)
     config = None if chosen is None else s.config(chosen.candidate)
+    # Every candidate of a pinned capture group names its tiling, lowered or not.
+    ranked = tuple(replace(e, tiling=s.tiling_detail(e.candidate)) for e in ranked)
+    chosen = None if chosen is None else next(e for e in ranked if e.candidate == chosen.candidate)
     return AutoPlan(chosen=chosen, ranked=ranked, not_candidates=tuple(not_candidates), to_fit=to_fit, config=config,
                     budget_bytes=budget_bytes, world_size=world_size, seq_len=seq_len, global_batch=global_batch, profile=s.profile,
                     fixed=tuple(sorted(fixed)), search_s=time.perf_counter() - start, num_captures=s.num_captures,
@@ -780,6 +786,9 @@ def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_
                 if needless:
                     if s.progress is not None:
                         s.progress(f"{time.perf_counter() - s.start_s:.1f} s: micro {micro}, sp {sp}: {needless}")
+                    auto = replace(group[0], tiling="auto").capture_group
+                    if not any(e.fits for e in results if e.candidate.capture_group == auto):
+                        break  # as "auto" here: nothing fit, and a larger micro-batch holds more
                     continue
                 ops = s.tiled_ops(group[0])
                 seen = tiled.setdefault(micro, {})
