@@ -334,8 +334,42 @@ def split_regions(gm: fx.GraphModule, res: SeqAnalysis, mixers: set[fx.Node] = f
     res.regions, res.feeds_attention = [], []
     for k in sorted(by_level):
         rest, attn_in = _split_attention_inputs(by_level[k], consumers)
-        res.regions += [r for r in (rest, attn_in) if r]
-        res.feeds_attention += [f for r, f in ((rest, False), (attn_in, True)) if r]
+        for part, feeds in ((rest, False), (attn_in, True)):
+            for component in _components(part):  # NOTE [One region per connected part]
+                res.regions.append(component)
+                res.feeds_attention.append(feeds)
+
+
+# NOTE [One region per connected part]
+# The token-wise nodes of one level can be several unconnected parts: a Hyena block's implicit
+# filter (an MLP over the positions, computed from parameters alone) sits at level 0 in every
+# block, beside the embedding's region. Taken as one region, the level-0 region of a model with
+# N blocks holds N filters (the hyena-1m model cut to 2 blocks: 55 ops, cut to 3: 78), so no
+# region matches from one block to the next and a plan folded from cut models cannot
+# extrapolate (NOTE [Tiling the same in every cut] in zerofx/compiler/folding.py). Each
+# weakly connected part is its own region. A part of a convex set is convex (a path between two
+# nodes of one part that crossed into another would connect them), so each part is chunked as a
+# region is, and the parts, being unconnected, run in any order.
+def _components(region: list[fx.Node]) -> list[list[fx.Node]]:
+    """``region``'s weakly connected parts (edges between its own nodes), each in graph order,
+    ordered by their first node."""
+    inside = set(region)
+    parent = {n: n for n in region}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in region:
+        for a in n.all_input_nodes:
+            if a in inside:
+                parent[find(a)] = find(n)
+    parts: dict[fx.Node, list[fx.Node]] = {}
+    for n in region:
+        parts.setdefault(find(n), []).append(n)
+    return list(parts.values())
 
 
 def _mixer_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int, mixes: Callable[[fx.Node], bool]) -> int | None:

@@ -78,3 +78,29 @@ def test_conv_kind_can_be_switched_off() -> None:
     cap, _ = assert_parity(model, (ids,), {"labels": labels}, TilingOptions(enabled=True, block_size=16, kinds=kinds))
     assert "conv" not in {op.kind for op in cap.tiling.ops}
     assert any(s.kind == "conv" for s in cap.tiling.skipped) or cap.tiling.num_candidates[4] == SPANS["striped-tiny"]
+
+
+@pytest.mark.parametrize("name", ["hyena-tiny", "mamba-tiny"])
+def test_cut_models_tile_every_block_alike(name: str) -> None:
+    """NOTE [One region per connected part]: a Hyena block's implicit filter is token-wise over
+    the positions, at level 0 beside the embedding, in every block; one region per level put
+    every block's filter in one region that grew with the model, so cut models could not fold.
+    Each connected part is a region: the 2- and 3-block cuts of a 4-block model tile per block."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from zerofx.compiler.folding import find_repeated_blocks, same_tiling_per_block, with_num_blocks
+    from zerofx.compiler.pipeline import StepCapture
+    from zerofx.models.registry import model_class
+    from zerofx.models.sizes import model_config
+
+    cfg = model_config(name)
+    with torch.device("meta"):
+        model = model_class(cfg)(replace(cfg, num_layers=4))
+    blocks = find_repeated_blocks(model)
+    assert blocks is not None and blocks.count >= 3, blocks
+    ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    plans = {n: StepCapture(with_num_blocks(model, blocks, n), (ids,), {"labels": ids}).tiling_plan(ON) for n in (2, 3)}
+    assert plans[2].ops and same_tiling_per_block(*(SimpleNamespace(tiling=plans[n]) for n in (2, 3)), blocks, (2, 3))
+    # Every region of the larger cut is one the smaller has, or one more block's worth of them.
+    assert plans[3].num_candidates[1] > plans[2].num_candidates[1]
