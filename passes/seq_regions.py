@@ -349,7 +349,11 @@ def split_regions(gm: fx.GraphModule, res: SeqAnalysis, mixers: set[fx.Node] = f
 # extrapolate (NOTE [Tiling the same in every cut] in zerofx/compiler/folding.py). Each
 # weakly connected part is its own region. A part of a convex set is convex (a path between two
 # nodes of one part that crossed into another would connect them), so each part is chunked as a
-# region is, and the parts, being unconnected, run in any order.
+# region is, and the parts, being unconnected, run in any order. A source node of the level (no
+# input inside it) read by several parts would join them all: under sequence parallelism the
+# rank's positions (``arange`` plus its offset) feed the embedding's gather and every block's
+# filter. Such a source is a region of its own, upstream of the parts it feeds; a source read by
+# one part joins it.
 def _components(region: list[fx.Node]) -> list[list[fx.Node]]:
     """``region``'s weakly connected parts (edges between its own nodes), each in graph order,
     ordered by their first node."""
@@ -362,10 +366,16 @@ def _components(region: list[fx.Node]) -> list[list[fx.Node]]:
             n = parent[n]
         return n
 
+    sources = [n for n in region if not any(a in inside for a in n.all_input_nodes)]
+    peeled = set(sources)
     for n in region:
         for a in n.all_input_nodes:
-            if a in inside:
+            if a in inside and a not in peeled:
                 parent[find(a)] = find(n)
+    for source in sources:  # joins its users' part, or stays alone where they are several
+        users = {find(u) for u in source.users if u in inside}
+        if len(users) == 1:
+            parent[find(source)] = users.pop()
     parts: dict[fx.Node, list[fx.Node]] = {}
     for n in region:
         parts.setdefault(find(n), []).append(n)

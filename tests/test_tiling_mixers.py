@@ -80,12 +80,13 @@ def test_conv_kind_can_be_switched_off() -> None:
     assert any(s.kind == "conv" for s in cap.tiling.skipped) or cap.tiling.num_candidates[4] == SPANS["striped-tiny"]
 
 
-@pytest.mark.parametrize("name", ["hyena-tiny", "mamba-tiny"])
-def test_cut_models_tile_every_block_alike(name: str) -> None:
+@pytest.mark.parametrize("name,sp", [("hyena-tiny", 1), ("hyena-tiny", 2), ("mamba-tiny", 1)])
+def test_cut_models_tile_every_block_alike(name: str, sp: int) -> None:
     """NOTE [One region per connected part]: a Hyena block's implicit filter is token-wise over
     the positions, at level 0 beside the embedding, in every block; one region per level put
     every block's filter in one region that grew with the model, so cut models could not fold.
-    Each connected part is a region: the 2- and 3-block cuts of a 4-block model tile per block."""
+    Each connected part is a region: the 2- and 3-block cuts of a 4-block model tile per block,
+    also under sequence parallelism, where the rank's positions feed every block's filter."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -100,7 +101,15 @@ def test_cut_models_tile_every_block_alike(name: str) -> None:
     blocks = find_repeated_blocks(model)
     assert blocks is not None and blocks.count >= 3, blocks
     ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    plans = {n: StepCapture(with_num_blocks(model, blocks, n), (ids,), {"labels": ids}).tiling_plan(ON) for n in (2, 3)}
+    spec = None
+    if sp > 1:
+        from zerofx.compiler.program import resolve
+        from zerofx.config.compile_options import compile_options
+
+        cfg = resolve({"zerofx": {"sequence_parallel": {"size": sp, "attention": "auto"}}}, stage=3, world_size=sp)
+        spec = compile_options(cfg, sp).sequence_parallel
+    plans = {n: StepCapture(with_num_blocks(model, blocks, n), (ids,), {"labels": ids}, sequence_parallel=spec).tiling_plan(ON)
+             for n in (2, 3)}
     assert plans[2].ops and same_tiling_per_block(*(SimpleNamespace(tiling=plans[n]) for n in (2, 3)), blocks, (2, 3))
     # Every region of the larger cut is one the smaller has, or one more block's worth of them.
     assert plans[3].num_candidates[1] > plans[2].num_candidates[1]

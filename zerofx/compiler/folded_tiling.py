@@ -32,7 +32,9 @@ the search measured. The choice is made for the whole model from the cuts:
   512- and 256-token blocks all peaked at 964 MiB of activations against 646 MiB: what is left
   is not in the tiled regions, and smaller blocks would only add chunks.
 Unlike ``"auto"`` on a whole capture, a kind is tiled in every block or in none, so it can tile
-more than the fewest ops that fit: the price of a plan that folds.
+more than the fewest ops that fit: the price of a plan that folds. ``zerofx plan`` folding a
+config with ``true`` and no ``block_size`` pins the whole model's block in its cuts the same way
+(``pinned_on``); a config with ``"auto"`` is planned whole where its cuts tile apart.
 """
 
 from __future__ import annotations
