@@ -352,8 +352,10 @@ def split_regions(gm: fx.GraphModule, res: SeqAnalysis, mixers: set[fx.Node] = f
 # region is, and the parts, being unconnected, run in any order. A source node of the level (no
 # input inside it) read by several parts would join them all: under sequence parallelism the
 # rank's positions (``arange`` plus its offset) feed the embedding's gather and every block's
-# filter. Such a source is a region of its own, upstream of the parts it feeds; a source read by
-# one part joins it.
+# filter. Where two of the parts a source feeds are copies of one part (the same ops in the same
+# order: one per block), the source is a region of its own, upstream of them; otherwise it joins
+# the parts it feeds into one region, as before (the DNA LM's positions feed its embedding's
+# gather and the labels' gather, which stay one region).
 def _components(region: list[fx.Node]) -> list[list[fx.Node]]:
     """``region``'s weakly connected parts (edges between its own nodes), each in graph order,
     ordered by their first node."""
@@ -372,10 +374,21 @@ def _components(region: list[fx.Node]) -> list[list[fx.Node]]:
         for a in n.all_input_nodes:
             if a in inside and a not in peeled:
                 parent[find(a)] = find(n)
-    for source in sources:  # joins its users' part, or stays alone where they are several
+    members: dict[fx.Node, list[fx.Node]] = {}
+    for n in region:
+        if n not in peeled:
+            members.setdefault(find(n), []).append(n)
+
+    def signature(root: fx.Node) -> tuple[str, ...]:
+        return tuple(str(n.target) for n in members.get(root, ()))
+
+    for source in sources:  # joins the parts it feeds, unless two of them are copies of one part
         users = {find(u) for u in source.users if u in inside}
-        if len(users) == 1:
-            parent[find(source)] = users.pop()
+        signatures = [signature(root) for root in users]
+        if len(set(signatures)) < len(signatures):
+            continue  # a region of its own: NOTE [One region per connected part]
+        for root in users:
+            parent[find(root)] = find(source)
     parts: dict[fx.Node, list[fx.Node]] = {}
     for n in region:
         parts.setdefault(find(n), []).append(n)
