@@ -354,7 +354,7 @@ def split_regions(gm: fx.GraphModule, res: SeqAnalysis, mixers: set[fx.Node] = f
 # rank's positions (``arange`` plus its offset) feed the embedding's gather and every block's
 # filter. Where two of the parts a source feeds are copies of one part (the same ops in the same
 # order: one per block), the source is a region of its own, upstream of them; otherwise it joins
-# the parts it feeds into one region, as before (the DNA LM's positions feed its embedding's
+# the parts it feeds into one region (the DNA LM's positions feed its embedding's
 # gather and the labels' gather, which stay one region).
 def _components(region: list[fx.Node]) -> list[list[fx.Node]]:
     """``region``'s weakly connected parts (edges between its own nodes), each in graph order,
