@@ -385,22 +385,12 @@ def conv_spans(gm: fx.GraphModule, analysis: SeqAnalysis) -> list[list[fx.Node]]
     for n in gm.graph.nodes:  # a pad is recomputed with its conv; it runs before it in graph order
         if seq_regions.op_packet(n) in _PADS and n not in tok and n.users and all(u in member for u in n.users):
             member.add(n)
-    parent = {n: n for n in member}
-
-    def find(n: fx.Node) -> fx.Node:
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
+    union = seq_regions.NodeUnion(member)
     for n in member:
         for a in n.all_input_nodes:
             if a in member:
-                parent[find(a)] = find(n)
-    groups: dict[fx.Node, list[fx.Node]] = {}
-    for n in gm.graph.nodes:
-        if n in member:
-            groups.setdefault(find(n), []).append(n)
+                union.join(a, n)
+    groups = union.parts(n for n in gm.graph.nodes if n in member)
     return [g for g in groups.values() if any(seq_regions.op_packet(x) in _CONV_SEEDS for x in g)]
 
 

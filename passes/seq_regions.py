@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -360,39 +360,51 @@ def _components(region: list[fx.Node]) -> list[list[fx.Node]]:
     """``region``'s weakly connected parts (edges between its own nodes), each in graph order,
     ordered by their first node."""
     inside = set(region)
-    parent = {n: n for n in region}
-
-    def find(n: fx.Node) -> fx.Node:
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
+    union = NodeUnion(region)
     sources = [n for n in region if not any(a in inside for a in n.all_input_nodes)]
     peeled = set(sources)
     for n in region:
         for a in n.all_input_nodes:
             if a in inside and a not in peeled:
-                parent[find(a)] = find(n)
-    members: dict[fx.Node, list[fx.Node]] = {}
-    for n in region:
-        if n not in peeled:
-            members.setdefault(find(n), []).append(n)
+                union.join(a, n)
+    members = union.parts(n for n in region if n not in peeled)
 
     def signature(root: fx.Node) -> tuple[str, ...]:
         return tuple(str(n.target) for n in members.get(root, ()))
 
     for source in sources:  # joins the parts it feeds, unless two of them are copies of one part
-        users = {find(u) for u in source.users if u in inside}
+        users = {union.find(u) for u in source.users if u in inside}
         signatures = [signature(root) for root in users]
         if len(set(signatures)) < len(signatures):
             continue  # a region of its own: NOTE [One region per connected part]
         for root in users:
-            parent[find(root)] = find(source)
-    parts: dict[fx.Node, list[fx.Node]] = {}
-    for n in region:
-        parts.setdefault(find(n), []).append(n)
-    return list(parts.values())
+            union.join(root, source)
+    return list(union.parts(region).values())
+
+
+class NodeUnion:
+    """Union-find over FX nodes: which of ``nodes`` are joined into one part."""
+
+    def __init__(self, nodes: Iterable[fx.Node]) -> None:
+        self._parent = {n: n for n in nodes}
+
+    def find(self, n: fx.Node) -> fx.Node:
+        """The root of ``n``'s part."""
+        parent = self._parent
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    def join(self, a: fx.Node, b: fx.Node) -> None:
+        self._parent[self.find(a)] = self.find(b)
+
+    def parts(self, nodes: Iterable[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+        """``nodes`` by the root of their part, each part in the order given."""
+        out: dict[fx.Node, list[fx.Node]] = {}
+        for n in nodes:
+            out.setdefault(self.find(n), []).append(n)
+        return out
 
 
 def _mixer_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int, mixes: Callable[[fx.Node], bool]) -> int | None:
