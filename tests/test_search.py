@@ -171,6 +171,15 @@ def test_folded_tiling_bisects_for_the_least_tiled_that_fits() -> None:
         assert len(calls) == len(set(calls)) <= math.ceil(math.log2(len(rungs))) + 1
         assert [t for _, t in tried] == sorted((transient[r] for r in calls), reverse=True)
     # None fits and more tiling stops freeing memory: the least tiled of those that need the least.
+    # Two blocks that free nothing between them end the search before the smallest block's fold.
     flat = {r: max(1000 - 100 * i, 700) for i, r in enumerate(rungs)}
     chosen, tried = fit_pinned(rungs, flat.__getitem__, 500)
-    assert chosen == rungs[3] and all(t > 500 for _, t in tried) and rungs[3] in [r for r, _ in tried]
+    assert chosen == rungs[3] and all(t > 500 for _, t in tried)
+    assert [r for r, _ in tried] == [rungs[3], rungs[5]]
+    # Only rungs of every kind end it; here the smallest block would have fitted: the price of
+    # skipping the costliest fold once memory has stopped falling.
+    kinds_first = [PinnedTiling(("attention",), 4096), PinnedTiling(("attention", "region"), 4096),
+                   *(PinnedTiling(("attention", "region"), 2048 >> i) for i in range(3))]
+    steps = dict(zip(kinds_first, (1000, 1000, 1000, 995, 400), strict=True))
+    chosen, tried = fit_pinned(kinds_first, steps.__getitem__, 500)
+    assert chosen == kinds_first[2] and [r for r, _ in tried] == kinds_first[2:4]

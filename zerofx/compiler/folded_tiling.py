@@ -30,7 +30,9 @@ the search measured. The choice is made for the whole model from the cuts:
   timeline] in zerofx/compiler/search.py); when none fits, the least tiled of those tried
   that need the least memory (within ``NO_FIT_TOLERANCE``). On the 100m model above, 2,048-,
   512- and 256-token blocks all peaked at 964 MiB of activations against 646 MiB: what is left
-  is not in the tiled regions, and smaller blocks would only add chunks.
+  is not in the tiled regions, and smaller blocks would only add chunks. So two settings of
+  every kind that do not fit and need the same memory end the bisection, before the smallest
+  blocks, the costliest folds.
 Unlike ``"auto"`` on a whole capture, a kind is tiled in every block or in none, so it can tile
 more than the fewest ops that fit: the price of a plan that folds. ``zerofx plan`` folding a
 config with ``true`` and no ``block_size`` pins the whole model's block in its cuts the same way
@@ -163,22 +165,37 @@ def fit_pinned(rungs: Sequence[PinnedTiling], transient_of: Callable[[PinnedTili
     """The least tiled of ``rungs`` whose transient memory (``transient_of``, from the folded
     timeline) fits ``budget_bytes``, by bisection, assuming more tiling never needs more. When
     none fits, the least tiled tried within ``NO_FIT_TOLERANCE`` of the least memory tried. Also
-    every setting tried, with its transient."""
+    every setting tried, with its transient.
+
+    Among the rungs that tile every kind (the same kinds as the last, in smaller and smaller
+    blocks), two that do not fit and need the same memory (within ``NO_FIT_TOLERANCE``) end the
+    search: what is left is outside the tiled regions, so smaller blocks would free nothing
+    either, and their folds are the costliest ones (the most chunks)."""
     tried: dict[int, float] = {}
+    every_kind = [i for i, r in enumerate(rungs) if r.kinds == rungs[-1].kinds]
 
     def fits(i: int) -> bool:
         if i not in tried:
             tried[i] = transient_of(rungs[i])
         return tried[i] <= budget_bytes
 
+    def freed_nothing(i: int) -> bool:
+        """``i`` (not fitting) freed less than the tolerance against a less tiled rung of every
+        kind tried; the bisection only passes rungs that do not fit, so that one did not either."""
+        return i in every_kind and any(j < i and j in every_kind and tried[i] >= tried[j] * (1 - NO_FIT_TOLERANCE) for j in tried)
+
     low, high = 0, len(rungs) - 1
+    stopped = False
     while low < high:
         mid = (low + high) // 2
         if fits(mid):
             high = mid
+        elif freed_nothing(mid):
+            stopped = True
+            break
         else:
             low = mid + 1
-    if not fits(low):
+    if stopped or not fits(low):
         least = min(tried.values())
         low = min(i for i, t in tried.items() if t <= least * (1 + NO_FIT_TOLERANCE))
     return rungs[low], [(rungs[i], tried[i]) for i in sorted(tried)]
