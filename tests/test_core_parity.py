@@ -7,6 +7,8 @@ reference. The engine's real tensors are checked against ``program.memory``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -28,10 +30,25 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+@pytest.fixture(scope="module")
+def sgd_runs() -> Callable[[int], list[dict]]:
+    """The DNA LM trained with SGD and small buckets at stages 0-3 on ``world_size`` ranks, run
+    once per world size for the module: the parity test checks it against PyTorch, and the
+    reduce-scatter test, at stages 1-3, against the same training with gloo's own reduce-scatter."""
+    runs: dict[int, list[dict]] = {}
+
+    def at(world_size: int) -> list[dict]:
+        if world_size not in runs:
+            runs[world_size] = run_ranks(world_size, train_zerofx, "dna", [0, 1, 2, 3], STEPS, SGD, SMALL_BUCKETS)
+        return runs[world_size]
+
+    return at
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_sgd_parity_all_stages(world_size: int) -> None:
+def test_sgd_parity_all_stages(world_size: int, sgd_runs: Callable[[int], list[dict]]) -> None:
     expected = reference("dna", world_size, STEPS, SGD)
-    results = run_ranks(world_size, train_zerofx, "dna", [0, 1, 2, 3], STEPS, SGD, SMALL_BUCKETS)
+    results = sgd_runs(world_size)
     for rank, by_stage in enumerate(results):
         assert by_stage[3]["num_buckets"][0] > 2 and by_stage[2]["num_buckets"][1] > 2
         for stage, res in by_stage.items():
@@ -45,12 +62,12 @@ def test_sgd_parity_all_stages(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_reduce_scatter_as_an_all_to_all_matches_gloos_own(world_size: int) -> None:
+def test_reduce_scatter_as_an_all_to_all_matches_gloos_own(world_size: int, sgd_runs: Callable[[int], list[dict]]) -> None:
     # NOTE [gloo's reduce-scatter as an all-to-all]: on gloo the graphs issue each gradient
     # reduce-scatter as an all-to-all and a sum by default; the same training with gloo's own
     # reduce-scatter ends at the same weights, bit for bit with 2 ranks (one addition either way).
     stages = [1, 2, 3]
-    by_all_to_all = run_ranks(world_size, train_zerofx, "dna", stages, STEPS, SGD, SMALL_BUCKETS)
+    by_all_to_all = sgd_runs(world_size)  # the parity test's run, the default
     native = run_ranks(world_size, train_zerofx, "dna", stages, STEPS, SGD, SMALL_BUCKETS, {"reduce_scatter_by_all_to_all": False})
     expected = reference("dna", world_size, STEPS, SGD)
     for rank in range(world_size):
