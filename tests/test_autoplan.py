@@ -225,9 +225,10 @@ def test_a_folded_search_chooses_and_predicts_what_the_whole_one_does() -> None:
     model = build_model("small", device="meta")
     ids = torch.zeros(1, 256, dtype=torch.long, device="meta")  # (B, T)
 
-    def run(budget: float, fold: str, recomputes: tuple[str, ...], stages: tuple[int, ...] = (2, 3)) -> AutoPlan:
-        space = SearchSpace(stages=stages, sequence_parallel=(1,), shard_group_sizes=None, offloads=("none",), tilings=("off",),
-                            recomputes=recomputes, micro_batch=1, accumulation=1)
+    def run(budget: float, fold: str, recomputes: tuple[str, ...], stages: tuple[int, ...] = (2, 3),
+            shard_group_sizes: tuple[int, ...] | None = None) -> AutoPlan:
+        space = SearchSpace(stages=stages, sequence_parallel=(1,), shard_group_sizes=shard_group_sizes, offloads=("none",),
+                            tilings=("off",), recomputes=recomputes, micro_batch=1, accumulation=1)
         return search(model, resize_inputs((ids,), {"labels": ids}), {"zerofx": {"memory_budget": budget}}, world_size=4, seq_len=256,
                       batch=1, budget_bytes=budget, space=space, fold=fold)
 
@@ -245,8 +246,9 @@ def test_a_folded_search_chooses_and_predicts_what_the_whole_one_does() -> None:
         for e in compared:
             assert e.step_s == pytest.approx(by_candidate[e.candidate].step_s, rel=1e-6)
             assert e.peak_bytes == pytest.approx(by_candidate[e.candidate].peak_bytes, rel=1e-6)
-    # Recompute at stage 3 alone: a recompute search plans its candidates whole, the costly part.
-    whole, folded = (run(0.7 * stage3.peak_bytes, fold, ("off", "auto"), (3,)) for fold in ("off", "on"))
+    # Recompute at stage 3 alone, flat (K 4): a recompute search plans its candidates whole, the
+    # costly part; the choice between shard group sizes is the budgets' above.
+    whole, folded = (run(0.7 * stage3.peak_bytes, fold, ("off", "auto"), (3,), (4,)) for fold in ("off", "on"))
     assert folded.chosen is not None and whole.chosen is not None
     assert folded.chosen.candidate == whole.chosen.candidate and folded.chosen.candidate.recompute == "auto"
     assert folded.chosen.recomputed == whole.chosen.recomputed > 0
