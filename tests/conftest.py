@@ -101,14 +101,18 @@ def _starts_processes(item: pytest.Item) -> bool:
 # pytest-xdist hands whole files to its two workers in queue order (--dist loadfile), so a long
 # file started last leaves the other worker idle at the end (25 s of a 525 s run, measured).
 # The queue is the collection order, longest files first (durations of the full suite on 2
-# cores, 2026-12-02; a stale order only costs balance). xdist 3 would reorder files by their
-# number of tests instead, which puts many quick parametrized cases first: pytest_configure
-# turns that off.
-LONGEST_FIRST = ("test_tiling.py", "test_planning.py", "test_sequence_parallel.py", "test_checkpoint.py", "test_quickstart.py",
-                 "test_core_parity.py", "test_compile.py", "test_offload.py", "test_meta_init.py", "test_core_passes.py",
-                 "test_engine_faults.py", "test_bench_smoke.py", "test_sp_planning.py", "test_genome_cli.py", "test_own_data.py",
-                 "test_hierarchical.py", "test_grad_offload.py", "test_packaging.py", "test_plan_output.py", "test_multinode.py",
-                 "test_training.py", "test_sp_zero_compose.py", "test_sp_checkpoint.py", "test_monitors.py", "test_plan_cache.py")
+# cores, 2026-12-07, every file of a second or more; a stale order only costs balance). xdist
+# 3 would reorder files by their number of tests instead, which puts many quick parametrized
+# cases first: pytest_configure turns that off.
+LONGEST_FIRST = ("test_autoplan.py", "test_planning.py", "test_tiling.py", "test_capped.py", "test_checkpoint.py",
+                 "test_core_parity.py", "test_genomic_models.py", "test_predictions.py", "test_quickstart.py",
+                 "test_sequence_parallel.py", "test_compile.py", "test_sp_zero_compose.py", "test_sp_conv_mixers.py",
+                 "test_tiling_mixers.py", "test_sp_plan_cli.py", "test_offload.py", "test_recompute.py", "test_sp_scan_mixer.py",
+                 "test_cost_models.py", "test_engine_faults.py", "test_multinode.py", "test_meta_init.py", "test_bench_smoke.py",
+                 "test_sp_planning.py", "test_core_passes.py", "test_hierarchical.py", "test_grad_offload.py",
+                 "test_sp_checkpoint.py", "test_packaging.py", "test_genome_cli.py", "test_own_data.py", "test_hf_mamba.py",
+                 "test_comm_model.py", "test_training.py", "test_plan_cache.py", "test_plan_output.py", "test_monitors.py",
+                 "test_sweep.py", "test_infinity_plan.py", "test_core_api.py", "test_layers.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
