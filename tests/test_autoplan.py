@@ -60,11 +60,18 @@ RECOMPUTE = SearchSpace(stages=(3,), sequence_parallel=(1,), shard_group_sizes=N
                         recomputes=("off", "auto"), micro_batch=1, accumulation=1)
 
 
-def test_a_tighter_budget_picks_recompute() -> None:
+@pytest.fixture(scope="module")
+def loose_recompute() -> AutoPlan:
+    """RECOMPUTE at 512 tokens with room to spare, searched once: the recompute and margin tests
+    set their budgets from its plain plan's peak."""
+    return _search(512, 1e9, RECOMPUTE)
+
+
+def test_a_tighter_budget_picks_recompute(loose_recompute: AutoPlan) -> None:
     """With room to spare nothing is recomputed (the recompute candidates are not even tried); a
     budget below the default min-cut's peak makes the search recompute the fewest saved
     activations that fit, at a small cost in predicted time, and the config block says so."""
-    loose = _search(512, 1e9, RECOMPUTE)
+    loose = loose_recompute
     assert loose.chosen is not None and loose.chosen.candidate.recompute == "off" and loose.chosen.recomputed == 0
     assert [e.candidate.recompute for e in loose.ranked] == ["off"]
     plain_peak = loose.chosen.peak_bytes
@@ -135,14 +142,14 @@ def test_inductor_is_chosen_where_what_it_keeps_resident_fits(tmp_path: Path) ->
         assert search_space(cfg, cfg.auto, world_size=2, seq_len=512, batch=1).compilers == expected
 
 
-def test_a_memory_margin_keeps_the_choice_clear_of_the_budget() -> None:
+def test_a_memory_margin_keeps_the_choice_clear_of_the_budget(loose_recompute: AutoPlan) -> None:
     """NOTE [The memory margin]: with ``zerofx.memory_margin`` the search fits the predicted peak
     to the budget less the margin, so a budget the plain plan fits by 5% with a 10% margin needs
     recompute; the result says so, and its config block carries the margin, so the plan it
     describes fits the same figure when planned again."""
     from zerofx.config.options import planned_budget_bytes
 
-    loose = _search(512, 1e9, RECOMPUTE)
+    loose = loose_recompute
     assert loose.chosen is not None
     budget = 1.05 * loose.chosen.peak_bytes
     plain = _search(512, budget, RECOMPUTE)
