@@ -29,7 +29,8 @@ def test_row_ratios_and_targets() -> None:
 
 
 @pytest.mark.multiprocess
-def test_smoke_run_reports_every_configuration(tmp_path: Path) -> None:
+def test_smoke_run_reports_every_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "262144")  # main sets it for its ranks; restored after the test
     out = tmp_path / "predictions"
     assert main(["--smoke", "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
