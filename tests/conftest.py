@@ -62,18 +62,17 @@ if "ZEROFX_PLAN_CACHE" not in os.environ:
 # test modules are imported (pytest_collection_finish), the objects that exist then are moved
 # out of the collector's sight for good (gc.freeze: they are modules, classes and functions,
 # not garbage), and the youngest generation is collected every 2,000 allocations instead of
-# 700. tests/test_autoplan.py then takes 118 s, its peak resident memory the same. Nothing that
-# frees memory depends on it: a tensor is freed when its last reference goes, which is what
-# the tests that count freed tensors check. The ranks and commands the tests start keep
-# Python's defaults: a rank's collections took at most 2.7 s over all of
-# tests/test_core_parity.py and tests/test_sp_conv_mixers.py, measured.
-_GC_FIRST_GENERATION = 2000
-
-
+# 700 (GC_FIRST_GENERATION). tests/test_autoplan.py then takes 118 s, its peak resident memory
+# the same. The pooled ranks do the same when they start (tests/support/dist_utils.py): four
+# multi-rank files took 103 s against 110 s. Nothing that frees memory depends on it: a tensor
+# is freed when its last reference goes, which is what the tests that count freed tensors
+# check. A rank started for one call and the commands the tests start keep Python's defaults.
 def pytest_collection_finish(session: pytest.Session) -> None:
+    from tests.support.dist_utils import GC_FIRST_GENERATION
+
     gc.collect()
     gc.freeze()
-    gc.set_threshold(_GC_FIRST_GENERATION, *gc.get_threshold()[1:])
+    gc.set_threshold(GC_FIRST_GENERATION, *gc.get_threshold()[1:])
 
 
 _STARTS_PROCESSES = re.compile(r"run_ranks\(|subprocess\.|mp\.spawn|\[\s*\"train\"|torchrun|\.ci/")

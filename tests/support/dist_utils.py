@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import gc
 import io
 import multiprocessing.connection as mp_connection
 import os
@@ -39,6 +40,7 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 TIMEOUT_S = 900.0  # a call's ranks, all together
+GC_FIRST_GENERATION = 2000  # allocations between young collections, here and in the test processes (tests/conftest.py)
 AFTER_ERROR_S = 20.0  # once one rank failed, the others may hang in a collective
 
 
@@ -85,6 +87,14 @@ def _serve(conn: Any, once: bool) -> None:
     faulthandler.enable()  # a segfault in a rank prints every thread's Python stack to stderr
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # and a call that never finishes, when asked
     torch.set_num_threads(1)
+    if not once:
+        # What a pooled rank holds so far is what the server imported: out of the cycle
+        # collector's sight, with the youngest generation collected as in the test processes
+        # (tests/conftest.py), so its full collections walk only what its calls make. A rank
+        # started for one call keeps Python's defaults: those tests measure its peak memory.
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(GC_FIRST_GENERATION, *gc.get_threshold()[1:])
     environ = dict(os.environ)
     while True:
         try:
