@@ -23,7 +23,9 @@ The rank's index is not a graph constant: it is ``positions[0] // (T/S)`` of ``c
   outputs; the padded form runs with padding 0, so the slice to T after it is the whole-slice case.
   Autograd through the all-to-all sends the halo's gradient back to its owner. Refused: stride or
   dilation other than 1, groups other than the channels (depthwise), K - 1 > T/S (the halo would
-  reach past the neighbour), any padding but K - 1 zeros on the left.
+  reach past the neighbour), any padding but K - 1 zeros on the left. A 1-tap conv with stride 1
+  and no padding (``is_pointwise_conv1d`` in passes/seq_regions.py) reads each position alone:
+  it is token-wise, not this mixer's, and runs on the rank's slice with nothing exchanged.
 - Long conv (``long_conv``, ``"channels"``): ``irfft(rfft(u, n=2T) * rfft(h, n=2T), n=2T)[..., :T]``
   (``fft_causal_conv`` in zerofx/models/long_conv.py). The signal (..., C, T/S) and the filter's
   lags (C, T/S) (computed token-wise from ``arange(T)`` cut to the rank's positions, so each rank
@@ -50,7 +52,7 @@ from zerofx.common.units import format_bytes
 from zerofx.cost_models.sequence import (HaloDims, LongConvDims, PrefixDims, channels_exchange_bytes, halo_exchange_bytes,
                                          prefix_exchange_bytes)
 from zerofx.passes import _compat, meta
-from zerofx.passes.seq_regions import op_packet
+from zerofx.passes.seq_regions import is_empty_pad, is_pointwise_conv1d, op_packet
 from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
 
 aten = torch.ops.aten
@@ -101,7 +103,7 @@ def _is_conv1d(node: fx.Node) -> bool:
 
 def _is_causal_pad(node: fx.Node) -> bool:
     """A pad whose only user is a conv1d reading it as its input (what the short-conv mixer owns)."""
-    if op_packet(node) not in _PADS or len(node.users) != 1:
+    if op_packet(node) not in _PADS or len(node.users) != 1 or is_empty_pad(node):
         return False
     user = next(iter(node.users))
     return _is_conv1d(user) and user.args[0] is node
@@ -125,7 +127,7 @@ class ShortConvMixer:
            "rank's slice from its left neighbour, one all-to-all; NOTE [Convolutions along the sequence]) or \"auto\" (the same)")
 
     def matches(self, node: fx.Node) -> bool:
-        return _is_conv1d(node) or _is_causal_pad(node)
+        return (_is_conv1d(node) and not is_pointwise_conv1d(node)) or _is_causal_pad(node)
 
     def check(self, node: fx.Node, ctx: MixerCheck) -> ShortConvSite | None:
         an, t, size = ctx.analysis, ctx.analysis.seq_len, ctx.size

@@ -91,6 +91,31 @@ def _norm(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
 
 
+def _int(x: object) -> object:
+    """A conv's per-dimension argument: an int, or the int of a one-element list."""
+    return x[0] if isinstance(x, (list, tuple)) and len(x) == 1 else x
+
+
+def is_pointwise_conv1d(node: fx.Node) -> bool:
+    """A ``conv1d`` whose output at position t reads its input at t alone: one tap, stride 1, no
+    padding (``padding=0``, ``"valid"`` or ``"same"``). A 1-tap conv (Hugging Face Mamba's
+    ``conv_kernel=1``) is token-wise, not a mixer (NOTE [Convolutions along the sequence] in
+    passes/mixer_conv.py)."""
+    if op_packet(node) is not aten.conv1d or len(node.args) < 2:
+        return False
+    w = _val(node.args[1])
+    stride = node.args[3] if len(node.args) > 3 else node.kwargs.get("stride", 1)
+    padding = node.args[4] if len(node.args) > 4 else node.kwargs.get("padding", 0)
+    return (isinstance(w, torch.Tensor) and w.dim() == 3 and w.shape[-1] == 1 and _int(stride) == 1
+            and _int(padding) in (0, "valid", "same"))
+
+
+def is_empty_pad(node: fx.Node) -> bool:
+    """A constant pad of zero widths on every side: a copy."""
+    return (op_packet(node) in (aten.pad, aten.constant_pad_nd) and len(node.args) > 1
+            and all(w == 0 for w in node.args[1]))
+
+
 @dataclass(frozen=True)
 class AttentionMatch:
     """``softmax(q kᵀ · scale + mask) v`` found in the graph: ``output`` is the node to replace."""
@@ -213,6 +238,10 @@ def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int
         return s if s < rank - len(args[1]) else None
     if pk is aten.linear:
         return s if s < rank - 1 else None
+    if pk is aten.conv1d:  # (B, C, T): one tap reads its own position
+        return s if s == rank - 1 and is_pointwise_conv1d(node) and sd.get(args[1]) is None else None
+    if is_empty_pad(node):
+        return s
     if pk is aten.matmul:
         w = args[1]
         ok = isinstance(w, fx.Node) and sd.get(w) is None and _rank(w) in (1, 2) and s < rank - 1

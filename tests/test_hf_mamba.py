@@ -170,27 +170,31 @@ def test_tensor_split_of_another_dim_is_token_wise() -> None:
 
 # --------------------------------------------------------------------------- parity in gloo groups
 # The forward's scan ops and all-to-alls per case, with 2 layers. Under sequence parallelism each
-# scan runs twice (from zero and from the passed state) and sends one all-to-all, each conv one
-# halo all-to-all, and the rank's position and the loss's sum and count take 2 more: Mamba-1 has
-# 2 scans and 2 convs (4 scan ops, 6 all-to-alls), Mamba-2 a scan per group of heads, 4 (8 scan
-# ops, 2 + 2 + 4 all-to-alls). Without sequence parallelism: one op per scan, no all-to-all.
-EXPECTED = {("mamba", 2): (4, 6), ("mamba2", 2): (8, 8), ("mamba", 1): (2, 0), ("mamba2", 1): (4, 0)}
+# scan runs twice (from zero and from the passed state) and sends one all-to-all, each conv of
+# more than one tap one halo all-to-all (a 1-tap conv is token-wise: none), and the rank's
+# position and the loss's sum and count take 2 more: Mamba-1 has 2 scans and 2 convs (4 scan
+# ops, 6 all-to-alls; 4 with 1-tap convs), Mamba-2 a scan per group of heads, 4 (8 scan ops,
+# 2 + 2 + 4 all-to-alls). Without sequence parallelism: one op per scan, no all-to-all.
+EXPECTED = {("mamba", 2, 4): (4, 6), ("mamba", 2, 1): (4, 4), ("mamba2", 2, 4): (8, 8), ("mamba", 1, 4): (2, 0),
+            ("mamba2", 1, 4): (4, 0)}
 
 
 @pytest.mark.multiprocess
 def test_parity_sequence_2_and_stage_3_without_it() -> None:
     """World 2, SGD, fp32, 3 steps, ignored labels, against Hugging Face's own (unadapted)
     forward in plain PyTorch, within 1e-5: Mamba-1 at stage 0 and Mamba-2 at stage 3 over one
-    sequence group of 2 (T 64, 32 per rank: 4 scan chunks), a padded row in the batch; and both at
-    stage 3 without sequence parallelism over 2 data groups (T 32). Mamba-2 without sequence
-    parallelism runs unpadded (docs/sequence-parallel.md: its mask is tested by value in
-    Hugging Face's ``create_recurrent_attention_mask``, which capture refuses)."""
-    cases = [("mamba", 0, 2, 64, True), ("mamba2", 3, 2, 64, True), ("mamba", 3, 1, 32, True), ("mamba2", 3, 1, 32, False)]
+    sequence group of 2 (T 64, 32 per rank: 4 scan chunks), a padded row in the batch; Mamba-1
+    with 1-tap convs (``conv_kernel=1``, token-wise) at stage 2 over one sequence group of 2
+    (T 32); and both at stage 3 without sequence parallelism over 2 data groups (T 32). Mamba-2
+    without sequence parallelism runs unpadded (docs/sequence-parallel.md: its mask is tested by
+    value in Hugging Face's ``create_recurrent_attention_mask``, which capture refuses)."""
+    cases = [("mamba", 0, 2, 64, True, 4), ("mamba2", 3, 2, 64, True, 4), ("mamba", 2, 2, 32, True, 1), ("mamba", 3, 1, 32, True, 4),
+             ("mamba2", 3, 1, 32, False, 4)]
     results = run_ranks(2, workers.train, cases, STEPS)
     for case in cases:
-        kind, _, size, seq_len, masked = case
-        expected = workers.reference(kind, 2 // size, STEPS, seq_len, masked)
-        initial = workers.reference(kind, 2 // size, 0, seq_len, masked)
+        kind, _, size, seq_len, masked, taps = case
+        expected = workers.reference(kind, 2 // size, STEPS, seq_len, masked, taps)
+        initial = workers.reference(kind, 2 // size, 0, seq_len, masked, taps)
         assert max((expected["state"][k] - initial["state"][k]).abs().max().item() for k in initial["state"]) > 1e-3  # training moved
         for rank, by_case in enumerate(results):
             res = by_case[case]
@@ -198,8 +202,9 @@ def test_parity_sequence_2_and_stage_3_without_it() -> None:
             diff = max((res["state"][k].double() - expected["state"][k].double()).abs().max().item() for k in res["state"])
             assert diff < 1e-5, (rank, case, diff)
             assert res["losses"] == pytest.approx([step[rank // size] for step in expected["losses"]], abs=1e-5), (rank, case)
-            assert (res["scans"], res["all_to_alls"]) == EXPECTED[kind, size], (rank, case)
+            assert (res["scans"], res["all_to_alls"]) == EXPECTED[kind, size, taps], (rank, case)
             if size > 1:
                 decisions = "\n".join(res["decisions"])
-                scans = EXPECTED[kind, size][0] // 2
-                assert "2 short convolution(s) (4 taps)" in decisions and f"{scans} selective scan(s) by state passing" in decisions, decisions
+                scans = EXPECTED[kind, size, taps][0] // 2
+                assert f"{scans} selective scan(s) by state passing" in decisions, decisions
+                assert ("2 short convolution(s) (4 taps)" in decisions) == (taps == 4), decisions

@@ -14,8 +14,8 @@ SGD = {"type": "SGD", "params": {"lr": 0.1}}
 VOCAB, IGNORE, BATCH, CHUNK_LEN = 8, -100, 2, 8
 
 
-def hf_model(kind: str, dtype: torch.dtype = torch.float32, adapt: bool = True) -> torch.nn.Module:
-    """Hidden 32, 2 layers, state 8, conv 4 taps. Mamba-2: 4 heads of 16 channels in 2 groups
+def hf_model(kind: str, dtype: torch.dtype = torch.float32, adapt: bool = True, conv_kernel: int = 4) -> torch.nn.Module:
+    """Hidden 32, 2 layers, state 8, conv ``conv_kernel`` taps. Mamba-2: 4 heads of 16 channels in 2 groups
     (each group's B and C shared by 2 heads), Hugging Face's chunk 16. Seeded, so every call
     builds the same weights; ``adapt``: with ``use_zerofx_scan`` (chunks of 8)."""
     from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
@@ -23,10 +23,10 @@ def hf_model(kind: str, dtype: torch.dtype = torch.float32, adapt: bool = True) 
     torch.manual_seed(0)
     if kind == "mamba":
         net = MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
-                                           conv_kernel=4, use_cache=False))
+                                           conv_kernel=conv_kernel, use_cache=False))
     else:
         net = Mamba2ForCausalLM(Mamba2Config(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
-                                             head_dim=16, num_heads=4, n_groups=2, conv_kernel=4, chunk_size=16, use_cache=False))
+                                             head_dim=16, num_heads=4, n_groups=2, conv_kernel=conv_kernel, chunk_size=16, use_cache=False))
     net = net.to(dtype)
     return use_zerofx_scan(net, chunk_len=CHUNK_LEN) if adapt else net
 
@@ -49,10 +49,10 @@ def padding(mask: torch.Tensor, masked: bool) -> dict[str, torch.Tensor]:
     return {"attention_mask": mask} if masked else {}
 
 
-def reference(kind: str, num_groups: int, steps: int, seq_len: int, masked: bool) -> dict:
+def reference(kind: str, num_groups: int, steps: int, seq_len: int, masked: bool, conv_kernel: int = 4) -> dict:
     """Hugging Face's own forward (not adapted) on the whole global batch: each step the mean over
     data groups of each group's loss, SGD; ``masked``: with the attention mask."""
-    net = hf_model(kind, adapt=False)
+    net = hf_model(kind, adapt=False, conv_kernel=conv_kernel)
     opt = torch.optim.SGD(net.parameters(), lr=SGD["params"]["lr"])
     ids, labels, mask = batches(num_groups, steps, seq_len)
     losses = []
@@ -65,20 +65,20 @@ def reference(kind: str, num_groups: int, steps: int, seq_len: int, masked: bool
     return {"state": {k: v.detach().clone() for k, v in net.state_dict().items()}, "losses": losses}
 
 
-def train(rank: int, world_size: int, cases: list[tuple[str, int, int, int, bool]], steps: int) -> dict:
-    """For each (kind, stage, sequence-parallel size, T, with the attention mask): ``steps`` SGD steps of the adapted model,
+def train(rank: int, world_size: int, cases: list[tuple[str, int, int, int, bool, int]], steps: int) -> dict:
+    """For each (kind, stage, sequence-parallel size, T, with the attention mask, conv taps): ``steps`` SGD steps of the adapted model,
     every rank of a sequence group on its group's whole batch (size 1: no sequence parallelism,
     each rank its own data group); the full state, this rank's losses, the plan's decisions and
     the forward's scan ops and all-to-alls."""
     out = {}
     for case in cases:
-        kind, stage, size, seq_len, masked = case
+        kind, stage, size, seq_len, masked, conv_kernel = case
         group = rank // size
         ids, labels, mask = batches(world_size // size, steps, seq_len)
         config = {"zero_optimization": {"stage": stage}, "optimizer": SGD}
         if size > 1:
             config["zerofx"] = {"sequence_parallel": {"size": size}}
-        engine = zerofx.initialize(hf_model(kind), config, example_inputs=(ids[0, group],),
+        engine = zerofx.initialize(hf_model(kind, conv_kernel=conv_kernel), config, example_inputs=(ids[0, group],),
                                    example_kwargs={"labels": labels[0, group], **padding(mask[0, group], masked)})
         losses = []
         for step in range(steps):
