@@ -55,6 +55,17 @@ if "ZEROFX_PLAN_CACHE" not in os.environ:
         if os.getpid() == _PLAN_CACHE_OWNER:  # not in a process forked from this one
             shutil.rmtree(os.environ["ZEROFX_PLAN_CACHE"], ignore_errors=True)
 
+# The data cache (zerofx.data.prepared.data_cache_dir): a FASTA given to zerofx train is prepared
+# there on first use; the suite's goes in a directory this run creates and removes, as the plans do.
+if "ZEROFX_DATA_CACHE" not in os.environ:
+    os.environ["ZEROFX_DATA_CACHE"] = tempfile.mkdtemp(prefix="zerofx-test-data-")
+    _DATA_CACHE_OWNER = os.getpid()
+
+    @atexit.register
+    def _remove_data_cache() -> None:
+        if os.getpid() == _DATA_CACHE_OWNER:
+            shutil.rmtree(os.environ["ZEROFX_DATA_CACHE"], ignore_errors=True)
+
 # Python's cycle collector in the test processes. The planning tests build and drop FX graphs of
 # millions of objects, and with the default thresholds each full collection also walked every
 # object torch, transformers and zerofx made at import: 20% of tests/test_autoplan.py's time

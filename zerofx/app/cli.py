@@ -765,9 +765,37 @@ def cmd_train(args: argparse.Namespace) -> int:
             steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
             print_graph=args.print_graph, print_graph_code=args.print_graph_code, output_dir=args.output_dir, save_every=args.save_every,
             keep_last=args.keep_last, collective_timeout_s=args.collective_timeout_s,
-            objective=Objective(args.objective), kmer=args.kmer,
+            objective=Objective(args.objective), kmer=args.kmer, data=args.data, bed=args.bed,
+            holdout_records=tuple(r for r in (args.holdout_records or "").split(",") if r), holdout_bed=args.holdout_bed,
+            max_n_fraction=args.max_n_fraction, reverse_complement=args.reverse_complement,
         )
     )
+    return 0
+
+
+# --------------------------------------------------------------------------- data prepare
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    """Prepare FASTA files (or a manifest's) once for random access (``zerofx.data.prepared``)."""
+    import time
+
+    from tqdm import tqdm
+
+    from zerofx.data.prepared import Source, is_manifest, open_prepared, prepare_genome, read_manifest, verify_prepared
+
+    sources = [s for path in args.inputs for s in (read_manifest(path) if is_manifest(path) else [Source(path)])]
+    total = sum(s.path.stat().st_size for s in sources if s.path.is_file())
+    t0 = time.perf_counter()
+    with tqdm(total=total, unit="B", unit_scale=True, desc="prepare", file=sys.stderr, disable=args.quiet) as bar:
+        out = prepare_genome(sources, args.out, progress=bar.update)
+    elapsed = time.perf_counter() - t0
+    genome = open_prepared(out)
+    if args.verify:
+        verify_prepared(out)
+    for line in genome.summaries():
+        print(line)
+    print(f"wrote {out}: {genome.num_records:,} records, {int(genome.lengths.sum()):,} tokens, {len(genome.n_runs):,} runs of N; "
+          f"read {format_bytes(total)} in {elapsed:.1f} s ({total / max(elapsed, 1e-9) / 1e6:,.1f} MB/s); train with "
+          f"zerofx train --data {out}")
     return 0
 
 
@@ -964,6 +992,21 @@ def build_parser() -> argparse.ArgumentParser:
                         f"nucleotide codes; refused when empty, headers only, corrupt, or over {MAX_FOREIGN_FRACTION * 100:g}%% "
                         "of its symbols are not nucleotide codes (a protein FASTA; the error names the first one's record and "
                         "offset)")
+    p.add_argument("--data", type=Path, metavar="DIR",
+                   help="a genome prepared by zerofx data prepare (instead of --fasta, which is prepared into the data "
+                        "cache, $ZEROFX_DATA_CACHE or ~/.cache/zerofx/genomes, on first use); refused when a source file "
+                        "changed since it was prepared")
+    p.add_argument("--bed", type=Path,
+                   help="draw training windows only inside this BED file's intervals (record, 0-based start, end); "
+                        "default: every record, less the held-out regions")
+    p.add_argument("--holdout-records", metavar="NAME[,NAME...]",
+                   help="hold out these records (chromosomes) whole for evaluation, e.g. chr20,chr21 (default: the last "
+                        "10%% of every record)")
+    p.add_argument("--holdout-bed", type=Path, help="hold out this BED file's intervals for evaluation instead")
+    p.add_argument("--max-n-fraction", type=_float_arg(0, 1), default=0.1,
+                   help="skip windows whose share of N is above this, 0..1 (default: 0.1)")
+    p.add_argument("--reverse-complement", action="store_true",
+                   help="read half the training windows, drawn at random, on the reverse strand")
     p.add_argument("--objective", choices=("clm", "mlm"), default="clm",
                    help="clm: next-token prediction, model(ids, labels=ids); mlm: masked LM, 15%% of tokens chosen, 80/10/10 "
                         "<mask>/random/unchanged, model(masked_ids, labels=labels) with labels -100 where nothing was masked, "
@@ -1001,6 +1044,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a collective waits for a dead or stalled peer before the run fails, > 0 (default: the "
                         "config's zerofx.collective_timeout_s, else 300)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("data", help="prepare genomes once for training (zerofx data prepare)",
+                       description="Genome data for zerofx train.")
+    data_sub = p.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True, help="prepare")
+    p = data_sub.add_parser("prepare", help="read FASTA files once into a random-access folder for zerofx train --data",
+                            description="Read one or more FASTA files (plain, gzip or BGZF) in one pass and write a folder "
+                                        "of memory-mapped tokens, record offsets and names, the runs of N and the source files' "
+                                        "identity and checksums; zerofx train --data reads it without reading the genome again "
+                                        "(docs/training.md).")
+    p.add_argument("inputs", metavar="FASTA_OR_MANIFEST", type=Path, nargs="+",
+                   help="FASTA files (.fa, .fasta, optionally .gz), or a manifest (*.tsv or *.txt) with one 'PATH [WEIGHT]' "
+                        "per line: windows are drawn from each source in proportion to its weight, a finite number > 0 "
+                        "(default 1; relative paths are relative to the manifest)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="the folder to write: new, empty, or one this command wrote before (replaced whole once the new "
+                        "one is complete)")
+    p.add_argument("--verify", action="store_true", help="after writing, read the tokens back and check their SHA-256")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=cmd_data_prepare)
 
     p = sub.add_parser("consolidate", help="write a sharded checkpoint as one safetensors file",
                        description="Stream a sharded zerofx checkpoint into one safetensors file with the model's "

@@ -42,7 +42,9 @@ from zerofx.passes.meta import is_all_gather, is_all_reduce, is_all_to_all, is_r
 from zerofx.common.units import format_bytes
 from zerofx.runtime.checkpoint import describe_layout, latest_complete_tag, read_metadata, saved_layout
 from zerofx.config import load_config, parse_config
-from zerofx.data.genome import bundled_genome, genome_stats, genome_windows
+from zerofx.data.genome import bundled_genome
+from zerofx.data.prepared import open_prepared
+from zerofx.app.train_data import check_data, resolve_data, sample_batches, sampler
 from zerofx.data.mlm import MlmMasking, mask_seed, mask_tokens
 from zerofx.data.tokenizers import MAX_KMER, KmerTokenizer
 from zerofx.runtime.engine import Engine, ScheduleEndWarning, initialize
@@ -88,6 +90,12 @@ class TrainOptions:
     collective_timeout_s: float | None = None  # None: the config's zerofx.collective_timeout_s (default 300)
     objective: Objective = Objective.CLM
     kmer: int | None = None  # None: the bundled 5-token vocabulary for clm, 1-mers in NT's layout for mlm
+    data: Path | None = None  # a prepared genome (zerofx data prepare); None: fasta, prepared into the data cache
+    bed: Path | None = None  # None: training windows from every record (less the held-out regions)
+    holdout_records: tuple[str, ...] = ()  # records held out whole; with holdout_bed empty, the last 10% of each record
+    holdout_bed: Path | None = None
+    max_n_fraction: float = 0.1  # windows with a larger share of N are skipped
+    reverse_complement: bool = False  # half the training windows read on the reverse strand
 
 
 def _free_port() -> int:
@@ -208,14 +216,18 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
     if stage is None and not auto:
         file_stage = parse_config(opts.config).stage if opts.config is not None else None
         stage = DEFAULT_TRAIN_STAGE if file_stage is None else file_stage
+    if opts.data is not None and opts.fasta is not None:
+        raise UsageError("--fasta and --data were both given; accepted: one of them (--data is a prepared --fasta)")
+    if not (0 <= opts.max_n_fraction <= 1):
+        raise UsageError(f"--max-n-fraction {opts.max_n_fraction} is invalid; accepted: a number in 0..1")
     fasta = bundled_genome() if opts.fasta is None else Path(opts.fasta)
-    # The last rank's first batch needs batch_size whole groups of windows: reading that far
-    # (unshuffled, so no buffer fills) checks the file and its length before any process starts.
-    next(genome_windows(fasta, opts.seq_len, rank=opts.world_size - 1, world_size=opts.world_size,
-                        batch_size=opts.batch_size, shuffle_windows=0, tokenizer=train_tokenizer(opts)))
+    # Prepared once (the cache's entry, or --data checked against its sources), then one window
+    # drawn: the regions and the window length are checked before any process starts.
+    data = resolve_data(fasta, opts.data)
+    check_data(opts, data, train_tokenizer(opts))
     if is_model_spec(opts.model):  # last: it runs the user's code and builds the model
         check_vocabulary(load_spec_model(opts.model), opts)
-    opts = replace(opts, stage=stage, fasta=fasta)
+    opts = replace(opts, stage=stage, fasta=fasta, data=data)
     if auto:
         parse_config(opts.config, stage=stage, world_size=opts.world_size)  # the config, and that it agrees
     else:
@@ -320,7 +332,8 @@ def build_model(opts: TrainOptions, device: torch.device) -> nn.Module:
     return model if on_meta else model.to(device)
 
 
-def _objective_batches(opts: TrainOptions, rank: int, batches: Iterator[torch.Tensor], split: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _objective_batches(opts: TrainOptions, rank: int, batches: Iterator[torch.Tensor], split: str,
+                       first_index: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(inputs, labels)`` per batch of token ids: the ids twice for clm, masked ids and their
     labels for mlm, masked as a function of (seed, rank, split, batch index) (NOTE [Masking is a
     function of the seed, the rank and the batch] in ``zerofx.data.mlm``)."""
@@ -331,27 +344,20 @@ def _objective_batches(opts: TrainOptions, rank: int, batches: Iterator[torch.Te
     tokenizer = train_tokenizer(opts)
     assert tokenizer is not None
     masking = MlmMasking(mask_id=tokenizer.mask_id, random_ids=tokenizer.sequence_ids)
-    for index, batch in enumerate(batches):
+    for index, batch in enumerate(batches, start=first_index):
         yield mask_tokens(batch, masking, seed=mask_seed(opts.seed, rank, index, split=split))
 
 
-def _cycle_batches(opts: TrainOptions, rank: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's ``(inputs, labels)`` batches forever: each pass over the genome reshuffles
-    with the next seed. The n-th batch is the same whenever it is drawn, so a resumed run, which
-    skips the batches its checkpoint trained on, goes on with the uninterrupted run's data."""
+def _cycle_batches(opts: TrainOptions, rank: int, first_sample: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's ``(inputs, labels)`` batches forever, drawn from the whole genome
+    (``zerofx.app.train_data``). The n-th batch is a function of the seed, ``first_sample`` and
+    the data layout, so a resumed run starts at its samples consumed and goes on with the
+    uninterrupted run's data, at any world size, without reading what came before."""
     rank, data_groups = data_layout(opts, rank)
-
-    def token_batches() -> Iterator[torch.Tensor]:
-        epoch = 0
-        while True:
-            assert opts.fasta is not None
-            yield from genome_windows(
-                opts.fasta, opts.seq_len, rank=rank, world_size=data_groups, batch_size=opts.batch_size,
-                seed=opts.seed + epoch, split="train", tokenizer=train_tokenizer(opts),
-            )
-            epoch += 1
-
-    return _objective_batches(opts, rank, token_batches(), "train")
+    assert opts.data is not None and opts.batch_size is not None
+    draw = sampler(opts, opts.data, "train", train_tokenizer(opts))
+    batches = sample_batches(draw, first=first_sample, group=rank, groups=data_groups, batch_size=opts.batch_size)
+    return _objective_batches(opts, rank, batches, "train", first_index=first_sample // (opts.batch_size * data_groups))
 
 
 def _collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
@@ -440,7 +446,7 @@ def _finished_line(opts: TrainOptions, step: int) -> str | None:
 
 def _resume(engine: Engine, opts: TrainOptions, rank: int) -> tuple[int, int]:
     """Load the newest complete checkpoint in ``opts.output_dir``, if there is one; return the
-    training step it was saved after and how many batches this rank's stream had consumed."""
+    training step it was saved after and how many samples the run had consumed."""
     assert opts.output_dir is not None
     tag = latest_complete_tag(opts.output_dir)
     if tag is None:
@@ -458,21 +464,26 @@ def _resume(engine: Engine, opts: TrainOptions, rank: int) -> tuple[int, int]:
         note = data_order_note(meta, opts)
         if note is not None:
             print(note, flush=True)
-    return step, int(client.get("batches_consumed", step))
+    if "samples_consumed" in client:
+        return step, int(client["samples_consumed"])
+    # Saved without it: batches_consumed of the checkpoint's own data layout.
+    return step, int(client.get("batches_consumed", step)) * opts.batch_size * saved_layout(meta)["data_parallel_size"]
 
 
 def data_order_note(meta: Mapping[str, Any], opts: TrainOptions) -> str | None:
-    """Why a resume from checkpoint ``meta`` trains on other data than the uninterrupted run, or
-    None. Windows are dealt to data groups (NOTE [How windows are assigned to ranks]; the ranks of
-    a sequence group share them), so the data order is the same exactly when the number of data
-    groups is (NOTE [Checkpoints across rank layouts] in zerofx/runtime/checkpoint.py)."""
+    """How a resume from checkpoint ``meta`` groups its samples otherwise than the uninterrupted
+    run, or None. Samples go on in the uninterrupted run's order (NOTE [A window is a function of
+    its index] in zerofx/data/sampling.py; the ranks of a sequence group share them), and a step
+    takes batch size x data groups of them, so the steps hold the same samples exactly when the
+    number of data groups is the same (NOTE [Checkpoints across rank layouts] in zerofx/runtime/checkpoint.py)."""
     saved = saved_layout(meta)
     groups = data_layout(opts, 0)[1]
     if saved["data_parallel_size"] == groups:
         return None
     plural = "s" if groups != 1 else ""
     return (f"note: the genome's windows are now split over {groups} data-parallel group{plural} (world size {opts.world_size}); "
-            f"the data order differs from an uninterrupted run in the checkpoint's layout, {describe_layout(saved)}")
+            f"the windows go on in the uninterrupted run's order, {groups * opts.batch_size} a micro-step instead of "
+            f"{saved['data_parallel_size'] * opts.batch_size} in the checkpoint's layout, {describe_layout(saved)}")
 
 
 _OBJECTIVE_PHRASES = {Objective.CLM: "next-token prediction (clm)", Objective.MLM: "masked-token prediction (mlm, 15% masked, 80/10/10)"}
@@ -484,8 +495,7 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
     torch.manual_seed(opts.seed)
     device = _device()
     model = build_model(opts, device)
-    batches = ((x.to(device), y.to(device)) for x, y in _cycle_batches(opts, rank))
-    first = next(batches)  # (inputs, labels), each (B, T)
+    first = tuple(t.to(device) for t in next(_cycle_batches(opts, rank)))  # (inputs, labels), each (B, T): the capture's example
     engine = initialize(
         model, config=_engine_config(opts), stage=opts.stage, example_inputs=(first[0],), example_kwargs={"labels": first[1]},
         init_seed=opts.seed,
@@ -494,21 +504,21 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
         print(
             f"training {opts.model} ({engine.program.plan.num_params:,} parameters) at ZeRO stage {int(engine.stage)} on "
             f"{world_size} {dist.get_backend()} ranks: {_OBJECTIVE_PHRASES[Objective(opts.objective)]} on genome "
-            f"{Path(opts.fasta).name}, {_batch_phrase(opts)}, {describe_vocabulary(opts)}",
+            f"{Path(opts.fasta if opts.data is None or opts.fasta is not None else opts.data).name}, {_batch_phrase(opts)}, "
+            f"{describe_vocabulary(opts)}",
             flush=True,
         )
         _print_setup(engine, opts)
         if opts.print_graph or opts.print_graph_code:
             _print_graph(engine, code=opts.print_graph_code)
-    stream = itertools.chain([first], batches)
     start, consumed = _resume(engine, opts, rank) if opts.output_dir is not None else (0, 0)
+    # The data position: the samples the checkpointed steps consumed, skipped in O(1).
+    stream = ((x.to(device), y.to(device)) for x, y in _cycle_batches(opts, rank, consumed))
     finished = _finished_line(opts, start)
     if finished is not None:  # train() checks before starting ranks; a checkpoint saved since lands here
         if rank == 0:
             print(finished, flush=True)
         return
-    for _ in range(consumed):  # the data position: skip what the checkpointed steps trained on
-        next(stream)
     warning = _schedule_end_warning(engine, opts.steps)
     if warning is not None and rank == 0:
         print(warning, flush=True)
@@ -517,6 +527,7 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
     bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", disable=rank != 0 or not sys.stderr.isatty())
     accumulate = engine.gradient_accumulation_steps  # micro-batches per optimizer step
     tokens_per_step *= accumulate
+    samples_per_step = accumulate * opts.batch_size * data_layout(opts, rank)[1]  # windows all ranks take per optimizer step
     # The warning above said it once, with the flag's name; the engine's own would repeat it per rank.
     warnings.filterwarnings("ignore", category=ScheduleEndWarning)
     for step in range(start + 1, opts.steps + 1):
@@ -542,7 +553,7 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
                       tokens_per_s=tokens_per_step / elapsed, model_state_bytes_per_rank=state_bytes, peak_rss_bytes=rss)
         if opts.output_dir is not None and (step == opts.steps or (opts.save_every and step % opts.save_every == 0)):
             tag = f"step-{step:08d}"
-            engine.save_checkpoint(opts.output_dir, tag, client_state={"step": step, "batches_consumed": consumed + (step - start) * accumulate},
+            engine.save_checkpoint(opts.output_dir, tag, client_state={"step": step, "samples_consumed": consumed + (step - start) * samples_per_step},
                                    keep_last=opts.keep_last)
             if rank == 0:
                 bar.write(f"saved checkpoint {Path(opts.output_dir) / tag}")
@@ -565,25 +576,32 @@ class _JsonlLog:
                 f.write(json.dumps({"time": time.time(), **record}) + "\n")
 
 
+def _genome_summary(opts: TrainOptions) -> str:
+    """The genome's line (a line per source), from the prepared index: no pass over the genome."""
+    assert opts.data is not None
+    return "\n".join(open_prepared(opts.data).summaries())
+
+
 def _evaluate(engine: Engine, opts: TrainOptions, rank: int, log: _JsonlLog) -> None:
-    """Perplexity on the held-out slice of the genome (every 10th group of windows, never
-    trained on); for mlm, on the masked tokens of those windows, masked with their own seeds."""
-    assert opts.fasta is not None
+    """Perplexity on windows drawn across the held-out regions (NOTE [Held-out regions] in
+    zerofx/data/sampling.py, never trained on); for mlm, on the masked tokens of those windows,
+    masked with their own seeds."""
+    assert opts.data is not None and opts.batch_size is not None
     total, count = torch.zeros(2), 0
     data_rank, data_groups = data_layout(opts, rank)
     try:
-        windows = genome_windows(opts.fasta, opts.seq_len, rank=data_rank, world_size=data_groups, batch_size=opts.batch_size,
-                                 split="eval", shuffle_windows=0, tokenizer=train_tokenizer(opts))
+        draw = sampler(opts, opts.data, "eval", train_tokenizer(opts))
+        windows = sample_batches(draw, first=0, group=data_rank, groups=data_groups, batch_size=opts.batch_size)
         for inputs, labels in itertools.islice(_objective_batches(opts, data_rank, windows, "eval"), opts.eval_batches):
             total[0] += engine(inputs.to(engine.device), labels=labels.to(engine.device)).detach().float().item()
             count += 1
-    except ZeroFXError:  # a genome too short to hold out one batch per rank: nothing to evaluate
+    except ZeroFXError:  # no held-out region holds a window: nothing to evaluate
         count = 0
     total[1] = count
     dist.all_reduce(total)
     if total[1] == 0:
         if rank == 0:
-            print("eval: the held-out slice has no full batch at this world size; skipped", flush=True)
+            print("eval: no held-out region holds a whole window; skipped", flush=True)
         return
     loss = (total[0] / total[1]).item()
     if rank == 0:
@@ -633,7 +651,7 @@ def _train_under_torchrun(opts: TrainOptions) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(_device())
     if int(os.environ["RANK"]) == 0:
-        print(genome_stats(opts.fasta).summary(), flush=True)
+        print(_genome_summary(opts), flush=True)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=_collective_timeout(opts))
     try:
         _train_rank(dist.get_rank(), opts)
@@ -657,7 +675,7 @@ def train(opts: TrainOptions) -> None:
     if finished is not None:  # before any rank starts: nothing to set up for
         print(finished, flush=True)
         return
-    print(genome_stats(opts.fasta).summary(), flush=True)
+    print(_genome_summary(opts), flush=True)
     try:
         mp.spawn(_train_worker, args=(opts, _free_port()), nprocs=opts.world_size, join=True)
     except mp.ProcessRaisedException as exc:
