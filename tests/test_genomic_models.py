@@ -145,6 +145,33 @@ def test_chunked_scan_equals_the_sequential_scan(chunk_len: int) -> None:
         torch.testing.assert_close(got_grad, expected_grad, atol=1e-9, rtol=1e-9)
 
 
+def test_the_scan_stays_finite_for_any_delta() -> None:
+    """fp32, deltas 0.5 to 10 and |A| up to 16 (a step alone can decay by exp(-160), a chunk of 32
+    by exp(-5000): past the cumulative form's range, NOTE [Scan chunk length]), chunks of 32 and of
+    1, a given h0: y, h_last and every gradient finite and equal to the float64 step-by-step
+    recurrence within fp32 rounding. The delta mixes small steps in, so chunks of both forms run
+    in one call."""
+    *inputs, h0 = (v.detach() for v in _scan_inputs(7, t=70))
+    g = torch.Generator().manual_seed(8)
+    inputs[1] = torch.empty(inputs[1].shape, dtype=torch.float64).uniform_(0.5, 10, generator=g)  # delta
+    inputs[1][:, :32] = 0.01  # the first chunk of 32 stays within the cumulative form's range
+    inputs[2] = torch.tensor([-1.0, -5.0, -9.0, -16.0], dtype=torch.float64).expand(5, 4).contiguous()  # A (E, N)
+    expected = [v.requires_grad_() for v in (*inputs, h0)]
+    exp_y, exp_h = _sequential_scan(*expected)
+    w = torch.randn(exp_y.shape, dtype=torch.float64, generator=g)
+    exp_grads = torch.autograd.grad((exp_y * w).sum() + exp_h.sum(), expected)
+    for chunk_len in (32, 1):
+        got = [v.detach().float().requires_grad_() for v in (*inputs, h0)]
+        y, h = selective_scan_with_state(*got[:6], got[6], chunk_len=chunk_len)
+        grads = torch.autograd.grad((y * w.float()).sum() + h.sum(), got)
+        torch.testing.assert_close(y.double(), exp_y, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(h.double(), exp_h, atol=1e-4, rtol=1e-4)
+        for name, got_grad, exp_grad in zip("x delta a b c d h0".split(), grads, exp_grads):
+            assert torch.isfinite(got_grad).all(), (chunk_len, name)
+            scale = exp_grad.abs().max().item()
+            assert (got_grad.double() - exp_grad).abs().max().item() <= 1e-4 * scale, (chunk_len, name)
+
+
 def test_the_scan_is_one_op_that_opcheck_accepts() -> None:
     """zerofx::selective_scan passes torch.library.opcheck (schema, fake kernel, autograd
     registration, AOT dispatch), and its float32 output, as the models run it, matches the float64

@@ -27,14 +27,15 @@ passing (NOTE [Scan by state passing] in passes/mixer_scan.py):
   the SSM's inputs to fp32 (Mamba-1's ``.float()`` of B and x; Mamba-2's SSD runs in fp32) and
   its logits are fp32, so in fp32 and in fp64 the two agree to fp32 rounding
   (tests/test_hf_mamba.py).
-- ``chunk_len`` is the scan's (NOTE [Scan chunk length]), not Mamba-2's ``chunk_size``: it must
-  keep ``chunk_len · max(delta · |A|)`` below 88 (fp32's exp range). Hugging Face's init puts
-  delta below ``time_step_max`` (0.1) and |A| at most the state size N (Mamba-1) or the number
-  of heads H (Mamba-2), so the default 32 fits up to 27 of them. The adapter refuses a
-  ``chunk_len`` past that bound with the mixer's own |A| (the init's on the meta device) and
-  delta bound (Mamba-2's ``time_step_limit`` where finite, else ``time_step_max``), and names
-  the largest that fits; delta is computed from the data, so a checkpoint trained to larger
-  steps than its config's ``time_step_max`` needs a smaller ``chunk_len`` than the check asks.
+- ``chunk_len`` is the scan's (NOTE [Scan chunk length]), not Mamba-2's ``chunk_size``, and
+  does not change the result beyond rounding. The scan stays finite for any delta: a chunk whose
+  decay is past fp32's exp range in the cumulative form (a checkpoint trained to steps well past
+  its config's ``time_step_max``) takes the segment-sum form, so any ``chunk_len`` runs any
+  checkpoint. The cumulative form is L times cheaper in memory and compute; a chunk takes it
+  while ``chunk_len · delta · max |A|`` stays within 60, so with Hugging Face's init (delta at
+  most ``time_step_max``, 0.1; |A| at most N for Mamba-1, H for Mamba-2) every chunk of the
+  default 32 does up to 18 states or heads, and ``chunk_len <= 600 / max |A|`` keeps a wider
+  model there.
 
 Only the forward of training and of whole-sequence evaluation changes. A call with a cache
 (generation) runs Hugging Face's own forward. The mixer keeps its parameters, their names and
@@ -50,7 +51,6 @@ transformers is imported when the adapter runs, not with this module.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -60,8 +60,7 @@ from zerofx.common.errors import CaptureError, ZeroFXError
 from zerofx.models.scan import selective_scan
 
 Tensor = torch.Tensor
-DEFAULT_CHUNK_LEN = 32  # NOTE [Hugging Face Mamba through the scan op]: fits Hugging Face's inits
-FP32_EXP_LIMIT = 88.0  # exp(88.7) is fp32's largest finite value
+DEFAULT_CHUNK_LEN = 32  # NOTE [Scan chunk length]: Hugging Face's inits keep every chunk of 32 in the cumulative form
 # The keywords that pack several sequences into one row: Mamba-2's kernels' and attention's.
 PACKED_SEQUENCE_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
 
@@ -129,28 +128,6 @@ def _check_conv(name: str, conv: torch.nn.Conv1d, channels: int) -> None:
                           f"{conv.padding}, groups {conv.groups}, {conv.padding_mode}")
 
 
-def _check_range(name: str, mixer: torch.nn.Module, is_mamba2: bool, chunk_len: int) -> None:
-    """Refuse a ``chunk_len`` whose chunk can overflow fp32's exp at the mixer's scale: delta at
-    most the time step's bound (``time_step_limit``'s upper end for Mamba-2 when finite, else
-    ``time_step_max``, where the init puts it), |A| at most its largest entry (on the meta
-    device, the S4D-real init's: N for Mamba-1, H for Mamba-2). NOTE [Hugging Face Mamba through
-    the scan op]."""
-    dt_max = mixer.time_step_max if is_mamba2 else mixer.config.time_step_max
-    if is_mamba2 and mixer.time_step_limit[1] != float("inf"):
-        dt_max = mixer.time_step_limit[1]
-    if mixer.A_log.is_meta:
-        a_max = float(mixer.num_heads if is_mamba2 else mixer.ssm_state_size)
-    else:
-        a_max = torch.exp(mixer.A_log.detach().float()).max().item()
-    exponent = chunk_len * dt_max * a_max
-    if exponent >= FP32_EXP_LIMIT:
-        largest = math.ceil(FP32_EXP_LIMIT / (dt_max * a_max)) - 1  # the largest whose exponent stays below the limit
-        fix = f"pass chunk_len={largest} or less" if largest >= 1 else "no chunk length fits"
-        raise ZeroFXError(f"use_zerofx_scan: {name}: chunk_len {chunk_len} x delta up to {dt_max:g} x |A| up to {a_max:g} is "
-                          f"{exponent:.0f}, past fp32's exp range ({FP32_EXP_LIMIT:g}) in the scan's closed form (NOTE [Scan chunk "
-                          f"length] in zerofx/models/scan.py); {fix}")
-
-
 def _scan_forward(base: type, scan: Callable[..., Tensor], chunk_len: int) -> Callable[..., Tensor]:
     def forward(self: torch.nn.Module, hidden_states: Tensor, cache: object | None = None, attention_mask: Tensor | None = None,
                 **kwargs: object) -> Tensor:
@@ -209,7 +186,6 @@ def use_zerofx_scan(model: torch.nn.Module, *, chunk_len: int = DEFAULT_CHUNK_LE
         _check_conv(name, module.conv1d, channels)
         if cls is Mamba2Mixer and module.num_heads % module.n_groups:
             raise ZeroFXError(f"use_zerofx_scan: {name} has {module.num_heads} heads in {module.n_groups} groups, which do not divide them")
-        _check_range(name, module, cls is Mamba2Mixer, chunk_len)
         found.append((module, cls))
     if not found:
         raise ZeroFXError(f"use_zerofx_scan: {type(model).__name__} holds no MambaMixer or Mamba2Mixer (transformers' Mamba and Mamba-2)")
