@@ -68,11 +68,13 @@ def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, out_d
 def _cache_load_cpu_s(path: Path) -> float:
     """CPU seconds of the ``cache`` phase, measured again on the entry just used: read and check
     it, rebuild the graphs, and write their Python (which the engine's plan check reads)."""
-    from zerofx.compiler import plan_cache
+    from zerofx.compiler import cache_trust, plan_cache
+    from zerofx.config.options import CacheTrust
 
-    key = json.loads(Path(path).read_bytes().partition(b"\n")[0])["key"]
+    key = json.loads(Path(path).read_bytes().split(b"\n", 2)[1])["key"]  # the header line, after the signature
+    secret = cache_trust.load_secret(None, CacheTrust.PRIVATE)
     cpu = time.process_time()
-    payload, why = plan_cache._read_entry(Path(path), key)
+    payload, why = plan_cache._read_entry(Path(path), key, secret)
     assert payload is not None, why
     program = plan_cache._program_from_payload(payload, {})
     for gm in program.graph_modules(0).values():

@@ -515,6 +515,8 @@ MAY_DIFFER: dict[str, tuple[Any, Any]] = {
     "zerofx.offload_gradients.buffer_count": (4, 2),
     "zerofx.offload.device_budget_bytes": (0, 1e6),
     "zerofx.plan_cache": ("/tmp/a", False),
+    "zerofx.plan_cache_trust": ("private", "group"),
+    "zerofx.plan_cache_key_file": ("/tmp/a.key", "/tmp/b.key"),
     "zerofx.offload.cpu_budget_bytes": (1e9, 1e8),
     "zerofx.offload.host_copy_bytes_per_s": (1e10, 2e10),
     "zerofx.offload.nvme_read_bytes_per_s": (1e9, 2e9),

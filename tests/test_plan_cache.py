@@ -13,9 +13,10 @@ import torch
 
 import zerofx
 from tests.support.dist_utils import run_ranks
-from tests.support.models import TINY, batches, dna_lm, reference
-from tests.support.plan_cache_workers import build_fails, built_in_child, cold_and_cached, fork_with_an_uncollected_group
-from zerofx.compiler import plan_cache
+from tests.support.models import TINY, dna_lm, reference
+from tests.support.plan_cache_workers import build_fails, lowered_tiny_lm, built_in_child, cold_and_cached, fork_with_an_uncollected_group
+from zerofx.compiler import cache_trust, plan_cache
+from zerofx.config.options import CacheTrust
 from zerofx.config import parse_config
 from zerofx.models import DNADecoderLM
 
@@ -61,10 +62,7 @@ def test_every_part_of_the_key_misses_when_it_changes(monkeypatch: pytest.Monkey
 
 @pytest.fixture(scope="module")
 def program() -> zerofx.Program:
-    ids = batches(2, 1)[0, 0]
-    compiled = zerofx.compile(dna_lm(), world_size=2, stage=3, config=CONFIG, example_inputs=(ids,), example_kwargs={"labels": ids})
-    compiled.graph_modules(0)
-    return compiled
+    return lowered_tiny_lm(CONFIG)
 
 
 def _load(directory: Path, key: dict, program: zerofx.Program) -> tuple[zerofx.Program, int]:
@@ -101,15 +99,19 @@ def test_a_hit_rebuilds_the_lowered_graphs_with_their_meta(tmp_path: Path, progr
     assert loaded.captured.params == program.captured.params and loaded.captured.input_spec == program.captured.input_spec
 
 
-def _damage(path: Path, how: str) -> None:
+def _secret() -> bytes:
+    return cache_trust.load_secret(None, CacheTrust.PRIVATE)
+
+
+def _damage(path: Path, how: str, key: dict) -> None:
     raw = path.read_bytes()
     if how == "flipped byte":
         path.write_bytes(raw[:-100] + bytes([raw[-100] ^ 0xFF]) + raw[-99:])
     elif how == "truncated":
         path.write_bytes(raw[: len(raw) // 2])
-    elif how == "other versions":
-        head, _, payload = raw.partition(b"\n")
-        path.write_bytes(head.replace(plan_cache.versions()["torch"].encode(), b"0.0.1") + b"\n" + payload)
+    elif how == "other versions":  # this user's own entry from another torch: signed, and still not used
+        payload = raw.split(b"\n", 2)[2]
+        plan_cache._write_entry(path, {**key, "versions": {**key["versions"], "torch": "0.0.1"}}, payload, _secret())
     else:
         path.write_bytes(b"not an entry")
 
@@ -120,7 +122,7 @@ def test_a_damaged_entry_is_rebuilt_with_a_warning(tmp_path: Path, program: zero
     key = _key()
     _load(tmp_path, key, program)
     path = plan_cache.entry_path(tmp_path, key)
-    _damage(path, how)
+    _damage(path, how, key)
     with pytest.warns(plan_cache.PlanCacheWarning, match=why):
         loaded, builds = _load(tmp_path, key, program)
     assert builds == 1 and loaded is program
@@ -133,12 +135,13 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path: Path) -> None:
     key = _key()
     path = plan_cache.entry_path(tmp_path, key)
     payloads = [bytes([i]) * (200_000 + i) for i in range(6)]
-    threads = [threading.Thread(target=lambda p=p: [plan_cache._write_entry(path, key, p) for _ in range(5)]) for p in payloads]
+    secret = _secret()
+    threads = [threading.Thread(target=lambda p=p: [plan_cache._write_entry(path, key, p, secret) for _ in range(5)]) for p in payloads]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    payload, why = plan_cache._read_entry(path, key)
+    payload, why = plan_cache._read_entry(path, key, secret)
     assert why is None and payload in payloads
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
 
@@ -218,3 +221,96 @@ def test_a_forked_child_never_collects_the_parents_process_groups() -> None:
     wait in its destructor, in the child, for threads only the parent has."""
     assert run_ranks(2, fork_with_an_uncollected_group) == [True, True]
 
+
+
+# NOTE [The recorded forward is in the key]: what the model's classes and attributes cannot show.
+_MODEL_FILE = '''
+import torch
+from torch import nn
+{imports}
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, ids, labels):
+        logits = self.head({activation}(self.embed(ids)))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+def build():
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    return Net(), ((ids,), {{"labels": ids}})
+'''
+
+
+def _spec_key(spec) -> dict:
+    """The key the engine and ``zerofx plan`` read an entry under for this model spec."""
+    from zerofx.compiler.capture import StepTracer
+
+    forward = plan_cache.graph_digest(StepTracer(spec.model, spec.args, spec.kwargs).record())
+    return _key(model=spec.model, forward=forward)
+
+
+def test_a_model_file_loaded_by_path_misses_when_its_code_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``FILE.py:CALLABLE`` model (not importable by name) with its activation changed, or a
+    helper in another file that ``forward`` calls changed: another key, so the stale program is
+    never loaded."""
+    import importlib
+    import sys
+
+    from zerofx.app.planning import load_model_spec
+
+    model_file, helper_file = tmp_path / "my_models.py", tmp_path / "my_helpers.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def key(activation: str, helper_body: str = "torch.relu(x)") -> dict:
+        helper_file.write_text(f"import torch\ndef act(x):\n    return {helper_body}\n")
+        sys.modules.pop("my_helpers", None)  # a new launch imports the file as it is now
+        importlib.invalidate_caches()
+        model_file.write_text(_MODEL_FILE.format(imports="import my_helpers", activation=activation))
+        spec = load_model_spec(f"{model_file}:build")
+        assert "no source file" not in "\n".join(plan_cache.describe_model(spec.model))
+        return _spec_key(spec)
+
+    relu = plan_cache.key_digest(key("torch.relu"))
+    assert plan_cache.key_digest(key("torch.relu")) == relu  # the same file again: a hit
+    assert plan_cache.key_digest(key("torch.tanh")) != relu
+    helper = plan_cache.key_digest(key("my_helpers.act"))
+    assert plan_cache.key_digest(key("my_helpers.act", "torch.sigmoid(x)")) != helper
+
+
+def test_a_model_adapted_with_another_chunk_length_misses() -> None:
+    """``use_zerofx_scan`` makes a class with the chunk length baked in: chunk 4 after chunk 32
+    is another key."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from zerofx.app.planning import ModelSpec
+    from zerofx.models.hf_mamba import use_zerofx_scan
+
+    ids = torch.zeros(1, 16, dtype=torch.long)
+
+    def key(chunk_len: int) -> str:
+        torch.manual_seed(0)
+        model = use_zerofx_scan(MambaForCausalLM(MambaConfig(vocab_size=8, hidden_size=16, state_size=4, num_hidden_layers=1)),
+                                chunk_len=chunk_len)
+        return plan_cache.key_digest(_spec_key(ModelSpec(model, (ids,), {"labels": ids}, "mamba")))
+
+    assert key(32) == key(32) != key(4)
+
+
+def test_a_solve_sample_of_an_edited_model_file_is_captured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole path: ``zerofx plan``'s cached samples of a ``FILE.py:CALLABLE`` model; after
+    the file changes, the next sample is captured, not read."""
+    from zerofx.app.planning import load_model_spec, sample_program
+
+    monkeypatch.setenv("ZEROFX_PLAN_CACHE", str(tmp_path / "cache"))
+    model_file = tmp_path / "net.py"
+    phases = []
+    for activation in ("torch.relu", "torch.relu", "torch.tanh"):
+        model_file.write_text(_MODEL_FILE.format(imports="", activation=activation))
+        spec = load_model_spec(f"{model_file}:build")
+        program = sample_program(spec.model, spec.args, spec.kwargs, world_size=2, stage=3, config=CONFIG)
+        phases.append(sorted(program.setup_times))
+    assert phases == [["capture", "lower", "plan"], ["cache"], ["capture", "lower", "plan"]]

@@ -11,6 +11,14 @@ import zerofx
 from tests.support.models import batches, dna_lm
 
 
+def lowered_tiny_lm(config: dict[str, Any]) -> zerofx.Program:
+    """The tiny DNA LM compiled for 2 ranks at stage 3 and lowered for rank 0: a program to store."""
+    ids = batches(2, 1)[0, 0]
+    compiled = zerofx.compile(dna_lm(), world_size=2, stage=3, config=config, example_inputs=(ids,), example_kwargs={"labels": ids})
+    compiled.graph_modules(0)
+    return compiled
+
+
 def _train(rank: int, world_size: int, config: dict[str, Any], steps: int) -> dict[str, Any]:
     """``steps`` steps of the tiny DNA LM on ``data[step, rank]``: each step's loss and gradient
     shards, the final full state, and how the program was set up."""

@@ -27,7 +27,8 @@ from zerofx.cost_models.symbolic import B, T, fit_timeline, fit_timeline_batch_s
 from zerofx.passes.analyze_schedule import ScheduleReport, summary_json
 from zerofx import cost_models, passes
 from zerofx.compiler import plan_cache
-from zerofx.common.errors import ZeroFXError
+from zerofx.common.errors import CaptureError, ZeroFXError
+from zerofx.compiler.capture import StepTracer
 from zerofx.passes._compat import pytree
 from zerofx.compiler.program import Program, compile, resolve
 from zerofx.common.units import binary_unit, format_bytes
@@ -238,11 +239,17 @@ def sample_program(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
 
     if cfg.plan_cache_dir is None:
         return build()
+    try:  # NOTE [The recorded forward is in the key] in zerofx/compiler/plan_cache.py
+        forward = plan_cache.graph_digest(StepTracer(model, args, kwargs).record())
+    except CaptureError:
+        return build()
     leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
     signature = (repr(tree), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", repr(x)) for x in leaves))
     key = plan_cache.cache_key(model=model, input_signature=signature, loss_fn=None, cfg=cfg, world_size=world_size, rank=rank,
-                               backend="none", device=torch.device("cpu"), program_options={"planned by": "zerofx.compile"})
-    return plan_cache.load_or_build(cfg.plan_cache_dir, key, build, rank=rank, program_options={})
+                               backend="none", device=torch.device("cpu"), program_options={"planned by": "zerofx.compile"},
+                               forward=forward)
+    return plan_cache.load_or_build(cfg.plan_cache_dir, key, build, rank=rank, program_options={}, trust=cfg.plan_cache_trust,
+                                    key_file=cfg.plan_cache_key_file)
 
 
 def solve_memory(

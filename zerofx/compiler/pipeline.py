@@ -207,7 +207,15 @@ class StepCapture:
                                  compute_dtype=compute_dtype)
         self.sequence_parallel = sequence_parallel if sequence_parallel is not None and sequence_parallel.size > 1 else None
         self.disabled = tuple(disabled)
+        self._record: fx.GraphModule | None = None
         self._forward: tuple[fx.GraphModule, SequenceParallelPlan | None] | None = None
+
+    def forward_record(self) -> fx.GraphModule:
+        """Stage capture: the step recorded before autograd, as the model spells it; made once.
+        Read it before ``sequence_forward``, whose rewrite takes this graph and changes it."""
+        if self._record is None:
+            self._record = run_stage("capture", self.tracer.record)
+        return self._record
 
     def sequence_forward(self) -> tuple[fx.GraphModule, SequenceParallelPlan | None]:
         """Stage capture and the first rewrite of pre_autograd: the recorded forward, rewritten
@@ -230,7 +238,7 @@ class StepCapture:
         sequence parallelism (in bf16 and fp16 it is per-token losses summed in fp32, left whole).
         """
         if self._forward is None:
-            forward = run_stage("capture", self.tracer.record)
+            forward = self.forward_record()
             sp_plan = None
             if self.sequence_parallel is not None:
                 try:

@@ -8,13 +8,15 @@ in the config, else the environment variable ``ZEROFX_PLAN_CACHE``, else
 ``$XDG_CACHE_HOME/zerofx/plans`` (``~/.cache/zerofx/plans``); ``false`` or ``off`` turns it off
 (``ZeroConfig.plan_cache_dir``).
 
-An entry is one file, ``<key hash>.zfxplan``: a header line (format, torch and zerofx versions,
-the key, the payload's length and SHA-256) and the payload, written to a temporary file in the
-same directory and renamed over the entry, so a reader sees a whole entry or none, and ranks or
-jobs writing the same entry at once each rename a complete file. An entry whose header, hash,
-length, key or versions do not match, or that fails to load, is rebuilt with a
-``PlanCacheWarning`` and never used (NOTE [Stale entries are rebuilt, never used]). Entries are
-pickles: the cache directory must be as trusted as the Python code that runs.
+An entry is one file, ``<key hash>.zfxplan``: a signature line (an HMAC-SHA256 with this user's
+secret), a header line (format, torch and zerofx versions, the key, the payload's length and
+SHA-256) and the payload, written to a temporary file in the same directory and renamed over
+the entry, so a reader sees a whole entry or none, and ranks or jobs writing the same entry at
+once each rename a complete file. An entry whose signature, header, hash, length, key or
+versions do not match, or that fails to load, is rebuilt with a ``PlanCacheWarning`` and never
+used (NOTE [Stale entries are rebuilt, never used]). Payloads are pickles, so an entry is
+unpickled only when this user wrote it (NOTE [Who the plan cache trusts] in
+zerofx/compiler/cache_trust.py).
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ import torch.nn as nn
 from zerofx import _version
 from zerofx.common.errors import ZeroFXError
 from zerofx.compiler.capture import CapturedStep
+from zerofx.compiler import cache_trust
 from zerofx.config import ZeroConfig
+from zerofx.config.options import CacheTrust
 from zerofx.passes import _compat
 from zerofx.compiler.program import Program
 
-FORMAT = "zerofx-plan-cache/1"
+FORMAT = "zerofx-plan-cache/2"
 SUFFIX = ".zfxplan"
 
 
@@ -68,9 +72,10 @@ class PlanCacheWarning(UserWarning):
 # the code that captures and lowers: torch's version, Python's, and a hash of every source file
 # of zerofx (``zerofx``, ``zerofx.passes``, ``zerofx.cost_models``), so an edited pass misses in
 # a development checkout as a new release would. A loss closure's captured values and defaults
-# count when they are plain data. State the key cannot see (a module attribute that is neither
-# plain data nor a data class, a global read in ``forward``, a captured value that is not plain
-# data) is a reason to turn the cache off for that model (``"plan_cache": false``).
+# count when they are plain data. Above all, the key holds a digest of the step as recorded
+# before autograd (NOTE [The recorded forward is in the key]), so what the description of the
+# model cannot see (a helper in another file, a global read in ``forward``, a class made at run
+# time) still misses when it changes what runs.
 
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, Enum)
 _MODULE_INTERNALS = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
@@ -110,14 +115,39 @@ def _file_digest(path: str) -> str:
     return _digest_of(path, stat.st_mtime_ns, stat.st_size)
 
 
+def _code_files(obj: Any) -> list[str]:
+    """The files the code of ``obj`` (a function, or a class's own methods) was compiled from:
+    what ``inspect`` cannot name for a class whose module is not in ``sys.modules`` (a model
+    file loaded by path)."""
+    functions = [obj] if not isinstance(obj, type) else [v for v in vars(obj).values() if callable(v)]
+    files = {getattr(getattr(inspect.unwrap(f), "__code__", None), "co_filename", None) for f in functions}
+    return sorted(f for f in files if f and not f.startswith("<"))
+
+
 def _source_digest(obj: Any) -> str:
-    """The SHA-256 of the file that defines ``obj`` (a class or function), or its name alone
-    when it has none (defined in an interactive session)."""
+    """The SHA-256 of the file that defines ``obj`` (a class or function), or of the files its
+    methods' code comes from; "no source file" when there is none (defined in an interactive
+    session)."""
     try:
         path = inspect.getsourcefile(obj)
     except TypeError:
         path = None
-    return _file_digest(path) if path else "no source file"
+    files = [path] if path else _code_files(obj)
+    return " ".join(_file_digest(f) for f in files) if files else "no source file"
+
+
+def _class_attributes(cls: type) -> str:
+    """The plain class attributes of ``cls`` and its bases up to ``nn.Module`` (a class made
+    at run time with a value baked in, as ``use_zerofx_scan``'s chunk length is)."""
+    shown = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__module__.startswith("torch.") or klass is object:
+            continue
+        for name, value in vars(klass).items():
+            text = None if name.startswith("__") else _plain(value)
+            if text is not None:
+                shown[name] = text
+    return ", ".join(f"{k}={v}" for k, v in sorted(shown.items()))
 
 
 UNKEYED = "<not plain data>"
@@ -148,7 +178,8 @@ def describe_model(model: nn.Module) -> list[str]:
         cls = type(module)
         attrs = {k: _plain(v) for k, v in sorted(vars(module).items()) if k not in _MODULE_INTERNALS and not k.startswith("_")}
         shown = ", ".join(f"{k}={v}" for k, v in attrs.items() if v is not None)
-        lines.append(f"module {name or '.'} {cls.__module__}.{cls.__qualname__} [{_source_digest(cls)}] training={module.training} {shown}")
+        lines.append(f"module {name or '.'} {cls.__module__}.{cls.__qualname__} [{_source_digest(cls)}] ({_class_attributes(cls)}) "
+                     f"training={module.training} {shown}")
     lines += [f"parameter {n} {list(p.shape)} {p.dtype} requires_grad={p.requires_grad} id={id(p)}"
               for n, p in model.named_parameters(remove_duplicate=False)]
     # ids only say which names share a tensor; replace them by the first name that has it
@@ -184,10 +215,14 @@ def versions() -> dict[str, str]:
 
 
 def cache_key(*, model: nn.Module, input_signature: Any, loss_fn: Callable[..., Any] | None, cfg: ZeroConfig, world_size: int,
-              rank: int, backend: str, device: torch.device, program_options: Mapping[str, Any]) -> dict[str, Any]:
+              rank: int, backend: str, device: torch.device, program_options: Mapping[str, Any],
+              forward: str | None = None) -> dict[str, Any]:
     """Everything one rank's program depends on (NOTE [What a plan-cache key covers]), as a
     JSON-ready dict. ``program_options`` are the keyword arguments the engine builds its
-    programs with (process group names, the parameter-offload placement)."""
+    programs with (process group names, the parameter-offload placement); ``forward`` is the
+    ``graph_digest`` of the step recorded before autograd (NOTE [The recorded forward is in the
+    key]), which every key an entry is read or written under has; None only for keys that are
+    compared, never stored (the ranks' agreement on one build)."""
     loss = None if loss_fn is None else f"{getattr(loss_fn, '__module__', '?')}.{getattr(loss_fn, '__qualname__', repr(type(loss_fn)))} " \
                                         f"[{_source_digest(loss_fn)}] {captured_values(loss_fn)}"
     return {
@@ -199,7 +234,68 @@ def cache_key(*, model: nn.Module, input_signature: Any, loss_fn: Callable[..., 
         "zerofx_section": json.loads(json.dumps(cfg.zerofx_section, sort_keys=True, default=repr)),
         "program_options": {k: repr(v) for k, v in sorted(program_options.items())},
         "world": {"world_size": world_size, "rank": rank, "backend": backend, "device": str(device)},
+        "forward": forward,
     }
+
+
+# NOTE [The recorded forward is in the key]
+# The key's description of the model (its classes, their files, their plain attributes) cannot
+# see everything that changes what runs: a helper function in another file called from
+# ``forward``, a class made at run time with a value baked in (``use_zerofx_scan``'s chunk
+# length), a global read in ``forward``, a model file loaded by path that ``inspect`` cannot
+# find. What runs is the step recorded before autograd (``StepTracer.record``, a fraction of a
+# build: about 0.3 s of the 25m DNA LM's 4 s), so the key also holds a digest of that graph: each
+# node's op, target, arguments and the constants it reads. Whatever changes the recorded step
+# misses; what leaves it equal builds the same backward and the same lowered graphs, since those
+# are functions of the recorded step, the config and the world, all in the key. A step that
+# cannot be recorded this way is built without the cache.
+
+
+def _target_text(target: Any) -> str:
+    address = _compat.op_address(target)
+    if address is not None:
+        return "::".join(str(a) for a in address)
+    if isinstance(target, str):
+        return target
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+
+
+def _arg_text(value: Any, index: Mapping[fx.Node, int]) -> str:
+    if isinstance(value, fx.Node):
+        return f"%{index[value]}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({', '.join(_arg_text(v, index) for v in value)})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_arg_text(v, index)}" for k, v in value.items()) + "}"
+    if isinstance(value, slice):
+        return f"slice({_arg_text(value.start, index)}, {_arg_text(value.stop, index)}, {_arg_text(value.step, index)})"
+    if callable(value) and not isinstance(value, (torch.dtype, torch.device)):
+        return _target_text(value)
+    return repr(value)
+
+
+def graph_digest(gm: fx.GraphModule) -> str:
+    """A SHA-256 of what ``gm`` computes: every node's op, target and arguments in order, and the
+    attributes it reads (tensors by dtype, shape and bytes; subgraphs by their own digest)
+    (NOTE [The recorded forward is in the key])."""
+    digest = hashlib.sha256()
+    index: dict[fx.Node, int] = {}
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        digest.update(f"{node.op} {_target_text(node.target)} {_arg_text(node.args, index)} {_arg_text(node.kwargs, index)}\n".encode())
+        if node.op == "get_attr":
+            value = reduce(getattr, node.target.split("."), gm)
+            if isinstance(value, fx.GraphModule):
+                digest.update(graph_digest(value).encode())
+            elif isinstance(value, _compat.FakeTensor):
+                digest.update(f"fake {value.dtype} {tuple(value.shape)}".encode())
+            elif isinstance(value, torch.Tensor):
+                data = value.detach().cpu().contiguous()
+                digest.update(f"{data.dtype} {tuple(data.shape)}".encode())
+                digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+            else:
+                digest.update(repr(value).encode())
+    return digest.hexdigest()
 
 
 def key_digest(key: Mapping[str, Any]) -> str:
@@ -391,11 +487,15 @@ def _program_from_payload(payload: bytes, program_options: Mapping[str, Any]) ->
 # ------------------------------------------------------------------ entries
 
 # NOTE [Stale entries are rebuilt, never used]
-# An entry is used only when its header parses, names this format, this torch, zerofx (and the
-# hash of its code) and Python, carries exactly this key, and the payload that follows has the
-# length and SHA-256 the header states and unpickles into graphs. Anything else (a truncated
-# write from a killed process, a flipped byte, another version) warns once with the reason and
-# the path, and the program is built from the model and written over the entry.
+# An entry is used only when the file is one this user may trust (NOTE [Who the plan cache
+# trusts] in zerofx/compiler/cache_trust.py), its signature line and header parse, the header
+# names this format, the payload that follows has the length and SHA-256 the header states,
+# the signature over header and payload verifies with this user's secret, the header names this
+# torch, zerofx (and the hash of its code) and Python and carries exactly this key, and the
+# payload unpickles into graphs. Anything else (a truncated write from a killed process, a
+# flipped byte, another version, a forged or foreign entry) warns once with the reason and the
+# path, and the program is built from the model and written over the entry. Nothing in an entry
+# is unpickled before its signature verifies.
 
 
 def entry_path(directory: Path, key: Mapping[str, Any]) -> Path:
@@ -403,44 +503,54 @@ def entry_path(directory: Path, key: Mapping[str, Any]) -> Path:
     return Path(directory) / f"{key_digest(key)[:40]}{SUFFIX}"
 
 
-def _read_entry(path: Path, key: Mapping[str, Any]) -> tuple[bytes | None, str | None]:
-    """(payload, None) when the entry at ``path`` is whole and for ``key``; (None, why) when it is
-    not; (None, None) when there is no entry."""
+def _read_entry(path: Path, key: Mapping[str, Any], secret: bytes,
+                trust: CacheTrust = CacheTrust.PRIVATE) -> tuple[bytes | None, str | None]:
+    """(payload, None) when the entry at ``path`` is whole, signed with ``secret`` and for
+    ``key``; (None, why) when it is not; (None, None) when there is no entry."""
     try:
-        raw = path.read_bytes()
+        raw = cache_trust.read_entry_file(path, trust)
     except FileNotFoundError:
         return None, None
+    except cache_trust.UntrustedCacheError as exc:
+        return None, f"it may not be trusted: {exc}"
     except OSError as exc:
         return None, f"unreadable ({exc})"
-    head, sep, payload = raw.partition(b"\n")
-    if not sep:
+    mac, sep, rest = raw.partition(b"\n")
+    head, sep2, payload = rest.partition(b"\n")
+    if not (sep and sep2):
         return None, "no header line (truncated)"
     try:
         header = json.loads(head)
     except ValueError:
-        return None, "the header is not JSON (corrupt)"
+        return None, "the header is not JSON (corrupt, or another format)"
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         return None, "another format"
+    if len(payload) != header.get("payload_bytes"):
+        return None, f"{len(payload)} payload bytes where the header says {header.get('payload_bytes')} (truncated)"
+    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+        return None, "the payload's SHA-256 differs from the header's (corrupt)"
+    if not cache_trust.verify(secret, head, payload, mac):
+        return None, "its signature does not verify with this user's plan-cache key (forged, or written with another key)"
     stored_key = header.get("key", {})
     if stored_key.get("versions") != key["versions"]:
         return None, f"written by other versions ({stored_key.get('versions')}; now {key['versions']})"
     if json.dumps(stored_key, sort_keys=True, default=repr) != json.dumps(key, sort_keys=True, default=repr):
         return None, "written for another key"
-    if len(payload) != header.get("payload_bytes"):
-        return None, f"{len(payload)} payload bytes where the header says {header.get('payload_bytes')} (truncated)"
-    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
-        return None, "the payload's SHA-256 differs from the header's (corrupt)"
     return payload, None
 
 
-def _write_entry(path: Path, key: Mapping[str, Any], payload: bytes) -> None:
-    """Write the entry atomically: a temporary file in the same directory, flushed, then renamed."""
+def _write_entry(path: Path, key: Mapping[str, Any], payload: bytes, secret: bytes, trust: CacheTrust = CacheTrust.PRIVATE) -> None:
+    """Write the entry atomically: a temporary file in the same directory (0600, 0640 in a team
+    cache), flushed, then renamed. Its first line is the signature of the rest."""
     header = {"format": FORMAT, "key": key, "payload_bytes": len(payload), "payload_sha256": hashlib.sha256(payload).hexdigest()}
+    head = json.dumps(header, sort_keys=True, default=repr).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps(header, sort_keys=True, default=repr).encode() + b"\n")
+            if trust is CacheTrust.GROUP:
+                os.fchmod(f.fileno(), 0o640)
+            f.write(cache_trust.signature(secret, head, payload).encode() + b"\n" + head + b"\n")
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
@@ -451,16 +561,25 @@ def _write_entry(path: Path, key: Mapping[str, Any], payload: bytes) -> None:
 
 
 def load_or_build(directory: Path | None, key: Mapping[str, Any], build: Callable[[], Program], *, rank: int,
-                  program_options: Mapping[str, Any]) -> Program:
+                  program_options: Mapping[str, Any], trust: CacheTrust = CacheTrust.PRIVATE, key_file: Path | None = None) -> Program:
     """The program stored under ``key`` in ``directory``, else ``build()``'s, stored there; a
     loaded one is made with ``program_options`` (``Program``'s keyword arguments, which ``build``
-    uses too and ``key`` covers). With ``directory`` None, just ``build()``. A hit's ``setup_times`` has one phase, ``cache``: the
-    seconds to read and rebuild the graphs."""
+    uses too and ``key`` covers). With ``directory`` None, just ``build()``; with a directory or
+    secret that may not be trusted (NOTE [Who the plan cache trusts]), ``build()`` with a warning
+    that says why. A hit's ``setup_times`` has one phase, ``cache``: the seconds to read and
+    rebuild the graphs."""
     if directory is None:
         return build()
     start = time.perf_counter()
+    try:
+        directory = cache_trust.check_directory(directory, trust)
+        secret = cache_trust.load_secret(key_file, trust)
+    except (cache_trust.UntrustedCacheError, OSError) as exc:
+        warnings.warn(PlanCacheWarning(f"the plan cache in {directory} is not used: {exc}; building without it "
+                                       f"(docs/plan-cache.md#whom-the-cache-trusts)"), stacklevel=3)
+        return build()
     path = entry_path(directory, key)
-    payload, why = _read_entry(path, key)
+    payload, why = _read_entry(path, key, secret, trust)
     if payload is not None:
         try:
             program = _program_from_payload(payload, program_options)
@@ -474,7 +593,7 @@ def load_or_build(directory: Path | None, key: Mapping[str, Any], build: Callabl
         warnings.warn(PlanCacheWarning(f"plan cache entry {path} is not used: {why}; capturing and lowering again"), stacklevel=3)
     program = build()
     try:
-        _write_entry(path, key, _payload(program, rank))
+        _write_entry(path, key, _payload(program, rank), secret, trust)
     except (OSError, ValueError, pickle.PicklingError, TypeError, AttributeError) as exc:
         warnings.warn(PlanCacheWarning(f"plan cache entry {path} not written: {type(exc).__name__}: {exc}"), stacklevel=3)
     else:

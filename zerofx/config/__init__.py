@@ -38,8 +38,9 @@ from zerofx.passes.plan_tiling import TilingOptions
 from zerofx.passes.sequence_parallel import SequenceParallelSpec
 from zerofx.config.options import AutoOptions
 from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_GRADIENT_ACCUMULATION_STEPS, DEFAULT_GRADIENT_CLIPPING, DEFAULT_LR,
-                                   DEFAULT_OPTIMIZER_TYPE, DEFAULT_PROFILE, DEFAULT_PROGRAM_CACHE_SIZE, GraphCompiler, LossScaleOptions,
-                                   MonitorOptions, plan_cache_dir, schedule_options, sequence_parallel_spec, tiling_options)
+                                   DEFAULT_OPTIMIZER_TYPE, DEFAULT_PROFILE, DEFAULT_PROGRAM_CACHE_SIZE, CacheTrust, GraphCompiler,
+                                   LossScaleOptions, MonitorOptions, plan_cache_dir, plan_cache_key_file, schedule_options,
+                                   sequence_parallel_spec, tiling_options)
 from zerofx.config.schema import SCHEMA, Key, type_names
 from zerofx.common.errors import ConfigError, did_you_mean
 from zerofx.config.offload_options import GradOffloadOptions, OffloadOptions, ParamOffloadOptions
@@ -48,6 +49,8 @@ from zerofx.config.schedulers import SchedulerSpec
 from zerofx.common.units import parse_bytes as parse_bytes  # the byte sizes config values take, as ``zerofx.config.parse_bytes``
 
 _WARNED: set[str] = set()
+# Where the plan cache is and whom it trusts, not what a program is: left out of the plan-cache key.
+PLAN_CACHE_KEYS = frozenset({"plan_cache", "plan_cache_trust", "plan_cache_key_file"})
 
 
 def torch_optimizer_class(optimizer_type: str) -> type[torch.optim.Optimizer]:
@@ -114,6 +117,8 @@ class ZeroConfig:
     profile: str
     profile_is_explicit: bool
     plan_cache_dir: Path | None  # where the plan cache keeps its entries; None when it is off
+    plan_cache_trust: CacheTrust  # who may write that directory and its entries
+    plan_cache_key_file: Path  # the secret its entries are signed with
     schedule: ScheduleOptions  # the communication-schedule limits (DeepSpeed's keys, in elements)
     tiling: TilingOptions | None  # the ``zerofx.tiling`` section; None when it is absent
     # ``zerofx.sequence_parallel`` without its group (``compile_options`` names it); None when
@@ -122,8 +127,8 @@ class ZeroConfig:
     # The offload and sequence-parallel sections as ranks must share them (``_canonical``,
     # NOTE [What ranks must agree on]).
     shared_sections: Mapping[str, Any]
-    # The ``zerofx`` section as given, less ``plan_cache`` (where the cache is, not what a program
-    # is): part of the plan-cache key (NOTE [What a plan-cache key covers] in zerofx/compiler/plan_cache.py).
+    # The ``zerofx`` section as given, less ``PLAN_CACHE_KEYS`` (where the cache is and whom it
+    # trusts, not what a program is): part of the plan-cache key (NOTE [What a plan-cache key covers] in zerofx/compiler/plan_cache.py).
     zerofx_section: Mapping[str, Any]
     scheduler: SchedulerSpec | None = None  # the ``scheduler`` section; None without one
     offload: OffloadOptions | None = None  # ``offload_optimizer`` with ``zerofx.offload``; None when off
@@ -423,11 +428,13 @@ def parse_config(
         profile=str(own.get("profile", DEFAULT_PROFILE)),
         profile_is_explicit="profile" in own,
         plan_cache_dir=plan_cache_dir(own.get("plan_cache")),
+        plan_cache_trust=CacheTrust(own.get("plan_cache_trust", CacheTrust.PRIVATE.value)),
+        plan_cache_key_file=plan_cache_key_file(own.get("plan_cache_key_file")),
         schedule=schedule_options(zero, own),
         tiling=None if own.get("tiling") is None else tiling_options(own["tiling"]),
         sequence_parallel=sequence_parallel_spec(own.get("sequence_parallel")),
         shared_sections=_shared_sections(zero, own),
-        zerofx_section=copy.deepcopy({k: v for k, v in own.items() if k != "plan_cache"}),
+        zerofx_section=copy.deepcopy({k: v for k, v in own.items() if k not in PLAN_CACHE_KEYS}),
         scheduler=scheduler,
         offload=offload,
         param_offload=param_offload,

@@ -176,6 +176,14 @@ class AutoOptions:
         return cls(fixed=frozenset(d for d in AUTO_DIMENSIONS if given[d]))
 
 
+class CacheTrust(Enum):
+    """Who may write the plan cache's directory and entries (config key ``zerofx.plan_cache_trust``;
+    NOTE [Who the plan cache trusts] in zerofx/compiler/cache_trust.py)."""
+
+    PRIVATE = "private"  # the current user alone: owned by them, writable by no one else
+    GROUP = "group"  # also the directory's group: any owner, group-writable, never world-writable
+
+
 class GraphCompiler(Enum):
     """What runs each rank's forward and backward graphs (config key ``zerofx.compile``)."""
 
@@ -254,6 +262,15 @@ def sequence_parallel_spec(section: Mapping[str, Any] | None) -> SequenceParalle
     asked |= section.get("mixers", {})
     return SequenceParallelSpec(size=section["size"], mixers=tuple((m.name, asked.get(m.name, m.strategies[0])) for m in MIXERS),
                                 load_balance=section.get("load_balance", True))
+
+
+def plan_cache_key_file(value: str | None) -> Path:
+    """The secret the plan cache signs its entries with: ``zerofx.plan_cache_key_file``
+    (``value``), else ``$XDG_CONFIG_HOME/zerofx/plan-cache.key`` or ``~/.config/zerofx/plan-cache.key``."""
+    if value is not None:
+        return Path(os.path.expanduser(value))
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "zerofx" / "plan-cache.key"
 
 
 def plan_cache_dir(value: str | bool | None) -> Path | None:

@@ -294,6 +294,15 @@ SCHEMA: dict[str, Key] = {
                           f"launch with the same model, inputs, config and world layout (default: ${PLAN_CACHE_ENV}, else "
                           "~/.cache/zerofx/plans); false turns it off", lambda v: v is False or (isinstance(v, str) and v != ""),
                           "a directory path, or false", per_rank=True),
+        "plan_cache_trust": Key((str,), "who may write the plan cache's directory and entries: \"private\" (default: owned by you and "
+                                "writable by no one else, else the cache is skipped with a warning) or \"group\" (a team cache: the "
+                                "directory's group may write it too, so every member runs code any member wrote there; never "
+                                "world-writable). Entries are signed with plan_cache_key_file either way (docs/plan-cache.md)",
+                                lambda v: v in ("private", "group"), "\"private\" or \"group\"", per_rank=True),
+        "plan_cache_key_file": Key((str,), "the secret the plan cache signs and checks its entries with, made on first use with "
+                                   "permissions 0600 (default: $XDG_CONFIG_HOME/zerofx/plan-cache.key, else "
+                                   "~/.config/zerofx/plan-cache.key); with plan_cache_trust \"group\", a file the team shares",
+                                   lambda v: v != "", "a file path", per_rank=True),
     }),
 }
 

@@ -11,6 +11,7 @@ collective, that all ranks call with the same signature.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerofx.common.errors import CollectiveTimeoutError, ZeroFXError
+from zerofx.common.errors import CaptureError, CollectiveTimeoutError, ZeroFXError
 from zerofx.compiler import plan_cache
 from zerofx.compiler.capture import LossFn, TensorInfo, split_loss_kwargs
 from zerofx.compiler.pipeline import StepCapture
@@ -104,13 +105,7 @@ class ProgramCache:
         if program is not None:
             self._programs.move_to_end(sig)
             return program
-        program = self._build_once(sig, lambda: plan_cache.load_or_build(
-            # A second launch with the same key loads the lowered graphs (zerofx.compiler.plan_cache).
-            self._plan_cache_dir, self.plan_cache_key(sig), lambda: capture_and_plan(
-                StepCapture(self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos, device=self.device,
-                            compute_dtype=self.compute_dtype, sequence_parallel=self.sequence_parallel),
-                self.cfg, self.compile_options, **self.program_options,
-            ), rank=self.rank, program_options=self.program_options))
+        program = self._build_once(sig, lambda: self._load_or_build(sig, args, kwargs))
         rank_agreement.check_same_plan(program, self.rank, self.group, self.world_size)
         self._programs[sig] = program
         while len(self._programs) > self.cfg.program_cache_size:
@@ -126,14 +121,40 @@ class ProgramCache:
                                          timeout_s=self.timeout_s, program_options=self.program_options,
                                          in_child=self.device.type == "cpu")  # NOTE [Rank 0 builds in a child]
 
-    def plan_cache_key(self, sig: Any) -> dict[str, Any]:
+    def _load_or_build(self, sig: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Program:
+        """The program for this call: read from the plan cache when an entry has its key, else
+        captured, planned and lowered (and stored there)."""
+        capture = StepCapture(self.model, args, kwargs, loss_fn=self.loss_fn, param_infos=self.param_infos, device=self.device,
+                              compute_dtype=self.compute_dtype, sequence_parallel=self.sequence_parallel)
+        start = time.perf_counter()
+        key = self.plan_cache_key(sig, capture)
+        key_s = time.perf_counter() - start
+        program = plan_cache.load_or_build(
+            # A second launch with the same key loads the lowered graphs (zerofx.compiler.plan_cache).
+            self._plan_cache_dir if key else None, key,
+            lambda: capture_and_plan(capture, self.cfg, self.compile_options, **self.program_options),
+            rank=self.rank, program_options=self.program_options, trust=self.cfg.plan_cache_trust,
+            key_file=self.cfg.plan_cache_key_file)
+        # Recording the step for the key is part of reading the entry on a hit, and of capturing on a miss.
+        phase = "cache" if "cache" in program.setup_times else "capture"
+        if key and phase in program.setup_times:
+            program.setup_times[phase] += key_s
+        return program
+
+    def plan_cache_key(self, sig: Any, capture: StepCapture) -> dict[str, Any]:
         """What this rank's program for input signature ``sig`` depends on (NOTE [What a
-        plan-cache key covers] in zerofx/compiler/plan_cache.py); empty when the cache is off."""
+        plan-cache key covers] in zerofx/compiler/plan_cache.py), the step ``capture`` records
+        included (NOTE [The recorded forward is in the key]); empty when the cache is off or the
+        step cannot be recorded before autograd (then it is built without the cache)."""
         if self._plan_cache_dir is None:
+            return {}
+        try:
+            forward = plan_cache.graph_digest(capture.forward_record())
+        except CaptureError:
             return {}
         return plan_cache.cache_key(model=self.model, input_signature=sig, loss_fn=self.loss_fn, cfg=self.cfg, world_size=self.world_size,
                                     rank=self.rank, backend=str(dist.get_backend(self.group)), device=self.device,
-                                    program_options=self.program_options)
+                                    program_options=self.program_options, forward=forward)
 
     @property
     def latest(self) -> Program | None:
