@@ -41,11 +41,12 @@ class DataOptions(Protocol):
     reverse_complement: bool
 
 
-def resolve_data(fasta: Path, data: Path | None) -> Path:
+def resolve_data(fasta: Path | None, data: Path | None) -> Path:
     """The prepared directory a run reads: ``data``, or ``fasta`` prepared into the cache."""
     if data is not None:
         open_prepared(data)  # checks it, and that it still matches its sources
         return Path(data)
+    assert fasta is not None
     size = fasta.stat().st_size if fasta.is_file() else 0
     bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"preparing {fasta.name}", file=sys.stderr,
                disable=size < LARGE_SOURCE_BYTES or not sys.stderr.isatty())

@@ -220,7 +220,7 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
         raise UsageError("--fasta and --data were both given; accepted: one of them (--data is a prepared --fasta)")
     if not (0 <= opts.max_n_fraction <= 1):
         raise UsageError(f"--max-n-fraction {opts.max_n_fraction} is invalid; accepted: a number in 0..1")
-    fasta = bundled_genome() if opts.fasta is None else Path(opts.fasta)
+    fasta = None if opts.data is not None else bundled_genome() if opts.fasta is None else Path(opts.fasta)
     # Prepared once (the cache's entry, or --data checked against its sources), then one window
     # drawn: the regions and the window length are checked before any process starts.
     data = resolve_data(fasta, opts.data)
@@ -504,8 +504,7 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
         print(
             f"training {opts.model} ({engine.program.plan.num_params:,} parameters) at ZeRO stage {int(engine.stage)} on "
             f"{world_size} {dist.get_backend()} ranks: {_OBJECTIVE_PHRASES[Objective(opts.objective)]} on genome "
-            f"{Path(opts.fasta if opts.data is None or opts.fasta is not None else opts.data).name}, {_batch_phrase(opts)}, "
-            f"{describe_vocabulary(opts)}",
+            f"{_genome_name(opts)}, {_batch_phrase(opts)}, {describe_vocabulary(opts)}",
             flush=True,
         )
         _print_setup(engine, opts)
@@ -574,6 +573,12 @@ class _JsonlLog:
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+
+def _genome_name(opts: TrainOptions) -> str:
+    """The run's FASTA file names, from the prepared index (several for a manifest's sources)."""
+    assert opts.data is not None
+    return ", ".join(Path(s["path"]).name for s in open_prepared(opts.data).sources)
 
 
 def _genome_summary(opts: TrainOptions) -> str:
