@@ -486,6 +486,7 @@ MUST_AGREE: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "zerofx.offload.delayed_update": (False, True, BASE),
     "zerofx.offload_gradients.device": ("none", "cpu", BASE),
     "zerofx.collective_timeout_s": (300, 60, BASE),
+    "zerofx.nonfinite": ("error", "off", BASE),
     "zerofx.program_cache_size": (8, 2, BASE),
     "zerofx.shard_group_size": (1, "auto", BASE),
     "zerofx.profile": ("cpu", "h100", BASE),

@@ -87,3 +87,33 @@ def test_a_step_issues_only_short_named_gloo_ops(stage: int) -> None:
         # gloo's reduce-scatters go out as all-to-alls (NOTE [gloo's reduce-scatter as an all-to-all])
         assert "c10d::alltoall_base_" in ops and "c10d::reduce_scatter_tensor_coalesced_" not in ops, ops
         assert set(ops) <= SHORT_NAMED_GLOO_OPS, sorted(set(ops) - SHORT_NAMED_GLOO_OPS)
+
+
+@pytest.mark.multiprocess
+def test_a_nonfinite_step_names_its_step_rank_and_parameter_or_is_skipped() -> None:
+    """World 2, SGD. Step 3 on rank 1 gives w's last gradient element a NaN (sqrt's gradient at 0
+    times 0) with a finite loss, or (``loss``) a NaN loss. By default (stage 3) every rank raises
+    ``NonFiniteError`` naming optimizer step 3, rank 1 (at stage 3 it holds w's last two elements)
+    and ``'w'``, or rank 1's loss; the parameters stay as they were and the next clean step trains
+    on. With ``zerofx.nonfinite`` "skip" (stage 0) the step is skipped on every rank instead;
+    "off" updates with the NaN, as an unchecked step would (NOTE [Non-finite values])."""
+    import torch
+
+    cases = {"grad": (3, None, "grad"), "loss": (1, "error", "loss"), "skip": (0, "skip", "grad"), "off": (2, "off", "grad")}
+    results = {name: run_ranks(2, fault_workers.nonfinite_steps, *args) for name, args in cases.items()}
+    for rank, out in enumerate(results["grad"]):
+        assert out["error"] == "NonFiniteError", (rank, out)
+        assert "optimizer step 3: non-finite values, rank 1: the gradient of 'w' holds 1 nan of its 2 element(s) here" in out["message"]
+        assert "rank 0" not in out["message"], out["message"]  # its shard of w (elements 0 and 1) is finite
+    for rank, out in enumerate(results["loss"]):
+        assert out["error"] == "NonFiniteError", (rank, out)
+        # Column 3's NaN reaches only w[3] and v[3], in rank 1's shard (stage 1): rank 0 has nothing to report.
+        assert "optimizer step 3: non-finite values, rank 1: the loss of micro-batch 0 is nan. " in out["message"], out["message"]
+    for name in ("grad", "loss", "skip"):
+        for rank, out in enumerate(results[name]):
+            assert all(torch.equal(out["before"][k], out["after"][k]) for k in out["before"]), (name, rank)
+            assert all(torch.isfinite(t).all() and not torch.equal(t, out["after"][k]) for k, t in out["final"].items()), (name, rank)
+    assert [(out["error"], out["skipped"], out["global_steps"]) for out in results["skip"]] == [(None, 1, 4)] * 2
+    assert [(out["skipped"], out["global_steps"]) for out in results["grad"]] == [(0, 3)] * 2  # the failed step is not counted
+    for out in results["off"]:
+        assert out["error"] is None and not torch.isfinite(out["after"]["w"]).all()

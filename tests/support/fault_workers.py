@@ -138,3 +138,46 @@ def gloo_ops_of_a_step(rank: int, world_size: int, stage: int) -> list[str]:
     with profile() as prof:
         _train_step(engine, ids)
     return sorted({e.name for e in prof.events() if e.name.startswith("c10d::")})
+
+
+class SqrtModel(torch.nn.Module):
+    """``mean(sqrt(w x) + (v x)^2)`` over x (B, 4): where x is 0, sqrt's gradient is infinite and
+    w's gradient there NaN (inf · 0) while the loss stays finite; a NaN in x makes the loss NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.v = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.sqrt(self.w * x) + (self.v * x) ** 2).mean()
+
+
+def nonfinite_steps(rank: int, world_size: int, stage: int, policy: str | None, inject: str) -> dict:
+    """Three steps of ``SqrtModel`` with SGD, all ranks on x = 1 but rank 1 at step 3: a zero in
+    its last column (``inject="grad"``: w's last gradient element NaN, the loss finite) or a NaN
+    (``"loss"``); ``policy``: ``zerofx.nonfinite`` (None: left out). Then one more clean step.
+    What step 3 raised, the state before and after it, the skipped steps and the final state."""
+    config = _config(zero_optimization={"stage": stage})
+    if policy is not None:
+        config["zerofx"] = {"nonfinite": policy}
+    torch.manual_seed(0)
+    engine = zerofx.initialize(SqrtModel(), config, example_inputs=(torch.ones(2, 4),))
+    clean = torch.ones(2, 4)
+
+    def step(x: torch.Tensor) -> None:
+        engine.backward(engine(x))
+        engine.step()
+
+    step(clean)
+    step(clean)
+    before = engine.full_state_dict()
+    bad = clean.clone()
+    if rank == 1:
+        bad[:, 3] = 0.0 if inject == "grad" else float("nan")
+    out = _outcome(lambda: step(bad))
+    out["before"], out["after"] = before, engine.full_state_dict()
+    step(clean)
+    out["final"], out["skipped"], out["global_steps"] = engine.full_state_dict(), engine.skipped_steps, engine.global_steps
+    engine.close()
+    return out

@@ -61,6 +61,12 @@ class CollectiveTimeoutError(ZeroFXError, RuntimeError):
     or issuing a different collective. The message names the rank, graph and collective."""
 
 
+class NonFiniteError(ZeroFXError, RuntimeError):
+    """A loss or gradient of a step is NaN or infinite (``zerofx.nonfinite`` "error"). Raised on
+    every rank alike; the message names the optimizer step, each rank that holds one and the
+    loss or first parameter there."""
+
+
 class EngineStateError(ZeroFXError, RuntimeError):
     """An engine method was called out of order (``forward`` -> ``backward`` -> ``step``)."""
 

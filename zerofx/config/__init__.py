@@ -36,7 +36,7 @@ from zerofx.cost_models.memory import OPTIMIZERS, optimizer_kind
 from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes.plan_tiling import TilingOptions
 from zerofx.passes.sequence_parallel import SequenceParallelSpec
-from zerofx.config.options import AutoOptions
+from zerofx.config.options import AutoOptions, NonFinite
 from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_GRADIENT_ACCUMULATION_STEPS, DEFAULT_GRADIENT_CLIPPING, DEFAULT_LR,
                                    DEFAULT_OPTIMIZER_TYPE, DEFAULT_PROFILE, DEFAULT_PROGRAM_CACHE_SIZE, CacheTrust, GraphCompiler,
                                    LossScaleOptions, MonitorOptions, plan_cache_dir, plan_cache_key_file, schedule_options,
@@ -137,6 +137,7 @@ class ZeroConfig:
     loss_scaling: LossScaleOptions | None = None  # the ``fp16`` section's loss scaling; None unless fp16 is enabled
     steps_per_print: int | None = None  # rank 0 logs every this many optimizer steps; None: never
     monitors: MonitorOptions = MonitorOptions()  # tensorboard, csv_monitor, wandb; all None when off
+    nonfinite: NonFinite = NonFinite.ERROR  # ``zerofx.nonfinite``: a non-finite loss or gradient stops the step
     # ``zerofx.shard_group_size``: an int dividing the world size, "auto" (the planner chooses),
     # or None (flat: one group of all ranks). NOTE [Shard groups of consecutive ranks].
     shard_group_size: int | str | None = None
@@ -181,6 +182,7 @@ class ZeroConfig:
             "compile": self.graph_compiler.value,
             "program_cache_size": self.program_cache_size,
             "collective_timeout_s": self.collective_timeout_s,
+            "nonfinite": self.nonfinite.value,  # "off" issues no check, the others one all-reduce per step
             "shard_group_size": self.shard_group_size,
             "profile": self.profile,  # sizes buckets and prefetch: the collectives every rank issues
             "auto": self.auto is not None,  # the search chooses the stage, offload, tiling: every rank must run it
@@ -442,6 +444,7 @@ def parse_config(
         loss_scaling=LossScaleOptions.from_config(raw["fp16"]) if fp16 else None,
         steps_per_print=raw.get("steps_per_print"),
         monitors=MonitorOptions.from_config(raw),
+        nonfinite=NonFinite(own.get("nonfinite", NonFinite.ERROR.value)),
     )
 
 

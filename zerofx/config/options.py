@@ -184,6 +184,15 @@ class CacheTrust(Enum):
     GROUP = "group"  # also the directory's group: any owner, group-writable, never world-writable
 
 
+class NonFinite(Enum):
+    """What a step does when a loss or a gradient is NaN or infinite (config key
+    ``zerofx.nonfinite``; NOTE [Non-finite values] in zerofx/runtime/optimizer_step.py)."""
+
+    ERROR = "error"  # raise NonFiniteError on every rank, naming the step, the rank and the loss or parameter
+    SKIP = "skip"  # skip the update on every rank, as fp16 loss scaling skips an overflow, and say so
+    OFF = "off"  # no check: the step updates with what it has
+
+
 class GraphCompiler(Enum):
     """What runs each rank's forward and backward graphs (config key ``zerofx.compile``)."""
 

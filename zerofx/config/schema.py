@@ -20,7 +20,7 @@ from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_MONITOR
                                    MAX_COLLECTIVE_TIMEOUT_S, MAX_INITIAL_SCALE_POWER, MAX_LOSS_SCALE, PLAN_CACHE_ENV,
                                    GraphCompiler, LossScaleOptions)
 from zerofx.common.errors import ConfigError
-from zerofx.config.options import is_finite_number
+from zerofx.config.options import NonFinite, is_finite_number
 from zerofx.config.schedulers import SCHEDULER_TYPES
 from zerofx.common.units import parse_bytes
 
@@ -270,6 +270,10 @@ SCHEMA: dict[str, Key] = {
         "collective_timeout_s": Key(_NUM, f"seconds a collective may wait for its peers before the process group raises (default "
                                     f"{DEFAULT_COLLECTIVE_TIMEOUT_S:g}; torch's own is 1800)", lambda v: 0 < v <= MAX_COLLECTIVE_TIMEOUT_S,
                                     f"a number of seconds in (0, {MAX_COLLECTIVE_TIMEOUT_S:g}]"),
+        "nonfinite": Key((str,), "a NaN or infinite loss or gradient at a step: \"error\" (default) stops the step on every rank "
+                         "naming the step, rank and loss or parameter; \"skip\" skips the update, as fp16 loss scaling skips an "
+                         "overflow; \"off\" does not check (NOTE [Non-finite values])", lambda v: v in {p.value for p in NonFinite},
+                         ", ".join(f'"{p.value}"' for p in NonFinite)),
         "program_cache_size": Key((int,), f"compiled programs (one per input shape) kept, least recently used dropped first (default "
                                   f"{DEFAULT_PROGRAM_CACHE_SIZE})", _pos_int, "an integer >= 1"),
         "shard_group_size": Key((int, str), "ranks that share one sharded copy of the ZeRO state: groups of this many consecutive "

@@ -416,6 +416,7 @@ class Engine:
         with grad_sink(grad_store.add if grad_store is not None else None):
             grads = self._run(program, "backward", args_list)
         self._backward_since_step = True
+        self._optimizer_step.record_loss(loss)  # for the step's check (NOTE [Non-finite values] in zerofx/runtime/optimizer_step.py)
         self.storage.accumulate_grads([info.fqn for info in program.captured.params], grads)
         self._step_samples += samples_and_tokens(program.captured.inputs)[0]
         if self.monitor is not None:

@@ -4,19 +4,50 @@ loss scale, the overflow check, clipping, the learning-rate schedule and the opt
 The engine sequences a step (graphs, collectives of its programs, monitors, ``param_sync``) and
 asks ``OptimizerStep`` for the numbers: the backward's seed, whether a ``step()`` call is an
 accumulation boundary, and at the boundary the update itself, which returns whether the shards
-changed. The overflow check and the gradient norm are collectives over the engine's group, so
-every rank takes the same branch.
+changed. The check for non-finite values and the gradient norm are one collective over the
+engine's group, so every rank takes the same branch.
+
+NOTE [Non-finite values]
+A NaN or infinite loss or gradient is caught at the optimizer step where it first appears,
+before it reaches the parameters: at each accumulation boundary every rank reduces what it
+holds, the losses of the step's micro-batches and the gradient elements it accounts for (its
+shard at stages 1-3, its 1/N of the whole gradient at stage 0; NOTE [What the engine holds]),
+to one number, the largest magnitude (``torch.nn.utils.get_total_norm`` with ``inf``, fused
+over the tensors where torch fuses it; NaN propagates through it), or the sum of squares when
+the step computes the gradient norm anyway (clipping, monitors), and the ranks exchange
+whether theirs is finite in the all-reduce that already carries the norm: one all-reduce of
+1 + N float64 values (the sum of squares, then one flag per rank), so a step with clipping or
+a monitor issues no collective more than before. Only when a flag is set do the ranks look
+closer: each flagged rank names the first non-finite loss (by micro-batch) or else the first
+parameter (by FQN, in the optimizer's order) holding a non-finite element of its part, with
+the count, and the ranks exchange these lines (``all_gather_object``), so every rank reports
+the same. Gradients are read after their reduction across ranks: a NaN born on one rank is in
+every rank's reduced gradient, so the loss, checked first, is what points at the rank it came
+from; a rank's own gradient is named by the shard that holds it. Then, by
+``zerofx.nonfinite``:
+- ``"error"`` (default): every rank raises ``NonFiniteError`` with the lines; the step's
+  gradients are dropped and the parameters, optimizer state and step counters are unchanged;
+- ``"skip"``: the step is skipped on every rank, as fp16 loss scaling skips an overflow
+  (``skipped_steps`` counts it, rank 0 prints the lines), and training goes on;
+- ``"off"``: no check and no collective for it.
+With fp16 loss scaling the check is the overflow check, whatever the setting: a non-finite
+step is skipped and the scale lowered (``LossScaler``, DeepSpeed's rules). Gradients offloaded
+to host memory or NVMe (``zerofx.offload_gradients``) are read for the check only when the step
+reads them anyway (clipping, monitors, fp16); otherwise the losses alone are checked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from zerofx.common.errors import NonFiniteError
 from zerofx.config import OptimizerSpec, ZeroConfig, torch_optimizer_class
+from zerofx.config.options import NonFinite
 from zerofx.cost_models.memory import OPTIMIZERS
 from zerofx.cost_models.tiers import Tier
 from zerofx.runtime.engine_storage import EngineStorage, storage_bytes
@@ -66,6 +97,13 @@ class OptimizerStep:
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.loss_scaler = LossScaler.from_options(cfg.loss_scaling) if cfg.loss_scaling is not None else None
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self._losses: list[torch.Tensor] = []  # this accumulation's micro-batch losses (NOTE [Non-finite values])
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Keep a micro-batch's loss for the step's check (NOTE [Non-finite values])."""
+        if self.loss_scaler is not None or self.cfg.nonfinite is not NonFinite.OFF:
+            self._losses.append(loss.detach())
 
     # ----------------------------------------------------------------- accumulation
     def is_boundary(self) -> bool:
@@ -85,23 +123,28 @@ class OptimizerStep:
 
     # ----------------------------------------------------------------- the update
     def run(self) -> StepOutcome:
-        """At an accumulation boundary, with the gradients reduced: unscale them, skip the step on
-        every rank if any overflowed (fp16), else clip, set the scheduled learning rate and
-        update this rank's shards. Collectives: the overflow check and the gradient norm."""
+        """At an accumulation boundary, with the gradients reduced: unscale them, check the losses
+        and gradients for NaN and infinity (NOTE [Non-finite values]: fp16 skips such a step and
+        lowers the scale; else by ``zerofx.nonfinite``), clip, set the scheduled learning rate and
+        update this rank's shards. Collectives: one all-reduce for the check and the gradient norm."""
         # Gradients of what the optimizer steps, unscaled (in mixed precision fp32 copies).
         grads = self.storage.optimizer_grads(1.0 / self.loss_scaler.scale if self.loss_scaler else 1.0)
-        if self.loss_scaler is not None and not self._finite(grads):
-            self.loss_scaler.update(overflow=True)
+        losses, self._losses = self._losses, []
+        needs_norm = self.cfg.gradient_clipping > 0 or self.cfg.monitors.enabled
+        squares, bad_ranks = self._reduce(grads, losses, norm=needs_norm)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=bool(bad_ranks))
+        if bad_ranks:
+            if self.loss_scaler is None:
+                self._report(grads, losses, bad_ranks)
             self.counters.skipped_steps += 1
             return StepOutcome(updated=False, grad_norm=None)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow=False)
         grad_norm: float | torch.Tensor | None = None
-        if self.cfg.gradient_clipping > 0:
-            grad_norm = self._clip(grads, self.cfg.gradient_clipping)
-        elif self.cfg.monitors.enabled:
+        if squares is not None:
             # On every rank: a collective (NOTE [Monitors: rank 0 writes, every rank joins the norm]).
-            grad_norm = self._grad_norm(grads)
+            grad_norm = (squares / self.num_shard_groups).sqrt()
+            if self.cfg.gradient_clipping > 0:
+                grad_norm = self._clip(grads, grad_norm.item(), self.cfg.gradient_clipping)
         schedule = self.cfg.scheduler
         if schedule is not None:
             for group, base in zip(self.optimizer.param_groups, self.base_lrs):
@@ -113,28 +156,60 @@ class OptimizerStep:
         self.optimizer.step()
         return StepOutcome(updated=True, grad_norm=grad_norm)
 
-    def _finite(self, grads: Mapping[str, torch.Tensor]) -> bool:
-        bad = torch.zeros(1, device=self.device)
-        for f, g in grads.items():
-            if not torch.isfinite(self.storage.owned(f, g)).all():
-                bad.fill_(1)
-                break
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)  # every rank skips together
-        return bad.item() == 0
+    def _reduce(self, grads: Mapping[str, torch.Tensor], losses: Sequence[torch.Tensor], *,
+                norm: bool) -> tuple[torch.Tensor | None, list[int]]:
+        """One all-reduce of 1 + N float64 values (NOTE [Non-finite values]): the global sum of
+        squares of the gradients over all ranks' shards (shape (1,); None unless ``norm``), each
+        element read once, and the ranks whose losses or gradient elements are not all finite.
+        No collective when neither the norm nor the check is asked for."""
+        check = self.loss_scaler is not None or self.cfg.nonfinite is not NonFinite.OFF
+        if not (norm or check):
+            return None, []
+        stats = torch.zeros(1 + self.world_size, dtype=torch.float64, device=self.device)
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        if norm:
+            for f, g in grads.items():
+                local += self.storage.owned(f, g).double().pow(2).sum()
+            stats[0] = local
+        elif isinstance(grads, OffloadedGrads):  # one at a time, as each comes from its tier
+            if self.loss_scaler is not None:  # offloaded and fp32/bf16: the losses alone (NOTE [Non-finite values])
+                for f, g in grads.items():
+                    if (t := self.storage.owned(f, g)).numel():
+                        local = torch.maximum(local, torch.linalg.vector_norm(t, math.inf).double())
+        elif check:
+            owned = [t for f, g in grads.items() if (t := self.storage.owned(f, g)).numel()]
+            if owned:
+                local = torch.nn.utils.get_total_norm(owned, norm_type=math.inf).double()
+        if check:
+            if losses:
+                local = local + torch.stack([loss.double() for loss in losses]).abs().sum()
+            stats[1 + self.rank] = (~torch.isfinite(local)).double()
+        dist.all_reduce(stats, group=self.group)
+        bad_ranks = stats[1:].nonzero().flatten().tolist() if check else []
+        return (stats[:1] if norm else None), bad_ranks
 
-    def _grad_norm(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The global L2 norm of the gradients over all ranks' shards, in fp64 (shape (1,)): each
-        element read once, then one 8-byte all-reduce (a collective)."""
-        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for f, g in grads.items():
-            squares += self.storage.owned(f, g).double().pow(2).sum()
-        dist.all_reduce(squares, group=self.group)
-        return (squares / self.num_shard_groups).sqrt()
+    def _report(self, grads: Mapping[str, torch.Tensor], losses: Sequence[torch.Tensor], bad_ranks: list[int]) -> None:
+        """Every rank's line for the non-finite step (a collective), then ``zerofx.nonfinite``'s
+        action: raise ``NonFiniteError`` on every rank, or (``"skip"``) print on rank 0."""
+        line = _first_nonfinite(grads, losses, self.storage) if self.rank in bad_ranks else None
+        lines: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(lines, line, group=self.group)
+        step = self.counters.global_steps + 1
+        where = "; ".join(f"rank {r}: {lines[r]}" for r in bad_ranks)
+        if self.cfg.nonfinite is NonFinite.SKIP:
+            if self.rank == 0:
+                print(f"[zerofx] optimizer step {step} skipped: non-finite values ({where}); zerofx.nonfinite is \"skip\"", flush=True)
+            return
+        self.storage.end_step(updated=False)  # drop the step's gradients: the engine stays usable
+        raise NonFiniteError(
+            f"optimizer step {step}: non-finite values, {where}. The parameters are unchanged and the step's gradients "
+            "dropped. Gradients are checked after their reduction across ranks, so a NaN from one rank's backward shows on "
+            "every rank; the loss points at its origin. To skip such steps instead, set zerofx.nonfinite to \"skip\" (as "
+            "fp16 loss scaling skips an overflow); \"off\" stops checking (NOTE [Non-finite values])")
 
-    def _clip(self, grads: Mapping[str, torch.Tensor], max_norm: float) -> float:
-        """Scale gradients so their global L2 norm (over all ranks' shards) is at most ``max_norm``;
-        return the norm before clipping."""
-        norm = self._grad_norm(grads).item()
+    def _clip(self, grads: Mapping[str, torch.Tensor], norm: float, max_norm: float) -> float:
+        """Scale gradients so their global L2 norm ``norm`` (over all ranks' shards) is at most
+        ``max_norm``; return the norm before clipping."""
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
             if isinstance(grads, OffloadedGrads):
@@ -174,3 +249,18 @@ class OptimizerStep:
         states += list(storage.master.values())  # the fp32 master copy counts with the optimizer states, as in ZeRO
         out["optimizer_states"] = storage_bytes(states)
         return out
+
+
+def _first_nonfinite(grads: Mapping[str, torch.Tensor], losses: Sequence[torch.Tensor], storage: EngineStorage) -> str:
+    """What this rank holds that is not finite: the first such micro-batch loss, else the first
+    parameter (in the optimizer's order) whose part here holds a NaN or infinity, with the count."""
+    for i, loss in enumerate(losses):
+        if not torch.isfinite(loss).all():
+            return f"the loss of micro-batch {i} is {loss.item()}"
+    for f, g in grads.items():
+        part = storage.owned(f, g)
+        bad = ~torch.isfinite(part)
+        if bad.any():
+            kinds = "/".join(k for k, m in (("nan", part.isnan()), ("inf", part.isinf())) if m.any())
+            return f"the gradient of {f!r} holds {int(bad.sum())} {kinds} of its {part.numel()} element(s) here"
+    return "a non-finite value"
