@@ -12,10 +12,11 @@ A NaN or infinite loss or gradient is caught at the optimizer step where it firs
 before it reaches the parameters: at each accumulation boundary every rank reduces what it
 holds, the losses of the step's micro-batches and the gradient elements it accounts for (its
 shard at stages 1-3, its 1/N of the whole gradient at stage 0; NOTE [What the engine holds]),
-to one number, the largest magnitude (``torch.nn.utils.get_total_norm`` with ``inf``, fused
-over the tensors where torch fuses it; NaN propagates through it), or the sum of squares when
-the step computes the gradient norm anyway (clipping, monitors), and the ranks exchange
-whether theirs is finite in the all-reduce that already carries the norm: one all-reduce of
+to one number: the sum of the magnitudes of each tensor's min and max (``aminmax``, one read of
+each element and no copy; NaN and infinities propagate, and fp64 cannot overflow on fp32
+values), or the sum of squares when the step computes the gradient norm anyway (clipping,
+monitors). The ranks exchange whether theirs is finite in the all-reduce that already
+carries the norm: one all-reduce of
 1 + N float64 values (the sum of squares, then one flag per rank), so a step with clipping or
 a monitor issues no collective more than before. Only when a flag is set do the ranks look
 closer: each flagged rank names the first non-finite loss (by micro-batch) or else the first
@@ -38,7 +39,6 @@ reads them anyway (clipping, monitors, fp16); otherwise the losses alone are che
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -171,15 +171,11 @@ class OptimizerStep:
             for f, g in grads.items():
                 local += self.storage.owned(f, g).double().pow(2).sum()
             stats[0] = local
-        elif isinstance(grads, OffloadedGrads):  # one at a time, as each comes from its tier
-            if self.loss_scaler is not None:  # offloaded and fp32/bf16: the losses alone (NOTE [Non-finite values])
-                for f, g in grads.items():
-                    if (t := self.storage.owned(f, g)).numel():
-                        local = torch.maximum(local, torch.linalg.vector_norm(t, math.inf).double())
-        elif check:
-            owned = [t for f, g in grads.items() if (t := self.storage.owned(f, g)).numel()]
-            if owned:
-                local = torch.nn.utils.get_total_norm(owned, norm_type=math.inf).double()
+        elif check and (self.loss_scaler is not None or not isinstance(grads, OffloadedGrads)):
+            # Offloaded, one at a time as each comes from its tier; fp32/bf16 offloaded: the losses alone.
+            for f, g in grads.items():
+                if (t := self.storage.owned(f, g)).numel():
+                    local = local + torch.stack(torch.aminmax(t)).double().abs().sum()  # NaN and infinities propagate
         if check:
             if losses:
                 local = local + torch.stack([loss.double() for loss in losses]).abs().sum()
