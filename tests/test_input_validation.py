@@ -282,6 +282,42 @@ def test_model_spec_with_nothing_to_train(body: str, message: str, tmp_path: Pat
     assert f"model spec {spec!r}: {message}" in err and "at least one trainable parameter" in err
 
 
+IDS_ALONE = """
+class WithLabels(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, ids, labels=None):
+        logits = self.head(self.embed(ids))
+        return logits if labels is None else nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class LogitsOnly(WithLabels):
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def make():
+    return WithLabels(), (torch.zeros(2, 16, dtype=torch.long),)
+
+
+def logits_only():
+    return LogitsOnly(), (torch.zeros(2, 16, dtype=torch.long),)
+"""
+
+
+def test_plan_takes_a_spec_that_returns_the_input_ids_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``(model, (ids,))`` plans the call ``zerofx train`` makes, ``model(ids, labels=ids)``; a
+    model that cannot take labels is told what it returned by shape, not by torch's tracing type."""
+    assert main(["plan", _spec(tmp_path, IDS_ALONE), "--world-size", "2", "--stage", "3"]) == 0
+    assert "summary:" in capsys.readouterr().out
+    assert main(["plan", _spec(tmp_path, IDS_ALONE, "logits_only"), "--world-size", "2", "--stage", "3"]) == 2
+    err = _error_line(capsys)
+    assert "cannot find the loss in the model's output (a tensor of shape (2, 16, 5))" in err and "Tensor" not in err
+
+
 # --------------------------------------------------------------------------- item 5: output paths
 def _must_not_run(*args: object, **kwargs: object) -> None:
     raise AssertionError("the output path should have been refused before any work")

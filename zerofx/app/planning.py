@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import site
@@ -142,7 +143,20 @@ def load_model_spec(spec: str) -> ModelSpec:
     else:
         raise ZeroFXError(f"{spec}'s example_inputs must be a tuple, a dict, or (tuple, dict); got {type(inputs).__name__}")
     check_trainable(model, f"model spec {spec!r}")
-    return ModelSpec(model, tuple(args), dict(kwargs), spec)
+    args, kwargs = tuple(args), dict(kwargs)
+    if _takes_labels(model) and "labels" not in kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+        # The input ids alone: plan the call zerofx train makes, model(input_ids, labels=input_ids).
+        kwargs["labels"] = args[0]
+    return ModelSpec(model, args, kwargs, spec)
+
+
+def _takes_labels(model: nn.Module) -> bool:
+    """Whether ``model``'s forward has a ``labels`` parameter (Hugging Face style, and the call
+    ``zerofx train`` makes)."""
+    try:
+        return "labels" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def check_trainable(model: nn.Module, label: str) -> None:

@@ -121,8 +121,10 @@ def extract_loss(output: Any, loss_fn: LossFn | None, loss_kwargs: Mapping[str, 
         isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor))
     hint = (" The output has logits but no loss: a Hugging Face model computes its loss only when called with "
             "labels, so pass labels (for example example_kwargs={'labels': input_ids}).") if has_logits else ""
+    # A tensor is named by its shape: under tracing its type is one of torch's internal wrappers.
+    what = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else f"a {type(output).__name__}"
     raise MissingLossError(
-        f"cannot find the loss in the model's output of type {type(output).__name__}: accepted are a scalar "
+        f"cannot find the loss in the model's output ({what}): accepted are a scalar "
         "tensor, an object with a tensor .loss attribute, a mapping with a 'loss' key, or pass loss_fn=." + hint
     )
 
