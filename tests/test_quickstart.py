@@ -122,8 +122,11 @@ def test_train_prints_its_setup_resumes_and_warns_past_the_schedule(tmp_path: Pa
     # The same command again: one line saying what to change, no rank started, exit 0.
     assert main([*common, "--steps", "2"]) == 0
     again = capfd.readouterr()
-    assert again.out.splitlines()[-1] == (f"{out} is at step 2 = --steps 2: nothing to train. Pass --steps 4 to train 2 more, "
-                                          "or a new --output-dir to start over")
+    # The schedule ends at step 2, so the hint stretches it over the longer run (else the lr would stay at its final value).
+    assert again.out.splitlines()[-1] == (f"{out} is at step 2 = --steps 2: nothing to train. Pass --steps 4 --schedule-steps 4 to "
+                                          "train 2 more with the scheduler's decay stretched over all 4 steps (the learning rate rises "
+                                          "from its final value to the one the longer schedule has at step 3), or a new --output-dir "
+                                          "to start over")
     assert again.out.strip().count("\n") == 0 and again.err == ""
 
     # Past the scheduler's total_num_steps: one warning naming both numbers, then step 3 only,
@@ -147,6 +150,13 @@ def test_train_prints_its_setup_resumes_and_warns_past_the_schedule(tmp_path: Pa
     assert all(math.isfinite(float(v)) for _, v in rows)
     with (tmp_path / "logs" / "dna" / "Train_Samples_lr.csv").open(newline="") as f:
         assert [float(v) for _, v in list(csv.reader(f))[1:]] == pytest.approx(lrs)
+
+    # The hint's way on: --schedule-steps stretches the decay, so step 4 learns at a rate above the old final one.
+    assert main([*common, "--steps", "4", "--schedule-steps", "5", "--world-size", "1"]) == 0
+    fourth = capfd.readouterr()
+    assert "past the scheduler" not in fourth.out + fourth.err and "step 4/4 loss" in fourth.out
+    lrs = [r["lr"] for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if "lr" in r]
+    assert len(lrs) == 4 and lrs[-1] > 100 * lrs[-2]
 
 
 # --------------------------------------------------------------------------- the engine

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 # tests/test_plan_output.py checks that `zerofx estimate --params` leaves torch unimported;
 # benchmarks/cli_startup.py times the commands.
 from zerofx._version import __version__
-from zerofx.common.errors import RankFailedError, UsageError, ZeroFXError
+from zerofx.common.errors import RankFailedError, TrainingInterrupted, UsageError, ZeroFXError
 from zerofx.app.estimate import add_infinity_arguments
 from zerofx.cost_models.tiers import NO_OFFLOAD, PLACEMENT_CHOICES
 from zerofx.common.limits import (
@@ -48,6 +47,7 @@ from zerofx.common.limits import (
     check_stage,
 )
 from zerofx.models.sizes import MODEL_SIZES, model_config
+from zerofx.common.paths import probe_writable
 from zerofx.common.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def _check_output_file(flag: str, path: Path) -> None:
     if not folder.is_dir():
         raise UsageError(f"{flag} {str(path)!r}: folder {str(folder)!r} does not exist; create it or give a path in an existing folder")
     try:
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".zerofx-write-check-")
+        probe_writable(folder)
     except OSError as exc:
         raise UsageError(f"{flag} {str(path)!r}: cannot create a file in folder {str(folder)!r} ({exc.strerror}); "
                          "accepted: a path in a writable folder") from exc
@@ -764,7 +764,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             model=args.model, fasta=args.fasta, world_size=world_size, stage=args.stage, config=args.config,
             steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
             print_graph=args.print_graph, print_graph_code=args.print_graph_code, output_dir=args.output_dir, save_every=args.save_every,
-            keep_last=args.keep_last, collective_timeout_s=args.collective_timeout_s,
+            keep_last=args.keep_last, collective_timeout_s=args.collective_timeout_s, schedule_steps=args.schedule_steps,
             objective=Objective(args.objective), kmer=args.kmer, data=args.data, bed=args.bed,
             holdout_records=tuple(r for r in (args.holdout_records or "").split(",") if r), holdout_bed=args.holdout_bed,
             max_n_fraction=args.max_n_fraction, reverse_complement=args.reverse_complement,
@@ -862,12 +862,13 @@ def _float_arg(low: float, high: float | None = None, *, low_inclusive: bool = T
 
 
 def _bytes_arg(text: str) -> float:
-    """An argparse ``type=`` for --budget: a size such as 80GiB, finite and above 0."""
+    """An argparse ``type=`` for --budget: a size such as 80GiB or "10 GiB", finite and above 0."""
+    negative = text.strip().startswith("-")  # a size with a sign is out of range, not unreadable
     try:
-        value = parse_bytes(text)
+        value = parse_bytes(text.strip()[1:] if negative else text)
     except ZeroFXError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if not (math.isfinite(value) and value > 0):
+    if negative or not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text!r} is out of range; accepted: a finite size above 0, e.g. 80GiB")
     return value
 
@@ -1040,6 +1041,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=_int_arg(1), help="save every K >= 1 training steps (default: only after the last step)")
     p.add_argument("--keep-last", type=_int_arg(1),
                    help="after each save, delete the oldest step-N checkpoints beyond the newest K >= 1 (default: keep all)")
+    p.add_argument("--schedule-steps", type=_int_arg(1),
+                   help="the learning-rate scheduler's total_num_steps, over the config's: continue a finished run with more "
+                        "--steps and a decay stretched over them (default: the config's)")
     p.add_argument("--collective-timeout", dest="collective_timeout_s", type=_float_arg(0, low_inclusive=False),
                    help="seconds a collective waits for a dead or stalled peer before the run fails, > 0 (default: the "
                         "config's zerofx.collective_timeout_s, else 300)")
@@ -1075,15 +1079,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _attach_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--flag -5GiB`` as ``--flag=-5GiB``. argparse takes a token that starts with "-" and is
+    not a plain number for another flag, and would answer "expected one argument"; attached, the
+    value reaches the flag's own check, which names it and what is accepted."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and len(token) > 1 and token[0] == "-" and (token[1].isdigit() or token[1] == "."):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``zerofx`` command line; return the exit code (see the module docstring)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
         args.as_program = argv is None  # NOTE [Freezing the imports]
         return args.func(args)
     except SystemExit as exc:  # --help and --version exit through argparse
         return exc.code if isinstance(exc.code, int) else 0
+    except TrainingInterrupted as exc:  # NOTE [Ctrl-C stops every rank at one step] (zerofx/app/launch.py)
+        print(f"zerofx: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before any rank started, or in another command
+        print("zerofx: stopped by Ctrl-C", file=sys.stderr)
+        return 130
     except RankFailedError as exc:
         print(f"zerofx: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -23,7 +23,9 @@ import math
 import os
 import socket
 import sys
+import threading
 import time
+import traceback
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -34,11 +36,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from tqdm import tqdm
 
 from zerofx.passes.meta import is_all_gather, is_all_reduce, is_all_to_all, is_reduce_scatter, is_wait
+from zerofx.common.paths import probe_writable
 from zerofx.common.units import format_bytes
 from zerofx.runtime.checkpoint import describe_layout, latest_complete_tag, read_metadata, saved_layout
 from zerofx.config import load_config, parse_config
@@ -48,7 +50,9 @@ from zerofx.app.train_data import check_data, resolve_data, sample_batches, samp
 from zerofx.data.mlm import MlmMasking, mask_seed, mask_tokens
 from zerofx.data.tokenizers import MAX_KMER, KmerTokenizer
 from zerofx.runtime.engine import Engine, ScheduleEndWarning, initialize
-from zerofx.common.errors import RankFailedError, UsageError, ZeroFXError
+from zerofx.runtime import rank_agreement
+from zerofx.app.launch import COMM_FAILURE_EXIT_CODE, RankChannel, install_stop_handler, launch_ranks, stop_requested
+from zerofx.common.errors import CollectiveTimeoutError, UsageError, ZeroFXError
 from zerofx.common.limits import DEFAULT_TRAIN_STAGE, MAX_SEED, check_positive, check_stage
 from zerofx.models.registry import build_model as build_bundled_model
 from zerofx.models.sizes import model_config
@@ -88,6 +92,9 @@ class TrainOptions:
     save_every: int | None = None  # None: save only after the last step (when output_dir is set)
     keep_last: int | None = None  # None: keep every checkpoint; K: delete the oldest beyond the newest K
     collective_timeout_s: float | None = None  # None: the config's zerofx.collective_timeout_s (default 300)
+    # The scheduler's total_num_steps, over the config's: a finished run continued with more --steps
+    # decays its learning rate over the longer run instead of staying at the final value.
+    schedule_steps: int | None = None
     objective: Objective = Objective.CLM
     kmer: int | None = None  # None: the bundled 5-token vocabulary for clm, 1-mers in NT's layout for mlm
     data: Path | None = None  # a prepared genome (zerofx data prepare); None: fasta, prepared into the data cache
@@ -108,13 +115,16 @@ def _free_port() -> int:
 def _engine_config(opts: TrainOptions) -> str | Path | Mapping[str, Any]:
     raw: dict[str, Any]
     if opts.config is not None:
-        if opts.collective_timeout_s is None:
+        if opts.collective_timeout_s is None and opts.schedule_steps is None:
             return opts.config
         raw = load_config(opts.config)
     else:
         raw = {"zero_optimization": {"stage": opts.stage}, "optimizer": {"type": "AdamW", "params": {"lr": opts.lr}}}
     if opts.collective_timeout_s is not None:  # the flag wins over the config, on every rank alike
         raw.setdefault("zerofx", {})["collective_timeout_s"] = opts.collective_timeout_s
+    if opts.schedule_steps is not None and "scheduler" in raw:  # as does this one; check_train_options refuses it without a scheduler
+        raw = {**raw, "scheduler": {**raw["scheduler"], "params": {**raw["scheduler"].get("params", {}),
+                                                                   "total_num_steps": opts.schedule_steps}}}
     return raw
 
 
@@ -194,6 +204,11 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
     if opts.seq_len < 2 or (max_seq_len is not None and opts.seq_len > max_seq_len):
         accepted = "an integer >= 2" if max_seq_len is None else f"2..{max_seq_len}"
         raise UsageError(f"--seq-len {opts.seq_len} is invalid for model {opts.model}; accepted: {accepted}")
+    sequence = parse_config(opts.config).sequence_parallel if opts.config is not None else None
+    if sequence is not None and opts.seq_len % sequence.size:  # else each rank fails at capture, after spawning
+        raise UsageError(f"--seq-len {opts.seq_len} is not divisible by the config's zerofx.sequence_parallel.size={sequence.size} "
+                         f"(each of its ranks holds seq_len / size positions); accepted: a multiple of {sequence.size}, "
+                         f"e.g. {opts.seq_len - opts.seq_len % sequence.size or sequence.size}")
     if not (isinstance(opts.lr, (int, float)) and math.isfinite(opts.lr) and opts.lr >= 0):
         raise UsageError(f"--lr {opts.lr} is invalid; accepted: a finite number >= 0")
     if not 0 <= opts.seed <= MAX_SEED:
@@ -206,11 +221,16 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
         check_positive("--keep-last", opts.keep_last)
         if opts.output_dir is None:
             raise UsageError("--keep-last needs --output-dir, the directory the checkpoints go to")
+    if opts.schedule_steps is not None:
+        check_positive("--schedule-steps", opts.schedule_steps)
+        if opts.config is None or "scheduler" not in load_config(opts.config):
+            raise UsageError("--schedule-steps sets the config's scheduler.params.total_num_steps; this run has no scheduler "
+                             "(a --config with a scheduler section, e.g. examples/dna_lm_zero3.json)")
     if opts.collective_timeout_s is not None and not (
             isinstance(opts.collective_timeout_s, (int, float)) and math.isfinite(opts.collective_timeout_s) and opts.collective_timeout_s > 0):
         raise UsageError(f"--collective-timeout {opts.collective_timeout_s} is invalid; accepted: a finite number of seconds > 0")
-    if opts.output_dir is not None and Path(opts.output_dir).exists() and not Path(opts.output_dir).is_dir():
-        raise UsageError(f"--output-dir {str(opts.output_dir)!r} is a file; accepted: a directory (created if missing)")
+    if opts.output_dir is not None:
+        check_output_dir(Path(opts.output_dir))
     stage = opts.stage
     auto = opts.config is not None and parse_config(opts.config).auto is not None  # zerofx.auto chooses the stage at initialize
     if stage is None and not auto:
@@ -233,6 +253,19 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
     else:
         resolve(opts.config, stage=stage, world_size=opts.world_size)  # the config, and that it agrees
     return opts
+
+
+def check_output_dir(path: Path) -> None:
+    """Create ``path`` (and its parents) and check that it takes a new file, before any rank
+    starts; ``UsageError`` naming it otherwise."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--output-dir {str(path)!r} is a file; accepted: a directory (created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe_writable(path)
+    except OSError as exc:
+        raise UsageError(f"--output-dir {str(path)!r} cannot be created or written ({exc.strerror}: {exc.filename}); "
+                         "accepted: a directory you can write, created if missing") from None
 
 
 def is_model_spec(model: str) -> bool:
@@ -440,7 +473,15 @@ def _finished_line(opts: TrainOptions, step: int) -> str | None:
     if step < opts.steps:
         return None
     where = "=" if step == opts.steps else "past"
-    return (f"{opts.output_dir} is at step {step} {where} --steps {opts.steps}: nothing to train. Pass --steps {step + opts.steps} "
+    more = step + opts.steps
+    schedule = parse_config(_engine_config(opts)).scheduler if opts.config is not None else None
+    total = None if schedule is None else schedule.total_num_steps
+    if total is not None and more > total:  # past its end the lr stays at its final value: the hint raises it
+        return (f"{opts.output_dir} is at step {step} {where} --steps {opts.steps}: nothing to train. Pass --steps {more} "
+                f"--schedule-steps {more} to train {opts.steps} more with the scheduler's decay stretched over all {more} steps "
+                f"(the learning rate rises from its final value to the one the longer schedule has at step {step + 1}), or a new "
+                "--output-dir to start over")
+    return (f"{opts.output_dir} is at step {step} {where} --steps {opts.steps}: nothing to train. Pass --steps {more} "
             f"to train {opts.steps} more, or a new --output-dir to start over")
 
 
@@ -489,8 +530,9 @@ def data_order_note(meta: Mapping[str, Any], opts: TrainOptions) -> str | None:
 _OBJECTIVE_PHRASES = {Objective.CLM: "next-token prediction (clm)", Objective.MLM: "masked-token prediction (mlm, 15% masked, 80/10/10)"}
 
 
-def _train_rank(rank: int, opts: TrainOptions) -> None:
-    """One rank's training loop; runs inside an initialized process group."""
+def _train_rank(rank: int, opts: TrainOptions, channel: RankChannel | None = None) -> None:
+    """One rank's training loop; runs inside an initialized process group. ``channel`` (local
+    ranks) tells the launcher the last step every rank completed."""
     world_size = dist.get_world_size()
     torch.manual_seed(opts.seed)
     device = _device()
@@ -498,7 +540,8 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
     first = tuple(t.to(device) for t in next(_cycle_batches(opts, rank)))  # (inputs, labels), each (B, T): the capture's example
     engine = initialize(
         model, config=_engine_config(opts), stage=opts.stage, example_inputs=(first[0],), example_kwargs={"labels": first[1]},
-        init_seed=opts.seed,
+        # A materialized model took its values from torch.manual_seed(opts.seed) above; init_seed is for a meta-built one.
+        init_seed=opts.seed if any(t.is_meta for t in model.parameters()) else 0,
     )
     if rank == 0:
         print(
@@ -513,6 +556,8 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
     start, consumed = _resume(engine, opts, rank) if opts.output_dir is not None else (0, 0)
     # The data position: the samples the checkpointed steps consumed, skipped in O(1).
     stream = ((x.to(device), y.to(device)) for x, y in _cycle_batches(opts, rank, consumed))
+    if channel is not None and rank == 0:
+        channel.record_step(start)
     finished = _finished_line(opts, start)
     if finished is not None:  # train() checks before starting ranks; a checkpoint saved since lands here
         if rank == 0:
@@ -522,6 +567,7 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
     if warning is not None and rank == 0:
         print(warning, flush=True)
     log = _JsonlLog(Path(opts.output_dir) / "train_log.jsonl" if opts.output_dir is not None and rank == 0 else None)
+    log.drop_after(start)  # steps a stopped run logged past its newest checkpoint are trained again now
     tokens_per_step = opts.batch_size * opts.seq_len * data_layout(opts, rank)[1]
     bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", disable=rank != 0 or not sys.stderr.isatty())
     accumulate = engine.gradient_accumulation_steps  # micro-batches per optimizer step
@@ -539,9 +585,15 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
             engine.step()  # steps the optimizer at the accumulation boundary only
             micro_losses.append(loss.detach().float())
         elapsed = time.perf_counter() - t0
-        mean_loss = torch.stack(micro_losses).mean()
-        dist.all_reduce(mean_loss)  # every rank must join the collective, not only the printer
-        mean = mean_loss.item() / world_size
+        # The loss, and whether any rank was asked to stop (NOTE [Ctrl-C stops every rank at one step]).
+        reduced = torch.stack([torch.stack(micro_losses).mean(), torch.tensor(float(stop_requested()))])
+        try:
+            dist.all_reduce(reduced)  # every rank must join the collective, not only the printer
+        except RuntimeError as exc:
+            if not rank_agreement.is_comm_failure(exc):
+                raise
+            raise rank_agreement.comm_failure(rank, engine.collective_timeout_s, f"the all-reduce of step {step}'s loss", exc) from exc
+        mean, stop = reduced[0].item() / world_size, reduced[1].item() > 0
         state_bytes = sum(engine.memory().values())
         if rank == 0:
             rss = peak_rss_bytes()
@@ -556,6 +608,11 @@ def _train_rank(rank: int, opts: TrainOptions) -> None:
                                    keep_last=opts.keep_last)
             if rank == 0:
                 bar.write(f"saved checkpoint {Path(opts.output_dir) / tag}")
+        if channel is not None and rank == 0:
+            channel.record_step(step)
+        if stop:
+            bar.close()
+            return
     bar.close()
     _evaluate(engine, opts, rank, log)
 
@@ -568,6 +625,24 @@ class _JsonlLog:
         self.path = path
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+
+    def drop_after(self, step: int) -> None:
+        """Keep the records before the first one past ``step`` (and before a line a crash cut
+        short); replaces the file at once, so a crash now leaves the old or the new one."""
+        if self.path is None or not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines(keepends=True):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break
+            if not line.endswith("\n") or record.get("step", -1) > step:
+                break
+            kept.append(line)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
 
     def write(self, **record: Any) -> None:
         if self.path is not None:
@@ -616,20 +691,42 @@ def _evaluate(engine: Engine, opts: TrainOptions, rank: int, log: _JsonlLog) -> 
         log.write(eval_loss=loss, eval_perplexity=math.exp(loss), eval_batches=int(total[1]))
 
 
-def _train_worker(rank: int, opts: TrainOptions, port: int) -> None:
-    """Entry point of one spawned rank: join the gloo group, train, report a user error in one line."""
+def _train_worker(rank: int, opts: TrainOptions, port: int, channel: RankChannel) -> None:
+    """Entry point of one spawned rank: join the gloo group, train, report a user error in one
+    line and a failed collective to the launcher, which names the stalled rank."""
+    install_stop_handler()  # NOTE [Ctrl-C stops every rank at one step]
+    # A thread lock for the progress bar, not tqdm's default multiprocessing one: the semaphore of
+    # a rank the launcher had to kill would be reported leaked when the launcher exits.
+    tqdm.set_lock(threading.RLock())
     faulthandler.enable()  # a rank killed by a signal prints every thread's Python stack to stderr
     # Ranks share this machine's cores; more threads than cores per rank slows every rank down.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.world_size))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=opts.world_size,
                             timeout=_collective_timeout(opts))
     try:
-        _train_rank(rank, opts)
+        try:
+            _train_rank(rank, opts, channel)
+        except RuntimeError as exc:  # one outside the graphs and the loss (a checkpoint's, initialize's): named where it ran
+            if isinstance(exc, ZeroFXError) or not rank_agreement.is_comm_failure(exc):
+                raise
+            raise rank_agreement.comm_failure(rank, _collective_timeout(opts).total_seconds(), _zerofx_frame(exc), exc) from exc
+    except CollectiveTimeoutError as exc:
+        channel.report_comm_failure(rank, exc)
+        # The peer may never answer again: the group's teardown and the interpreter's exit would wait on it.
+        os._exit(COMM_FAILURE_EXIT_CODE)
     except ZeroFXError as exc:
         print(f"zerofx: error: rank {rank}: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)  # SystemExit passes through mp.spawn's wrapper as this exit code
     finally:
         dist.destroy_process_group()
+
+
+def _zerofx_frame(exc: BaseException) -> str:
+    """Where in zerofx ``exc`` was raised: the innermost zerofx function, its file and line."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}zerofx{os.sep}" in f.filename]
+    if not frames:
+        return "a collective"
+    return f"a collective in {frames[-1].name} ({Path(frames[-1].filename).name}:{frames[-1].lineno})"
 
 
 def _device() -> torch.device:
@@ -681,13 +778,17 @@ def train(opts: TrainOptions) -> None:
         print(finished, flush=True)
         return
     print(_genome_summary(opts), flush=True)
-    try:
-        mp.spawn(_train_worker, args=(opts, _free_port()), nprocs=opts.world_size, join=True)
-    except mp.ProcessRaisedException as exc:
-        print(str(exc).strip(), file=sys.stderr)
-        last = str(exc).strip().splitlines()[-1]
-        raise RankFailedError(f"rank {exc.error_index} failed: {last}") from None
-    except mp.ProcessExitedException as exc:
-        raise RankFailedError(
-            f"rank {exc.error_index} exited with code {exc.exit_code}", exit_code=2 if exc.exit_code == 2 else 1
-        ) from None
+    launch_ranks(_train_worker, (opts, _free_port()), nprocs=opts.world_size, on_interrupt=lambda step: stopped_message(opts, step))
+
+
+def stopped_message(opts: TrainOptions, step: int) -> str:
+    """What ``zerofx train`` prints after Ctrl-C: the last step every rank completed (-1: none
+    started), the newest complete checkpoint and how to resume."""
+    at = "before the first step" if step < 0 else f"at step {step} of {opts.steps}"
+    if opts.output_dir is None:
+        return f"stopped {at} by Ctrl-C; no --output-dir, so nothing was saved"
+    tag = latest_complete_tag(opts.output_dir)
+    if tag is None:
+        return f"stopped {at} by Ctrl-C; no complete checkpoint in {opts.output_dir} yet: the same command starts over"
+    return (f"stopped {at} by Ctrl-C; the newest complete checkpoint is {Path(opts.output_dir) / tag}: "
+            "run the same command again to resume from it")

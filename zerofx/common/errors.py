@@ -58,7 +58,13 @@ class RankDivergenceError(ZeroFXError):
 
 class CollectiveTimeoutError(ZeroFXError, RuntimeError):
     """A collective did not complete within the process group's timeout: a peer is dead, stalled
-    or issuing a different collective. The message names the rank, graph and collective."""
+    or issuing a different collective. The message names the rank, graph and collective;
+    ``where`` is the graph and collective alone, ``timeout_s`` the timeout it waited."""
+
+    def __init__(self, message: str, *, where: str = "", timeout_s: float | None = None) -> None:
+        super().__init__(message)
+        self.where = where
+        self.timeout_s = timeout_s
 
 
 class NonFiniteError(ZeroFXError, RuntimeError):
@@ -78,6 +84,15 @@ class RankFailedError(RuntimeError):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class TrainingInterrupted(RankFailedError):
+    """``zerofx train`` was stopped by Ctrl-C (SIGINT); the message says at which step, the newest
+    complete checkpoint and how to resume. The command line prints it without "error" and exits 130,
+    the shell's code for a command ended by SIGINT."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, exit_code=130)
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -55,7 +55,7 @@ def failing_collective(exc: BaseException) -> str:
     graph's generated source, so the frame's line is the node's Python."""
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         if frame.filename.startswith("<eval_with_key>") and frame.line:
-            return f"`{frame.line.strip()}`"
+            return f"`{frame.line.split(';')[0].strip()}`"  # the node's statement, without the frees after it
     return "a collective"
 
 
@@ -64,7 +64,8 @@ def comm_failure(rank: int, timeout_s: float, where: str, exc: BaseException) ->
     return CollectiveTimeoutError(
         f"rank {rank}: a collective failed in {where} (timeout {timeout_s:g} s, config key "
         f"zerofx.collective_timeout_s): a peer is dead, stalled or issuing a different collective. "
-        f"{str(exc).strip().splitlines()[0]}"
+        f"{str(exc).strip().splitlines()[0]}",
+        where=where, timeout_s=timeout_s,
     )
 
 
