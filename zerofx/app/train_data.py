@@ -80,9 +80,16 @@ def check_data(opts: DataOptions, genome: Path, tokenizer: KmerTokenizer | None)
         raise UsageError(str(exc)) from None
 
 
-def sample_batches(draw: WindowSampler, *, first: int, group: int, groups: int, batch_size: int) -> Iterator[torch.Tensor]:
-    """Group ``group``'s batches of ``draw``'s samples from ``first`` on, forever."""
+def batch_starts(*, first: int, group: int, groups: int, batch_size: int) -> Iterator[int]:
+    """The index of the first sample of each of group ``group``'s batches from ``first`` on,
+    forever: its batch holds that sample and the next ``batch_size - 1``."""
     index = first + group * batch_size
     while True:
-        yield draw.batch(index, batch_size)
+        yield index
         index += batch_size * groups
+
+
+def sample_batches(draw: WindowSampler, *, first: int, group: int, groups: int, batch_size: int) -> Iterator[torch.Tensor]:
+    """Group ``group``'s batches of ``draw``'s samples from ``first`` on, forever."""
+    for index in batch_starts(first=first, group=group, groups=groups, batch_size=batch_size):
+        yield draw.batch(index, batch_size)

@@ -46,8 +46,8 @@ from zerofx.runtime.checkpoint import describe_layout, latest_complete_tag, read
 from zerofx.config import load_config, parse_config
 from zerofx.data.genome import bundled_genome
 from zerofx.data.prepared import open_prepared
-from zerofx.app.train_data import check_data, resolve_data, sample_batches, sampler
-from zerofx.data.mlm import MlmMasking, mask_seed, mask_tokens
+from zerofx.app.train_data import batch_starts, check_data, resolve_data, sample_batches, sampler
+from zerofx.data.mlm import MlmMasking, mask_samples, mask_seed, mask_tokens
 from zerofx.data.tokenizers import MAX_KMER, KmerTokenizer
 from zerofx.runtime.engine import Engine, ScheduleEndWarning, initialize
 from zerofx.runtime import rank_agreement
@@ -366,10 +366,11 @@ def build_model(opts: TrainOptions, device: torch.device) -> nn.Module:
 
 
 def _objective_batches(opts: TrainOptions, rank: int, batches: Iterator[torch.Tensor], split: str,
-                       first_index: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                       starts: Iterator[int] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(inputs, labels)`` per batch of token ids: the ids twice for clm, masked ids and their
-    labels for mlm, masked as a function of (seed, rank, split, batch index) (NOTE [Masking is a
-    function of the seed, the rank and the batch] in ``zerofx.data.mlm``)."""
+    labels for mlm (NOTE [Masking is a function of the seed, the rank and the batch] in
+    ``zerofx.data.mlm``): with ``starts`` (each batch's first sample index), each window by its
+    sample's seed; else each batch by (seed, rank, split, batch index)."""
     if Objective(opts.objective) is Objective.CLM:
         for batch in batches:
             yield batch, batch
@@ -377,7 +378,11 @@ def _objective_batches(opts: TrainOptions, rank: int, batches: Iterator[torch.Te
     tokenizer = train_tokenizer(opts)
     assert tokenizer is not None
     masking = MlmMasking(mask_id=tokenizer.mask_id, random_ids=tokenizer.sequence_ids)
-    for index, batch in enumerate(batches, start=first_index):
+    if starts is not None:
+        for first, batch in zip(starts, batches):
+            yield mask_samples(batch, masking, seed=opts.seed, first_sample=first, split=split)
+        return
+    for index, batch in enumerate(batches):
         yield mask_tokens(batch, masking, seed=mask_seed(opts.seed, rank, index, split=split))
 
 
@@ -389,8 +394,8 @@ def _cycle_batches(opts: TrainOptions, rank: int, first_sample: int = 0) -> Iter
     rank, data_groups = data_layout(opts, rank)
     assert opts.data is not None and opts.batch_size is not None
     draw = sampler(opts, opts.data, "train", train_tokenizer(opts))
-    batches = sample_batches(draw, first=first_sample, group=rank, groups=data_groups, batch_size=opts.batch_size)
-    return _objective_batches(opts, rank, batches, "train", first_index=first_sample // (opts.batch_size * data_groups))
+    layout = {"first": first_sample, "group": rank, "groups": data_groups, "batch_size": opts.batch_size}
+    return _objective_batches(opts, rank, sample_batches(draw, **layout), "train", starts=batch_starts(**layout))
 
 
 def _collective_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
@@ -671,8 +676,9 @@ def _evaluate(engine: Engine, opts: TrainOptions, rank: int, log: _JsonlLog) -> 
     data_rank, data_groups = data_layout(opts, rank)
     try:
         draw = sampler(opts, opts.data, "eval", train_tokenizer(opts))
-        windows = sample_batches(draw, first=0, group=data_rank, groups=data_groups, batch_size=opts.batch_size)
-        for inputs, labels in itertools.islice(_objective_batches(opts, data_rank, windows, "eval"), opts.eval_batches):
+        layout = {"first": 0, "group": data_rank, "groups": data_groups, "batch_size": opts.batch_size}
+        batches = _objective_batches(opts, data_rank, sample_batches(draw, **layout), "eval", starts=batch_starts(**layout))
+        for inputs, labels in itertools.islice(batches, opts.eval_batches):
             total[0] += engine(inputs.to(engine.device), labels=labels.to(engine.device)).detach().float().item()
             count += 1
     except ZeroFXError:  # no held-out region holds a window: nothing to evaluate

@@ -22,6 +22,11 @@ and the Hugging Face convention, so the loss counts the chosen positions only.
   hash of the run's seed, the rank and the batch's index in that rank's stream. A batch is
   masked the same way whenever it is drawn: a run resumed from a checkpoint, which skips the
   batches already trained on, masks the rest exactly as the uninterrupted run did.
+- Training windows drawn from a prepared genome are numbered across the whole run (sample j is
+  the same window whichever rank draws it, at any world size), and each is masked by itself
+  with ``sample_mask_seed(seed, j)`` (``mask_samples``), so a run resumed at another world size
+  masks each window as the uninterrupted run did too. The at-least-one rule then holds per
+  window.
 """
 
 from __future__ import annotations
@@ -67,6 +72,20 @@ def mask_seed(seed: int, rank: int, index: int, *, split: str = "train") -> int:
     apart) (NOTE [Masking is a function of the seed, the rank and the batch])."""
     digest = hashlib.sha256(f"zerofx-mlm:{seed}:{rank}:{split}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def sample_mask_seed(seed: int, sample: int, *, split: str = "train") -> int:
+    """The generator seed of one window, by its index among the run's samples (NOTE [Masking is
+    a function of the seed, the rank and the batch])."""
+    return mask_seed(seed, -1, sample, split=split)
+
+
+def mask_samples(tokens: torch.Tensor, masking: MlmMasking, *, seed: int, first_sample: int,
+                 split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask_tokens`` for a batch ``(B, T)`` of consecutive samples from ``first_sample`` on,
+    each row masked by its own sample's seed."""
+    rows = [mask_tokens(row, masking, seed=sample_mask_seed(seed, first_sample + i, split=split)) for i, row in enumerate(tokens)]
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 
 def mask_tokens(tokens: torch.Tensor, masking: MlmMasking, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
