@@ -18,6 +18,10 @@ import torch.fx as fx
 aten = torch.ops.aten
 
 
+# The names CPU device profiles take: the built-in one and those ``zerofx calibrate`` writes.
+CPU_PROFILE_PREFIXES = ("cpu", "calibrated-cpu")
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """The rates one rank computes at (what the model assumes it reaches, not the datasheet's
@@ -56,6 +60,13 @@ class DeviceSpec:
         # A profile file gives lists; the spec keeps tuples (frozen, hashable, equal on reload).
         object.__setattr__(self, "memory_curve", tuple((float(b), float(r)) for b, r in self.memory_curve))
         assert all(a[0] < b[0] for a, b in zip(self.memory_curve, self.memory_curve[1:])), self.memory_curve
+
+    @property
+    def memory_is_host(self) -> bool:
+        """Whether a rank's memory is host memory: a CPU profile, built in (``cpu``) or from
+        ``zerofx calibrate``. There, what is offloaded to host memory stays in the rank's memory
+        (NOTE [Host offload on a CPU rank] in cost_models/offload.py)."""
+        return self.name.startswith(CPU_PROFILE_PREFIXES)
 
 
 # NOTE [Bandwidth by working-set size]

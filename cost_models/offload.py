@@ -85,6 +85,19 @@ def record_numels(owned_numel: int, *, optimizer: str, mixed_precision: bool) ->
     return (owned_numel,) * count
 
 
+# NOTE [Host offload on a CPU rank]
+# Offloading moves records and shards off the device: to host memory, or to NVMe through host
+# buffers. On a CPU rank the device is host memory, so a record offloaded there stays in the
+# rank's memory: the memory timeline's peak, which counts it in the model state, is what the
+# rank holds, and only what goes to NVMe leaves. So the device figure of ``zerofx plan`` and the
+# whole-job search take off only the NVMe bytes there, and the search offers no optimizer-state
+# offload to host memory on a CPU profile (it frees nothing and only changes how the update runs).
+def estimate_device_freed_bytes(host_bytes: float, nvme_bytes: float, *, memory_is_host: bool) -> float:
+    """The bytes offloading takes off a rank's device memory: what goes to NVMe, and what goes to
+    host memory unless the device's memory is host memory (NOTE [Host offload on a CPU rank])."""
+    return nvme_bytes + (0.0 if memory_is_host else host_bytes)
+
+
 def estimate_update_s(record_bytes: int, update_bytes_per_s: float) -> float:
     """One record's optimizer update: memory-bound, it reads and writes the record and the
     gradient once (about 2x the record's bytes)."""

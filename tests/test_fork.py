@@ -30,6 +30,15 @@ def test_an_exception_in_the_child_comes_back_as_its_class_and_message() -> None
     assert got is not None and got.payload is None
     name, text, child_traceback = got.error
     assert (name, text) == ("CaptureError", "the model branches on a tensor's value") and "fails" in child_traceback
+    with pytest.raises(CaptureError, match="the model branches on a tensor's value"):  # a user's error, raised as itself
+        got.raise_zerofx_error()
+
+    def breaks() -> bytes:
+        raise RuntimeError("a bug")
+
+    other = start_in_fork(breaks)(30.0)
+    assert other is not None and other.error is not None and other.error[0] == "RuntimeError"
+    other.raise_zerofx_error()  # not a zerofx error: the caller's to handle
 
 
 def test_a_child_that_dies_or_overruns_gives_none() -> None:

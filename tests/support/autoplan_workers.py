@@ -9,15 +9,18 @@ from typing import Any
 import torch
 
 import zerofx
+from zerofx.common.rss import peak_rss_bytes, reset_peak_rss_bytes
 from zerofx.models.registry import build_model
 
 
-def auto_initialize(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
-    """Initialize the tiny DNA LM with ``config`` (``zerofx.auto`` on), take two steps, and
-    return what was printed, the stage and offload applied, and the losses."""
+def auto_initialize(rank: int, world_size: int, config: dict[str, Any], size: str = "tiny", seq_len: int = 64) -> dict[str, Any]:
+    """Initialize the DNA LM of ``size`` with ``config`` (``zerofx.auto`` on), take two steps, and
+    return what was printed, the stage and offload applied, the losses, and how far this
+    process's resident high-water mark rose over it all (VmHWM reset first)."""
     torch.manual_seed(0)
-    model = build_model("tiny")
-    ids = torch.randint(0, 5, (1, 64), generator=torch.Generator().manual_seed(rank))
+    model = build_model(size)
+    ids = torch.randint(0, 5, (1, seq_len), generator=torch.Generator().manual_seed(rank))
+    before = reset_peak_rss_bytes()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         engine = zerofx.initialize(model, config, example_inputs=(ids,), example_kwargs={"labels": ids})
@@ -28,7 +31,8 @@ def auto_initialize(rank: int, world_size: int, config: dict[str, Any]) -> dict[
         engine.step()
         losses.append(float(loss))
     return {"printed": printed.getvalue(), "stage": int(engine.stage), "offload": engine.cfg.offload is not None,
-            "auto": engine.cfg.auto is not None, "raw": dict(engine.cfg.raw), "losses": losses}
+            "auto": engine.cfg.auto is not None, "raw": dict(engine.cfg.raw), "losses": losses,
+            "peak_growth_bytes": peak_rss_bytes() - before}
 
 
 class MeanLM(torch.nn.Module):

@@ -417,13 +417,13 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
         plot_report(report, args.plot, title=title, budget_bytes=budget)
     cfg = resolve(args.config, stage=args.stage, world_size=args.world_size)
     offload = plan_for_program(program.plan, cfg.offload, cfg.param_offload, mixed_precision=cfg.compute_dtype is not None,
-                               device_is_cpu=device.name.startswith(("cpu", "calibrated-cpu")), compute_s=report.compute_s)
+                               device_is_cpu=device.memory_is_host, compute_s=report.compute_s)
     tiers = None
     if offload is not None or cfg.grad_offload is not None:
         grad_itemsize = cfg.compute_dtype.itemsize if cfg.compute_dtype is not None else 4
         grad_bytes = sum(p.shard_numel for p in program.plan.params if p.requires_grad) * grad_itemsize
         tiers = plan_tier_bytes(report.peak.live_bytes, offload, grad_bytes=grad_bytes,
-                                grad_tier=None if cfg.grad_offload is None else cfg.grad_offload.device.value)
+                                grad_tier=None if cfg.grad_offload is None else cfg.grad_offload.device.value, memory_is_host=device.memory_is_host)
     if args.format == "json":
         data = json.loads(report_json(program, report, budget, device_peak_bytes=None if tiers is None else tiers["device"],
                                       micro_batches=cfg.gradient_accumulation_steps))

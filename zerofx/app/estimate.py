@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from zerofx.cost_models.offload import estimate_device_freed_bytes
 from zerofx.cost_models.tiers import NO_OFFLOAD, PLACEMENT_CHOICES, Tier
 from zerofx.cost_models.infinity import (
     DEFAULT_ASPECT,
@@ -98,16 +99,18 @@ def infinity_section(args: argparse.Namespace, num_params: float) -> tuple[str, 
             infinity_json(e, node, args.device_memory))
 
 
-def plan_tier_bytes(peak_bytes: float, offload: Any, *, grad_bytes: float = 0.0, grad_tier: str | None = None) -> dict[str, float]:
+def plan_tier_bytes(peak_bytes: float, offload: Any, *, grad_bytes: float = 0.0, grad_tier: str | None = None,
+                    memory_is_host: bool = False) -> dict[str, float]:
     """Bytes per rank per tier for ``zerofx plan`` with offload: host memory and NVMe from the
     offload plans (optimizer-state records, parameter shards), the device from the memory
-    model's peak less what those plans take off it. Offloaded gradient shards (``grad_bytes`` on
-    ``grad_tier``, "cpu" or "nvme") add to their tier only: the memory model already leaves them
-    off the device (NOTE [Gradients leave at their bucket's wait])."""
+    model's peak less what those plans take off it, which on a CPU rank (``memory_is_host``) is
+    only what goes to NVMe (NOTE [Host offload on a CPU rank]). Offloaded gradient shards
+    (``grad_bytes`` on ``grad_tier``, "cpu" or "nvme") add to their tier only: the memory model
+    already leaves them off the device (NOTE [Gradients leave at their bucket's wait])."""
     plans = [p for p in (getattr(offload, name, None) for name in ("optimizer", "params")) if p is not None]
     host = float(sum(p.bytes_on(Tier.CPU) for p in plans))
     nvme = float(sum(p.bytes_on(Tier.NVME) for p in plans))
-    device = max(peak_bytes - host - nvme, 0.0)
+    device = max(peak_bytes - estimate_device_freed_bytes(host, nvme, memory_is_host=memory_is_host), 0.0)
     if grad_tier == "cpu":
         host += grad_bytes
     elif grad_tier == "nvme":

@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from zerofx.common import errors
+
 
 @dataclass(frozen=True)
 class ChildResult:
@@ -58,6 +60,17 @@ class ChildResult:
     payload: bytes | None = None
     error: tuple[str, str, str] | None = None
     said: list[tuple[str, Any]] = field(default_factory=list)  # what the child warned, logged and printed, in order
+
+    def raise_zerofx_error(self) -> None:
+        """Raise the child's exception again where it was a ``ZeroFXError`` (a user's error: the
+        same in the parent), as its own class with its message; anything else is the caller's to
+        handle, usually by doing the work itself."""
+        if self.error is None:
+            return
+        name, text, _ = self.error
+        same = getattr(errors, name, None)
+        if isinstance(same, type) and issubclass(same, errors.ZeroFXError):
+            raise same(text)
 
 
 class _Relay(logging.Handler):

@@ -26,3 +26,10 @@ def peak_rss_bytes() -> int:
 def current_rss_bytes() -> int:
     """This process's resident set size now, in bytes (VmRSS)."""
     return _status_bytes("VmRSS")
+
+
+def reset_peak_rss_bytes() -> int:
+    """Reset this process's high-water mark to its resident set now (Linux's ``clear_refs``
+    with 5), and return that resident set in bytes; VmHWM then tells how far it rose since."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return current_rss_bytes()

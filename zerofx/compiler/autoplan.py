@@ -134,7 +134,7 @@ from zerofx.config import ZeroConfig, parse_config
 from zerofx.cost_models.compute import CPU_CORE
 from zerofx.cost_models.memory import inductor_resident_bytes
 from zerofx.cost_models.hierarchy import STEP_TIE_FRACTION, estimate_step_comm_s, estimate_step_s
-from zerofx.cost_models.offload import FP32_BYTES, estimate_update_s, record_numels
+from zerofx.cost_models.offload import FP32_BYTES, estimate_device_freed_bytes, estimate_update_s, record_numels
 from zerofx.cost_models.profiles import load_profile
 from zerofx.cost_models.tiers import NO_OFFLOAD, Tier
 from zerofx.passes import Plan
@@ -373,7 +373,7 @@ class _Search:
         plan, cfg = self.shapes_plan(c)
         state = float(sum(plan.estimates.values()))
         if cfg.offload is not None:
-            state -= self._offloaded_bytes(plan, cfg)
+            state -= self._device_freed_bytes(plan, cfg)
         self._states[c] = state
         return state
 
@@ -452,11 +452,22 @@ class _Search:
                 for p in reversed(plan.params) if p.requires_grad]
 
     def _offloaded_bytes(self, plan: Plan, cfg: ZeroConfig) -> float:
+        """The optimizer-state record bytes past the device tier, from the shapes alone."""
         assert cfg.offload is not None
         records = self._records(plan, cfg)
-        tiers = cfg.offload.tier_specs(sum(b for _, b in records), device_is_cpu=self.device.name.startswith("cpu"))
+        tiers = cfg.offload.tier_specs(sum(b for _, b in records), device_is_cpu=self.device.memory_is_host)
         device_budget = tiers[Tier.DEVICE].budget_bytes
         return max(sum(b for _, b in records) - device_budget, 0.0)
+
+    def _device_freed_bytes(self, plan: Plan, cfg: ZeroConfig) -> float:
+        """What those records take off the device (NOTE [Host offload on a CPU rank] in
+        cost_models/offload.py): nothing on a CPU rank unless they go to NVMe, where they are
+        counted as all there (the model state is then a lower bound, as the memory bound needs)."""
+        assert cfg.offload is not None
+        offloaded = self._offloaded_bytes(plan, cfg)
+        on_nvme = cfg.offload.device is Tier.NVME
+        return estimate_device_freed_bytes(0.0 if on_nvme else offloaded, offloaded if on_nvme else 0.0,
+                                           memory_is_host=self.device.memory_is_host)
 
     def cut_capture(self, c: Candidate, config: Mapping[str, Any], n: int) -> tuple[Program, dict[str, Any]]:
         """Folded: the first program of ``c``'s capture group on the model cut to ``n`` blocks,
@@ -648,11 +659,12 @@ class _Search:
         offloaded = 0.0
         if cfg.offload is not None:
             options = cfg.offload
-            tiers = options.tier_specs(sum(b for _, b in records), device_is_cpu=self.device.name.startswith("cpu"))
+            tiers = options.tier_specs(sum(b for _, b in records), device_is_cpu=self.device.memory_is_host)
             offload = plan_offload(records, tiers, buffer_count=options.buffer_count, update_bytes_per_s=CPU_CORE.memory_bytes_per_s,
                                    prefetch_lead_s=spans.get("backward", 0.0), delayed_update=options.delayed_update,
                                    forward_backward_s=micro_s)
-            offloaded = float(offload.bytes_on(Tier.CPU) + offload.bytes_on(Tier.NVME))
+            offloaded = estimate_device_freed_bytes(float(offload.bytes_on(Tier.CPU)), float(offload.bytes_on(Tier.NVME)),
+                                                    memory_is_host=self.device.memory_is_host)
             update_s = float(offload.estimates["step_s"])
         else:  # the report's update, timed by the profile where it measured one (NOTE [The optimizer update's time])
             update_s = spans.get("optimizer", 0.0)

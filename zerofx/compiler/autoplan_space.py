@@ -94,7 +94,9 @@ def search_space(cfg: ZeroConfig, auto: AutoOptions, *, world_size: int, seq_len
     """What ``cfg`` leaves to the search: every dimension in ``auto.fixed`` (and sequence
     parallelism and the batch when their searches are off) keeps the config's value. Inductor is
     searched only where the profile measured what it keeps resident (``DeviceSpec.inductor_bytes``,
-    ``zerofx calibrate``): without that figure its memory cannot be priced."""
+    ``zerofx calibrate``): without that figure its memory cannot be priced. The optimizer state is
+    offloaded to host memory only where that is not the device's (NOTE [Host offload on a CPU
+    rank] in cost_models/offload.py)."""
     fixed = auto.fixed
     stages = (cfg.stage,) if "stage" in fixed and cfg.stage is not None else (0, 1, 2, 3)
     if "sequence_parallel" in fixed or not search_sequence_parallel:
@@ -102,7 +104,11 @@ def search_space(cfg: ZeroConfig, auto: AutoOptions, *, world_size: int, seq_len
     else:
         sp = tuple(s for s in powers_of_two_dividing(world_size) if seq_len % s == 0)
     ks = (cfg.shard_group_size if cfg.shard_group_size is not None else world_size,) if "shard_group_size" in fixed else None
-    offloads = ((NO_OFFLOAD if cfg.offload is None else cfg.offload.device.value),) if "offload_optimizer" in fixed else OFFLOADS
+    device = load_profile(cfg.profile)[1]
+    if "offload_optimizer" in fixed:
+        offloads: tuple[str, ...] = (NO_OFFLOAD if cfg.offload is None else cfg.offload.device.value,)
+    else:  # on a CPU rank host memory is the device's: offloading there frees nothing (NOTE [Host offload on a CPU rank])
+        offloads = (NO_OFFLOAD,) if device.memory_is_host else OFFLOADS
     tilings = ("config",) if "tiling" in fixed else TILINGS
     recomputes = ("config",) if "recompute" in fixed else RECOMPUTES
     if "batch" in fixed or not search_batch:
@@ -112,7 +118,7 @@ def search_space(cfg: ZeroConfig, auto: AutoOptions, *, world_size: int, seq_len
     if "compile" in fixed:
         compilers: tuple[str, ...] = ("config",)
     else:
-        compilers = COMPILERS if load_profile(cfg.profile)[1].inductor_bytes is not None else ("none",)
+        compilers = COMPILERS if device.inductor_bytes is not None else ("none",)
     return SearchSpace(stages, sp, ks, offloads, tilings, recomputes, micro, accumulation, compilers)
 
 

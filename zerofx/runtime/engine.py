@@ -570,8 +570,9 @@ def auto_config(model: nn.Module, config: str | Path | Mapping[str, Any], exampl
     The data each rank is fed is fixed before ``initialize``, so the search keeps the config's
     sequence parallelism and batch (micro-batch: the example inputs'; accumulation: the
     config's) and varies the stage, shard group size, optimizer offload and tiling, each only
-    where the config (or ``stage=``) leaves it open. Rank 0 searches, on fake tensors, and sends
-    the chosen config to the others, so every rank applies the same; it prints the choice once.
+    where the config (or ``stage=``) leaves it open. Rank 0 searches, on fake tensors and in a
+    forked child where that is safe (NOTE [Rank 0 searches in a child]), and sends the chosen
+    config to the others, so every rank applies the same; it prints the choice once.
     With nothing fitting the budget every rank raises ``ConfigError`` saying what would fit."""
     group = group if group is not None else dist.group.WORLD
     n, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -582,7 +583,8 @@ def auto_config(model: nn.Module, config: str | Path | Mapping[str, Any], exampl
     failed: ZeroFXError | None = None
     if rank == 0:
         try:
-            message = [_search_on_rank_zero(model, raw, example_args, example_kwargs, world_size=world_size, n=n, loss_fn=loss_fn)]
+            message = [rank_agreement.search_on_rank_0(lambda: _search_on_rank_zero(  # NOTE [Rank 0 searches in a child]
+                model, raw, example_args, example_kwargs, world_size=world_size, n=n, loss_fn=loss_fn))]
         except ZeroFXError as exc:  # every rank fails alike, rather than the others waiting in the broadcast
             failed, message = exc, [f"the search failed on rank 0: {exc}"]
     dist.broadcast_object_list(message, src=dist.get_global_rank(group, 0), group=group)

@@ -17,7 +17,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from zerofx.passes.check_collectives import collective_sequence, first_divergenc
 from zerofx.compiler.program import Program
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How long ranks wait for rank 0 to build the program (NOTE [One build per job]).
 BUILD_WAIT_S = 3600.0
@@ -253,6 +254,30 @@ def build_once(build: Callable[[], Program], *, key: dict[str, Any], rank: int, 
 # not safe. A zerofx error in the child is raised again as itself (a ``MissingLossError`` still
 # defers capture to the first call); any other failure, or a child that dies, makes rank 0 build
 # in its own process, where the traceback is the user's.
+# NOTE [Rank 0 searches in a child]
+# ``zerofx.auto`` runs the whole-job search on rank 0 alone, and its captures and lowerings leave
+# rank 0's process holding what a build leaves (NOTE [Rank 0 builds in a child]), times the
+# candidates it plans, while the other ranks never search. So where a fork is safe rank 0
+# searches in a forked child (NOTE [Work in a forked child] in zerofx/common/fork.py) and keeps
+# only what the search returns, the chosen config or the line saying nothing fits; the child's
+# progress and its line reach rank 0's streams as they would have from rank 0. A zerofx error in
+# the child is raised again as itself; any other failure, or a child that dies, makes rank 0
+# search in its own process, where the traceback is the user's.
+def search_on_rank_0(search: Callable[[], T]) -> T:
+    """What ``search()`` returns (it must pickle), computed in a forked child where that is safe
+    (NOTE [Rank 0 searches in a child])."""
+    if fork_is_safe():
+        got = start_in_fork(lambda: pickle.dumps(search()))(None)
+        if got is not None and got.payload is not None:
+            return pickle.loads(got.payload)
+        if got is not None and got.error is not None:
+            got.raise_zerofx_error()
+            log.info("rank 0's search in a child failed (%s: %s); searching in this process:\n%s", *got.error)
+        else:
+            log.info("rank 0's search in a child died; searching in this process")
+    return search()
+
+
 def _build_on_rank_0(build: Callable[[], Program], rank: int, program_options: dict[str, Any], *,
                      in_child: bool) -> tuple[Program, bytes]:
     """Rank 0's program and the bytes it sends the other ranks (NOTE [Rank 0 builds in a child])."""
@@ -272,10 +297,8 @@ def _build_on_rank_0(build: Callable[[], Program], rank: int, program_options: d
             log.debug("rank 0 built its program in a child in %.1f s", time.perf_counter() - start)
             return program, payload
         if got is not None and got.error is not None:
+            got.raise_zerofx_error()
             name, text, child_traceback = got.error
-            same = getattr(errors, name, None)
-            if isinstance(same, type) and issubclass(same, ZeroFXError):
-                raise same(text)
             log.info("rank 0's build in a child failed (%s: %s); building in this process:\n%s", name, text, child_traceback)
         else:
             log.info("rank 0's build in a child died or timed out; building in this process")
