@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -294,14 +295,22 @@ class Program:
         prints it. ``compiler`` and ``fused_optimizer`` say how the graphs and the update run
         (NOTE [Fused kernels under Inductor] in cost_models/compute.py); None: as this program's
         config says (``zerofx.compile``, ``zerofx.fused_optimizer``), eager for a program without one."""
-        self._require_capture("program.report(rank) (the schedule, step time and memory timeline)")
+        captured = self._require_capture("program.report(rank) (the schedule, step time and memory timeline)")
         cfg = self._source.cfg if self._source is not None else None
         if compiler is None:
             compiler = cfg.graph_compiler if cfg is not None else GraphCompiler.NONE
         if fused_optimizer is None:
             fused_optimizer = cfg.fused_optimizer if cfg is not None else False
-        return analyze_schedule(self.graph_modules(rank), self.plan, comm=comm, device=device,
-                                fused=compiler is GraphCompiler.INDUCTOR, fused_update=fused_optimizer)
+        self._check_rank(rank)
+        fused = compiler is GraphCompiler.INDUCTOR
+        # NOTE [One report per plan of a capture]
+        key = (repr(replace(self.plan, decisions=())), self.group_name, self.replicate_group_name, rank, comm, device, fused,
+               fused_optimizer)
+        reports = _REPORTS.setdefault(captured.joint, {})
+        if key not in reports:
+            reports[key] = analyze_schedule(self.graph_modules(rank), self.plan, comm=comm, device=device, fused=fused,
+                                            fused_update=fused_optimizer)
+        return reports[key]
 
     def memory(self, rank: int) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer states rank ``rank`` holds between steps:
@@ -312,6 +321,22 @@ class Program:
     def __repr__(self) -> str:
         model_class = self._captured.model_class if self._captured is not None else type(self._source.model).__qualname__
         return f"Program({model_class}, stage={int(self.stage)}, world_size={self.world_size})"
+
+
+# NOTE [One report per plan of a capture]
+# A program's report is a function of its captured joint graph, its plan less the plan's
+# decision notes (which change no graph), its group names, the rank and how it is priced (the
+# profile, Inductor or eager, the fused update). The budget searches lower and report many plans
+# of one capture, and the same plan again and again: recompute "auto" measures the plan with
+# nothing recomputed first, which is the same candidate's plan with recompute off, already
+# reported; a candidate that offloads its optimizer state plans exactly as the one that does not
+# (the plan holds no optimizer placement), so its prefetch and recompute searches report the
+# same plans over again. So each capture keeps the reports made of it, by plan, as long as its
+# joint graph lives, and a plan reported once is neither lowered nor analysed again for a
+# report: a report holds the timeline's points, not the graphs, so keeping every one costs a
+# fraction of one lowering's memory. A program whose graphs are needed (to run, or print) still
+# lowers them itself.
+_REPORTS: weakref.WeakKeyDictionary[fx.GraphModule, dict[tuple[Any, ...], ScheduleReport]] = weakref.WeakKeyDictionary()
 
 
 # NOTE [Capture on first need]
