@@ -72,6 +72,7 @@ passes/analyze_schedule.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -184,6 +185,23 @@ def _describe(node: fx.Node) -> str:
     return f"{getattr(node.target, '__name__', node.target)}"
 
 
+# NOTE [The loss's flatten at batch 1]
+# A loss reads its logits as ``(B·T, V)``. Where B > 1 that flatten merges the sequence axis with
+# the batch, so the analysis loses the axis there and the view is not sharded: the walk from the
+# loss passes it like any op outside ``local``. Where B = 1 the flatten ``(1, T, V) -> (T, V)``
+# only drops the batch dimension, the axis goes on at dim 0, and the view is a sharded token-wise
+# op like any other; the walk then stopped at it, read ``(T, V)`` as the logits with no batch and
+# refused the loss. A flatten that keeps the last dimension and merges every one before it is
+# the same loss at every batch size: the walk passes it whether sharded or not.
+def _flattens_tokens(node: fx.Node) -> bool:
+    """Whether ``node`` is a view ``(..., T, V) -> (N, V)`` read only by the next op (NOTE [The loss's flatten at batch 1])."""
+    if op_packet(node) not in _FLATTEN or len(node.users) != 1 or not isinstance(node.args[0], fx.Node):
+        return False
+    before, after = node.args[0].meta.get("val"), node.meta.get("val")
+    return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dim() >= 3 and after.dim() == 2
+            and after.shape[-1] == before.shape[-1] and after.shape[0] == math.prod(before.shape[:-1]))
+
+
 def _find_loss(node: fx.Node, an: SeqAnalysis, local: set[fx.Node]) -> LossSite | None:
     """The shifted-or-not cross-entropy over the sequence, or None when ``node`` is another shape of loss."""
     if op_packet(node) is not aten.cross_entropy_loss:
@@ -192,7 +210,7 @@ def _find_loss(node: fx.Node, an: SeqAnalysis, local: set[fx.Node]) -> LossSite 
     if args[2] is not None or node.kwargs.get("weight") is not None or (args[5] or node.kwargs.get("label_smoothing", 0.0)):
         return None
     t, cur, casts, skipped, end_shift = an.seq_len, args[0], [], [], 0
-    while isinstance(cur, fx.Node) and cur not in local:
+    while isinstance(cur, fx.Node) and (cur not in local or _flattens_tokens(cur)):
         pk = op_packet(cur)
         if len(cur.users) != 1:
             return None

@@ -87,11 +87,11 @@ def _loss(net: torch.nn.Module, kind: str, ids: torch.Tensor, labels: torch.Tens
     return out if kind in SCAN_MODELS else out.loss
 
 
-def reference(kind: str, num_groups: int, steps: int, seq_len: int) -> dict:
+def reference(kind: str, num_groups: int, steps: int, seq_len: int, batch: int = 2) -> dict:
     """Plain PyTorch on the whole global batch: each step the mean over data groups of each group's loss, SGD."""
     net = _model(kind)
     opt = torch.optim.SGD(net.parameters(), lr=SGD["params"]["lr"])
-    ids, labels = batches(kind, num_groups, steps, seq_len)
+    ids, labels = batches(kind, num_groups, steps, seq_len, batch)
     losses = []
     for step in range(steps):
         group_losses = [_loss(net, kind, ids[step, g], labels[step, g]) for g in range(num_groups)]
@@ -102,15 +102,15 @@ def reference(kind: str, num_groups: int, steps: int, seq_len: int) -> dict:
     return {"state": {k: v.detach().clone() for k, v in net.state_dict().items()}, "losses": losses}
 
 
-def train(rank: int, world_size: int, cases: list[tuple[str, int, int, int]], steps: int) -> dict:
+def train(rank: int, world_size: int, cases: list[tuple[str, int, int, int]], steps: int, batch: int = 2) -> dict:
     """For each (kind, stage, sequence-parallel size, T): ``steps`` SGD steps, every rank of a
-    sequence group on its group's whole batch; the full state, this rank's losses, the plan's
-    decisions and the all-to-alls of the forward."""
+    sequence group on its group's whole batch of ``batch`` sequences; the full state, this
+    rank's losses, the plan's decisions and the all-to-alls of the forward."""
     out = {}
     for case in cases:
         kind, stage, size, seq_len = case
         group = rank // size
-        ids, labels = batches(kind, world_size // size, steps, seq_len)
+        ids, labels = batches(kind, world_size // size, steps, seq_len, batch)
         config = {"zero_optimization": {"stage": stage}, "optimizer": SGD, "zerofx": {"sequence_parallel": {"size": size}}}
         init = {} if kind in SCAN_MODELS else {"init_seed": SEED}
         engine = zerofx.initialize(_model(kind, device="meta"), config, example_inputs=(ids[0, group],),

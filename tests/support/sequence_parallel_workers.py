@@ -82,12 +82,12 @@ def attention_mask(kind: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"attention_mask": mask}
 
 
-def reference(num_groups: int, steps: int, kind: str = "dna") -> dict:
+def reference(num_groups: int, steps: int, kind: str = "dna", batch: int = 2) -> dict:
     """Plain PyTorch on the whole global batch: the mean over data groups of each group's loss
     (what data parallelism averages), SGD."""
     net = model(kind)
     opt = torch.optim.SGD(net.parameters(), lr=SGD["params"]["lr"])
-    ids, labels = batches(num_groups, steps, kind=kind)
+    ids, labels = batches(num_groups, steps, batch, kind=kind)
     losses = []
     for step in range(steps):
         group_losses = [net(ids[step, g], labels=labels[step, g], **attention_mask(kind, ids[step, g])).loss for g in range(num_groups)]
@@ -99,7 +99,8 @@ def reference(num_groups: int, steps: int, kind: str = "dna") -> dict:
     return {"state": {k: v.detach().clone() for k, v in net.state_dict().items()}, "losses": losses}
 
 
-def train(rank: int, world_size: int, cases: list[tuple[str, int, int, str, str]], steps: int, checkpoint_dir: str | None = None) -> dict:
+def train(rank: int, world_size: int, cases: list[tuple[str, int, int, str, str]], steps: int, checkpoint_dir: str | None = None,
+          batch: int = 2) -> dict:
     """For each (model kind, stage, sequence-parallel size, attention, feature): ``steps`` SGD
     steps, every rank of a sequence group on its group's whole batch, with ``FEATURES[feature]``
     in the config; the full state (in mixed precision also the fp32 masters, gathered), this
@@ -110,7 +111,7 @@ def train(rank: int, world_size: int, cases: list[tuple[str, int, int, str, str]
     for case in cases:
         kind, stage, size, attention, feature = case
         group = rank // size
-        ids, labels = batches(world_size // size, steps, kind=kind)
+        ids, labels = batches(world_size // size, steps, batch, kind=kind)
         extra = FEATURES[feature]
         own = extra.get("zerofx", {})
         own = {**own, "sequence_parallel": {"size": size, "attention": attention, **own.get("sequence_parallel", {})}}
