@@ -7,7 +7,8 @@
     zerofx consolidate run1 model.safetensors        # one file for load_state_dict, streamed
 
 ``main(argv)`` returns the exit code: 0 on success, 2 for bad input (a one-line message on
-stderr, no traceback), 1 when a training rank fails. The training loop itself is
+stderr, no traceback), 1 when a training rank fails, 130 when Ctrl-C stops a command (for
+``train``, one line naming the step and the checkpoint to resume from). The training loop itself is
 ``zerofx.app.training.train(TrainOptions(...))``, for scripts such as ``examples/train_dna.py``.
 """
 

@@ -11,7 +11,9 @@ trains, saves, and evaluates on the held-out slice of the genome. Rank 0 prints 
 loss averaged over ranks and appends it to ``output_dir/train_log.jsonl``.
 
 Errors: ``UsageError`` (a ``ZeroFXError``) for bad options, naming the ``zerofx train`` flag;
-``RankFailedError`` when a spawned rank fails. ``zerofx.app.cli`` turns both into exit codes.
+``RankFailedError`` when a spawned rank fails (naming the stalled rank when a collective timed
+out), ``TrainingInterrupted`` after Ctrl-C (``zerofx.app.launch``). ``zerofx.app.cli`` turns
+them into exit codes.
 """
 
 from __future__ import annotations
