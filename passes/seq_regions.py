@@ -528,14 +528,15 @@ def _find_attention(gm: fx.GraphModule) -> list[AttentionMatch]:
                 reason = f"query heads {_val(q).shape[1]} differ from key/value heads {_val(k).shape[1]} without enable_gqa"
             found.append(AttentionMatch(node, q, k, v, mask, bool(causal), float(scale), "sdpa", reason))
         elif op_packet(node) is aten.matmul:
-            m = _match_softmax_attention(node)
+            m = match_softmax_attention(node)
             if m is not None:
                 found.append(m)
     return found
 
 
-def _match_softmax_attention(scores: fx.Node) -> AttentionMatch | None:
-    """``matmul(q, kᵀ) [* c | / c]* [+ mask] -> softmax(-1) [-> to] [-> dropout(p=0)] -> matmul(., v)``."""
+def match_softmax_attention(scores: fx.Node) -> AttentionMatch | None:
+    """``matmul(q, kᵀ) [* c | / c]* [+ mask] -> softmax(-1) [-> to] [-> dropout(p=0)] -> matmul(., v)``; a scale
+    after the mask is not SDPA's order, and is not matched."""
     q, kt = scores.args[:2]
     if not isinstance(kt, fx.Node) or op_packet(kt) is not aten.transpose or _rank(kt) != 4:
         return None
@@ -544,10 +545,12 @@ def _match_softmax_attention(scores: fx.Node) -> AttentionMatch | None:
     k, scale, mask, cur = kt.args[0], 1.0, None, scores
     while (nxt := _single_user(cur)) is not None:
         pk = op_packet(nxt)
-        if pk in (aten.mul, aten.div) and nxt.args[0] is cur and isinstance(nxt.args[1], (int, float)):
+        if pk in (aten.mul, aten.div) and nxt.args[0] is cur and isinstance(nxt.args[1], (int, float)) and mask is None:
             scale = scale * nxt.args[1] if pk is aten.mul else scale / nxt.args[1]
-        elif pk is aten.add and nxt.args[0] is cur and isinstance(nxt.args[1], fx.Node) and mask is None:
-            mask = nxt.args[1]
+        elif pk is aten.add and cur in nxt.args[:2] and mask is None and len(nxt.args) == 2:
+            mask = nxt.args[1] if nxt.args[0] is cur else nxt.args[0]  # scores + mask or mask + scores
+            if not isinstance(mask, fx.Node):
+                return None
         else:
             break
         cur = nxt

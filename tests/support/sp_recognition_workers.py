@@ -1,0 +1,117 @@
+"""What each rank runs in tests/test_sp_recognition.py, and the single-process reference: models
+as users write them (attention spelled out as matmuls and softmax, ``nn.TransformerEncoderLayer``,
+GPT-2's ``Conv1D`` over ``(B·T, C)``), sequence-parallel against plain PyTorch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import zerofx
+from zerofx.passes.meta import is_all_to_all
+from zerofx.passes.ring_attention import is_ring_attention
+
+SGD = {"type": "SGD", "params": {"lr": 0.1}}
+VOCAB, SEQ, BATCH, IGNORE = 8, 16, 2, -100
+
+
+class WrittenAttentionLM(torch.nn.Module):
+    """Attention as a hand-written model spells it: q scaled before the product, ``q @ kᵀ`` plus a
+    per-head ALiBi bias (slopes times the distance between positions, from ``arange``) and a
+    causal mask filled with the dtype's lowest value by ``where`` (as Hugging Face's eager masks
+    are), softmax, ``@ v``."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, VOCAB)
+        self.register_buffer("slopes", torch.tensor([2.0 ** -(i + 1) for i in range(heads)]).view(heads, 1, 1), persistent=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        x = self.embed(ids)  # (B, T, C)
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, T, D)
+        pos = torch.arange(t)
+        distance = (pos.view(1, t) - pos.view(t, 1)).float()  # (T, T): key minus query position
+        bias = torch.where(distance > 0, torch.finfo(x.dtype).min, self.slopes * distance)  # (H, T, T): ALiBi, causal
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1) + bias  # (B, H, T, T)
+        y = scores.softmax(dim=-1) @ v  # (B, H, T, D)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def model(kind: str) -> torch.nn.Module:
+    """Small random-weight models: Hugging Face Llama in eager attention (grouped-query, rotary,
+    its causal mask added to the scores) and the hand-written attention above."""
+    torch.manual_seed(0)
+    if kind == "llama_eager":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=SEQ, attn_implementation="eager")
+        return LlamaForCausalLM(cfg)
+    assert kind == "written", kind
+    return WrittenAttentionLM()
+
+
+def loss_of(net: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    out = net(ids, labels=labels)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def batches(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and labels (steps, B, T); a quarter of the labels ignored, in the first half of the sequence."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (steps, BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    ignored = torch.rand(ids.shape, generator=gen) < 0.25
+    ignored[..., SEQ // 2:] = False
+    labels[ignored] = IGNORE
+    return ids, labels
+
+
+def reference(kind: str, steps: int) -> dict:
+    """Plain PyTorch on the whole batch, SGD."""
+    net = model(kind)
+    opt = torch.optim.SGD(net.parameters(), lr=SGD["params"]["lr"])
+    ids, labels = batches(steps)
+    losses = []
+    for step in range(steps):
+        loss = loss_of(net, ids[step], labels[step])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"state": {k: v.detach().clone() for k, v in net.state_dict().items()}, "losses": losses}
+
+
+def train(rank: int, world_size: int, cases: list[tuple[str, int, str]], steps: int) -> dict:
+    """For each (model kind, stage, attention strategy): ``steps`` SGD steps over one sequence
+    group of ``world_size`` ranks, each on the whole batch; the full state, the losses, the
+    exchanges in the forward and the plan's decisions."""
+    out = {}
+    ids, labels = batches(steps)
+    for case in cases:
+        kind, stage, attention = case
+        config = {"zero_optimization": {"stage": stage}, "optimizer": SGD,
+                  "zerofx": {"sequence_parallel": {"size": world_size, "attention": attention}}}
+        engine = zerofx.initialize(model(kind), config, example_inputs=(ids[0],), example_kwargs={"labels": labels[0]})
+        losses = []
+        for step in range(steps):
+            loss = engine(ids[step], labels=labels[step])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        forward = engine.graph_modules()["forward"]
+        out[case] = {
+            "state": engine.full_state_dict(),
+            "losses": losses,
+            "all_to_alls": sum(1 for n in forward.graph.nodes if is_all_to_all(n)),
+            "ring_ops": sum(1 for n in forward.graph.nodes if is_ring_attention(n)),
+            "decisions": engine.program.plan.decisions,
+        }
+        engine.close()
+    return out
