@@ -380,12 +380,16 @@ def _can_create_in(folder: Path) -> bool:
 def test_every_command_and_flag_has_help(capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser()
     (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert commands.help and set(commands.choices) == {"plan", "estimate", "config-schema", "calibrate", "train", "consolidate"}
-    for name, sub in commands.choices.items():
+    assert commands.help and set(commands.choices) == {"plan", "estimate", "config-schema", "calibrate", "train", "consolidate", "data"}
+    todo = [((name,), sub) for name, sub in commands.choices.items()]
+    while todo:  # commands with commands of their own (zerofx data prepare) too
+        names, sub = todo.pop()
         for action in sub._actions:
-            assert action.help and action.help != argparse.SUPPRESS, f"zerofx {name} {action.option_strings or action.dest}"
-        assert main([name, "--help"]) == 0
-        assert f"usage: zerofx {name}" in capsys.readouterr().out
+            assert action.help and action.help != argparse.SUPPRESS, f"zerofx {' '.join(names)} {action.option_strings or action.dest}"
+            if isinstance(action, argparse._SubParsersAction):
+                todo += [((*names, name), nested) for name, nested in action.choices.items()]
+        assert main([*names, "--help"]) == 0
+        assert f"usage: zerofx {' '.join(names)}" in capsys.readouterr().out
     # Numeric flags state their range.
     assert main(["plan", "--help"]) == 0
     assert f"1..{MAX_WORLD_SIZE}" in capsys.readouterr().out

@@ -183,6 +183,10 @@ def test_help_and_estimate_leave_torch_unimported() -> None:
         "        assert zerofx.app.cli.main(argv) == 0, argv\n"
         "assert zerofx.app.cli.main(['estimate', '--params', '1e9', '--world-size', '8']) == 0\n"
         "assert zerofx.app.cli.main(['plan', 'tiny', '--world-size', '0']) == 2\n"  # a bad argument is caught before torch too
+        "for argv in (['train', '--fasta', '/no/such.fa'], ['train', '--fasta', '/'], ['train', '--config', '/no/such.json'],\n"
+        "             ['train', '--data', '/no/such'], ['data', 'prepare', '/no/such.fa', '--out', '/tmp/x']):\n"
+        "    with contextlib.redirect_stderr(io.StringIO()):\n"  # paths too: a missing file is named before torch loads
+        "        assert zerofx.app.cli.main(argv) == 2, argv\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     done = _run_python(code)

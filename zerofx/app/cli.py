@@ -826,6 +826,27 @@ MAX_LOCAL_RANKS = 256
 MAX_PARAMS = 1e15
 
 
+def _existing(what: str, accepted: str, *, folder: bool = False) -> Callable[[str], Path]:
+    """An argparse ``type=``: a path that exists as a file (or, with ``folder``, a folder),
+    checked when the arguments are read, before a command imports torch (seconds, more on a
+    loaded machine); argparse names the flag in the error."""
+
+    def parse(text: str) -> Path:
+        path = Path(text)
+        if not path.exists():
+            raise argparse.ArgumentTypeError(f"{what} {text!r} does not exist; accepted: {accepted}")
+        if path.is_dir() != folder:
+            raise argparse.ArgumentTypeError(f"{what} {text!r} is a {'file' if folder else 'folder'}; accepted: {accepted}")
+        return path
+
+    return parse
+
+
+_FASTA_ARG = _existing("genome file", "a FASTA file (.fa, .fasta, optionally .gz)")
+_CONFIG_ARG = _existing("config file", "a DeepSpeed-style JSON file")
+_BED_ARG = _existing("BED file", "a BED file (record, 0-based start, end per line)")
+
+
 def _int_arg(low: int, high: int | None = None) -> Callable[[str], int]:
     """An argparse ``type=``: an integer in low..high; argparse names the flag in the error."""
     accepted = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
@@ -898,7 +919,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=_int_arg(1, MAX_WORLD_SIZE),
                    help=f"number of ranks to plan for, 1..{MAX_WORLD_SIZE} (required unless the config implies it)")
     p.add_argument("--stage", type=int, help="ZeRO stage 0, 1, 2 or 3 (required unless the config sets it)")
-    p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config (ds_config.json)")
+    p.add_argument("--config", type=_CONFIG_ARG, help="DeepSpeed-style JSON config (ds_config.json)")
     p.add_argument("--seq-len", type=_int_arg(2),
                    help="tokens per sequence in a bundled model's example batch, 2..max_seq_len (default: min(512, max_seq_len))")
     p.add_argument("--batch-size", type=_int_arg(1),
@@ -956,7 +977,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where optimizer states live (default: none); auto: the planner places them by bandwidth")
     p.add_argument("--offload-param", choices=PLACEMENT_CHOICES, default=NO_OFFLOAD,
                    help="where stage-3 parameter shards live (default: none); auto: the planner places them by bandwidth")
-    p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config, for the --model activation estimate")
+    p.add_argument("--config", type=_CONFIG_ARG, help="DeepSpeed-style JSON config, for the --model activation estimate")
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
     add_infinity_arguments(p, int_arg=_int_arg, float_arg=_float_arg, bytes_arg=_bytes_arg)
     p.set_defaults(func=cmd_estimate)
@@ -987,22 +1008,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "example_inputs) as for zerofx plan: any nn.Module called as model(input_ids, labels=labels) that "
                         "returns the loss or an output with .loss (a Hugging Face model from a local config works); its "
                         "input embedding needs at least the vocabulary's rows (default: tiny; docs/training.md)")
-    p.add_argument("--fasta", type=Path,
+    p.add_argument("--fasta", type=_FASTA_ARG,
                    help="FASTA genome, plain or .gz, one or more records (default: the bundled lambda phage genome): IUPAC "
                         f"nucleotide codes; refused when empty, headers only, corrupt, or over {MAX_FOREIGN_FRACTION * 100:g}%% "
                         "of its symbols are not nucleotide codes (a protein FASTA; the error names the first one's record and "
                         "offset)")
-    p.add_argument("--data", type=Path, metavar="DIR",
+    p.add_argument("--data", type=_existing("prepared genome", "a folder written by zerofx data prepare", folder=True), metavar="DIR",
                    help="a genome prepared by zerofx data prepare (instead of --fasta, which is prepared into the data "
                         "cache, $ZEROFX_DATA_CACHE or ~/.cache/zerofx/genomes, on first use); refused when a source file "
                         "changed since it was prepared")
-    p.add_argument("--bed", type=Path,
+    p.add_argument("--bed", type=_BED_ARG,
                    help="draw training windows only inside this BED file's intervals (record, 0-based start, end); "
                         "default: every record, less the held-out regions")
     p.add_argument("--holdout-records", metavar="NAME[,NAME...]",
                    help="hold out these records (chromosomes) whole for evaluation, e.g. chr20,chr21 (default: the last "
                         "10%% of every record)")
-    p.add_argument("--holdout-bed", type=Path, help="hold out this BED file's intervals for evaluation instead")
+    p.add_argument("--holdout-bed", type=_BED_ARG, help="hold out this BED file's intervals for evaluation instead")
     p.add_argument("--max-n-fraction", type=_float_arg(0, 1), default=0.1,
                    help="skip windows whose share of N is above this, 0..1 (default: 0.1)")
     p.add_argument("--reverse-complement", action="store_true",
@@ -1020,7 +1041,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"number of local ranks to spawn, 1..{MAX_LOCAL_RANKS} (default: the config's zerofx.world_size, else 2; "
                         "under torchrun, torchrun's)")
     p.add_argument("--stage", type=int, help=f"ZeRO stage 0-3 (default: the config's, else {DEFAULT_TRAIN_STAGE})")
-    p.add_argument("--config", type=Path, help="DeepSpeed-style JSON config; replaces the default AdamW and --lr")
+    p.add_argument("--config", type=_CONFIG_ARG, help="DeepSpeed-style JSON config; replaces the default AdamW and --lr")
     p.add_argument("--steps", type=_int_arg(1), default=20,
                    help="optimizer steps, >= 1; each takes the config's gradient_accumulation_steps micro-batches (default: 20)")
     p.add_argument("--seq-len", type=_int_arg(2), default=128,
@@ -1056,7 +1077,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "of memory-mapped tokens, record offsets and names, the runs of N and the source files' "
                                         "identity and checksums; zerofx train --data reads it without reading the genome again "
                                         "(docs/training.md).")
-    p.add_argument("inputs", metavar="FASTA_OR_MANIFEST", type=Path, nargs="+",
+    p.add_argument("inputs", metavar="FASTA_OR_MANIFEST", type=_existing("input", "a FASTA file or a manifest"), nargs="+",
                    help="FASTA files (.fa, .fasta, optionally .gz), or a manifest (*.tsv or *.txt) with one 'PATH [WEIGHT]' "
                         "per line: windows are drawn from each source in proportion to its weight, a finite number > 0 "
                         "(default 1; relative paths are relative to the manifest)")
@@ -1070,7 +1091,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("consolidate", help="write a sharded checkpoint as one safetensors file",
                        description="Stream a sharded zerofx checkpoint into one safetensors file with the model's "
                                    "state_dict keys, tensor by tensor: memory stays bounded whatever the model's size.")
-    p.add_argument("ckpt_dir", metavar="CKPT_DIR", type=Path, help="the checkpoint directory (engine.save_checkpoint's save_dir)")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR", type=_existing("checkpoint directory", "the save_dir of engine.save_checkpoint",
+                                                                   folder=True), help="the checkpoint directory (engine.save_checkpoint's save_dir)")
     p.add_argument("out", metavar="OUT.safetensors", type=Path, help="the file to write")
     p.add_argument("--tag", help="which checkpoint (default: the newest complete one)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="floating-point dtype of the output (default: fp32)")
