@@ -270,11 +270,11 @@ def fit_link(measurements: list[tuple[str, int, float, float]], *, iterations: i
 
 # NOTE [Each collective's own factor]
 # One latency and one bandwidth fit all four collectives only where each is the ring the model
-# assumes. gloo's are not: in the calibrations of 2026-12-06 on this project's machine, its
-# reduce-scatter took 1.1-1.9 times its all-gather of the same bytes (1.4-1.9 from 1 MiB up),
-# its all-to-all 0.35-0.5 times, and its all-reduce about what its all-gather takes where the
-# ring model says twice (the fitted factors of that day's runs: reduce-scatter 1.74-2.23,
-# all-gather 1.08-1.45, all-reduce 0.58-0.76, all-to-all 0.41-0.66). The one fit is a compromise among them that left the all-gather
+# assumes. gloo's are not: calibrated between 2 and 4 local ranks, its reduce-scatter takes
+# 1.1-1.9 times its all-gather of the same bytes (1.4-1.9 from 1 MiB up), its all-to-all
+# 0.35-0.5 times, and its all-reduce about what its all-gather takes where the ring model says
+# twice (fitted factors: reduce-scatter 1.74-2.23, all-gather 1.08-1.45, all-reduce 0.58-0.76,
+# all-to-all 0.41-0.66). One fit is a compromise among them that leaves the all-gather
 # 17% and the reduce-scatter 40% under their measured 8 MiB times, and stage 2 and 3 steps,
 # which are mostly those two, under-predicted. So after the link is fitted, each collective gets
 # its own factor: the median, over its measurements of at least ``SCALE_MIN_BYTES`` (where the

@@ -815,7 +815,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- parser
 # The largest world size zerofx plans for is zerofx.common.limits.MAX_WORLD_SIZE (2**20 ranks), far
-# beyond today's largest clusters and far inside the int64 group size the functional
+# beyond the largest clusters built and far inside the int64 group size the functional
 # collectives take (2**63 fails in C++); a bound that catches a typo (an extra 0) costs nothing.
 # Local ranks (train, calibrate) are processes on this machine, each with torch loaded (a few
 # hundred MiB) and cpu_count / world_size threads: beyond 256 they only contend. torchrun's

@@ -288,7 +288,7 @@ def _identity(path: Path) -> dict[str, Any]:
 
 
 def _prepare_source(source: Source, index: int, writer: _Writer, progress: Callable[[int], None] | None) -> dict[str, Any]:
-    path = _check_fasta_file(source.path)  # missing, empty, headers only, not DNA at its start: today's errors
+    path = _check_fasta_file(source.path)  # missing, empty, headers only, not DNA at its start: the errors a FASTA gets before preparing
     identity = _identity(path)
     parser = _Parser(path, index, writer)
     stream, raw = _open_raw(path, progress)
