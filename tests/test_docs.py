@@ -95,14 +95,15 @@ def _stage_passes() -> dict[str, list[str]]:
 
 
 def test_design_stage_table_matches_the_pipeline() -> None:
-    """The table under "The compile spine": one row per stage of ``pipeline.STAGES``, in order,
-    and each row names the ``*_pass`` rewrites its stage applies, in the order it applies them."""
+    """The table under "The compile spine" (whose rows tests/test_pipeline.py holds to
+    ``pipeline.STAGES``): each row names the ``*_pass`` rewrites its stage applies, in the order
+    it applies them."""
     design = (ROOT / "docs" / "design.md").read_text()
     section = design.split("## The compile spine", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ") and not line.startswith("| stage")]
-    assert [cells[0].strip() for cells in rows] == list(pipeline.STAGES)
     documented = {cells[0].strip(): re.findall(r"`(\w+_pass)`", cells[1]) for cells in rows}
     run = _stage_passes()
     assert set(run) <= set(pipeline.STAGES) and run, run
     for stage in pipeline.STAGES:
-        assert documented[stage] == run.get(stage, []), f"stage {stage}: docs/design.md names {documented[stage]}, the pipeline runs {run.get(stage, [])}"
+        named = documented.get(stage, [])
+        assert named == run.get(stage, []), f"stage {stage}: docs/design.md names {named}, the pipeline runs {run.get(stage, [])}"
