@@ -54,7 +54,7 @@ def test_prepare_keeps_every_record_and_counts_n_in_any_window(tmp_path: Path) -
     starts = rng.integers(0, len(want) - 200, 500)
     ends = starts + rng.integers(0, 200, 500)
     assert np.array_equal(genome.count_n(starts, ends), is_n[ends] - is_n[starts])
-    assert genome.summaries() == [f"genome genome.fa.gz: {len(want):,} bases in 6 records, {int((want == N_TOKEN).sum()):,} became N "
+    assert genome.summaries() == [f"genome genome.fa.gz: {len(want):,} bases in 6 records, {int((want == N_TOKEN).sum()):,} N or other ambiguity codes "
                                   f"({(want == N_TOKEN).mean():.2%})"]
 
 

@@ -111,7 +111,7 @@ def test_iupac_nucleotide_codes_are_accepted_u_reads_as_t(tmp_path: Path) -> Non
 
 def test_genome_stats_line_for_the_bundled_genome() -> None:
     stats = genome_stats(bundled_genome())
-    assert stats.summary() == "genome lambda_virus.fa.gz: 48,502 bases in 1 record, 0 became N (0.00%)"
+    assert stats.summary() == "genome lambda_virus.fa.gz: 48,502 bases in 1 record, 0 N or other ambiguity codes (0.00%)"
 
 
 # --------------------------------------------------------------------------- item 6: corrupt gzip

@@ -432,7 +432,10 @@ def _print_setup(engine: Engine, opts: TrainOptions) -> None:
     assert program is not None
     plan, modules = program.plan, engine.graph_modules()
     ops = ", ".join(f"{name} {len(gm.graph.nodes):,}" for name, gm in modules.items())
-    plan_line = (f"{len(plan.params)} parameter tensors sharded over {plan.world_size} ranks; {len(plan.gather_buckets)} gather, "
+    # What the stage shards of each parameter tensor: nothing at stage 0, its optimizer state at 1, with its gradient at 2, all at 3.
+    held = ("parameter tensors, each replicated on", "parameter tensors with their optimizer states sharded over",
+            "parameter tensors with their gradients and optimizer states sharded over", "parameter tensors sharded over")[int(plan.stage)]
+    plan_line = (f"{len(plan.params)} {held} {plan.world_size} ranks; {len(plan.gather_buckets)} gather, "
                  f"{len(plan.reduce_buckets)} reduce buckets; prefetch {plan.prefetch_distance} ahead")
     if "cache" in times:  # loaded from the plan cache (zerofx.compiler.plan_cache): nothing captured or lowered
         phases = {"cache": f"this rank's lowered graphs (nodes: {ops}) from {program.cache_entry}; {plan_line}"}

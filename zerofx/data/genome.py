@@ -277,9 +277,11 @@ class GenomeStats:
         return self.num_n / self.num_bases if self.num_bases else 0.0
 
     def summary(self) -> str:
-        """One line, e.g. "genome lambda_virus.fa.gz: 48,502 bases in 1 record, 0 became N (0.00%)"."""
+        """One line, e.g. "genome lambda_virus.fa.gz: 48,502 bases in 1 record, 0 N or other ambiguity codes
+        (0.00%)": every symbol read as N, written N or an ambiguity code."""
         records = f"{self.num_records:,} record{'' if self.num_records == 1 else 's'}"
-        line = f"genome {self.path.name}: {self.num_bases:,} bases in {records}, {self.num_n:,} became N ({self.n_fraction:.2%})"
+        line = (f"genome {self.path.name}: {self.num_bases:,} bases in {records}, {self.num_n:,} N or other ambiguity codes "
+                f"({self.n_fraction:.2%})")
         if self.num_foreign:
             line += f"; {self.num_foreign:,} of them not nucleotide codes, the first {self.first_foreign}"
         return line

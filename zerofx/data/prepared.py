@@ -424,7 +424,7 @@ class PreparedGenome:
         for s in self.sources:
             records = f"{s['num_records']:,} record{'' if s['num_records'] == 1 else 's'}"
             share = s["num_n"] / s["num_bases"] if s["num_bases"] else 0.0
-            line = f"genome {Path(s['path']).name}: {s['num_bases']:,} bases in {records}, {s['num_n']:,} became N ({share:.2%})"
+            line = f"genome {Path(s['path']).name}: {s['num_bases']:,} bases in {records}, {s['num_n']:,} N or other ambiguity codes ({share:.2%})"
             if s["num_foreign"]:
                 line += f"; {s['num_foreign']:,} of them not nucleotide codes, the first {s['first_foreign']}"
             lines.append(line)
