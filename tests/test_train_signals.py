@@ -19,6 +19,7 @@ from zerofx.app.cli import main
 from zerofx.app.launch import stalled_message
 from zerofx.app.training import TrainOptions, _JsonlLog, check_train_options
 from zerofx.common.errors import UsageError
+from zerofx.data.genome import GenomeError
 from zerofx.runtime.checkpoint import latest_complete_tag, read_metadata
 
 MAX_SEED = 2**64 - 1
@@ -127,7 +128,7 @@ def test_stalled_message_names_ranks_and_collective() -> None:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["train", "--fasta", "."], "genome file '.' is a directory"),
+        (["train", "--fasta", "."], "genome file '.' is a folder"),
         (["train", "--output-dir", "/proc/zerofx-run"], "--output-dir '/proc/zerofx-run' cannot be created or written"),
         (["plan", "tiny", "--world-size", "2", "--stage", "3", "--budget", "-5GiB"], "'-5GiB' is out of range; accepted: a finite size above 0"),
         (["estimate", "--params", "1e9", "--world-size", "2", "--device-memory", "-.5GB"], "'-.5GB' is out of range"),
@@ -137,6 +138,11 @@ def test_bad_train_and_plan_flags_are_one_line_exit_2(argv: list[str], message: 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("zerofx: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_a_folder_as_the_genome_is_named_as_a_folder() -> None:
+    with pytest.raises(GenomeError, match="genome file '.' is a folder; pass a FASTA file"):
+        check_train_options(TrainOptions(fasta=Path(".")))
 
 
 def test_output_dir_under_a_file_is_refused_before_ranks_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -209,7 +209,7 @@ def _check_fasta_file(path: str | Path) -> Path:
     (NOTE [What a FASTA file must hold])."""
     p = Path(path)
     if p.is_dir():
-        raise GenomeError(f"genome file {str(p)!r} is a directory; pass a FASTA file (.fa, .fasta, optionally .gz)")
+        raise GenomeError(f"genome file {str(p)!r} is a folder; pass a FASTA file (.fa, .fasta, optionally .gz)")
     if not p.is_file():
         raise GenomeError(f"genome file {str(p)!r} does not exist; pass a FASTA file (.fa, .fasta, optionally .gz)")
     tally = _Tally()
