@@ -40,7 +40,7 @@ from zerofx.common.errors import CollectiveTimeoutError, RankFailedError, Traini
 # checkpoint the step saves), and returns. A rank that does not reach a step boundary within
 # STOP_GRACE_S (still capturing, or blocked in a collective) is terminated: nothing it has not
 # finished is a complete checkpoint, since a checkpoint is complete only once every rank's files
-# and its metadata are written (NOTE [Atomic checkpoints] in zerofx/runtime/checkpoint.py). A
+# and its metadata are written (NOTE [Why a save is atomic] in zerofx/runtime/checkpoint.py). A
 # second Ctrl-C terminates at once.
 STOP_GRACE_S = 5.0
 # SIGTERM, then SIGKILL this much later: a rank stopped by SIGSTOP or stuck in C++ ignores SIGTERM.
@@ -165,7 +165,13 @@ def launch_ranks(worker: Callable[..., None], args: tuple[Any, ...], *, nprocs: 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="zerofx-ranks-") as report_dir, _Interrupts() as interrupts:
         channel = RankChannel(report_dir, ctx.RawValue("q", -1))  # one writer, rank 0: no lock (and no semaphore to leak)
-        spawned = mp.start_processes(worker, args=(*args, channel), nprocs=nprocs, join=False, start_method="spawn")
+        # Each rank starts with SIGINT ignored, as it is here while they start, until its own handler:
+        # a Ctrl-C while a rank imports torch would otherwise print a KeyboardInterrupt traceback.
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            spawned = mp.start_processes(worker, args=(*args, channel), nprocs=nprocs, join=False, start_method="spawn")
+        finally:
+            signal.signal(signal.SIGINT, handler)
         processes = spawned.processes
         try:
             failed = _wait(processes, interrupts)
