@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -369,16 +370,34 @@ def _write(out: Path, comm: CommSpec, device: DeviceSpec, measurements: dict[str
     out.write_text(json.dumps(data, indent=1))
 
 
+_PHASES = ("collectives at each size", "a collective between compute", "compute and memory bandwidth", "fresh pages",
+           "the optimizer update", "Inductor's resident memory")
+
+
+def _progress(rank: int, index: int, start: float) -> None:
+    """Rank 0's line on stderr as each of ``_PHASES`` begins: a calibration takes minutes."""
+    if rank == 0:
+        print(f"calibrate: [{index + 1}/{len(_PHASES)}] {_PHASES[index]} ({time.perf_counter() - start:.0f} s so far)",
+              file=sys.stderr, flush=True)
+
+
 def _worker(rank: int, world_size: int, port: int, out: str, repeats: int, sizes: Sequence[int]) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    start = time.perf_counter()
     runtime = runtime_rss_bytes()  # before any measurement allocates
+    _progress(rank, 0, start)
     rows = measure_collectives(repeats=repeats, sizes=sizes) if world_size > 1 else []
+    _progress(rank, 1, start)
     launch_s = measure_interleaved_overhead() if world_size > 1 else 0.0
+    _progress(rank, 2, start)
     flops, mem, curve = measure_compute(repeats, cores=host_cores())
+    _progress(rank, 3, start)
     fresh_s, fresh_min = measure_fresh_pages(repeats, cores=host_cores())
+    _progress(rank, 4, start)
     update_s = measure_update(repeats, cores=host_cores())
+    _progress(rank, 5, start)
     inductor = inductor_rss_bytes()
     if rank == 0:
         alpha, bandwidth = fit_link(rows) if rows else (0.0, float("inf"))
