@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from zerofx.app.cli import main
-from zerofx.app.launch import stalled_message
+from zerofx.app.launch import _Interrupts, stalled_message
 from zerofx.app.training import TrainOptions, _JsonlLog, check_train_options
 from zerofx.common.errors import UsageError
 from zerofx.data.genome import GenomeError
@@ -164,3 +165,22 @@ def test_sequence_length_the_sequence_parallel_size_does_not_divide_is_refused_f
                                          r"accepted: a multiple of 2, e.g. 62"):
         check_train_options(TrainOptions(model="striped-tiny", config=cfg, seq_len=63, world_size=2))
     assert check_train_options(TrainOptions(model="striped-tiny", config=cfg, seq_len=64, world_size=2)).seq_len == 64
+
+
+def test_ranks_launched_from_another_thread_leave_ctrl_c_to_the_caller() -> None:
+    # signal.signal raises ValueError outside the main thread: train() called from a worker
+    # thread launches its ranks without taking SIGINT over.
+    before = signal.getsignal(signal.SIGINT)
+    errors: list[BaseException] = []
+
+    def enter_and_leave() -> None:
+        try:
+            with _Interrupts() as interrupts:
+                assert interrupts.count == 0
+        except BaseException as exc:  # noqa: BLE001 - reported to the main thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=enter_and_leave)
+    worker.start()
+    worker.join()
+    assert errors == [] and signal.getsignal(signal.SIGINT) is before

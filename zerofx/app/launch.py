@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -147,14 +148,22 @@ class _Interrupts:
         self.count = 0
 
     def __enter__(self) -> _Interrupts:
-        self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        self._previous = _set_sigint(self._on_sigint)
         return self
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self._previous)
+        _set_sigint(self._previous)
+
+
+def _set_sigint(handler: Any) -> Any:
+    """Set the SIGINT handler and return the one before; only the main thread may, so elsewhere
+    (``train`` called from another thread) nothing changes and Ctrl-C is the caller's."""
+    if threading.current_thread() is not threading.main_thread() or handler is None:
+        return None
+    return signal.signal(signal.SIGINT, handler)
 
 
 def launch_ranks(worker: Callable[..., None], args: tuple[Any, ...], *, nprocs: int, on_interrupt: Callable[[int], str]) -> None:
@@ -167,11 +176,11 @@ def launch_ranks(worker: Callable[..., None], args: tuple[Any, ...], *, nprocs: 
         channel = RankChannel(report_dir, ctx.RawValue("q", -1))  # one writer, rank 0: no lock (and no semaphore to leak)
         # Each rank starts with SIGINT ignored, as it is here while they start, until its own handler:
         # a Ctrl-C while a rank imports torch would otherwise print a KeyboardInterrupt traceback.
-        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        handler = _set_sigint(signal.SIG_IGN)
         try:
             spawned = mp.start_processes(worker, args=(*args, channel), nprocs=nprocs, join=False, start_method="spawn")
         finally:
-            signal.signal(signal.SIGINT, handler)
+            _set_sigint(handler)
         processes = spawned.processes
         try:
             failed = _wait(processes, interrupts)
