@@ -134,6 +134,7 @@ def test_stalled_message_names_ranks_and_collective() -> None:
         (["train", "--output-dir", "/proc/zerofx-run"], "--output-dir '/proc/zerofx-run' cannot be created or written"),
         (["plan", "tiny", "--world-size", "2", "--stage", "3", "--budget", "-5GiB"], "'-5GiB' is out of range; accepted: a finite size above 0"),
         (["estimate", "--params", "1e9", "--world-size", "2", "--device-memory", "-.5GB"], "'-.5GB' is out of range"),
+        (["train", "--lr", "-1e-3"], "argument --lr: -1e-3 is out of range; accepted: a finite number >= 0"),
     ],
 )
 def test_bad_train_and_plan_flags_are_one_line_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
