@@ -190,9 +190,9 @@ def _describe(node: fx.Node) -> str:
 # the batch, so the analysis loses the axis there and the view is not sharded: the walk from the
 # loss passes it like any op outside ``local``. Where B = 1 the flatten ``(1, T, V) -> (T, V)``
 # only drops the batch dimension, the axis goes on at dim 0, and the view is a sharded token-wise
-# op like any other; the walk then stopped at it, read ``(T, V)`` as the logits with no batch and
-# refused the loss. A flatten that keeps the last dimension and merges every one before it is
-# the same loss at every batch size: the walk passes it whether sharded or not.
+# op like any other; a walk that stopped at it would read ``(T, V)`` as logits with no batch and
+# refuse the loss. A flatten that keeps the last dimension and merges every one before it is the
+# same loss at every batch size: the walk passes it whether sharded or not.
 def _flattens_tokens(node: fx.Node) -> bool:
     """Whether ``node`` is a view ``(..., T, V) -> (N, V)`` read only by the next op (NOTE [The loss's flatten at batch 1])."""
     if op_packet(node) not in _FLATTEN or len(node.users) != 1 or not isinstance(node.args[0], fx.Node):

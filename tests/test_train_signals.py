@@ -68,8 +68,8 @@ def _steps(log: Path) -> list[int]:
 
 def test_ctrl_c_stops_every_rank_then_a_stalled_rank_is_named(tmp_path: Path) -> None:
     # One command, run twice (its 8 s collective timeout leaves a loaded machine room to start the ranks):
-    # --seed 2**64-1 (any seed but 0 used to fail on every rank), Ctrl-C
-    # to the launcher alone (as `kill -INT`), then a resume whose rank is stopped by SIGSTOP.
+    # --seed 2**64-1 (the bundled model is built materialized, its init from torch.manual_seed of it),
+    # Ctrl-C to the launcher alone (as `kill -INT`), then a resume whose rank is stopped by SIGSTOP.
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "zerofx.app.cli", "train", "--steps", "100000", "--seq-len", "16", "--seed", str(MAX_SEED),
            "--output-dir", str(run), "--save-every", "5", "--collective-timeout", "8"]
