@@ -96,7 +96,7 @@ class AttentionMixer:
 
     name = "attention"
     strategies = tuple(s.value for s in SequenceAttention)
-    supports = "scaled_dot_product_attention"
+    supports = "scaled_dot_product_attention (or written out as softmax(q @ k.T * scale + mask) @ v)"
     runs_zigzag = True
     doc = ("how attention exchanges data: \"ulysses\" (all-to-all to head sharding, the default), \"ring\" (key/value blocks "
            "passed around the group, NOTE [Ring attention]) or \"auto\" (the one that sends fewer bytes, ring where the size "

@@ -49,6 +49,7 @@ import torch
 import torch.fx as fx
 
 from zerofx.passes import meta, tiled_kernels  # noqa: F401  (registers the zerofx:: ops)
+from zerofx.passes.seq_merged import merged_tokenwise_sdim
 
 aten = torch.ops.aten
 
@@ -156,6 +157,7 @@ class SeqAnalysis:
     attention: list[AttentionMatch] = field(default_factory=list)
     losses: list[LossMatch] = field(default_factory=list)
     conv_spans: list[list[fx.Node]] = field(default_factory=list)  # tiling's (NOTE [Convolutions recomputed in backward])
+    outer: dict[fx.Node, int] = field(default_factory=dict)  # merged axes outside the sequence in its dim (NOTE [The sequence axis merged with the batch])
 
     def region_inputs(self, region: Sequence[fx.Node]) -> list[fx.Node]:
         inside = set(region)
@@ -300,12 +302,14 @@ def _source_sdim(node: fx.Node, t: int) -> int | None:
 
 
 def analyze(gm: fx.GraphModule, seq_len: int, mixes: Callable[[fx.Node], bool] | None = None, *,
-            mixer_lengths: bool = False) -> SeqAnalysis:
+            mixer_lengths: bool = False, merged: bool = False) -> SeqAnalysis:
     """Sequence dims, token-wise nodes, regions by level, attention and loss matches. ``mixes``:
     the other ops whose output runs along their first argument's sequence axis, as attention's
     does (sequence parallelism's mixers, NOTE [Sequence mixers] in passes/sequence_mixers.py).
     With ``mixer_lengths`` (tiling), a mixer's node keeps the axis only where its output has
-    ``seq_len`` positions there (NOTE [Mixers as tiling barriers])."""
+    ``seq_len`` positions there (NOTE [Mixers as tiling barriers]). With ``merged`` (sequence
+    parallelism), the axis also runs through views that merge it with other axes (NOTE [The
+    sequence axis merged with the batch] in passes/seq_merged.py)."""
     res = SeqAnalysis(seq_len=seq_len)
     sd, tok, dep, level = res.sdim, res.tokenwise, {}, res.level
     res.attention = _find_attention(gm)
@@ -319,8 +323,13 @@ def analyze(gm: fx.GraphModule, seq_len: int, mixes: Callable[[fx.Node], bool] |
         if node.op == "call_function" and node.target is operator.getitem and node.args[0] in tok:
             sd[node] = sd[node.args[0]]
             tok.add(node)
+            if node.args[0] in res.outer:
+                res.outer[node] = res.outer[node.args[0]]
         elif node.op == "call_function" and seq_in and op_packet(node) not in _LOSSES:
-            sd[node] = _tokenwise_sdim(node, sd, seq_len)
+            if merged:
+                sd[node] = merged_tokenwise_sdim(node, sd, res.outer, seq_len, _tokenwise_sdim)
+            else:
+                sd[node] = _tokenwise_sdim(node, sd, seq_len)
             if sd[node] is not None:
                 tok.add(node)
         if node not in tok:

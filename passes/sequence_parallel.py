@@ -93,7 +93,7 @@ from zerofx.common.errors import SequenceParallelError
 aten = torch.ops.aten
 
 _CASTS = {aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias, aten.type_as}
-_FLATTEN = {aten.view, aten.reshape, aten._unsafe_view}
+_FLATTEN = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten}
 _SHAPED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
 # The ops that mix positions and how each shards, in the order they are asked (NOTE [Sequence mixers] in passes/sequence_mixers.py).
 MIXERS: tuple[SequenceMixer, ...] = (ATTENTION, SHORT_CONV, LONG_CONV, CUMSUM, SCAN, FLIP)
@@ -106,8 +106,8 @@ def mixer_of(node: fx.Node) -> SequenceMixer | None:
 
 def supported() -> str:
     """What sequence parallelism shards, as its refusals list it: token-wise ops, the mixers' ops, the loss."""
-    return ("token-wise ops (elementwise, norms, linear/matmul with a weight, embedding, views that keep the sequence axis "
-            f"whole), {', '.join(m.supports for m in MIXERS)}, and cross_entropy over the sequence (shifted or not)")
+    return ("token-wise ops (elementwise, norms, linear/matmul/addmm with a weight, embedding, views that keep the sequence axis "
+            f"whole or merge it with the batch), {', '.join(m.supports for m in MIXERS)}, and cross_entropy over the sequence (shifted or not)")
 
 
 @dataclass(frozen=True)
@@ -202,6 +202,16 @@ def _flattens_tokens(node: fx.Node) -> bool:
             and after.shape[-1] == before.shape[-1] and after.shape[0] == math.prod(before.shape[:-1]))
 
 
+def _labels_fit(labels: tuple[int, ...], logits: torch.Tensor, outer: int, t: int, shift: int) -> bool:
+    """Labels (..., T - shift) for logits (..., T, V), or, for logits over rows (o · T, V) of o whole
+    sequences (NOTE [The sequence axis merged with the batch] in passes/seq_merged.py), unshifted
+    labels (..., T) of as many sequences."""
+    if logits.shape[-2] == t:
+        return labels == (*logits.shape[:-2], t - shift)
+    return (shift == 0 and logits.shape[-2] == outer * t and len(labels) >= 1 and labels[-1] == t
+            and math.prod(labels[:-1]) == outer * math.prod(logits.shape[:-2]))
+
+
 def _find_loss(node: fx.Node, an: SeqAnalysis, local: set[fx.Node]) -> LossSite | None:
     """The shifted-or-not cross-entropy over the sequence, or None when ``node`` is another shape of loss."""
     if op_packet(node) is not aten.cross_entropy_loss:
@@ -239,7 +249,7 @@ def _find_loss(node: fx.Node, an: SeqAnalysis, local: set[fx.Node]) -> LossSite 
         cur = cur.args[0]
     target, bv = cur, base.meta["val"]
     tv = target.meta.get("val") if isinstance(target, fx.Node) else None
-    if target in local or not isinstance(tv, torch.Tensor) or tuple(tv.shape) != (*bv.shape[:-2], t - end_shift):
+    if target in local or not isinstance(tv, torch.Tensor) or not _labels_fit(tuple(tv.shape), bv, an.outer.get(base, 1), t, end_shift):
         return None
     return LossSite(node, base, tuple(reversed(casts)), target, tuple(reversed(target_casts)), end_shift, tuple(skipped))
 
@@ -251,7 +261,7 @@ def _analyze(gm: fx.GraphModule, size: int) -> tuple[SeqAnalysis, set[fx.Node], 
     if t % size:
         raise SequenceParallelError(f"sequence length {t} is not divisible by sequence_parallel.size={size}; pad the sequence "
                                     f"to a multiple of {size}")
-    an = analyze(gm, t, mixes=lambda n: mixer_of(n) is not None)
+    an = analyze(gm, t, mixes=lambda n: mixer_of(n) is not None, merged=True)
     # Sharded: token-wise nodes computed from parameters or from other sharded nodes, and attention
     # outputs. Token-wise nodes computed from the inputs and buffers alone (position ids, rotary
     # tables, label casts) stay whole on every rank, cut to the rank's positions where a sharded op reads them.
@@ -288,6 +298,11 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
             continue
         reads_local = [a for a in node.all_input_nodes if a in local]
         if mixer is not None:
+            if merged := [a for a in node.all_input_nodes if a in an.outer]:  # NOTE [The sequence axis merged with the batch]
+                raise SequenceParallelError(
+                    f"sequence parallelism cannot shard aten.{_describe(node)} in module {modules[node]!r}: its input {merged[0].name} "
+                    f"holds the sequence merged with another axis, shape {tuple(merged[0].meta['val'].shape)}; supported are "
+                    "inputs with the sequence as a dimension of its own")
             if (site := mixer.check(node, MixerCheck(an, local, size, modules[node]))) is not None:
                 sites[mixer.name].append(site)
             continue
@@ -302,7 +317,8 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
                                     f"cross_entropy of the sequence's logits (shifted or not) against labels given as input. Supported are {supported()}")
     if not any(sites.values()):
         raise SequenceParallelError("sequence parallelism found no op that mixes positions; attention written as matmuls "
-                                    f"and softmax is not supported (use F.scaled_dot_product_attention). Supported are {supported()}")
+                                    "and softmax is recognized as softmax(q @ k.T * scale + mask) @ v only (or use "
+                                    f"F.scaled_dot_product_attention). Supported are {supported()}")
     decisions: list[str] = []
     strategies: dict[str, str] = {}
     parts: list[str] = []
@@ -399,7 +415,12 @@ class _Sharded(fx.Interpreter):
         if node in self.local or self.an.sdim.get(node) is None:
             return value
         if node not in self.slices:
-            self.slices[node] = torch.index_select(value, self.an.sdim[node], self._positions(value))
+            sd, outer = self.an.sdim[node], self.an.outer.get(node, 1)
+            if value.shape[sd] == self.plan.seq_len:
+                self.slices[node] = torch.index_select(value, sd, self._positions(value))
+            else:  # o · T · f elements: cut the T of each (NOTE [The sequence axis merged with the batch] in passes/seq_merged.py)
+                split = value.unflatten(sd, (outer, self.plan.seq_len, -1))
+                self.slices[node] = torch.index_select(split, sd + 1, self._positions(value)).flatten(sd, sd + 2)
         return self.slices[node]
 
     def run_node(self, n: fx.Node) -> Any:
@@ -420,8 +441,8 @@ class _Sharded(fx.Interpreter):
             pk, sd, p = op_packet(n), self.an.sdim[n], self.plan
             if pk in _SHAPED:
                 shape = list(args[1])
-                assert shape[sd] in (p.seq_len, -1), f"{n}: shape {shape} has no sequence entry at {sd}"
-                shape[sd] = p.local_len if shape[sd] == p.seq_len else -1
+                assert shape[sd] == -1 or shape[sd] % p.seq_len == 0, f"{n}: shape {shape} has no sequence entry at {sd}"
+                shape[sd] = shape[sd] // p.size if shape[sd] != -1 else -1  # o · T · f -> o · T/S · f (merged axes, passes/seq_merged.py)
                 args = (args[0], shape, *args[2:])
             elif pk in (aten.slice, aten.narrow) and (args[1] % n.args[0].meta["val"].dim()) == self.an.sdim.get(n.args[0]):
                 return args[0]  # a whole slice of the sequence: the local slice itself

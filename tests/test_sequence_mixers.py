@@ -128,7 +128,7 @@ def test_the_refusal_lists_every_registered_mixers_ops(monkeypatch: pytest.Monke
         _compile(PrefixSumLM(product=True), {"size": 2})
     text = str(err.value)
     assert "cannot shard aten.cumprod" in text and "in module 'mix'" in text
-    assert "scaled_dot_product_attention, cumsum along the sequence, and cross_entropy" in text
+    assert f"{ATTENTION.supports}, cumsum along the sequence, and cross_entropy" in text
 
 
 def test_the_attention_mixer_reports_each_strategys_cost_model() -> None:

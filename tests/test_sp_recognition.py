@@ -1,7 +1,9 @@
 """Sequence parallelism recognizes computations, not spellings: attention written out as matmuls
 and softmax folds into SDPA (NOTE [Attention written out is SDPA] in
-passes/canonical_attention.py) and shards as SDPA does, checked on the graph and by SGD parity
-with plain PyTorch in real gloo process groups."""
+passes/canonical_attention.py) and shards as SDPA does, and views that merge the sequence with
+the batch keep the ops over them token-wise (NOTE [The sequence axis merged with the batch] in
+passes/seq_merged.py); checked on the graph and by SGD parity with plain PyTorch in real gloo
+process groups."""
 
 from __future__ import annotations
 
@@ -31,20 +33,37 @@ def count(gm: fx.GraphModule, packet: object) -> int:
     return sum(1 for n in gm.graph.nodes if getattr(n.target, "overloadpacket", None) is packet)
 
 
-class ScaleAfterMask(torch.nn.Module):
-    """``softmax((q kᵀ + mask) · c) v``: the scale after the mask is not SDPA's order."""
+class TinyLM(torch.nn.Module):
+    """An embedding, ``mix`` (each subclass's spelling) and a head with the loss over every position."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(workers.VOCAB, 8)
         self.head = torch.nn.Linear(8, workers.VOCAB)
 
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids).unsqueeze(1)  # (B, 1, T, 8)
-        t = ids.shape[1]
+        x = self.mix(self.embed(ids))  # (B, T, 8)
+        return torch.nn.functional.cross_entropy(self.head(x).reshape(-1, workers.VOCAB), labels.reshape(-1))
+
+
+class ScaleAfterMask(TinyLM):
+    """``softmax((q kᵀ + mask) · c) v``: the scale after the mask is not SDPA's order."""
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        x, t = x.unsqueeze(1), x.shape[1]  # (B, 1, T, 8)
         mask = torch.triu(torch.full((t, t), float("-inf")), 1)
-        y = (((x @ x.transpose(-2, -1)) + mask) * 0.5).softmax(-1) @ x
-        return torch.nn.functional.cross_entropy(self.head(y.squeeze(1)).reshape(-1, workers.VOCAB), labels.reshape(-1))
+        return ((((x @ x.transpose(-2, -1)) + mask) * 0.5).softmax(-1) @ x).squeeze(1)
+
+
+class MergedCumsumLM(TinyLM):
+    """A running sum over the rows of ``(B·T, C)``: it runs across the batch's sequences, which no mixer shards."""
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        return x.reshape(b * t, c).cumsum(0).reshape(b, t, c)
 
 
 @pytest.mark.parametrize("kind, layers", [("llama_eager", 2), ("written", 1)])
@@ -84,21 +103,53 @@ def test_scale_after_mask_is_left_alone() -> None:
         capture.sequence_forward()
 
 
+def sequence_forward(net: torch.nn.Module) -> fx.GraphModule:
+    ids, labels = workers.batches(1)
+    capture = StepCapture(net, (ids[0],), {"labels": labels[0]}, sequence_parallel=SequenceParallelSpec(size=2))
+    return capture.sequence_forward()[0]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2_eager", "encoder", "encoder_causal", "flat_rows"])
+def test_views_merging_batch_and_sequence_stay_tokenwise(kind: str) -> None:
+    """GPT-2's ``Conv1D`` (``addmm`` over (B·T, C)), ``nn.MultiheadAttention``'s projections
+    over (T·B, C) and a model whose position ids, projections and loss run over (B·T, ·) rows
+    run on each rank's B·T/S rows: every projection of the rewritten forward reads that many
+    tokens, and each attention is one SDPA between all-to-alls."""
+    gm = sequence_forward(workers.model(kind))
+    rows = [n.meta["val"].numel() // n.meta["val"].shape[-1] for n in gm.graph.nodes
+            if getattr(n.target, "overloadpacket", None) in (aten.addmm, aten.linear)]
+    assert rows and set(rows) == {workers.BATCH * workers.SEQ // 2}, rows
+    assert sum(1 for n in gm.graph.nodes if is_sdpa(n)) == (2 if kind.startswith("gpt2") else 1)
+
+
+def test_a_mixer_over_merged_axes_is_refused() -> None:
+    """A cumsum over (B·T, C) runs across sequences: refused by op and module, naming the merged shape."""
+    with pytest.raises(CaptureError, match=r"cannot shard aten.cumsum.* in module 'embed'.*merged with another axis, shape \(32, 8\)"):
+        sequence_forward(MergedCumsumLM())
+
+
 @pytest.mark.multiprocess
 def test_parity_written_attention_sequence_2() -> None:
-    """World 2, sequence-parallel size 2: Hugging Face Llama in eager attention with ring at
-    stage 3 (its additive causal mask cut to each block) and the hand-written ALiBi attention
-    with ring at stage 0 (a bias that differs per head) match plain PyTorch within 1e-5 after 3
-    SGD steps, each attention sharded as SDPA is (one ring op per layer)."""
-    cases = [("llama_eager", 3, "ring"), ("written", 0, "ring")]
+    """World 2, sequence-parallel size 2, one launch: Hugging Face Llama in eager attention with
+    ring at stage 3 (its additive causal mask cut to each block), the hand-written ALiBi attention
+    with ring at stage 0 (a bias that differs per head), GPT-2 with Ulysses at stage 3, and
+    ``nn.TransformerEncoderLayer`` with a causal mask by ring at stage 3 and without one by
+    Ulysses at stage 0, and token-wise work, position ids and the loss over flattened (B·T, C)
+    rows by ring at stage 3 match plain PyTorch within 1e-5 after 3 SGD steps, each attention
+    sharded as SDPA is (per layer one ring op, or two all-to-alls and the loss's and rank's two)."""
+    cases = [("llama_eager", 3, "ring"), ("written", 0, "ring"), ("gpt2", 3, "ulysses"), ("encoder_causal", 3, "ring"),
+             ("encoder", 0, "ulysses"), ("flat_rows", 3, "ring")]
     results = run_ranks(2, workers.train, cases, STEPS)
     for case in cases:
         expected = workers.reference(case[0], STEPS)
-        layers = 2 if case[0] == "llama_eager" else 1
+        layers = 2 if case[0] in ("llama_eager", "gpt2") else 1
         for rank, by_case in enumerate(results):
             res = by_case[case]
             diff = max((res["state"][k].double() - v.double()).abs().max().item() for k, v in expected["state"].items())
             assert diff < 1e-5, (rank, case, diff)
             assert res["losses"] == pytest.approx(expected["losses"], abs=1e-5), (rank, case)
-            assert res["ring_ops"] == layers, (rank, case)
+            if case[2] == "ring":
+                assert res["ring_ops"] == layers and res["all_to_alls"] == 2, (rank, case)
+            else:
+                assert res["ring_ops"] == 0 and res["all_to_alls"] == 2 * layers + 2, (rank, case)
             assert any(f"{layers} attention(s)" in d for d in res["decisions"]), (rank, case)

@@ -43,10 +43,61 @@ class WrittenAttentionLM(torch.nn.Module):
         return F.cross_entropy(self.head(x).reshape(-1, VOCAB), labels.reshape(-1))
 
 
+class EncoderLM(torch.nn.Module):
+    """``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention`` inside), batch first, with or
+    without a causal mask: its attention runs sequence-first, ``unflatten`` splits q, k and v
+    from one projection, and the output projection runs over (T·B, C)."""
+
+    def __init__(self, causal: bool, dim: int = 16) -> None:
+        super().__init__()
+        self.causal = causal
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.layer = torch.nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(t) if self.causal else None
+        x = self.layer(self.embed(ids), src_mask=mask, is_causal=self.causal)  # (B, T, C)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+class FlatRowsLM(torch.nn.Module):
+    """Token-wise work over (B·T, C) rows with position ids flattened the same way
+    (``arange(T)`` repeated per sequence, (B·T,)), then causal SDPA over (B, H, T, D)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.positions = torch.nn.Embedding(SEQ, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.head = torch.nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        rows = self.embed(ids).reshape(b * t, -1) + self.positions(torch.arange(t).repeat(b))  # (B·T, C)
+        q, k, v = self.qkv(rows).view(b, t, 3, 2, -1).permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b * t, -1)  # (B·T, C)
+        return F.cross_entropy(self.head(rows + y), labels.reshape(-1))
+
+
 def model(kind: str) -> torch.nn.Module:
     """Small random-weight models: Hugging Face Llama in eager attention (grouped-query, rotary,
-    its causal mask added to the scores) and the hand-written attention above."""
+    its causal mask added to the scores), the hand-written attention above, Hugging Face GPT-2
+    (``Conv1D``: ``addmm`` over (B·T, C)) in SDPA or eager attention,
+    ``nn.TransformerEncoderLayer`` with and without a causal mask, and the flat rows above."""
     torch.manual_seed(0)
+    if kind == "flat_rows":
+        return FlatRowsLM()
+    if kind.startswith("encoder"):
+        return EncoderLM(causal=kind == "encoder_causal")
+    if kind.startswith("gpt2"):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
+                         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                         attn_implementation="eager" if kind == "gpt2_eager" else "sdpa")
+        return GPT2LMHeadModel(cfg)
     if kind == "llama_eager":
         from transformers import LlamaConfig, LlamaForCausalLM
 
