@@ -1,0 +1,339 @@
+"""Every ```bash and ```python block in README.md and docs/*.md is run or checked by the suite,
+or marked in the page as a fragment; the outputs the docs quote are what the commands print.
+
+``BLOCKS`` says how each block is run, keyed by its page and the start of its first line:
+
+- ``Run``: as written, after the substitutions it lists (smaller sizes, a small genome for
+  the user's). Python runs in this process; each ``zerofx`` command runs in this process through
+  ``zerofx.app.cli.main`` and must exit 0, in a folder holding the files the page names
+  (``GRCh38.fa.gz``, ``ds.json``, ...) as small stand-ins. A ``zerofx train`` command runs every
+  check ``zerofx train`` makes in the calling process (flags, genome, model spec, vocabulary,
+  config, output folder) and prepares the genome, then stops where the ranks would start.
+- ``Flags``: each command's flags are parsed by the parser of the program it starts (a benchmark's,
+  torchrun's, zerofx's); for runs of minutes or hours and for commands of a cluster.
+- ``Elsewhere``: a named test in another file runs it.
+- A block whose first line is ``# fragment: ...`` is a part of a program, the first line saying
+  what it needs. A Python fragment must compile, and the ``zerofx.`` names and the ``engine.``
+  methods it calls must exist.
+
+A block in neither ``BLOCKS`` nor marked fails ``test_every_block_is_run_or_marked``, so a new
+page's commands cannot go unchecked. ``OUTPUTS`` runs the commands whose output a page quotes
+and compares the quoted lines (NOTE [Quoted output matches by line]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import importlib
+import io
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zerofx.app import cli, training
+from zerofx.runtime.engine import Engine
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FRAGMENT = "# fragment:"
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str  # relative to the repository root
+    line: int  # of the opening fence, from 1
+    language: str  # the fence's info string: bash, python, or "" for quoted output
+    text: str
+
+    @property
+    def first(self) -> str:
+        return self.text.splitlines()[0] if self.text else ""
+
+
+def doc_blocks() -> list[Block]:
+    """Every fenced block of README.md and docs/*.md, in page order."""
+    out = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            m = re.match(r"^```(\w*)\s*$", lines[i])
+            if m is None:
+                i += 1
+                continue
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            out.append(Block(str(page.relative_to(ROOT)), i + 1, m.group(1), "\n".join(lines[i + 1:end])))
+            i = end + 1
+    return out
+
+
+# --------------------------------------------------------------------------- how blocks run
+@dataclass(frozen=True)
+class Run:
+    subs: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Flags:
+    subs: tuple[tuple[str, str], ...] = ()
+    in_user_folder: bool = False  # else in the repository, where the benchmarks' paths are
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    test: str  # "tests/test_x.py::test_name"
+
+
+_QUICKSTART = "tests/test_quickstart.py::"
+_SMALLER_1B = (('DNA_LM_SIZES["1b"]', 'DNA_LM_SIZES["tiny"]'),)
+BLOCKS: dict[tuple[str, str], Run | Flags | Elsewhere] = {
+    ("README.md", "python3 -m venv .venv"): Elsewhere(_QUICKSTART + "test_ci_runs_the_readme_commands_in_a_fresh_venv"),
+    ("README.md", "python -m pytest -q -n 2"): Elsewhere(_QUICKSTART + "test_ci_runs_the_readme_commands_in_a_fresh_venv"),
+    ("README.md", "import torch"): Elsewhere(_QUICKSTART + "test_readme_python_blocks_run_as_written"),
+    ("README.md", '"""zerofx\'s training API on 2 ranks'): Elsewhere(_QUICKSTART + "test_quickstart_under_torchrun"),
+    ("docs/api.md", "import torch, zerofx"): Run(_SMALLER_1B),
+    ("docs/benchmarks.md", "python -m benchmarks."): Flags(),
+    ("docs/benchmarks.md", "MALLOC_MMAP_THRESHOLD_="): Flags(),
+    ("docs/capped.md", "MALLOC_MMAP_THRESHOLD_="): Flags(),
+    ("docs/checkpoints.md", "zerofx consolidate"): Elsewhere("tests/test_checkpoint.py::test_consolidate_cli"),
+    ("docs/config.md", "zerofx config-schema"): Run(),
+    ("docs/design.md", "grep -rnE"): Run(),
+    ("docs/predictions.md", "python -m benchmarks.bench_predictions"): Flags(),
+    ("docs/testing.md", "python -m pytest"): Flags(),
+    ("docs/training.md", "# your genome, the bundled model"): Run(),
+    ("docs/training.md", "zerofx data prepare hg38.fa.gz"): Run(),
+    ("docs/training.md", "printf 'hg38.fa.gz"): Run(),
+    ("docs/training.md", "import torch"): Run(),
+    ("docs/training.md", "zerofx train --model examples/own_models.py:"): Run(),
+    ("docs/training.md", "# on each of 2 nodes"): Flags(in_user_folder=True),
+    ("docs/training.md", "#!/bin/bash"): Flags((('"$SLURM_NNODES"', "2"), ('"$HEAD:29500"', "head:29500"), ('"$SLURM_JOB_ID"', "1")),
+                                             in_user_folder=True),
+}
+
+
+def _entry(block: Block) -> Run | Flags | Elsewhere | None:
+    found = [how for (page, start), how in BLOCKS.items() if page == block.page and block.first.startswith(start)]
+    assert len(found) <= 1, f"{block.page}:{block.line}: more than one BLOCKS entry starts its first line"
+    return found[0] if found else None
+
+
+CODE = [b for b in doc_blocks() if b.language in ("bash", "python")]
+
+
+def test_every_block_is_run_or_marked() -> None:
+    loose = [f"{b.page}:{b.line} {b.first!r}" for b in CODE if not b.first.startswith(FRAGMENT) and _entry(b) is None]
+    assert not loose, ("blocks neither run (an entry in BLOCKS of tests/test_doc_snippets.py) nor marked "
+                       f"'{FRAGMENT} ...' on their first line:\n" + "\n".join(loose))
+    used = {(b.page, start) for b in CODE for (page, start) in BLOCKS if page == b.page and b.first.startswith(start)}
+    assert used == set(BLOCKS), f"BLOCKS entries that match no block: {sorted(set(BLOCKS) - used)}"
+
+
+def _commands(text: str, subs: tuple[tuple[str, str], ...]) -> list[str]:
+    """The block's command lines: continuations joined, substitutions made, comment lines dropped."""
+    for old, new in subs:
+        assert old in text, f"substitution {old!r} matches nothing"
+        text = text.replace(old, new)
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _argv(command: str) -> list[str]:
+    """The program's arguments, without leading ``VAR=value`` settings, ``srun`` and ``nice``."""
+    argv = shlex.split(command, comments=True)
+    while argv and (re.match(r"^[A-Z_]+=", argv[0]) or argv[0] in ("srun",)):
+        argv = argv[1:]
+    return argv
+
+
+class _Parsed(Exception):
+    """Raised in place of running a program once its flags are parsed."""
+
+
+def _parse_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_args(self: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+
+
+def _check_flags(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parse ``argv`` with its program's own parser; an unknown flag or a bad value fails."""
+    if argv[0] == "zerofx":
+        cli.build_parser().parse_args(argv[1:])
+    elif argv[:3] == ["python", "-m", "pytest"]:
+        _check_pytest(argv[3:])
+    elif argv[:2] == ["python", "-m"] and argv[2].startswith("benchmarks."):
+        main = importlib.import_module(argv[2]).main
+        with monkeypatch.context() as m:
+            _parse_only(m)
+            m.setattr("sys.argv", [argv[2], *argv[3:]])
+            with pytest.raises(_Parsed):
+                main(argv[3:]) if main.__code__.co_argcount else main()
+    elif argv[0] == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        args = get_args_parser().parse_args(argv[1:])
+        assert args.module and args.training_script == "zerofx.app.cli", argv
+        _check_flags(["zerofx", *args.training_script_args], monkeypatch)
+    else:
+        raise AssertionError(f"no parser for {argv[0]!r}: {shlex.join(argv)}")
+
+
+def _check_pytest(args: list[str]) -> None:
+    """pytest's arguments: the files exist and ``-m`` names registered markers."""
+    import tomllib
+
+    markers = {m.split(":")[0] for m in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("-n", "--dist", "-m"):
+            if a == "-m":
+                named = set(re.findall(r"\w+", args[i + 1])) - {"not", "and", "or"}
+                assert named <= markers, f"-m names unregistered markers {named - markers}"
+            i += 2
+            continue
+        assert a.startswith("-") or (ROOT / a).exists(), f"pytest argument {a!r}: no such file"
+        i += 1
+
+
+_SHELL = ("printf ", "grep ")  # run by bash, in the folder the block runs in
+
+
+def _run_command(command: str, launched: list[training.TrainOptions]) -> str:
+    """Run one command line of a block; return what it printed."""
+    argv = _argv(command)
+    if argv[0] == "zerofx":
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli.main(argv[1:])
+        assert code == 0, f"{command!r} exited {code}:\n{out.getvalue()[-2000:]}"
+        if argv[1] == "train":
+            assert launched, f"{command!r} started no ranks"
+            launched.clear()
+        return out.getvalue()
+    assert command.startswith(_SHELL), f"a command the docs test does not run: {command!r}"
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"{command!r} exited {done.returncode}: {done.stderr[-2000:]}"
+    return done.stdout
+
+
+@pytest.fixture
+def user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder holding small stand-ins for the files the pages name (genomes whose records share
+    names, as assemblies do; a config) and ``examples/``; ``zerofx train`` there stops where the
+    ranks would start."""
+    import random
+
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    rng = random.Random(0)
+
+    def genome(name: str, records: tuple[str, ...]) -> None:
+        with gzip.open(tmp_path / name, "wt") as f:
+            for record in records:
+                f.write(f">{record}\n" + "".join(rng.choice("ACGT") for _ in range(12_000)) + "\n")
+
+    genome("GRCh38.fa.gz", ("chr1", "chr2"))
+    genome("hg38.fa.gz", ("chr1", "chr20", "chr21"))
+    genome("mm39.fa.gz", ("chr1",))
+    genome("danRer11.fa.gz", ("chr1",))
+    (tmp_path / "ds.json").write_text((ROOT / "examples" / "dna_lm_zero3.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("block", [b for b in CODE if _entry(b) is not None], ids=lambda b: f"{b.page}:{b.line}")
+def test_block(block: Block, user_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    how = _entry(block)
+    if isinstance(how, Elsewhere):
+        path, name = how.test.split("::")
+        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), flags=re.M), f"{how.test} does not exist"
+        return
+    if isinstance(how, Flags):
+        monkeypatch.chdir(user_folder if how.in_user_folder else ROOT)
+        for command in _commands(block.text, how.subs):
+            if not command.startswith(("HEAD=",)):  # a shell variable the next line reads
+                _check_flags(_argv(command), monkeypatch)
+        return
+    if block.language == "python":
+        text = block.text
+        for old, new in how.subs:
+            assert old in text, f"substitution {old!r} matches nothing"
+            text = text.replace(old, new)
+        namespace: dict[str, Any] = {"__name__": "__doc__"}
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(text, f"{block.page}:{block.line}", "exec"), namespace)
+        _same_as_the_examples(namespace)
+        return
+    launched: list[training.TrainOptions] = []
+    monkeypatch.setattr(training, "launch_ranks", lambda worker, args, **kw: launched.append(args[0]))
+    monkeypatch.chdir(ROOT if block.page == "docs/design.md" else user_folder)
+    for command in _commands(block.text, how.subs):
+        printed = _run_command(command, launched)
+        assert printed.strip() or _argv(command)[0] != "grep", f"{command!r} found nothing"
+
+
+def _same_as_the_examples(namespace: dict[str, Any]) -> None:
+    """A spec a page defines under the name of one in examples/own_models.py builds the same model
+    (parameter names and shapes, config) and the same example inputs."""
+    import examples.own_models as own
+
+    for name, fn in namespace.items():
+        if callable(fn) and getattr(fn, "__module__", None) == "__doc__" and hasattr(own, name):
+            (doc_model, doc_inputs), (model, inputs) = fn(), getattr(own, name)()
+            shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+            assert {n: tuple(p.shape) for n, p in doc_model.named_parameters()} == shapes, name
+            assert doc_model.config.to_dict() == model.config.to_dict(), name
+            assert {k: tuple(v.shape) for k, v in doc_inputs.items()} == {k: tuple(v.shape) for k, v in inputs.items()}, name
+
+
+# --------------------------------------------------------------------------- fragments
+_ZEROFX_NAME = re.compile(r"\bzerofx(?:\.\w+)+")
+
+
+def _resolve(dotted: str) -> object:
+    parts = dotted.split(".")
+    obj: object = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            obj = importlib.import_module(".".join(parts[: i + 1]))
+    return obj
+
+
+@pytest.mark.parametrize("block", [b for b in CODE if b.first.startswith(FRAGMENT) and b.language == "python"],
+                         ids=lambda b: f"{b.page}:{b.line}")
+def test_python_fragment_runs_up_to_what_it_needs(block: Block) -> None:
+    """Its first line names every name the fragment reads but does not define; it runs statement
+    by statement up to the first that reads one; the ``zerofx.`` names and ``engine.`` methods
+    it uses exist."""
+    import ast
+    import builtins
+
+    tree = ast.parse(block.text)
+    defined = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    defined |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    unnamed = sorted(name for name in read - defined - set(dir(builtins)) if not re.search(rf"\b{name}\b", block.first))
+    assert not unnamed, f"{block.page}:{block.line} reads {unnamed}, which it neither defines nor names on its first line"
+    namespace: dict[str, Any] = {"__name__": "__doc__"}
+    for statement in tree.body:
+        try:
+            exec(compile(ast.Module([statement], []), f"{block.page}:{block.line}", "exec"), namespace)
+        except NameError as exc:
+            assert re.search(rf"\b{exc.name}\b", block.first), f"{block.page}:{block.line} needs {exc.name!r}; its first line should say so"
+            break
+    for dotted in _ZEROFX_NAME.findall(block.text):
+        _resolve(dotted)  # an AttributeError or ImportError names what is gone
+    missing = [m for m in re.findall(r"\bengine\.(\w+)", block.text) if not hasattr(Engine, m)]
+    assert not missing, f"{block.page}:{block.line} calls Engine methods that do not exist: {missing}"
