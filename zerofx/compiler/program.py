@@ -303,7 +303,7 @@ class Program:
             fused_optimizer = cfg.fused_optimizer if cfg is not None else False
         self._check_rank(rank)
         fused = compiler is GraphCompiler.INDUCTOR
-        # NOTE [One report per plan of a capture]
+        # Each capture keeps its reports by plan (NOTE [One report per plan of a capture]).
         key = (repr(replace(self.plan, decisions=())), self.group_name, self.replicate_group_name, rank, comm, device, fused,
                fused_optimizer)
         reports = _REPORTS.setdefault(captured.joint, {})
