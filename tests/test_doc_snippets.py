@@ -337,3 +337,53 @@ def test_python_fragment_runs_up_to_what_it_needs(block: Block) -> None:
         _resolve(dotted)  # an AttributeError or ImportError names what is gone
     missing = [m for m in re.findall(r"\bengine\.(\w+)", block.text) if not hasattr(Engine, m)]
     assert not missing, f"{block.page}:{block.line} calls Engine methods that do not exist: {missing}"
+
+
+# --------------------------------------------------------------------------- quoted output
+# The commands whose output a page quotes in a plain ``` block, keyed as BLOCKS is.
+OUTPUTS: dict[tuple[str, str], list[str]] = {
+    ("docs/plan.md", "model small: DNADecoderLM"): ["plan", "small", "--world-size", "2", "--stage", "3"],
+    ("docs/plan.md", "model 1b: DNADecoderLM"): ["plan", "1b", "--world-size", "1024", "--stage", "3"],
+}
+
+
+def _quoted_mismatch(quoted: list[str], printed: list[str]) -> str | None:
+    """Where ``quoted`` stops matching ``printed``, or None (NOTE [Quoted output matches by line])."""
+    # NOTE [Quoted output matches by line]
+    # A quoted block matches what the command prints when its lines appear there in order. A
+    # line that is "..." alone stands for any number of printed lines; "..." inside a line
+    # stands for any text there ("…" is printed text, as in a bucket's label). Every other
+    # character must be as printed, numbers included: zerofx plan computes its figures from the
+    # cost models and a fixed profile, not from the machine it runs on, so they are the same
+    # everywhere, and a change to the cost models or the passes that moves one fails here.
+    at, gap = 0, False
+    for line in (q.rstrip() for q in quoted):
+        if line.strip() == "...":
+            gap = True
+            continue
+        pattern = re.compile(".*".join(re.escape(part) for part in line.split("...")) + r"\s*")
+        hits = [i for i in range(at, len(printed) if gap else min(at + 1, len(printed))) if pattern.fullmatch(printed[i])]
+        if not hits:
+            return f"quoted {line!r} is not printed" + (f" after {printed[at - 1]!r}" if at else "") + (
+                "" if gap else f"; printed there: {printed[at] if at < len(printed) else '(the end)'!r}")
+        at, gap = hits[0] + 1, False
+    return None
+
+
+def test_quoted_mismatch_reads_ellipses() -> None:
+    printed = ["a 1", "b 2 … 3", "c", "d 4.5 ms"]
+    assert _quoted_mismatch(["a 1", "b 2 … 3", "...", "d 4.5 ms"], printed) is None
+    assert _quoted_mismatch(["a 1", "...", "d ... ms"], printed) is None
+    assert _quoted_mismatch(["a 1", "d 4.5 ms"], printed) == "quoted 'd 4.5 ms' is not printed after 'a 1'; printed there: 'b 2 … 3'"
+    assert _quoted_mismatch(["a 1", "...", "d 4.6 ms"], printed) is not None
+
+
+@pytest.mark.parametrize("key", sorted(OUTPUTS), ids=lambda k: f"{k[0]}:{k[1][:20]}")
+def test_quoted_output_is_what_the_command_prints(key: tuple[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    page, start = key
+    blocks = [b for b in doc_blocks() if b.page == page and b.language == "" and b.first.startswith(start)]
+    assert len(blocks) == 1, f"{page}: {len(blocks)} quoted blocks start with {start!r}"
+    assert cli.main(OUTPUTS[key]) == 0
+    mismatch = _quoted_mismatch(blocks[0].text.splitlines(), capsys.readouterr().out.splitlines())
+    assert mismatch is None, f"{page}:{blocks[0].line} (zerofx {shlex.join(OUTPUTS[key])}): {mismatch}"
+
