@@ -28,9 +28,11 @@ import contextlib
 import gzip
 import importlib
 import io
+import math
 import re
 import shlex
 import subprocess
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -386,4 +388,30 @@ def test_quoted_output_is_what_the_command_prints(key: tuple[str, str], capsys: 
     assert cli.main(OUTPUTS[key]) == 0
     mismatch = _quoted_mismatch(blocks[0].text.splitlines(), capsys.readouterr().out.splitlines())
     assert mismatch is None, f"{page}:{blocks[0].line} (zerofx {shlex.join(OUTPUTS[key])}): {mismatch}"
+
+
+# --------------------------------------------------------------------------- what esm_mlm learns
+def test_esm_mlm_expectation_is_the_bundled_genomes_6mer_statistics() -> None:
+    """docs/training.md's bounds for examples/own_models.py:esm_mlm on the bundled genome: the
+    uniform loss ln 4107, the entropy of the training region's 6-mer frequencies, and the
+    perplexity those frequencies (add-one smoothed) give on the held-out last 10%."""
+    from zerofx.data.genome import bundled_genome, read_fasta
+    from zerofx.data.tokenizers import KmerTokenizer
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    sequence = "".join(chunk for _, chunk in read_fasta(bundled_genome())).upper()
+    cut = len(sequence) * 9 // 10
+
+    def kmers(region: str) -> Counter[str]:  # every reading frame, as windows start anywhere
+        return Counter(region[i:i + 6] for frame in range(6) for i in range(frame, len(region) - 5, 6))
+
+    train, held = kmers(sequence[:cut]), kmers(sequence[cut:])
+    total = sum(train.values())
+    entropy = -sum(n / total * math.log(n / total) for n in train.values())
+    smoothed = total + 4**6
+    held_perplexity = math.exp(-sum(n * math.log((train[k] + 1) / smoothed) for k, n in held.items()) / sum(held.values()))
+    vocab = KmerTokenizer(6).vocab_size
+    assert f"ln {vocab} = {math.log(vocab):.2f}" in text
+    assert f"6-mer frequencies is {entropy:.2f}" in text
+    assert f"near the {round(held_perplexity, -2):,.0f} that the training region's" in text
 
