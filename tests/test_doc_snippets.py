@@ -414,4 +414,3 @@ def test_esm_mlm_expectation_is_the_bundled_genomes_6mer_statistics() -> None:
     assert f"ln {vocab} = {math.log(vocab):.2f}" in text
     assert f"6-mer frequencies is {entropy:.2f}" in text
     assert f"near the {round(held_perplexity, -2):,.0f} that the training region's" in text
-
