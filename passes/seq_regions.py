@@ -64,6 +64,7 @@ _ELEMENTWISE = {
     aten.clone, aten.contiguous, aten.where, aten.masked_fill, aten.abs, aten.square, aten.reciprocal, aten.erf,
     aten.detach, aten.type_as, aten.clamp, aten.maximum, aten.minimum, aten.ones_like, aten.zeros_like,
     aten.full_like, aten.rsub, aten.dropout, aten.leaky_relu, aten.softplus, aten.mish,
+    aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_not, aten.logical_and, aten.logical_or,
 }
 _REDUCE = {aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std}
 _VIEWS = {aten.view, aten.reshape, aten._unsafe_view}
@@ -210,6 +211,8 @@ def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int
         return so
     if pk is aten.embedding:
         return sd.get(args[1])
+    if pk is aten.gather and isinstance(args[2], fx.Node) and sd.get(args[2]) is not None and sd.get(args[0]) is None:
+        return sd[args[2]]  # a table read at each position's index (a token-type buffer by position ids): the index's shape
     if pk is aten.index_select and isinstance(args[2], fx.Node) and sd.get(args[2]) == 0 and sd.get(args[0]) is None:
         return _norm(args[1], _rank(args[0]))  # a gather by positions: output t reads the source at index[t]
     if pk is aten.cat and isinstance(out, torch.Tensor):

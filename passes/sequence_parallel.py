@@ -274,8 +274,8 @@ def _analyze(gm: fx.GraphModule, size: int) -> tuple[SeqAnalysis, set[fx.Node], 
     from_params: set[fx.Node] = set()
     local: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        if mixer_of(n) is not None and an.sdim.get(n) is not None:
-            local.add(n)
+        if mixer_of(n) is not None and an.sdim.get(n) is not None and any(a in local for a in n.all_input_nodes):
+            local.add(n)  # a mixer of values every rank holds whole (position ids by a cumsum of the padding) runs whole
         elif n in an.tokenwise and any(a in params or a in from_params or a in local for a in n.all_input_nodes):
             local.add(n)
         elif an.sdim.get(n) is None and any(a in params or a in from_params for a in n.all_input_nodes):

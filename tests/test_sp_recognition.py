@@ -103,9 +103,10 @@ def test_scale_after_mask_is_left_alone() -> None:
         capture.sequence_forward()
 
 
-def sequence_forward(net: torch.nn.Module) -> fx.GraphModule:
+def sequence_forward(net: torch.nn.Module, kind: str = "") -> fx.GraphModule:
     ids, labels = workers.batches(1)
-    capture = StepCapture(net, (ids[0],), {"labels": labels[0]}, sequence_parallel=SequenceParallelSpec(size=2))
+    capture = StepCapture(net, (workers.padded_ids(kind, ids[0]),), workers.keywords(kind, ids[0], labels[0]),
+                          sequence_parallel=SequenceParallelSpec(size=2))
     return capture.sequence_forward()[0]
 
 
@@ -115,11 +116,27 @@ def test_views_merging_batch_and_sequence_stay_tokenwise(kind: str) -> None:
     over (T·B, C) and a model whose position ids, projections and loss run over (B·T, ·) rows
     run on each rank's B·T/S rows: every projection of the rewritten forward reads that many
     tokens, and each attention is one SDPA between all-to-alls."""
-    gm = sequence_forward(workers.model(kind))
+    gm = sequence_forward(workers.model(kind), kind)
     rows = [n.meta["val"].numel() // n.meta["val"].shape[-1] for n in gm.graph.nodes
             if getattr(n.target, "overloadpacket", None) in (aten.addmm, aten.linear)]
     assert rows and set(rows) == {workers.BATCH * workers.SEQ // 2}, rows
     assert sum(1 for n in gm.graph.nodes if is_sdpa(n)) == (2 if kind.startswith("gpt2") else 1)
+
+
+@pytest.mark.parametrize("kind", workers.PADDED)
+def test_values_indexed_by_position_take_the_ranks_positions(kind: str) -> None:
+    """BERT's position ids and token types (buffers cut to T, a token type read by ``gather`` at
+    each position) and ESM's positions (a cumsum over the padding, computed whole) are cut to the
+    rank's positions: every embedding of the rewritten forward looks up T/S positions, and ESM's
+    cumsum runs whole, outside the prefix mixer (no cumsum site in the plan)."""
+    net = workers.model(kind)
+    ids, labels = workers.batches(1)
+    capture = StepCapture(net, (workers.padded_ids(kind, ids[0]),), workers.keywords(kind, ids[0], labels[0]),
+                          sequence_parallel=SequenceParallelSpec(size=2))
+    gm, plan = capture.sequence_forward()
+    lookups = [n.meta["val"].shape[-2] for n in gm.graph.nodes if getattr(n.target, "overloadpacket", None) is aten.embedding]
+    assert len(lookups) == (3 if kind == "bert" else 2) and set(lookups) == {workers.SEQ // 2}, lookups
+    assert plan.strategies == (("attention", "ulysses"),)
 
 
 def test_a_mixer_over_merged_axes_is_refused() -> None:
@@ -136,13 +153,15 @@ def test_parity_written_attention_sequence_2() -> None:
     ``nn.TransformerEncoderLayer`` with a causal mask by ring at stage 3 and without one by
     Ulysses at stage 0, and token-wise work, position ids and the loss over flattened (B·T, C)
     rows by ring at stage 3 match plain PyTorch within 1e-5 after 3 SGD steps, each attention
-    sharded as SDPA is (per layer one ring op, or two all-to-alls and the loss's and rank's two)."""
+    sharded as SDPA is (per layer one ring op, or two all-to-alls and the loss's and rank's two);
+    so do BERT by Ulysses at stage 0 and ESM with absolute positions by ring at stage 3, each
+    with a padded row (``attention_mask``)."""
     cases = [("llama_eager", 3, "ring"), ("written", 0, "ring"), ("gpt2", 3, "ulysses"), ("encoder_causal", 3, "ring"),
-             ("encoder", 0, "ulysses"), ("flat_rows", 3, "ring")]
+             ("encoder", 0, "ulysses"), ("flat_rows", 3, "ring"), ("bert", 0, "ulysses"), ("esm_absolute", 3, "ring")]
     results = run_ranks(2, workers.train, cases, STEPS)
     for case in cases:
         expected = workers.reference(case[0], STEPS)
-        layers = 2 if case[0] in ("llama_eager", "gpt2") else 1
+        layers = 2 if case[0] in ("llama_eager", "gpt2", *workers.PADDED) else 1
         for rank, by_case in enumerate(results):
             res = by_case[case]
             diff = max((res["state"][k].double() - v.double()).abs().max().item() for k, v in expected["state"].items())

@@ -85,8 +85,26 @@ def model(kind: str) -> torch.nn.Module:
     """Small random-weight models: Hugging Face Llama in eager attention (grouped-query, rotary,
     its causal mask added to the scores), the hand-written attention above, Hugging Face GPT-2
     (``Conv1D``: ``addmm`` over (B·T, C)) in SDPA or eager attention,
-    ``nn.TransformerEncoderLayer`` with and without a causal mask, and the flat rows above."""
+    ``nn.TransformerEncoderLayer`` with and without a causal mask, the flat rows above, and the
+    masked LMs with absolute positions: Hugging Face BERT (position ids and token types cut from
+    buffers, DNABERT's shape) and ESM (positions by a cumsum over the padding, Nucleotide
+    Transformer v1's shape)."""
     torch.manual_seed(0)
+    if kind == "bert":
+        from transformers import BertConfig, BertForMaskedLM
+
+        cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                         max_position_embeddings=2 * SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                         attn_implementation="sdpa")
+        return BertForMaskedLM(cfg)
+    if kind == "esm_absolute":
+        from transformers import EsmConfig, EsmForMaskedLM
+
+        cfg = EsmConfig(vocab_size=VOCAB + 2, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=2 * SEQ + 2, position_embedding_type="absolute", token_dropout=False,
+                        emb_layer_norm_before=False, pad_token_id=VOCAB, mask_token_id=VOCAB + 1, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+        return EsmForMaskedLM(cfg)
     if kind == "flat_rows":
         return FlatRowsLM()
     if kind.startswith("encoder"):
@@ -108,8 +126,25 @@ def model(kind: str) -> torch.nn.Module:
     return WrittenAttentionLM()
 
 
-def loss_of(net: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    out = net(ids, labels=labels)
+PADDED = ("bert", "esm_absolute")  # masked LMs that take an attention_mask: the last row padded
+
+
+def keywords(kind: str, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The labels, and for the padded kinds an ``attention_mask`` with the last row's last 3
+    positions padded (their labels ignored; ESM's ids there are its pad token)."""
+    if kind not in PADDED:
+        return {"labels": labels}
+    mask = torch.ones_like(ids)
+    mask[-1, -3:] = 0
+    return {"labels": labels.masked_fill(mask == 0, IGNORE), "attention_mask": mask}
+
+
+def padded_ids(kind: str, ids: torch.Tensor) -> torch.Tensor:
+    return ids.masked_fill(keywords(kind, ids, ids)["attention_mask"] == 0, VOCAB) if kind == "esm_absolute" else ids
+
+
+def loss_of(net: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, kind: str = "") -> torch.Tensor:
+    out = net(padded_ids(kind, ids), **keywords(kind, ids, labels))
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
@@ -131,7 +166,7 @@ def reference(kind: str, steps: int) -> dict:
     ids, labels = batches(steps)
     losses = []
     for step in range(steps):
-        loss = loss_of(net, ids[step], labels[step])
+        loss = loss_of(net, ids[step], labels[step], kind)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -149,10 +184,11 @@ def train(rank: int, world_size: int, cases: list[tuple[str, int, str]], steps: 
         kind, stage, attention = case
         config = {"zero_optimization": {"stage": stage}, "optimizer": SGD,
                   "zerofx": {"sequence_parallel": {"size": world_size, "attention": attention}}}
-        engine = zerofx.initialize(model(kind), config, example_inputs=(ids[0],), example_kwargs={"labels": labels[0]})
+        engine = zerofx.initialize(model(kind), config, example_inputs=(padded_ids(kind, ids[0]),),
+                                   example_kwargs=keywords(kind, ids[0], labels[0]))
         losses = []
         for step in range(steps):
-            loss = engine(ids[step], labels=labels[step])
+            loss = engine(padded_ids(kind, ids[step]), **keywords(kind, ids[step], labels[step]))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
