@@ -28,6 +28,7 @@ import contextlib
 import gzip
 import importlib
 import io
+import json
 import math
 import re
 import shlex
@@ -147,10 +148,12 @@ def _commands(text: str, subs: tuple[tuple[str, str], ...]) -> list[str]:
 
 
 def _argv(command: str) -> list[str]:
-    """The program's arguments, without leading ``VAR=value`` settings, ``srun`` and ``nice``."""
+    """The program's arguments, without a leading ``$`` prompt, ``VAR=value`` settings, ``srun`` and ``nice``."""
     argv = shlex.split(command, comments=True)
-    while argv and (re.match(r"^[A-Z_]+=", argv[0]) or argv[0] in ("srun",)):
+    while argv and (re.match(r"^[A-Z_]+=", argv[0]) or argv[0] in ("srun", "$")):
         argv = argv[1:]
+    if argv[:2] == ["nice", "-n"]:
+        argv = argv[3:]
     return argv
 
 
@@ -249,7 +252,16 @@ def user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     genome("mm39.fa.gz", ("chr1",))
     genome("danRer11.fa.gz", ("chr1",))
     (tmp_path / "ds.json").write_text((ROOT / "examples" / "dna_lm_zero3.json").read_text())
-    (tmp_path / "recompute.json").write_text('{"zerofx": {"recompute": true}}')  # docs/recompute.md's
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
+    configs = {  # the configs the pages name, as they give them
+        "recompute.json": {"zerofx": {"recompute": True}},
+        "notile.json": {"zerofx": {"tiling": {"enabled": False}}},
+        "auto.json": {"zerofx": {"auto": True, "memory_budget": "1GiB", "tiling": {"enabled": False}}},
+        **{f"sp{s}.json": {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+                           **({"zerofx": {"sequence_parallel": {"size": s}}} if s > 1 else {})} for s in (1, 2, 4)},
+    }
+    for name, config in configs.items():
+        (tmp_path / name).write_text(json.dumps(config))
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -433,3 +445,46 @@ def test_esm_mlm_expectation_is_the_bundled_genomes_6mer_statistics() -> None:
     assert f"ln {vocab} = {math.log(vocab):.2f}" in text
     assert f"6-mer frequencies is {entropy:.2f}" in text
     assert f"near the {round(held_perplexity, -2):,.0f} that the training region's" in text
+
+
+# --------------------------------------------------------------------------- commands in plain blocks
+_COMMAND = re.compile(r"^(\$ )?([A-Z_]+=\S+ +)*(nice -n \d+ +)?(zerofx|python -m|torchrun) ")
+# Quoted "$ zerofx ..." blocks whose output OUTPUTS does not check, and why.
+NOT_RUN: dict[tuple[str, str], str] = {
+    ("docs/autoplan.md", "$ zerofx plan 1b --auto"): "a search of 13-16 s",
+    ("docs/autoplan.md", "$ zerofx plan small --auto"): "a search of about a minute",
+    ("docs/autoplan.md", "$ zerofx train --config auto.json"): "it trains on 2 ranks",
+    ("docs/planner.md", "$ zerofx plan 25m --world-size 8 --config sp4.json"): "a solve of minutes, capturing the 25m model 11 times",
+}
+PLAIN = [b for b in doc_blocks() if b.language == "" and _COMMAND.match(b.first)
+         and not re.search(r"\S: ", b.first.split(" #")[0])]  # not output whose first line starts "zerofx plan tiny --auto: ..."
+
+
+def _subcommand_flags(name: str) -> set[str]:
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {s for s in subparsers.choices[name]._option_string_actions if s.startswith("--") and s != "--help"}
+
+
+@pytest.mark.parametrize("block", PLAIN, ids=lambda b: f"{b.page}:{b.line}")
+def test_commands_in_plain_blocks_are_checked(block: Block, user_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command in a plain ``` block: a synopsis (``zerofx SUB MODEL_SPEC [--flag X] ...``) names
+    each of the subcommand's flags and no other; a command quoted with its output
+    (``$ zerofx ...``) is in OUTPUTS or NOT_RUN; every other command's flags parse with its
+    program's parser."""
+    if block.first.startswith("$ "):
+        assert any(page == block.page and block.first.startswith(start) for page, start in (*OUTPUTS, *NOT_RUN)), (
+            f"{block.page}:{block.line} quotes a command's output that OUTPUTS does not check and NOT_RUN does not excuse")
+        commands = [re.match(r"(?:.*\\\n)*.*", block.text).group(0).replace("\\\n", " ")]
+    else:
+        commands = _commands(block.text, ())
+    synopsis = re.match(r"zerofx ([\w-]+) .*(\[|\b[A-Z][A-Z_]+\b)", block.text)
+    if synopsis:
+        named = set(re.findall(r"--[\w-]+", block.text))
+        flags = _subcommand_flags(synopsis.group(1))
+        assert named <= flags, f"{block.page}:{block.line} names flags zerofx {synopsis.group(1)} lacks: {sorted(named - flags)}"
+        assert flags <= named, f"{block.page}:{block.line} leaves out flags of zerofx {synopsis.group(1)}: {sorted(flags - named)}"
+        return
+    for command in commands:
+        _check_flags(_argv(command), monkeypatch)
+
