@@ -207,6 +207,9 @@ def test_plan_tier_line_takes_offloaded_bytes_off_the_peak() -> None:
     # Offloaded gradient shards join their tier; the memory model already leaves them off the device.
     with_grads = plan_tier_bytes(2000, SimpleNamespace(optimizer=records, params=shards), grad_bytes=64, grad_tier="nvme")
     assert with_grads == {**got, "nvme": 540 + 64}
+    # On a CPU rank host memory is the device's: only what goes to NVMe leaves it (NOTE [Host offload on a CPU rank]).
+    on_cpu = plan_tier_bytes(2000, SimpleNamespace(optimizer=records, params=shards), memory_is_host=True)
+    assert on_cpu == {**got, "device": 2000 - 540}
 
 
 def test_plan_budget_verdict_is_the_devices_with_offload(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -121,5 +121,5 @@ def plan_tier_bytes(peak_bytes: float, offload: Any, *, grad_bytes: float = 0.0,
 def format_plan_tiers(tiers: dict[str, float]) -> str:
     from zerofx.common.units import format_bytes
 
-    return (f"per rank per tier: device {format_bytes(tiers['device'])} at the peak (the memory model's peak less what is "
-            f"offloaded), host memory {format_bytes(tiers['cpu'])}, NVMe {format_bytes(tiers['nvme'])}")
+    return (f"per rank per tier: device {format_bytes(tiers['device'])} at the peak (the memory model's peak less what "
+            f"offloading takes off the device), host memory {format_bytes(tiers['cpu'])}, NVMe {format_bytes(tiers['nvme'])}")

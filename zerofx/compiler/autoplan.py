@@ -171,7 +171,7 @@ class Evaluated:
     candidate: Candidate
     step_s: float  # one optimizer step: every micro-step, the syncs, the update
     tokens_per_s: float
-    peak_bytes: float  # on the device, per rank (the memory timeline's peak less what is offloaded)
+    peak_bytes: float  # on the device, per rank (the memory timeline's peak less what offloading takes off it)
     model_state_bytes: float  # on the device, per rank, between steps
     fits: bool
     lowered: bool = True
