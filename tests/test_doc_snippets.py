@@ -487,4 +487,3 @@ def test_commands_in_plain_blocks_are_checked(block: Block, user_folder: Path, m
         return
     for command in commands:
         _check_flags(_argv(command), monkeypatch)
-
