@@ -447,6 +447,18 @@ def test_esm_mlm_expectation_is_the_bundled_genomes_6mer_statistics() -> None:
     assert f"near the {round(held_perplexity, -2):,.0f} that the training region's" in text
 
 
+@pytest.mark.parametrize("block", [b for b in CODE if b.first.startswith(FRAGMENT) and b.language == "bash"],
+                         ids=lambda b: f"{b.page}:{b.line}")
+def test_bash_fragment_names_flags_that_exist(block: Block) -> None:
+    """A command's form with placeholders (``zerofx plan MODEL_SPEC --auto ... [--profile X]``)
+    names only flags its subcommand takes."""
+    for line in _commands(block.text, ()):
+        argv = _argv(line)
+        assert argv[0] == "zerofx", f"{block.page}:{block.line}: a fragment of {argv[0]!r}, which this test cannot check"
+        named, flags = set(re.findall(r"--[\w-]+", line)), _subcommand_flags(argv[1])
+        assert named <= flags, f"{block.page}:{block.line} names flags zerofx {argv[1]} lacks: {sorted(named - flags)}"
+
+
 # --------------------------------------------------------------------------- commands in plain blocks
 _COMMAND = re.compile(r"^(\$ )?([A-Z_]+=\S+ +)*(nice -n \d+ +)?(zerofx|python -m|torchrun) ")
 # Quoted "$ zerofx ..." blocks whose output OUTPUTS does not check, and why.
