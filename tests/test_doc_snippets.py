@@ -499,3 +499,14 @@ def test_commands_in_plain_blocks_are_checked(block: Block, user_folder: Path, m
         return
     for command in commands:
         _check_flags(_argv(command), monkeypatch)
+
+
+def test_flags_in_inline_commands_exist() -> None:
+    """Each ``--flag`` in an inline `zerofx SUB ...` of the pages' prose is one SUB takes."""
+    named_wrong = []
+    for page in PAGES:
+        prose = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for sub, rest in re.findall(r"`zerofx (plan|estimate|train|consolidate|calibrate|config-schema)\b([^`]*)`", prose):
+            wrong = set(re.findall(r"--[a-z][\w-]*", rest)) - _subcommand_flags(sub) - {"--help"}
+            named_wrong += [f"{page.relative_to(ROOT)}: `zerofx {sub}{rest}` names {sorted(wrong)}"] if wrong else []
+    assert not named_wrong, "flags the subcommand does not take:\n" + "\n".join(named_wrong)
