@@ -7,6 +7,8 @@ process groups."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.fx as fx
@@ -17,6 +19,7 @@ from zerofx.common.errors import CaptureError
 from zerofx.compiler.pipeline import StepCapture
 from zerofx.passes import meta
 from zerofx.passes.canonical_attention import canonicalize_attention_pass
+from zerofx.passes.canonical_fft import canonicalize_fft_conv_pass
 from zerofx.passes.sequence_parallel import SequenceParallelSpec
 from zerofx.passes.seq_regions import is_sdpa
 
@@ -27,6 +30,14 @@ STEPS = 3
 def recorded(net: torch.nn.Module) -> fx.GraphModule:
     ids, labels = workers.batches(1)
     return StepCapture(net, (ids[0],), {"labels": labels[0]}).forward_record()
+
+
+def run(gm: fx.GraphModule, net: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A recorded forward run on the model's parameters and buffers and these inputs."""
+    state = dict(net.named_parameters()) | dict(net.named_buffers())
+    inputs = iter([ids, labels])
+    return gm(*[next(inputs) if ph.meta.get(meta.ROLE) is meta.Role.INPUT else state[ph.meta[meta.FQN]]
+                for ph in meta.placeholders(gm.graph)])
 
 
 def count(gm: fx.GraphModule, packet: object) -> int:
@@ -84,10 +95,7 @@ def test_written_attention_becomes_one_sdpa(kind: str, layers: int) -> None:
     assert all(isinstance(n.args[3], fx.Node) for n in sdpas)  # the causal mask (and bias) as an additive mask
     if kind == "written":  # q's factor moved into the scale: 1/sqrt(8) on the scores
         assert sdpas[0].kwargs["scale"] == pytest.approx(8 ** -0.5)
-    params = dict(net.named_parameters()) | dict(net.named_buffers())
-    flat = [params[ph.meta[meta.FQN]] if ph.meta.get(meta.ROLE) is not meta.Role.INPUT else None for ph in meta.placeholders(gm.graph)]
-    inputs = iter([ids[0], labels[0]])
-    got = gm(*[v if v is not None else next(inputs) for v in flat])
+    got = run(gm, net, ids[0], labels[0])
     assert torch.allclose(got, expected, atol=1e-6), (got, expected)
     assert canonicalize_attention_pass(gm) is gm
 
@@ -145,6 +153,48 @@ def test_a_mixer_over_merged_axes_is_refused() -> None:
         sequence_forward(MergedCumsumLM())
 
 
+class GainedFFTConvLM(TinyLM):
+    """A filter spectrum scaled by a learned gain (a tensor, not a number): not folded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(()))
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        u, n = x.transpose(1, 2), 2 * x.shape[1]  # (B, C, T)
+        y = torch.fft.irfft(torch.fft.rfft(u, n=n) * (torch.fft.rfft(u, n=n) * self.gain), n=n, norm="forward")
+        return y[..., : x.shape[1]].transpose(1, 2)
+
+
+@pytest.mark.parametrize("kind, factor", [("fft_reference", None), ("fft_ortho", 1 / math.sqrt(2 * workers.SEQ))])
+def test_fft_norms_and_scalars_fold_into_one_factor(kind: str, factor: float | None) -> None:
+    """HyenaDNA's ``rfft(k) / n`` with ``irfft(norm="forward")`` is the plain convolution (no factor
+    left); ortho norms leave 1/sqrt(n) after the cut to T. Every FFT's norm is unset, the product
+    reads the two rffts, the loss is the model's, the input is left alone, and a second run
+    changes nothing."""
+    net = workers.model(kind)
+    gm = recorded(net)
+    ids, labels = workers.batches(1)
+    expected = workers.loss_of(net, ids[0], labels[0])
+    original, recorded_graph = gm, str(gm.graph)
+    gm = canonicalize_fft_conv_pass(original)
+    assert gm is not original and str(original.graph) == recorded_graph
+    ffts = [n for n in gm.graph.nodes if getattr(n.target, "overloadpacket", None) in (aten.fft_rfft, aten.fft_irfft)]
+    assert len(ffts) == 3 and all((n.args[3] if len(n.args) > 3 else n.kwargs.get("norm")) is None for n in ffts)
+    irfft = ffts[-1]
+    assert [getattr(a.target, "overloadpacket", None) for a in irfft.args[0].args] == [aten.fft_rfft, aten.fft_rfft]
+    cut = next(iter(irfft.users))
+    scales = [u.args[1] for u in cut.users if getattr(u.target, "overloadpacket", None) is aten.mul and u.args[0] is cut]
+    assert scales == ([] if factor is None else [pytest.approx(factor)])
+    assert torch.allclose(run(gm, net, ids[0], labels[0]), expected, atol=1e-6)
+    assert canonicalize_fft_conv_pass(gm) is gm
+
+
+def test_a_tensor_scale_on_a_spectrum_is_left_alone() -> None:
+    gm = recorded(GainedFFTConvLM())
+    assert canonicalize_fft_conv_pass(gm) is gm
+
+
 @pytest.mark.multiprocess
 def test_parity_written_attention_sequence_2() -> None:
     """World 2, sequence-parallel size 2, one launch: Hugging Face Llama in eager attention with
@@ -155,9 +205,11 @@ def test_parity_written_attention_sequence_2() -> None:
     rows by ring at stage 3 match plain PyTorch within 1e-5 after 3 SGD steps, each attention
     sharded as SDPA is (per layer one ring op, or two all-to-alls and the loss's and rank's two);
     so do BERT by Ulysses at stage 0 and ESM with absolute positions by ring at stage 3, each
-    with a padded row (``attention_mask``)."""
+    with a padded row (``attention_mask``); and the FFT convolution in HyenaDNA's spelling (stage
+    3) and in ortho norms (stage 0) by the long-conv mixer's channel all-to-alls."""
     cases = [("llama_eager", 3, "ring"), ("written", 0, "ring"), ("gpt2", 3, "ulysses"), ("encoder_causal", 3, "ring"),
-             ("encoder", 0, "ulysses"), ("flat_rows", 3, "ring"), ("bert", 0, "ulysses"), ("esm_absolute", 3, "ring")]
+             ("encoder", 0, "ulysses"), ("flat_rows", 3, "ring"), ("bert", 0, "ulysses"), ("esm_absolute", 3, "ring"),
+             ("fft_reference", 3, "ulysses"), ("fft_ortho", 0, "ulysses")]
     results = run_ranks(2, workers.train, cases, STEPS)
     for case in cases:
         expected = workers.reference(case[0], STEPS)
@@ -167,6 +219,10 @@ def test_parity_written_attention_sequence_2() -> None:
             diff = max((res["state"][k].double() - v.double()).abs().max().item() for k, v in expected["state"].items())
             assert diff < 1e-5, (rank, case, diff)
             assert res["losses"] == pytest.approx(expected["losses"], abs=1e-5), (rank, case)
+            if case[0].startswith("fft_"):  # the signal, the filter and the output; the rank's position and the loss
+                assert res["ring_ops"] == 0 and res["all_to_alls"] == 5, (rank, case)
+                assert any("1 FFT convolution(s)" in d for d in res["decisions"]), (rank, case)
+                continue
             if case[2] == "ring":
                 assert res["ring_ops"] == layers and res["all_to_alls"] == 2, (rank, case)
             else:

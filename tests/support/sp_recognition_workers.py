@@ -4,6 +4,8 @@ GPT-2's ``Conv1D`` over ``(B·T, C)``), sequence-parallel against plain PyTorch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -81,6 +83,46 @@ class FlatRowsLM(torch.nn.Module):
         return F.cross_entropy(self.head(rows + y), labels.reshape(-1))
 
 
+class FFTConvLM(torch.nn.Module):
+    """A gated long convolution as HyenaDNA's reference implementation spells it, re-created
+    here: an implicit filter (an MLP with a sine over positional features cut from buffers to T,
+    times a per-channel exponential decay), ``rfft(k, n=2T) / 2T`` against the signal's spectrum
+    (the signal cast to the filter's dtype), ``irfft(..., norm="forward")`` cut to T, and a skip
+    ``D · u``. ``spelling="ortho"`` writes every FFT with ``norm="ortho"`` and scales the output
+    by sqrt(2T) instead."""
+
+    def __init__(self, spelling: str, dim: int = 8, features: int = 3) -> None:
+        super().__init__()
+        self.spelling, self.dim = spelling, dim
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.in_proj = torch.nn.Linear(dim, 2 * dim)
+        self.filter_mlp = torch.nn.Sequential(torch.nn.Linear(features, 16), torch.nn.Linear(16, dim))
+        self.decay = torch.nn.Parameter(torch.linspace(0.5, 2.0, dim))
+        self.skip = torch.nn.Parameter(torch.randn(dim))
+        self.out_proj = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, VOCAB)
+        t = torch.linspace(0, 1, 2 * SEQ).view(1, 2 * SEQ, 1)  # positions over the longest context
+        self.register_buffer("t", t, persistent=False)
+        self.register_buffer("z", torch.cat([t, torch.cos(3.0 * t), torch.sin(3.0 * t)], dim=-1), persistent=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        x, u = self.in_proj(self.embed(ids)).transpose(1, 2).split(self.dim, dim=1)  # (B, C, T) each
+        hidden = self.filter_mlp[0](self.z[:, :t])  # (1, T, 16)
+        k = self.filter_mlp[1](torch.sin(hidden)) * torch.exp(-self.t[:, :t] * self.decay.abs())  # (1, T, C)
+        k = k[0].transpose(0, 1)  # (C, T)
+        n = 2 * t
+        if self.spelling == "ortho":
+            y = torch.fft.irfft(torch.fft.rfft(u, n=n, norm="ortho") * torch.fft.rfft(k, n=n, norm="ortho"), n=n, norm="ortho")
+            y = y[..., :t] * math.sqrt(n)
+        else:
+            k_f = torch.fft.rfft(k, n=n) / n
+            u_f = torch.fft.rfft(u.to(dtype=k.dtype), n=n)
+            y = torch.fft.irfft(u_f * k_f, n=n, norm="forward")[..., :t]
+        y = x * (y + u * self.skip.unsqueeze(-1))  # (B, C, T)
+        return F.cross_entropy(self.head(self.out_proj(y.transpose(1, 2))).reshape(-1, VOCAB), labels.reshape(-1))
+
+
 def model(kind: str) -> torch.nn.Module:
     """Small random-weight models: Hugging Face Llama in eager attention (grouped-query, rotary,
     its causal mask added to the scores), the hand-written attention above, Hugging Face GPT-2
@@ -88,8 +130,10 @@ def model(kind: str) -> torch.nn.Module:
     ``nn.TransformerEncoderLayer`` with and without a causal mask, the flat rows above, and the
     masked LMs with absolute positions: Hugging Face BERT (position ids and token types cut from
     buffers, DNABERT's shape) and ESM (positions by a cumsum over the padding, Nucleotide
-    Transformer v1's shape)."""
+    Transformer v1's shape), and the FFT convolution above in HyenaDNA's spelling and in ortho norms."""
     torch.manual_seed(0)
+    if kind.startswith("fft_"):
+        return FFTConvLM(kind.removeprefix("fft_"))
     if kind == "bert":
         from transformers import BertConfig, BertForMaskedLM
 

@@ -10,7 +10,8 @@ through ``run_passes`` (the same, per pass, plus a lint of the graph it returns 
     stage          what it does                                         plan it reads
     capture        the step recorded before autograd (make_fx,          -
                    pre-dispatch: linear, SDPA, cross_entropy whole)
-    pre_autograd   canonicalize_attention_pass, plan_sequence_parallel, SequenceParallelPlan, TilingPlan
+    pre_autograd   canonicalize_attention_pass,                         SequenceParallelPlan, TilingPlan
+                   canonicalize_fft_conv_pass, plan_sequence_parallel,
                    then sequence_parallel_pass;
                    plan_tiling, then tile_forward_pass
     autograd       AOTAutograd's joint graph of the rewritten forward   -
@@ -78,6 +79,7 @@ from zerofx.passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
 from zerofx.passes.reduce_scatter_all_to_all import reduce_scatter_by_all_to_all_pass
 from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 from zerofx.passes.canonical_attention import canonicalize_attention_pass
+from zerofx.passes.canonical_fft import canonicalize_fft_conv_pass
 from zerofx.passes.sequence_parallel import SequenceParallelPlan, SequenceParallelSpec, plan_sequence_parallel, sequence_parallel_pass
 from zerofx.passes.tile_forward import tile_forward_pass
 from zerofx.passes.tile_weights import tile_weights_pass
@@ -138,8 +140,9 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[tuple[str, Pass]], *, disabl
 # ----------------------------------------------------------------------------- the pass lists
 def canonical_passes() -> list[tuple[str, Pass]]:
     """Pre-autograd, before the sequence-parallel planner: one form for each computation it
-    recognizes (NOTE [Attention written out is SDPA] in passes/canonical_attention.py)."""
-    return [("canonicalize_attention_pass", canonicalize_attention_pass)]
+    recognizes (NOTE [Attention written out is SDPA] in passes/canonical_attention.py, NOTE [FFT
+    convolutions up to scaling] in passes/canonical_fft.py)."""
+    return [("canonicalize_attention_pass", canonicalize_attention_pass), ("canonicalize_fft_conv_pass", canonicalize_fft_conv_pass)]
 
 
 def sequence_passes(plan: SequenceParallelPlan) -> list[tuple[str, Pass]]:
