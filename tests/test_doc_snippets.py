@@ -3,24 +3,29 @@ or marked in the page as a fragment; the outputs the docs quote are what the com
 
 ``BLOCKS`` says how each block is run, keyed by its page and the start of its first line:
 
-- ``Run``: as written, after the substitutions it lists (smaller sizes, a small genome for
-  the user's). Python runs in this process; each ``zerofx`` command runs in this process through
-  ``zerofx.app.cli.main`` and must exit 0, in a folder holding the files the page names
-  (``GRCh38.fa.gz``, ``ds.json``, ...) as small stand-ins. A ``zerofx train`` command runs every
-  check ``zerofx train`` makes in the calling process (flags, genome, model spec, vocabulary,
-  config, output folder) and prepares the genome, then stops where the ranks would start.
-- ``Flags``: each command's flags are parsed by the parser of the program it starts (a benchmark's,
-  torchrun's, zerofx's); for runs of minutes or hours and for commands of a cluster.
+- ``Run``: as written, after the substitutions it lists (smaller sizes). Python runs in this
+  process (a model spec a page defines must build what examples/own_models.py builds); each
+  ``zerofx`` command runs in this process through ``zerofx.app.cli.main`` and must exit 0, in
+  a folder holding small stand-ins for the files the page names (``GRCh38.fa.gz``, ``ds.json``,
+  ...). A ``zerofx train`` command runs every check ``zerofx train`` makes in the calling
+  process (flags, genome, model spec, vocabulary, config, output folder) and prepares the
+  genome, then stops where the ranks would start.
+- ``Flags``: each command's flags are parsed by the parser of the program it starts (a
+  benchmark's, torchrun's, zerofx's, pytest's files and markers); for runs of minutes or hours
+  and for commands of a cluster.
 - ``Elsewhere``: a named test in another file runs it.
-- A block whose first line is ``# fragment: ...`` is a part of a program, the first line saying
-  what it needs. A Python fragment must compile, and the ``zerofx.`` names and the ``engine.``
-  methods it calls must exist.
+- A block whose first line is ``# fragment: ...`` is a part of a program, and that line names
+  every name the fragment reads without defining it. A Python fragment runs up to the first
+  statement that reads one, and the ``zerofx.`` names and ``engine.`` methods it uses exist; a
+  bash fragment names only flags its subcommand takes.
 
 A block in neither ``BLOCKS`` nor marked fails ``test_every_block_is_run_or_marked``, so a new
 page's commands cannot go unchecked. ``OUTPUTS`` runs the commands whose output a page quotes
-and compares the quoted lines (NOTE [Quoted output matches by line]).
+in a plain block and compares the quoted lines (NOTE [Quoted output matches by line]); a
+quoted ``$ zerofx ...`` block not run is listed in ``NOT_RUN`` with the reason. Commands in
+plain blocks parse; a synopsis names exactly its subcommand's flags; flags in inline commands
+exist. What docs/training.md says esm_mlm can learn is computed from the bundled genome.
 """
-
 from __future__ import annotations
 
 import argparse
