@@ -135,6 +135,8 @@ def blocked_attention(
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     if _use_fused(q, mask):
         out, lse = _compat.CPU_FLASH_ATTENTION(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+        if mask is not None:  # the kernel gives lse 0 to a row whose keys are all -inf: +inf, as the loops below give it
+            lse = torch.where(torch.isneginf(mask).all(-1).expand(lse.shape), float("inf"), lse)
         return _bthd(out), lse.contiguous()
     mask = _expand_mask(mask)
     b, h, tq, d = q.shape

@@ -166,6 +166,20 @@ class GainedFFTConvLM(TinyLM):
         return y[..., : x.shape[1]].transpose(1, 2)
 
 
+def test_a_row_masked_everywhere_by_minus_infinity_adds_nothing() -> None:
+    """A block's row whose additive mask is -inf on every key has output 0 and log-sum-exp +inf
+    (what ring attention's online softmax skips), as a boolean mask gives it, not the fused
+    kernel's 0, which counted the block as one more unit of softmax mass."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen) for _ in range(3))
+    additive = torch.zeros(1, 1, 4, 4)
+    additive[..., 1, :] = float("-inf")
+    out, lse = torch.ops.zerofx.blocked_attention(q, k, v, additive, False, 8 ** -0.5, 4, 4)
+    _, lse_bool = torch.ops.zerofx.blocked_attention(q, k, v, additive == 0, False, 8 ** -0.5, 4, 4)
+    assert torch.isposinf(lse[..., 1]).all() and torch.isposinf(lse_bool[..., 1]).all() and (out[..., 1, :] == 0).all()
+    assert torch.allclose(lse[..., [0, 2, 3]], lse_bool[..., [0, 2, 3]], atol=1e-5)
+
+
 @pytest.mark.parametrize("kind, factor", [("fft_reference", None), ("fft_ortho", 1 / math.sqrt(2 * workers.SEQ))])
 def test_fft_norms_and_scalars_fold_into_one_factor(kind: str, factor: float | None) -> None:
     """HyenaDNA's ``rfft(k) / n`` with ``irfft(norm="forward")`` is the plain convolution (no factor
@@ -196,7 +210,7 @@ def test_a_tensor_scale_on_a_spectrum_is_left_alone() -> None:
 
 
 @pytest.mark.multiprocess
-def test_parity_written_attention_sequence_2() -> None:
+def test_parity_models_as_written_sequence_2() -> None:
     """World 2, sequence-parallel size 2, one launch: Hugging Face Llama in eager attention with
     ring at stage 3 (its additive causal mask cut to each block), the hand-written ALiBi attention
     with ring at stage 0 (a bias that differs per head), GPT-2 with Ulysses at stage 3, and

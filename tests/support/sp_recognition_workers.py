@@ -20,8 +20,7 @@ VOCAB, SEQ, BATCH, IGNORE = 8, 16, 2, -100
 class WrittenAttentionLM(torch.nn.Module):
     """Attention as a hand-written model spells it: q scaled before the product, ``q @ kᵀ`` plus a
     per-head ALiBi bias (slopes times the distance between positions, from ``arange``) and a
-    causal mask filled with the dtype's lowest value by ``where`` (as Hugging Face's eager masks
-    are), softmax, ``@ v``."""
+    causal mask filled with ``-inf`` by ``where``, softmax, ``@ v``."""
 
     def __init__(self, dim: int = 16, heads: int = 2) -> None:
         super().__init__()
@@ -38,7 +37,7 @@ class WrittenAttentionLM(torch.nn.Module):
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, T, D)
         pos = torch.arange(t)
         distance = (pos.view(1, t) - pos.view(t, 1)).float()  # (T, T): key minus query position
-        bias = torch.where(distance > 0, torch.finfo(x.dtype).min, self.slopes * distance)  # (H, T, T): ALiBi, causal
+        bias = torch.where(distance > 0, float("-inf"), self.slopes * distance)  # (H, T, T): ALiBi, causal
         scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1) + bias  # (B, H, T, T)
         y = scores.softmax(dim=-1) @ v  # (B, H, T, D)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
