@@ -42,6 +42,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable
 
 import pytest
 
@@ -361,9 +362,36 @@ def test_python_fragment_runs_up_to_what_it_needs(block: Block) -> None:
 
 # --------------------------------------------------------------------------- quoted output
 # The commands whose output a page quotes in a plain ``` block, keyed as BLOCKS is; None where
-# the block starts with the command itself, "$ zerofx ...". They run in ``user_folder``.
+# the block starts with the command itself, "$ zerofx ..."; a function where the command trains
+# (it prints what the command prints, from what it lowers). They run in ``user_folder``.
 _RECOMPUTE_ALL = ["plan", "tiny", "--world-size", "2", "--stage", "3", "--seq-len", "64", "--config", "recompute.json"]
-OUTPUTS: dict[tuple[str, str], list[str] | None] = {
+
+
+def _tiny_train_graphs() -> str:
+    """What ``zerofx train --print-graph-code`` prints of rank 0's graphs for the tiny model at
+    stage 3 on 2 ranks: its graphs lowered as training lowers them (the default config, a batch
+    of 2 x 128), from meta tensors and without a process group, whose name the graphs then hold
+    in place of the group's, '0'."""
+    import types
+
+    import torch
+
+    import zerofx
+    from zerofx.models import DNA_LM_SIZES, DNADecoderLM
+
+    opts = training.TrainOptions(model="tiny", stage=3)
+    with torch.device("meta"):
+        model = DNADecoderLM(DNA_LM_SIZES["tiny"])
+    ids = torch.zeros(2, opts.seq_len, dtype=torch.long, device="meta")
+    program = zerofx.compile(model, world_size=opts.world_size, stage=3, config=training._engine_config(opts))
+    graphs = program.graph_modules(0, example_inputs=(ids,), example_kwargs={"labels": ids})
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        training._print_graph(types.SimpleNamespace(graph_modules=lambda: graphs, rank=0, stage=3), code=True)
+    return out.getvalue().replace("'zerofx_planning_group'", "'0'")
+
+
+OUTPUTS: dict[tuple[str, str], list[str] | Callable[[], str] | None] = {
     ("docs/plan.md", "model small: DNADecoderLM"): ["plan", "small", "--world-size", "2", "--stage", "3"],
     ("docs/plan.md", "model 1b: DNADecoderLM"): ["plan", "1b", "--world-size", "1024", "--stage", "3"],
     ("docs/planner.md", "model 25m: DNADecoderLM"): ["plan", "25m", "--world-size", "2", "--stage", "3", "--budget", "2GiB"],
@@ -373,6 +401,8 @@ OUTPUTS: dict[tuple[str, str], list[str] | None] = {
     ("docs/infinity.md", "$ zerofx estimate --params 1e12"): None,
     ("docs/recompute.md", "recompute (all): 46 of 46"): _RECOMPUTE_ALL,
     ("docs/recompute.md", "memory per rank: persistent model state 199 KiB"): _RECOMPUTE_ALL,
+    ("docs/design.md", "rank 0 graphs at ZeRO stage 3"): _tiny_train_graphs,
+    ("docs/design.md", "new_empty_default = torch.ops.aten.new_empty"): _tiny_train_graphs,
 }
 
 
@@ -380,18 +410,20 @@ def _quoted_mismatch(quoted: list[str], printed: list[str]) -> str | None:
     """Where ``quoted`` stops matching ``printed``, or None (NOTE [Quoted output matches by line])."""
     # NOTE [Quoted output matches by line]
     # A quoted block matches what the command prints when its lines appear there in order, the
-    # first anywhere (a quote may start part way), each next one on the next printed line. A
+    # first anywhere (a quote may start part way), each next one on the next printed line,
+    # leading spaces aside (a quote of a graph's code leaves out its indent). A
     # line that is "..." alone stands for any number of printed lines; "..." inside a line
     # stands for any text there ("…" is printed text, as in a bucket's label). Every other
     # character must be as printed, numbers included: zerofx plan computes its figures from the
     # cost models and a fixed profile, not from the machine it runs on, so they are the same
     # everywhere, and a change to the cost models or the passes that moves one fails here.
     at, gap = 0, True
-    for line in (q.rstrip() for q in quoted):
+    printed = [p.strip() for p in printed]
+    for line in (q.strip() for q in quoted):
         if line.strip() == "...":
             gap = True
             continue
-        pattern = re.compile(".*".join(re.escape(part) for part in line.split("...")) + r"\s*")
+        pattern = re.compile(".*".join(re.escape(part) for part in line.split("...")))
         hits = [i for i in range(at, len(printed) if gap else min(at + 1, len(printed))) if pattern.fullmatch(printed[i])]
         if not hits:
             return f"quoted {line!r} is not printed" + (f" after {printed[at - 1]!r}" if at else "") + (
@@ -417,6 +449,10 @@ def test_quoted_output_is_what_the_command_prints(key: tuple[str, str], user_fol
     blocks = [b for b in doc_blocks() if b.page == page and b.language == "" and b.first.startswith(start)]
     assert len(blocks) == 1, f"{page}: {len(blocks)} quoted blocks start with {start!r}"
     quoted, argv = blocks[0].text, OUTPUTS[key]
+    if callable(argv):
+        mismatch = _quoted_mismatch(quoted.splitlines(), argv().splitlines())
+        assert mismatch is None, f"{page}:{blocks[0].line} ({argv.__name__}): {mismatch}"
+        return
     if argv is None:  # "$ zerofx ARGS \\\n    MORE ARGS" and then the output
         command = re.match(r"\$ zerofx ((?:.*\\\n)*.*)\n", quoted)
         assert command is not None, f"{page}:{blocks[0].line} does not start with '$ zerofx '"
