@@ -261,6 +261,7 @@ def user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
     configs = {  # the configs the pages name, as they give them
         "recompute.json": {"zerofx": {"recompute": True}},
+        "recompute-auto.json": {"zerofx": {"recompute": "auto", "memory_budget": "570KiB"}},
         "notile.json": {"zerofx": {"tiling": {"enabled": False}}},
         "auto.json": {"zerofx": {"auto": True, "memory_budget": "1GiB", "tiling": {"enabled": False}}},
         **{f"sp{s}.json": {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
@@ -401,6 +402,7 @@ OUTPUTS: dict[tuple[str, str], list[str] | Callable[[], str] | None] = {
     ("docs/infinity.md", "$ zerofx estimate --params 1e12"): None,
     ("docs/recompute.md", "recompute (all): 46 of 46"): _RECOMPUTE_ALL,
     ("docs/recompute.md", "memory per rank: persistent model state 199 KiB"): _RECOMPUTE_ALL,
+    ("docs/recompute.md", "decision: recompute (auto)"): [*_RECOMPUTE_ALL[:-1], "recompute-auto.json"],
     ("docs/design.md", "rank 0 graphs at ZeRO stage 3"): _tiny_train_graphs,
     ("docs/design.md", "new_empty_default = torch.ops.aten.new_empty"): _tiny_train_graphs,
 }
