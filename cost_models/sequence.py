@@ -220,3 +220,28 @@ def flip_exchange_bytes(dims: FlipDims, size: int) -> float:
 def flip_exchange_s(dims: FlipDims, size: int, spec: CommSpec) -> float:
     """Seconds of one flip's two all-to-alls, forward and backward."""
     return 2 * 2 * estimate_all_to_all_s(dims.numel / size * dims.itemsize, size, spec)
+
+
+@dataclass(frozen=True)
+class DeclaredOpDims:
+    """One op whose sharding its user declared (passes/mixer_custom.py): the bytes of one position
+    of each sequence-sharded input and of the output, over a whole sequence of ``seq_len``."""
+
+    input_position_bytes: tuple[int, ...]
+    output_position_bytes: int
+    seq_len: int
+    halo: int  # positions before a rank's slice the op reads ("halo" only)
+
+
+def declared_exchange_bytes(dims: DeclaredOpDims, exchange: str, size: int) -> float:
+    """Bytes one rank sends for one declared op's forward and backward, by its exchange:
+    ``"halo"`` its last ``halo`` positions of each input to the S - 1 other ranks; ``"gather"`` its
+    whole slice of each input to them; ``"channels"`` (S - 1)/S of its slice of each input and of
+    the output (to channel shards and back). As many gradients go back as values came."""
+    local, inputs = dims.seq_len // size, sum(dims.input_position_bytes)
+    if exchange == "halo":
+        return 2 * (size - 1) * dims.halo * inputs
+    if exchange == "gather":
+        return 2 * (size - 1) * local * inputs
+    assert exchange == "channels", exchange
+    return 2 * (size - 1) / size * local * (inputs + dims.output_position_bytes)

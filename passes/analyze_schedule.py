@@ -46,7 +46,7 @@ from zerofx.cost_models.memory_timeline import TimelinePoint, collective_copy_by
 from zerofx.passes import meta
 from zerofx.passes.check_collectives import GRAPH_ORDER
 from zerofx.passes.plan import REPLICATE, Plan
-from zerofx.passes.sequence_parallel import MIXERS
+from zerofx.passes.sequence_parallel import all_mixers
 from zerofx.common.units import format_bytes
 
 aten = torch.ops.aten
@@ -404,7 +404,7 @@ def analyze_schedule(modules: Mapping[str, fx.GraphModule], plan: Plan, *, comm:
                         waited_at_module=next_compute[node], bucket_label=bucket_label(bucket, all_fqns),
                     )
                 )
-            elif sends := [sent for mixer in MIXERS for sent in mixer.op_exchanges(node)]:
+            elif sends := [sent for mixer in all_mixers() for sent in mixer.op_exchanges(node)]:
                 # each send blocking: issued and waited at once (NOTE [Sequence mixers], NOTE [Ring attention])
                 for op, nbytes in sends:
                     dur = estimate_all_gather_s(2 * nbytes, 2, comm)  # one send to a neighbour: a 2-rank all-gather's one step

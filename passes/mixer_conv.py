@@ -79,9 +79,10 @@ def _one(x: object) -> int | None:
     return None
 
 
-def _rank_index(x: torch.Tensor, ctx: MixerRewrite) -> torch.Tensor:
-    """This rank's index in its group, (1,) int64: its first position over T/S (contiguous layout)."""
-    return (ctx.positions(x)[:1] // x.shape[-1]).to(torch.int64)
+def rank_index(x: torch.Tensor, ctx: MixerRewrite, dim: int = -1) -> torch.Tensor:
+    """This rank's index in its group, (1,) int64: its first position over T/S (contiguous layout),
+    T/S read from ``x``'s sequence dim ``dim``."""
+    return (ctx.positions(x)[:1] // x.shape[dim]).to(torch.int64)
 
 
 def _marked(fn: Callable[[], torch.Tensor], dim: int) -> torch.Tensor:
@@ -90,10 +91,22 @@ def _marked(fn: Callable[[], torch.Tensor], dim: int) -> torch.Tensor:
         return fn()
 
 
-def _from_all(x: torch.Tensor, ctx: MixerRewrite) -> torch.Tensor:
+def from_all(x: torch.Tensor, ctx: MixerRewrite) -> torch.Tensor:
     """Every rank's ``x``: (S, *x.shape), chunk j rank j's, by one all-to-all of S copies."""
     send = x.unsqueeze(0).expand(ctx.size, *x.shape).contiguous()
     return all_to_all(send, ctx.size, ctx.group_name, grad=True)
+
+
+def with_halo(x: torch.Tensor, width: int, ctx: MixerRewrite, dim: int = -1) -> torch.Tensor:
+    """``x`` (…, T/S, …), sequence at ``dim``, with the ``width`` positions before it: (…, width + T/S, …),
+    zeros before the sequence."""
+    if width == 0:
+        return x
+    tail = x.narrow(dim, x.shape[dim] - width, width).contiguous()
+    got = from_all(tail, ctx)  # (S, …, width, …): chunk j is rank j's tail
+    padded = torch.cat([torch.zeros_like(got[:1]), got])  # index r: rank r - 1's tail; index 0: zeros
+    halo = padded.index_select(0, rank_index(x, ctx, dim)).squeeze(0)
+    return torch.cat([halo, x], dim=dim)
 
 
 # --------------------------------------------------------------------------- short conv: halo
@@ -201,24 +214,14 @@ class ShortConvMixer:
 
     def rewrite(self, node: fx.Node, args: tuple, kwargs: dict, ctx: MixerRewrite) -> torch.Tensor:
         if op_packet(node) in _PADS:  # pad(u, (K-1, 0)): the left neighbour's last K-1 positions, then u
-            return self._with_halo(args[0], list(node.args[1])[0], ctx)
+            return with_halo(args[0], list(node.args[1])[0], ctx)
         x, weight, *rest = args
         if isinstance(node.args[0], fx.Node) and op_packet(node.args[0]) in _PADS:  # its input has the halo already
             return _marked(lambda: node.target(x, weight, *rest, **kwargs), 2)
         named = dict(zip(_CONV_ARGS, rest)) | kwargs
         named["padding"] = [0]  # padding=K-1 becomes the halo
-        x = self._with_halo(x, weight.shape[-1] - 1, ctx)
+        x = with_halo(x, weight.shape[-1] - 1, ctx)
         return _marked(lambda: node.target(x, weight, **named), 2)
-
-    @staticmethod
-    def _with_halo(x: torch.Tensor, width: int, ctx: MixerRewrite) -> torch.Tensor:
-        """``x`` (B, C, T/S) with the K-1 positions before it: (B, C, K-1 + T/S), zeros before the sequence."""
-        if width == 0:
-            return x
-        got = _from_all(x[..., -width:].contiguous(), ctx)  # (S, B, C, K-1): chunk j is rank j's tail
-        padded = torch.cat([torch.zeros_like(got[:1]), got])  # index r: rank r - 1's tail; index 0: zeros
-        halo = padded.index_select(0, _rank_index(x, ctx)).squeeze(0)
-        return torch.cat([halo, x], dim=-1)
 
     def op_exchanges(self, node: fx.Node) -> tuple[tuple[str, int], ...]:
         return ()
@@ -323,16 +326,16 @@ class LongConvMixer:
     def rewrite(self, node: fx.Node, args: tuple, kwargs: dict, ctx: MixerRewrite) -> torch.Tensor:
         x, *rest = args
         if op_packet(node) is aten.fft_rfft:
-            return node.target(_seq_to_channels(x, ctx), *rest, **kwargs)  # (..., C/S, T + 1)
+            return node.target(seq_to_channels(x, ctx), *rest, **kwargs)  # (..., C/S, T + 1)
         t = _arg(node, 1, "n", None) // 2  # n = 2T: ``check``
         y = node.target(x, *rest, **kwargs)[..., :t]  # (..., C/S, T): the causal outputs of this rank's channels
-        return _channels_to_seq(y, ctx)  # (..., C, T/S), its last op marked with the sequence dim
+        return channels_to_seq(y, ctx)  # (..., C, T/S), its last op marked with the sequence dim
 
     def op_exchanges(self, node: fx.Node) -> tuple[tuple[str, int], ...]:
         return ()
 
 
-def _seq_to_channels(x: torch.Tensor, ctx: MixerRewrite) -> torch.Tensor:
+def seq_to_channels(x: torch.Tensor, ctx: MixerRewrite) -> torch.Tensor:
     """(..., C, T/S) to (..., C/S, T): chunk j of the channels to rank j."""
     s, lead, (c, tl) = ctx.size, x.shape[:-2], x.shape[-2:]
     y = x.reshape(*lead, s, c // s, tl).movedim(-3, 0).contiguous()  # (S, ..., C/S, T/S): chunk j to rank j
@@ -340,7 +343,7 @@ def _seq_to_channels(x: torch.Tensor, ctx: MixerRewrite) -> torch.Tensor:
     return y.movedim(0, -2).reshape(*lead, c // s, s * tl)
 
 
-def _channels_to_seq(y: torch.Tensor, ctx: MixerRewrite) -> torch.Tensor:
+def channels_to_seq(y: torch.Tensor, ctx: MixerRewrite) -> torch.Tensor:
     """(..., C/S, T) to (..., C, T/S): chunk j of the positions to rank j."""
     s, lead, (cs, t) = ctx.size, y.shape[:-2], y.shape[-2:]
     x = y.reshape(*lead, cs, s, t // s).movedim(-2, 0).contiguous()  # (S, ..., C/S, T/S): chunk j to rank j
@@ -408,9 +411,9 @@ class CumsumMixer:
         dtype = kwargs.get("dtype") or (rest[0] if rest else None) or x.dtype
         acc = _accumulation(dtype)
         local = torch.cumsum(x, dim, dtype=acc)  # this slice's running sums
-        totals = _from_all(local.select(dim, -1), ctx)  # (S, ...): chunk j is rank j's slice total
+        totals = from_all(local.select(dim, -1), ctx)  # (S, ...): chunk j is rank j's slice total
         ranks = torch.arange(ctx.size, device=x.device).view(-1, *[1] * (totals.dim() - 1))
-        lower = (totals * (ranks < _rank_index(x.movedim(dim, -1), ctx)).to(acc)).sum(0)  # the exclusive prefix
+        lower = (totals * (ranks < rank_index(x.movedim(dim, -1), ctx)).to(acc)).sum(0)  # the exclusive prefix
         lower = lower.unsqueeze(dim)
         return _marked(lambda: local + lower, dim).to(dtype)
 

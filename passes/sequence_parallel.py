@@ -58,7 +58,9 @@ divide and a mask that differs per head) makes ``plan_sequence_parallel`` raise
 ``SequenceParallelError`` naming the op and its module (NOTE [Naming a node by its module] in
 passes/analyze_schedule.py).
 
-``MIXERS`` below is the registry of sequence mixers. A new mixer (NOTE [Sequence mixers]) touches:
+``MIXERS`` below is the registry of sequence mixers; ``all_mixers`` adds those users declared for
+ops zerofx does not know (NOTE [Declared sequence mixers] in passes/mixer_custom.py), and every
+refusal names how to declare one. A new mixer of zerofx's own (NOTE [Sequence mixers]) touches:
 
 - its module, ``passes/mixer_<op>.py``: an object with the ``SequenceMixer`` protocol (matching,
   checks, strategies, the rewrite, ``supports`` for the refusal's list of what is supported);
@@ -83,6 +85,7 @@ import torch.fx as fx
 from zerofx.passes import _compat, meta
 from zerofx.passes.mixer_attention import ATTENTION
 from zerofx.passes.mixer_conv import CUMSUM, LONG_CONV, SHORT_CONV
+from zerofx.passes.mixer_custom import declared_mixers
 from zerofx.passes.mixer_flip import FLIP
 from zerofx.passes.mixer_scan import SCAN
 from zerofx.passes.ring_attention import rank_positions
@@ -99,15 +102,21 @@ _SHAPED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
 MIXERS: tuple[SequenceMixer, ...] = (ATTENTION, SHORT_CONV, LONG_CONV, CUMSUM, SCAN, FLIP)
 
 
+def all_mixers() -> tuple[SequenceMixer, ...]:
+    """``MIXERS``, then the mixers users declared (NOTE [Declared sequence mixers] in passes/mixer_custom.py)."""
+    return (*MIXERS, *declared_mixers())
+
+
 def mixer_of(node: fx.Node) -> SequenceMixer | None:
-    """The first mixer of ``MIXERS`` that owns ``node``, or None."""
-    return next((m for m in MIXERS if m.matches(node)), None)
+    """The first mixer of ``all_mixers()`` that owns ``node``, or None."""
+    return next((m for m in all_mixers() if m.matches(node)), None)
 
 
 def supported() -> str:
     """What sequence parallelism shards, as its refusals list it: token-wise ops, the mixers' ops, the loss."""
     return ("token-wise ops (elementwise, norms, linear/matmul/addmm with a weight, embedding, views that keep the sequence axis "
-            f"whole or merge it with the batch), {', '.join(m.supports for m in MIXERS)}, and cross_entropy over the sequence (shifted or not)")
+            f"whole or merge it with the batch), {', '.join(m.supports for m in all_mixers())}, and cross_entropy over the sequence "
+            "(shifted or not)")
 
 
 @dataclass(frozen=True)
@@ -182,7 +191,11 @@ def module_of_nodes(gm: fx.GraphModule) -> dict[fx.Node, str]:
 
 
 def _describe(node: fx.Node) -> str:
-    return f"{getattr(node.target, '__name__', node.target)}"
+    """The op as a refusal names it: ``aten.<name>.<overload>``, or ``<namespace>::<name>`` for another library's op."""
+    namespace = getattr(node.target, "namespace", "aten")
+    if namespace != "aten":
+        return node.target.name().split(".")[0]
+    return f"aten.{getattr(node.target, '__name__', node.target)}"
 
 
 # NOTE [The loss's flatten at batch 1]
@@ -291,7 +304,7 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
     an, local, losses = _analyze(gm, size)
     handled = {s.loss for s in losses} | {n for s in losses for n in s.skipped}
     modules = module_of_nodes(gm)
-    sites: dict[str, list[Any]] = {m.name: [] for m in MIXERS}
+    sites: dict[str, list[Any]] = {m.name: [] for m in all_mixers()}
     for node in gm.graph.nodes:
         mixer = mixer_of(node)
         if node in local and mixer is None:
@@ -300,7 +313,7 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
         if mixer is not None:
             if merged := [a for a in node.all_input_nodes if a in an.outer]:  # NOTE [The sequence axis merged with the batch]
                 raise SequenceParallelError(
-                    f"sequence parallelism cannot shard aten.{_describe(node)} in module {modules[node]!r}: its input {merged[0].name} "
+                    f"sequence parallelism cannot shard {_describe(node)} in module {modules[node]!r}: its input {merged[0].name} "
                     f"holds the sequence merged with another axis, shape {tuple(merged[0].meta['val'].shape)}; supported are "
                     "inputs with the sequence as a dimension of its own")
             if (site := mixer.check(node, MixerCheck(an, local, size, modules[node]))) is not None:
@@ -308,7 +321,7 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
             continue
         if not reads_local or node in handled:
             continue
-        where = "the graph's output" if node.op == "output" else f"aten.{_describe(node)}"
+        where = "the graph's output" if node.op == "output" else _describe(node)
         raise SequenceParallelError(
             f"sequence parallelism cannot shard {where} in module {modules[node]!r}: it reads the sequence axis across positions "
             f"(node {node.name}). Supported are {supported()}; for a model with this op, leave zerofx.sequence_parallel out")
@@ -322,7 +335,7 @@ def plan_sequence_parallel(gm: fx.GraphModule, spec: SequenceParallelSpec) -> Se
     decisions: list[str] = []
     strategies: dict[str, str] = {}
     parts: list[str] = []
-    for mixer in MIXERS:
+    for mixer in all_mixers():
         found = sites[mixer.name]
         if not found:
             continue
@@ -368,11 +381,11 @@ def _choose_layout(gm: fx.GraphModule, spec: SequenceParallelSpec, strategies: M
     ``sequence_parallel.load_balance`` is on (the default); Ulysses gathers the whole sequence in
     rank order, so it keeps contiguous slices. Each mixer says whether the layout balances it
     (``SequenceMixer.zigzag_balances``)."""
-    contiguous = [m.name for m in MIXERS if m.name in strategies and not m.runs_zigzag]
+    contiguous = [m.name for m in all_mixers() if m.name in strategies and not m.runs_zigzag]
     if contiguous:
         return False, (f"sequence layout: contiguous slices, as the {', '.join(contiguous)} exchange(s) need rank r to hold the r-th "
                        "slice (a halo from the left neighbour, a state passed in rank order)")
-    if not any(m.zigzag_balances(gm.graph, strategies[m.name]) for m in MIXERS if m.name in strategies):
+    if not any(m.zigzag_balances(gm.graph, strategies[m.name]) for m in all_mixers() if m.name in strategies):
         return False, "sequence layout: contiguous slices (zigzag balances causal ring attention only)"
     if not spec.load_balance:
         return False, "sequence layout: contiguous slices (sequence_parallel.load_balance is off)"

@@ -16,7 +16,7 @@ from zerofx.common.errors import CaptureError, ConfigError, SequenceParallelErro
 from zerofx.config import options, parse_config  # imported before any test patches the registry: the schema reads it once
 from zerofx.cost_models.comm import CommSpec
 from zerofx.cost_models.sequence import AttentionDims, ring_exchange_bytes, ring_exchange_s, ulysses_exchange_bytes, ulysses_exchange_s
-from zerofx.passes import sequence_parallel
+from zerofx.passes import mixer_custom, sequence_parallel
 from zerofx.passes.meta import is_all_to_all
 from zerofx.passes.mixer_attention import ATTENTION, AttentionShape
 from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all, bytes_by_strategy
@@ -94,8 +94,9 @@ def _compile(model: torch.nn.Module, section: dict) -> zerofx.Program:
 
 
 def _registry(monkeypatch: pytest.MonkeyPatch, *mixers: object) -> None:
-    """``MIXERS`` as given, for the plan and for the config's spec (which names every mixer)."""
+    """``MIXERS`` as given, for the plan and for the config's spec (which names every mixer), and no declared mixer."""
     monkeypatch.setattr(sequence_parallel, "MIXERS", mixers)
+    monkeypatch.setattr(mixer_custom, "_DECLARED", {})
     monkeypatch.setattr(options, "MIXERS", mixers)
 
 

@@ -28,9 +28,18 @@ class MissingLossError(CaptureError):
     """The model's output holds no loss (for example a Hugging Face model called without labels)."""
 
 
+# Every sequence-parallel refusal ends with it (NOTE [Declared sequence mixers] in passes/mixer_custom.py).
+DECLARE_MIXER_HINT = ("an op zerofx does not know shards once declared with zerofx.register_sequence_mixer("
+                      "zerofx.OpSequenceMixer(op, exchange=...)): docs/sequence-parallel.md, \"Ops zerofx cannot know\"")
+
+
 class SequenceParallelError(CaptureError):
     """The graph has an op the sequence-parallel rewrite cannot shard; the message names the op
-    and its module."""
+    and its module, and how to declare an op zerofx does not know (``DECLARE_MIXER_HINT``)."""
+
+    def __init__(self, message: str) -> None:
+        # Unpickled (a rank's error sent to another process) the message has the hint already.
+        super().__init__(message if DECLARE_MIXER_HINT in message else f"{message} ({DECLARE_MIXER_HINT})")
 
 
 class InputMismatchError(ZeroFXError):
