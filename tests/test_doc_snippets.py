@@ -262,6 +262,7 @@ def user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     configs = {  # the configs the pages name, as they give them
         "recompute.json": {"zerofx": {"recompute": True}},
         "recompute-auto.json": {"zerofx": {"recompute": "auto", "memory_budget": "570KiB"}},
+        "pf2.json": {"zero_optimization": {"stage": 3}, "zerofx": {"prefetch_distance": 2}},
         "notile.json": {"zerofx": {"tiling": {"enabled": False}}},
         "auto.json": {"zerofx": {"auto": True, "memory_budget": "1GiB", "tiling": {"enabled": False}}},
         **{f"sp{s}.json": {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
@@ -396,6 +397,8 @@ OUTPUTS: dict[tuple[str, str], list[str] | Callable[[], str] | None] = {
     ("docs/plan.md", "model small: DNADecoderLM"): ["plan", "small", "--world-size", "2", "--stage", "3"],
     ("docs/plan.md", "model 1b: DNADecoderLM"): ["plan", "1b", "--world-size", "1024", "--stage", "3"],
     ("docs/planner.md", "model 25m: DNADecoderLM"): ["plan", "25m", "--world-size", "2", "--stage", "3", "--budget", "2GiB"],
+    ("docs/planner.md", "decision: prefetch distance lowered"): [
+        "plan", "small", "--world-size", "2", "--seq-len", "128", "--config", "pf2.json", "--budget", "14MiB"],
     ("docs/planner.md", "  stage    params    grads"): ["estimate", "--params", "7.5e9", "--world-size", "64"],
     ("docs/planner.md", "model examples/model_specs.py:decoder_20b"): [
         "plan", "examples/model_specs.py:decoder_20b", "--world-size", "512", "--stage", "3", "--budget", "80GiB"],
