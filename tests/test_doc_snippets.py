@@ -263,6 +263,9 @@ def user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "recompute.json": {"zerofx": {"recompute": True}},
         "recompute-auto.json": {"zerofx": {"recompute": "auto", "memory_budget": "570KiB"}},
         "pf2.json": {"zero_optimization": {"stage": 3}, "zerofx": {"prefetch_distance": 2}},
+        "offload-param.json": {"bf16": {"enabled": True}, "zero_optimization": {
+            "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5, "max_in_cpu": 1e6},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}},
         "notile.json": {"zerofx": {"tiling": {"enabled": False}}},
         "auto.json": {"zerofx": {"auto": True, "memory_budget": "1GiB", "tiling": {"enabled": False}}},
         **{f"sp{s}.json": {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
@@ -405,6 +408,7 @@ OUTPUTS: dict[tuple[str, str], list[str] | Callable[[], str] | None] = {
     ("docs/infinity.md", "$ zerofx estimate --params 1e12"): None,
     ("docs/recompute.md", "recompute (all): 46 of 46"): _RECOMPUTE_ALL,
     ("docs/recompute.md", "memory per rank: persistent model state 199 KiB"): _RECOMPUTE_ALL,
+    ("docs/offload.md", "offload_param: parameter shards per tier"): ["plan", "25m", "--world-size", "2", "--config", "offload-param.json"],
     ("docs/recompute.md", "decision: recompute (auto)"): [*_RECOMPUTE_ALL[:-1], "recompute-auto.json"],
     ("docs/design.md", "rank 0 graphs at ZeRO stage 3"): _tiny_train_graphs,
     ("docs/design.md", "new_empty_default = torch.ops.aten.new_empty"): _tiny_train_graphs,
