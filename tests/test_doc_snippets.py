@@ -263,6 +263,7 @@ def user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "recompute.json": {"zerofx": {"recompute": True}},
         "recompute-auto.json": {"zerofx": {"recompute": "auto", "memory_budget": "570KiB"}},
         "pf2.json": {"zero_optimization": {"stage": 3}, "zerofx": {"prefetch_distance": 2}},
+        "gas2.json": {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 1},
         "offload-param.json": {"bf16": {"enabled": True}, "zero_optimization": {
             "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5, "max_in_cpu": 1e6},
             "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}},
@@ -398,6 +399,7 @@ def _tiny_train_graphs() -> str:
 
 OUTPUTS: dict[tuple[str, str], list[str] | Callable[[], str] | None] = {
     ("docs/plan.md", "model small: DNADecoderLM"): ["plan", "small", "--world-size", "2", "--stage", "3"],
+    ("docs/plan.md", "optimizer step of 2 micro-batches"): ["plan", "small", "--world-size", "2", "--config", "gas2.json"],
     ("docs/plan.md", "model 1b: DNADecoderLM"): ["plan", "1b", "--world-size", "1024", "--stage", "3"],
     ("docs/planner.md", "model 25m: DNADecoderLM"): ["plan", "25m", "--world-size", "2", "--stage", "3", "--budget", "2GiB"],
     ("docs/planner.md", "decision: prefetch distance lowered"): [
