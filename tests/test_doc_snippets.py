@@ -562,3 +562,21 @@ def test_flags_in_inline_commands_exist() -> None:
             wrong = set(re.findall(r"--[a-z][\w-]*", rest)) - _subcommand_flags(sub) - {"--help"}
             named_wrong += [f"{page.relative_to(ROOT)}: `zerofx {sub}{rest}` names {sorted(wrong)}"] if wrong else []
     assert not named_wrong, "flags the subcommand does not take:\n" + "\n".join(named_wrong)
+
+
+def test_dotted_names_in_the_prose_exist() -> None:
+    """Each inline `zerofx.x.y` or `zero_optimization.x` of the pages' prose is a config key
+    (``zerofx config-schema``) or a Python name that imports."""
+    from zerofx.config.schema import schema_rows
+
+    keys = {row[0] for row in schema_rows()}
+    missing = []
+    for page in PAGES:
+        prose = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for span in re.findall(r"`([^`\n]*)`", prose):
+            for dotted in re.findall(r"(?<![\w/.])(?:zerofx|zero_optimization)(?:\.[A-Za-z_]\w*)+", span):
+                try:
+                    assert dotted in keys or _resolve(dotted) is not None
+                except (ImportError, AttributeError):
+                    missing.append(f"{page.relative_to(ROOT)}: {dotted}")
+    assert not missing, "neither a config key nor an importable name:\n" + "\n".join(sorted(set(missing)))
