@@ -580,3 +580,13 @@ def test_dotted_names_in_the_prose_exist() -> None:
                 except (ImportError, AttributeError):
                     missing.append(f"{page.relative_to(ROOT)}: {dotted}")
     assert not missing, "neither a config key nor an importable name:\n" + "\n".join(sorted(set(missing)))
+
+
+@pytest.mark.parametrize("block", [b for b in doc_blocks() if b.language == "json"], ids=lambda b: f"{b.page}:{b.line}")
+def test_json_block_is_a_config_zerofx_takes(block: Block) -> None:
+    """Each ```json block is a config ``parse_config`` accepts (one that starts with a key, as
+    ``"zerofx": {...}``, is a part of one): a renamed or retired key fails here."""
+    from zerofx.config import parse_config
+
+    text = block.text if block.text.lstrip().startswith("{") else "{" + block.text + "}"
+    parse_config(json.loads(text))
