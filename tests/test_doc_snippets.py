@@ -24,7 +24,9 @@ page's commands cannot go unchecked. ``OUTPUTS`` runs the commands whose output 
 in a plain block and compares the quoted lines (NOTE [Quoted output matches by line]); a
 quoted ``$ zerofx ...`` block not run is listed in ``NOT_RUN`` with the reason. Commands in
 plain blocks parse; a synopsis names exactly its subcommand's flags; flags in inline commands
-exist. What docs/training.md says esm_mlm can learn is computed from the bundled genome.
+exist, and so do the inline ``zerofx.x`` names (a config key or an importable name); each
+```json block is a config zerofx takes. What docs/training.md says esm_mlm can learn is computed
+from the bundled genome.
 """
 from __future__ import annotations
 
