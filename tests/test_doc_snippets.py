@@ -280,7 +280,14 @@ def user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("block", [b for b in CODE if _entry(b) is not None], ids=lambda b: f"{b.page}:{b.line}")
+def _block_param(block: Block) -> Any:
+    """A block that runs a shell command (``_SHELL``) starts a process: marked ``multiprocess``,
+    as tests/conftest.py marks the tests that do."""
+    shell = isinstance(_entry(block), Run) and any(c.startswith(_SHELL) for c in _commands(block.text, ()))
+    return pytest.param(block, marks=[pytest.mark.multiprocess] if shell else [], id=f"{block.page}:{block.line}")
+
+
+@pytest.mark.parametrize("block", [_block_param(b) for b in CODE if _entry(b) is not None])
 def test_block(block: Block, user_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     how = _entry(block)
     if isinstance(how, Elsewhere):
