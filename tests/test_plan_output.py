@@ -18,7 +18,7 @@ from zerofx.cost_models.profiles import load_profile
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 from zerofx.passes.analyze_schedule import END, START, ScheduleReport, bucket_label, format_report, module_label
 from zerofx.app.planning import plot_report
-from zerofx.common.units import binary_unit, format_bytes, parse_bytes
+from zerofx.common.units import binary_unit, format_bytes, format_seconds, parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 # FX node names as torch names them: the schedule prints none of these without --verbose.
@@ -87,6 +87,13 @@ def test_bucket_and_module_labels() -> None:
 
 
 # --------------------------------------------------------------------------- units
+def test_format_seconds() -> None:
+    """Durations as the search's progress and tables print them: never an exponent (a step of 34.2 s
+    read "3.42e+04 ms")."""
+    cases = {0.00042: "0.42 ms", 0.0342: "34.2 ms", 0.999: "999 ms", 1.5: "1.5 s", 34.2: "34.2 s", 750: "12.5 min"}
+    assert {s: format_seconds(s) for s in cases} == cases
+
+
 @pytest.mark.parametrize(
     "n, text",
     [
@@ -225,3 +232,34 @@ def test_every_subcommand_help_mentions_each_flag(capsys: pytest.CaptureFixture[
                 assert flag in out, (name, flag)
     assert main(["plan", "--help"]) == 0
     assert "--verbose" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- an anytime search
+def test_plan_auto_stops_at_its_time_limit_with_the_best_so_far(capsys: pytest.CaptureFixture[str]) -> None:
+    """NOTE [A search answers anytime]: past --time-limit no candidate starts, and the result says
+    the search stopped early; --time-limit without --auto is refused."""
+    assert main(["plan", "tiny", "--auto", "--world-size", "2", "--seq-len", "64", "--budget", "2MiB", "--time-limit", "1e-6"]) == 0
+    out = capsys.readouterr().out
+    assert "stopped early by the time limit" in out and "nothing tried so far fits" in out
+    assert main(["plan", "tiny", "--world-size", "2", "--stage", "3", "--time-limit", "5"]) == 2
+    assert "--time-limit bounds the search of --auto" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_plan_auto_prints_the_best_so_far_and_exits_130() -> None:
+    """Ctrl-C while the search runs: the candidates said so far are ranked and printed, and the
+    progress lines counted them against the most the space holds, with the best so far."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "zerofx.app.cli", "plan", "tiny", "--auto", "--world-size", "2", "--seq-len", "512",
+                             "--budget", "2MiB"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    progress = []
+    while len(progress) < 3:
+        line = proc.stderr.readline()
+        assert line, "the search ended before three candidates"
+        if "candidate" in line:
+            progress.append(line)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert re.search(r"stopped early by Ctrl-C, after [\d.]+ s: the best of the \d+ candidates tried", out), out
+    assert all(re.search(r"candidate \d+ of at most \d+, .*\((best so far .*tokens/s|none fits yet)\)$", p.strip()) for p in progress), progress

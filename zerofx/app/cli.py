@@ -49,7 +49,7 @@ from zerofx.common.limits import (
 )
 from zerofx.models.sizes import MODEL_SIZES, model_config
 from zerofx.common.paths import probe_writable
-from zerofx.common.units import format_bytes, parse_bytes
+from zerofx.common.units import format_bytes, format_seconds, parse_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -188,6 +188,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError("--world-size is required (or give --config with zerofx.world_size or batch sizes)")
     if args.auto or _config_asks_auto(args.config):
         return _plan_auto(args)
+    if args.time_limit is not None:
+        raise UsageError("--time-limit bounds the search of --auto; add --auto (with --budget), or leave it out")
     budget = parse_bytes(args.budget) if args.budget is not None else None
     user_config = args.config
     _check_margin_has_budget(args.margin, budget)
@@ -273,7 +275,7 @@ def _plan_auto(args: argparse.Namespace) -> int:
     space = search_space(cfg, cfg.auto, world_size=world_size, seq_len=seq_len, batch=batch)
     with running_model_code(spec.label):
         result = search(spec.model, resize_inputs(spec.args, spec.kwargs), raw, world_size=world_size, seq_len=seq_len, batch=batch,
-                        budget_bytes=budget, space=space, fixed=cfg.auto.fixed, fold=args.fold,
+                        budget_bytes=budget, space=space, fixed=cfg.auto.fixed, fold=args.fold, time_limit_s=args.time_limit,
                         progress=lambda line: print(f"zerofx plan --auto: {line}", file=sys.stderr, flush=True))
     if args.format == "json":
         data = json.loads(result.to_json())
@@ -281,7 +283,7 @@ def _plan_auto(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=1))
         return 0
     print(format_auto_plan(result, label=spec.label))
-    return 0
+    return 130 if result.stopped.startswith("Ctrl-C") else 0
 
 
 # Rows of the ranked candidates ``zerofx plan --auto`` prints after the chosen one (--format json lists all).
@@ -299,23 +301,28 @@ def format_auto_plan(result: Any, *, label: str) -> str:
              f"searched {len(result.ranked)} candidates ({result.num_lowered} planned and lowered, {result.num_captures} "
              f"capture{'' if result.num_captures == 1 else 's'}) "
              f"in {result.search_s:.1f} s{kept}"]
+    if result.stopped:  # NOTE [A search answers anytime] in zerofx/compiler/autoplan.py
+        lines.append(f"stopped early by {result.stopped}: the best of the {len(result.ranked)} candidates tried; more may fit or "
+                     "be faster (a longer --time-limit, or a narrower search in --config, finishes)")
     for what, why in result.not_candidates:
         lines.append(f"not a candidate: {what}: {why}")
     chosen = result.chosen
     if chosen is not None:
-        lines.append(f"chosen: {chosen.label()}: predicted step {chosen.step_s * 1e3:.3g} ms, {chosen.tokens_per_s:,.0f} "
+        lines.append(f"chosen: {chosen.label()}: predicted step {format_seconds(chosen.step_s)}, {chosen.tokens_per_s:,.0f} "
                      f"tokens/s, peak {format_bytes(chosen.peak_bytes)} per rank (model state {format_bytes(chosen.model_state_bytes)})")
         if result.unchecked:
             lines.append(f"note: {result.unchecked}")
+    elif result.stopped:
+        lines.append(f"nothing tried so far fits {result.budget_text()} per rank")
     else:
         lines.append(f"nothing fits {result.budget_text()} per rank. To fit, it would take:")
         lines += [f"  - {x}" for x in result.to_fit]
     rows = []
     for i, e in enumerate(result.ranked[:AUTO_ROWS + 1]):
         rows.append([i + 1, e.label(), f"{e.tokens_per_s:,.0f}" if e.lowered else "-",
-                     f"{e.step_s * 1e3:.3g}" if e.lowered else "-", format_bytes(e.peak_bytes) + ("" if e.lowered else " or more"),
+                     format_seconds(e.step_s) if e.lowered else "-", format_bytes(e.peak_bytes) + ("" if e.lowered else " or more"),
                      e.why or "chosen"])
-    lines.append(tabulate(rows, headers=["#", "candidate", "tokens/s", "step ms", "peak/rank", "why not"], disable_numparse=True))
+    lines.append(tabulate(rows, headers=["#", "candidate", "tokens/s", "step", "peak/rank", "why not"], disable_numparse=True))
     if len(result.ranked) > AUTO_ROWS + 1:
         lines.append(f"... {len(result.ranked) - AUTO_ROWS - 1} more (--format json lists every candidate)")
     if result.config is not None:
@@ -958,6 +965,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens/s whose peak fits --budget (required); --stage and the --config's own keys are kept; prints the "
                         "chosen config block, the runners-up and why each lost, or what would have to change to fit; --fold applies to "
                         "each candidate (docs/autoplan.md)")
+    p.add_argument("--time-limit", type=_float_arg(0, low_inclusive=False), metavar="SECONDS",
+                   help="with --auto: start no candidate after this many seconds and print the best found so far, marked as "
+                        "stopped early (Ctrl-C does the same, then exits 130; default: search to the end)")
     p.add_argument("--sweep", metavar="world-size=N1,N2,...",
                    help="weak scaling: at each world size, the plan the planner chooses (shard group size, prefetch, buckets) "
                         "and the flat stage-3 plan side by side, with predicted step time, efficiency relative to the smallest "

@@ -34,6 +34,19 @@ def format_bytes(n: float) -> str:
     return f"{_three_digits(value)} {_BINARY_UNITS[-1]}"
 
 
+def format_seconds(s: float) -> str:
+    """A duration in the unit that keeps it readable, to three significant digits and never an
+    exponent: ``0.42 ms``, ``34.2 ms``, ``1.5 s``, ``34.2 s``, ``12.5 min``."""
+    if s < 0:
+        return "-" + format_seconds(-s)
+    if s < 1:
+        ms = s * 1e3
+        return f"{_three_digits(ms)} ms" if ms >= 1 else f"{ms:.2g} ms"
+    if s < 600:
+        return f"{_three_digits(s)} s"
+    return f"{_three_digits(s / 60)} min"
+
+
 def binary_unit(n: float) -> tuple[str, int]:
     """The binary unit ``format_bytes`` writes ``n`` bytes in, and its size in bytes: for an axis
     or a column whose values share one unit."""

@@ -121,7 +121,7 @@ from typing import Any
 import torch.nn as nn
 
 from zerofx.common.errors import CaptureError, SequenceParallelError
-from zerofx.common.units import format_bytes
+from zerofx.common.units import format_bytes, format_seconds
 from zerofx.compiler.autoplan_space import (Candidate, InputsAt, SearchSpace, candidate_config, example_shape,
                                             powers_of_two_dividing, resize_inputs, search_space, with_auto_tiling)
 from zerofx.compiler.capture import LossFn
@@ -215,6 +215,9 @@ class AutoPlan:
     # [How the whole-job search prunes]: after MAX_RECAPTURES winners did not fit as their own
     # config plans them, the next is reported as measured, with this caveat).
     unchecked: str = ""
+    # Non-empty when the search stopped before trying every candidate (NOTE [A search answers
+    # anytime]): why, e.g. "Ctrl-C after 37.2 s"; the result is then the best of those tried.
+    stopped: str = ""
 
     def budget_text(self) -> str:
         """The budget the search fits, with the config's budget and margin where a margin is held back."""
@@ -234,7 +237,7 @@ class AutoPlan:
             return (f"zerofx auto: nothing fits {self.budget_text()} per rank among {len(self.ranked)} candidates; "
                     + "; ".join(self.to_fit))
         c = self.chosen
-        return (f"zerofx auto: chose {c.label()} (predicted {c.tokens_per_s:,.0f} tokens/s, step {c.step_s * 1e3:.3g} ms, "
+        return (f"zerofx auto: chose {c.label()} (predicted {c.tokens_per_s:,.0f} tokens/s, step {format_seconds(c.step_s)}, "
                 f"peak {format_bytes(c.peak_bytes)} per rank of {self.budget_text()}; {len(self.ranked)} candidates, "
                 f"{_count(self.num_captures, 'capture')}, {self.search_s:.1f} s)" + (f"; {self.unchecked}" if self.unchecked else ""))
 
@@ -244,9 +247,13 @@ class _Search:
 
     def __init__(self, model: nn.Module, inputs_at: InputsAt, base: Mapping[str, Any], *, world_size: int, seq_len: int,
                  global_batch: int, budget_bytes: float, fixed: frozenset[str], loss_fn: LossFn | None, fold: str = "auto",
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, deadline_s: float | None = None, total: int | None = None) -> None:
         self.model, self.inputs_at, self.base, self.fold = model, inputs_at, base, fold
         self.progress, self.start_s = progress, time.perf_counter()
+        # NOTE [A search answers anytime]: the wall-clock time (perf_counter) past which no candidate
+        # is started, the most candidates the space holds, and every candidate said so far.
+        self.deadline_s, self.total = deadline_s, total
+        self.said: dict[Candidate, Evaluated] = {}
         self.blocks = _blocks_to_fold(model, fold)
         self.cuts: dict[int, nn.Module] = {}  # folded: the model cut to n blocks, by n
         # Folded: each capture group's first program per cut, and the config it was planned with.
@@ -542,18 +549,26 @@ class _Search:
 
     def evaluate(self, c: Candidate, *, best: Evaluated | None = None) -> Evaluated:
         """``c``'s figures. ``best``, the fastest that fits so far: a folded candidate that
-        recomputes to the budget is not planned whole when nothing recomputed would be slower."""
+        recomputes to the budget is not planned whole when nothing recomputed would be slower.
+        Raises ``SearchStopped`` past the deadline (NOTE [A search answers anytime])."""
+        if self.deadline_s is not None and time.perf_counter() >= self.deadline_s:
+            raise SearchStopped(f"the time limit, after {time.perf_counter() - self.start_s:.1f} s")
         return self.reported(self._evaluate(c, best))
 
     def reported(self, e: Evaluated) -> Evaluated:
-        """``e``, said to ``progress`` (when given) with the time and the work so far."""
+        """``e``, kept as said and told to ``progress`` (when given) with the time, the work so far,
+        how many candidates are left at most and the best that fits so far."""
+        self.said[e.candidate] = e
         if self.progress is not None:
             if e.lowered:
-                what = f"{'fits' if e.fits else 'over budget'}, {e.step_s * 1e3:.3g} ms a step, peak {format_bytes(e.peak_bytes)}"
+                what = f"{'fits' if e.fits else 'over budget'}, {format_seconds(e.step_s)} a step, peak {format_bytes(e.peak_bytes)}"
             else:
                 what = e.why or "over budget by its memory bound"
-            self.progress(f"{time.perf_counter() - self.start_s:.1f} s, {self.num_lowered} lowered, {self.num_captures} "
-                          f"capture{'' if self.num_captures == 1 else 's'}: {e.label()}: {what}")
+            of = "" if self.total is None else f" of at most {self.total}"
+            best = max((x for x in self.said.values() if x.fits), key=lambda x: x.tokens_per_s, default=None)
+            lead = "none fits yet" if best is None else f"best so far {best.label()}, {best.tokens_per_s:,.0f} tokens/s"
+            self.progress(f"{time.perf_counter() - self.start_s:.1f} s, candidate {len(self.said)}{of}, {self.num_lowered} lowered, "
+                          f"{self.num_captures} capture{'' if self.num_captures == 1 else 's'}: {e.label()}: {what} ({lead})")
         return e
 
     def _evaluate(self, c: Candidate, best: Evaluated | None) -> Evaluated:
@@ -575,8 +590,8 @@ class _Search:
                 if floor_s > best.step_s:
                     return Evaluated(c, float("inf"), 0.0, most.peak_bytes, most.model_state_bytes, fits=False, lowered=False,
                                      step_bound_s=floor_s,
-                                     why=f"at least {floor_s * 1e3:.3g} ms a step with nothing recomputed (folded), slower than "
-                                         f"{best.label()} ({best.step_s * 1e3:.3g} ms); not planned whole")
+                                     why=f"at least {format_seconds(floor_s)} a step with nothing recomputed (folded), slower than "
+                                         f"{best.label()} ({format_seconds(best.step_s)}); not planned whole")
             self.folded.discard(c)  # measured whole below, as its config plans it
         program = self.program(c, config, whole=True)
         report = program.report(0, comm=self.comm, device=self.device)
@@ -699,6 +714,32 @@ def _shard_group_sizes(space: SearchSpace, stage: int, world_size: int) -> tuple
     return tuple(reversed(powers_of_two_dividing(world_size, start=2))) or (world_size,)
 
 
+# NOTE [A search answers anytime]
+# A search over a long context takes minutes, and a user who stops it, or gives it a time limit,
+# wants the best plan found so far rather than nothing. Every candidate evaluated is kept as it
+# is said (``_Search.said``); past ``time_limit_s`` no candidate is started (``SearchStopped``),
+# and Ctrl-C (KeyboardInterrupt) ends the candidate under way. The result then ranks what was
+# said, chooses the fastest that fits, and does no further work (no recapture of the winner, no
+# lowering of what was skipped), so it returns at once; ``AutoPlan.stopped`` says why, and the
+# printed result says the search was cut short. The progress lines count candidates against
+# ``space_size``, the most the space holds: pruning skips many, so the search usually ends sooner.
+
+
+class SearchStopped(Exception):
+    """The search's time limit has passed (NOTE [A search answers anytime])."""
+
+
+def space_size(space: SearchSpace, world_size: int, batch: int) -> int:
+    """The most candidates ``space`` holds for ``batch`` sequences per rank: what the search would
+    try with nothing pruned."""
+    total = 0
+    for sp in space.sequence_parallel:
+        per_group = sum(len(_shard_group_sizes(space, stage, world_size)) for stage in space.stages)
+        total += (len(space.tilings) * len(_micro_batches(space, batch * sp)) * per_group * len(space.offloads) * len(space.recomputes)
+                  * len(_compilers(space, sp)))
+    return total
+
+
 def _micro_batches(space: SearchSpace, per_group: int) -> tuple[tuple[int, int], ...]:
     """(micro-batch, accumulation) pairs, smallest micro-batch first."""
     if space.micro_batch is not None:
@@ -710,7 +751,7 @@ def _micro_batches(space: SearchSpace, per_group: int) -> tuple[tuple[int, int],
 
 def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any], *, world_size: int, seq_len: int, batch: int,
            budget_bytes: float, space: SearchSpace, fixed: frozenset[str] = frozenset(), loss_fn: LossFn | None = None,
-           fold: str = "auto", progress: Progress | None = None) -> AutoPlan:
+           fold: str = "auto", progress: Progress | None = None, time_limit_s: float | None = None) -> AutoPlan:
     """The configuration of ``space`` with the most predicted tokens/s whose device peak per rank
     fits ``budget_bytes`` (NOTE [How the whole-job search prunes]).
 
@@ -722,22 +763,46 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
     written in. ``fold`` ("auto", "on", "off") plans a model of repeated blocks from captures
     cut to 2 and 3 blocks (NOTE [Budgets of the cut models]); the winner is then captured whole.
     ``progress`` is given a line per candidate planned, as the search goes (it takes seconds to
-    minutes)."""
+    minutes). ``time_limit_s`` bounds the search's seconds, and Ctrl-C stops it too: either way
+    the result is the best of the candidates tried, marked ``stopped`` (NOTE [A search answers
+    anytime])."""
     start = time.perf_counter()
     global_batch = batch * world_size
     s = _Search(model, inputs_at, base_config, world_size=world_size, seq_len=seq_len, global_batch=global_batch,
-                budget_bytes=budget_bytes, fixed=fixed, loss_fn=loss_fn, fold=fold, progress=progress)
+                budget_bytes=budget_bytes, fixed=fixed, loss_fn=loss_fn, fold=fold, progress=progress,
+                deadline_s=None if time_limit_s is None else start + time_limit_s, total=space_size(space, world_size, batch))
     results: list[Evaluated] = []
     not_candidates: list[tuple[str, str]] = []
-    for sp in space.sequence_parallel:
-        if sp != space.sequence_parallel[0] and results and not _worth_rescuing(results, budget_bytes, global_batch * seq_len, lambda e: True):
-            break  # nothing over the budget that more ranks per sequence could make fit and win (NOTE [How the whole-job search prunes])
-        best_before = _best_tokens_per_s(results)
-        why = _search_sequence_parallel_size(s, space, sp, batch * sp, results)
-        if why is not None:
-            not_candidates.append((f"sequence parallelism over {sp} ranks", why))
-        if sp != space.sequence_parallel[0] and best_before > 0 and _best_tokens_per_s(results) <= best_before:
-            break  # this doubling made nothing fit that wins; the next frees half as much (NOTE [How the whole-job search prunes])
+    stopped = ""
+    try:
+        for sp in space.sequence_parallel:
+            if sp != space.sequence_parallel[0] and results and not _worth_rescuing(results, budget_bytes, global_batch * seq_len,
+                                                                                    lambda e: True):
+                break  # nothing over the budget that more ranks per sequence could make fit and win (NOTE [How the whole-job search prunes])
+            best_before = _best_tokens_per_s(results)
+            why = _search_sequence_parallel_size(s, space, sp, batch * sp, results)
+            if why is not None:
+                not_candidates.append((f"sequence parallelism over {sp} ranks", why))
+            if sp != space.sequence_parallel[0] and best_before > 0 and _best_tokens_per_s(results) <= best_before:
+                break  # this doubling made nothing fit that wins; the next frees half as much (NOTE [How the whole-job search prunes])
+    except SearchStopped as exc:
+        stopped = str(exc)
+    except KeyboardInterrupt:
+        stopped = f"Ctrl-C, after {time.perf_counter() - start:.1f} s"
+    if stopped:
+        # Every candidate said so far counts, those of a capture group cut short included; no
+        # candidate is lowered or captured again after a stop.
+        results = list({**{e.candidate: e for e in results}, **s.said}.values())
+        ranked = _rank(results, budget_bytes)
+        chosen = ranked[0] if ranked and ranked[0].fits else None
+        unchecked = ("" if chosen is None or not s.needs_own_capture(chosen.candidate) else
+                     "not captured from its own config (the search stopped first); zerofx plan --config FILE plans it as the config says")
+        config = None if chosen is None else s.config(chosen.candidate)
+        return AutoPlan(chosen=chosen, ranked=tuple(ranked), not_candidates=tuple(not_candidates), to_fit=(), config=config,
+                        budget_bytes=budget_bytes, world_size=world_size, seq_len=seq_len, global_batch=global_batch, profile=s.profile,
+                        fixed=tuple(sorted(fixed)), search_s=time.perf_counter() - start, num_captures=s.num_captures,
+                        num_lowered=s.num_lowered, memory_margin=float(base_config.get("zerofx", {}).get("memory_margin", 0)),
+                        unchecked=unchecked, stopped=stopped)
     ranked = _rank(results, budget_bytes)
     chosen = ranked[0] if ranked and ranked[0].fits else None
     if chosen is None and results and not any(e.lowered for e in results):
@@ -890,8 +955,8 @@ def _search_group(s: _Search, group: Sequence[Candidate], earlier: Sequence[Eval
             if best is not None and bound_s > best.step_s:
                 by = "its compute, its offloaded update" if c.offload != NO_OFFLOAD else "its compute"
                 out.append(Evaluated(c, float("inf"), 0.0, states[c], states[c], fits=False, lowered=False, step_bound_s=bound_s,
-                                     why=f"at least {bound_s * 1e3:.3g} ms a step by {by} and the shard-group model, slower than "
-                                         f"{best.label()} ({best.step_s * 1e3:.3g} ms); not lowered"))
+                                     why=f"at least {format_seconds(bound_s)} a step by {by} and the shard-group model, slower than "
+                                         f"{best.label()} ({format_seconds(best.step_s)}); not lowered"))
                 continue
             least = transient.get((c.stage, c.shard_group_size, c.recompute, c.compiler), float("inf"))
             e = _evaluate_or_bound(s, c, states[c], least, bound_s, best)
