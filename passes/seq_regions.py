@@ -213,6 +213,11 @@ def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int
         return sd.get(args[1])
     if pk is aten.gather and isinstance(args[2], fx.Node) and sd.get(args[2]) is not None and sd.get(args[0]) is None:
         return sd[args[2]]  # a table read at each position's index (a token-type buffer by position ids): the index's shape
+    if (pk is aten.index and sd.get(args[0]) is None and len(args[1]) == 1 and isinstance(args[1][0], fx.Node)
+            and sd.get(args[1][0]) is not None):
+        return sd[args[1][0]]  # table[ids]: a row per index (an expert's weights per token), the index's shape first
+    if pk is aten.bmm and isinstance(args[1], fx.Node) and sd.get(x) == 0 and sd.get(args[1]) == 0:
+        return 0  # one product per token (a token times its expert's gathered weights)
     if pk is aten.index_select and isinstance(args[2], fx.Node) and sd.get(args[2]) == 0 and sd.get(args[0]) is None:
         return _norm(args[1], _rank(args[0]))  # a gather by positions: output t reads the source at index[t]
     if pk is aten.cat and isinstance(out, torch.Tensor):
@@ -276,6 +281,9 @@ def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int
         return s if out.shape[d] == t else None  # a full slice keeps the axis; a shift does not
     if pk in (aten.chunk, aten.split, aten.split_with_sizes, aten.tensor_split):  # pieces along another dim keep the axis
         d = _norm(args[2] if len(args) > 2 else node.kwargs.get("dim", 0), rank)
+        return None if d == s else s
+    if pk is aten.topk:  # the k largest along another dim (a router's experts per token): values and indices keep the axis
+        d = _norm(args[2] if len(args) > 2 else node.kwargs.get("dim", -1), rank)
         return None if d == s else s
     if pk is aten.expand:
         so = s + out.dim() - rank

@@ -1,7 +1,8 @@
-"""Hugging Face ``MambaForCausalLM`` and ``Mamba2ForCausalLM`` through ``use_zerofx_scan``
-(zerofx/models/hf_mamba.py, NOTE [Hugging Face Mamba through the scan op]): the adapted forward
-against Hugging Face's own, what the adapter and sequence parallelism refuse, and training with
-and without sequence parallelism in real gloo groups against plain PyTorch."""
+"""Hugging Face ``MambaForCausalLM``, ``Mamba2ForCausalLM`` and ``JambaForCausalLM`` through
+``use_zerofx_scan`` (zerofx/models/hf_mamba.py, NOTE [Hugging Face Mamba through the scan op]),
+which sequence parallelism applies by itself while it captures: the adapted forward against
+Hugging Face's own, what the adapter refuses, and training with and without sequence
+parallelism in real gloo groups against plain PyTorch."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import zerofx
 from tests.support import hf_mamba_workers as workers
 from tests.support.dist_utils import run_ranks
-from zerofx.common.errors import CaptureError, SequenceParallelError, ZeroFXError
+from zerofx.common.errors import CaptureError, ZeroFXError
 from zerofx.models.hf_mamba import is_zerofx_scan_mixer, use_zerofx_scan
 
 STEPS = 3
@@ -123,7 +124,7 @@ def test_what_the_adapter_refuses() -> None:
     from transformers.models.mamba.modeling_mamba import MambaMixer
 
     falcon = FalconMambaForCausalLM(FalconMambaConfig(vocab_size=8, hidden_size=16, state_size=4, num_hidden_layers=1))
-    with pytest.raises(ZeroFXError, match="FalconMambaForCausalLM holds no MambaMixer or Mamba2Mixer"):
+    with pytest.raises(ZeroFXError, match="FalconMambaForCausalLM holds no MambaMixer, Mamba2Mixer or JambaMambaMixer"):
         use_zerofx_scan(falcon)
 
     class NormedMixer(MambaMixer):
@@ -144,19 +145,39 @@ def test_what_the_adapter_refuses() -> None:
     assert mixer(torch.zeros(1, 4, 32), num_items_in_batch=3).shape == (1, 4, 32)  # the loss's keyword, ignored as Hugging Face does
 
 
-@pytest.mark.parametrize("kind, op, module", [
-    ("mamba", "aten.matmul.default", "backbone.layers.0.mixer.dt_proj"),
-    ("mamba2", "aten.tensor_split.indices", "backbone.layers.0.mixer.conv1d"),
-])
-def test_sequence_parallelism_refuses_the_unadapted_models(kind: str, op: str, module: str) -> None:
-    """Without the adapter each model is refused at its first op that reads the sequence axis
-    across positions, by op and module: Mamba-1's ``dt_proj.weight @ time_step`` (a matmul with
-    the sequence as its contraction's columns, on the way to the loop over T), Mamba-2's
-    ``tensor_split`` of the sequence before its SSD."""
-    with pytest.raises(CaptureError) as err:
-        _compile_sp(workers.hf_model(kind, adapt=False), 16)
-    assert isinstance(err.value.__cause__, SequenceParallelError)
-    assert f"cannot shard {op} in module '{module}'" in str(err.value)
+@pytest.mark.parametrize("kind, scans", [("mamba", 2), ("mamba2", 4), ("jamba", 1)])
+def test_sequence_parallelism_adapts_the_models_as_built_and_gives_them_back(kind: str, scans: int) -> None:
+    """Without ``use_zerofx_scan`` each model plans by state passing (the capture records its
+    mixers through the scan op, NOTE [The scan adapter while capturing]), and afterwards every
+    module has its own class again: the user's model is not changed. Jamba's experts ask for
+    ``grouped_mm`` before and after (NOTE [Hugging Face experts under fake tensors])."""
+    net = workers.hf_model(kind, adapt=False)
+    classes = {name: type(m) for name, m in net.named_modules()}
+    decisions = "\n".join(_compile_sp(net, 16).plan.decisions)
+    assert f"{scans} selective scan(s) by state passing" in decisions, decisions
+    assert {name: type(m) for name, m in net.named_modules()} == classes
+    assert not any(is_zerofx_scan_mixer(m) for m in net.modules())
+    if kind == "jamba":
+        assert net.config._experts_implementation == "grouped_mm"
+
+
+def test_a_capture_that_raises_gives_the_classes_back() -> None:
+    """A sequence length S does not divide is refused after the record: the mixers are Hugging Face's again."""
+    net = workers.hf_model("mamba", adapt=False)
+    with pytest.raises(CaptureError, match="not divisible by sequence_parallel.size=2"):
+        _compile_sp(net, 15)
+    assert not any(is_zerofx_scan_mixer(m) for m in net.modules())
+
+
+def test_jamba_with_grouped_experts_captures_in_fp32() -> None:
+    """transformers' default ``grouped_mm`` experts have a bf16-only fake kernel; the capture records
+    them as ``batched_mm`` (the same function) and Jamba captures at ZeRO-3 without sequence parallelism."""
+    net = workers.hf_model("jamba", adapt=False)
+    assert net.config._experts_implementation == "grouped_mm"
+    ids, labels, _ = workers.batches(1, 1, 16)
+    program = zerofx.compile(net, world_size=2, stage=3, example_inputs=(ids[0, 0],), example_kwargs={"labels": labels[0, 0]},
+                             config={"zerofx": {"plan_cache": False}})
+    assert "forward" in program.graph_modules(rank=0) and net.config._experts_implementation == "grouped_mm"
 
 
 def test_mamba2_with_a_mask_without_sequence_parallelism_is_refused_at_capture() -> None:
@@ -197,7 +218,7 @@ def test_tensor_split_of_another_dim_is_token_wise() -> None:
 # ops, 6 all-to-alls; 4 with 1-tap convs), Mamba-2 a scan per group of heads, 4 (8 scan ops,
 # 2 + 2 + 4 all-to-alls). Without sequence parallelism: one op per scan, no all-to-all.
 EXPECTED = {("mamba", 2, 4): (4, 6), ("mamba", 2, 1): (4, 4), ("mamba2", 2, 4): (8, 8), ("mamba", 1, 4): (2, 0),
-            ("mamba2", 1, 4): (4, 0)}
+            ("mamba2", 1, 4): (4, 0), ("jamba", 2, 4): (2, 6)}  # Jamba: 1 scan and 1 conv (4 all-to-alls), 1 attention (2 more)
 
 
 @pytest.mark.multiprocess
@@ -206,11 +227,14 @@ def test_parity_sequence_2_and_stage_3_without_it() -> None:
     forward in plain PyTorch, within 1e-5: Mamba-1 at stage 0 and Mamba-2 at stage 3 over one
     sequence group of 2 (T 64, 32 per rank: 4 scan chunks), a padded row in the batch; Mamba-1
     with 1-tap convs (``conv_kernel=1``, token-wise) at stage 2 over one sequence group of 2
-    (T 32); and both at stage 3 without sequence parallelism over 2 data groups (T 32). Mamba-2
+    (T 32); Jamba (attention, Mamba and a 2-expert MoE) at stage 3 over one sequence group of 2
+    (T 32), padded; and Mamba and Mamba-2 at stage 3 without sequence parallelism over 2 data
+    groups (T 32). Under sequence parallelism the models are Hugging Face's as built (no
+    ``use_zerofx_scan``): the capture adapts them. Mamba-2
     without sequence parallelism runs unpadded (docs/sequence-parallel.md: its mask is tested by
     value in Hugging Face's ``create_recurrent_attention_mask``, which capture refuses)."""
     cases = [("mamba", 0, 2, 64, True, 4), ("mamba2", 3, 2, 64, True, 4), ("mamba", 2, 2, 32, True, 1), ("mamba", 3, 1, 32, True, 4),
-             ("mamba2", 3, 1, 32, False, 4)]
+             ("mamba2", 3, 1, 32, False, 4), ("jamba", 3, 2, 32, True, 4)]
     results = run_ranks(2, workers.train, cases, STEPS)
     for case in cases:
         kind, _, size, seq_len, masked, taps = case
@@ -228,4 +252,5 @@ def test_parity_sequence_2_and_stage_3_without_it() -> None:
                 decisions = "\n".join(res["decisions"])
                 scans = EXPECTED[kind, size, taps][0] // 2
                 assert f"{scans} selective scan(s) by state passing" in decisions, decisions
-                assert ("2 short convolution(s) (4 taps)" in decisions) == (taps == 4), decisions
+                convs = 1 if kind == "jamba" else 2  # Jamba's one Mamba layer
+                assert (f"{convs} short convolution(s) (4 taps)" in decisions) == (taps == 4), decisions

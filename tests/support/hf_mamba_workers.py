@@ -1,6 +1,7 @@
 """What each rank runs in tests/test_hf_mamba.py, and the single-process reference: Hugging Face
-``MambaForCausalLM`` and ``Mamba2ForCausalLM`` from tiny configs with random weights, on their
-pure-PyTorch path, adapted by ``zerofx.models.hf_mamba.use_zerofx_scan``."""
+``MambaForCausalLM``, ``Mamba2ForCausalLM`` and ``JambaForCausalLM`` from tiny configs with
+random weights, on their pure-PyTorch path, adapted by ``zerofx.models.hf_mamba.use_zerofx_scan``
+or, under sequence parallelism, as Hugging Face builds them (the capture adapts them)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,22 @@ def hf_model(kind: str, dtype: torch.dtype = torch.float32, adapt: bool = True, 
     from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
 
     torch.manual_seed(0)
-    if kind == "mamba":
+    if kind == "jamba":  # attention (layer 1) and Mamba (layer 0), a 2-expert MoE in layer 1; Hugging Face's default grouped experts
+        from transformers import JambaConfig, JambaForCausalLM
+
+        net = JambaForCausalLM(JambaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+                                           expert_layer_period=2, expert_layer_offset=1, num_experts=2, num_experts_per_tok=1,
+                                           mamba_d_state=8, mamba_d_conv=conv_kernel, mamba_expand=2, mamba_dt_rank=4,
+                                           max_position_embeddings=64, use_mamba_kernels=False))
+    elif kind == "mamba":
         net = MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
                                            conv_kernel=conv_kernel, use_cache=False))
     else:
         net = Mamba2ForCausalLM(Mamba2Config(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
                                              head_dim=16, num_heads=4, n_groups=2, conv_kernel=conv_kernel, chunk_size=16, use_cache=False))
     net = net.to(dtype)
-    return use_zerofx_scan(net, chunk_len=CHUNK_LEN) if adapt else net
+    return use_zerofx_scan(net, chunk_len=CHUNK_LEN) if adapt else net  # Jamba: zerofx.compile adapts it under sequence parallelism
 
 
 def batches(num_groups: int, steps: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,7 +87,8 @@ def train(rank: int, world_size: int, cases: list[tuple[str, int, int, int, bool
         config = {"zero_optimization": {"stage": stage}, "optimizer": SGD}
         if size > 1:
             config["zerofx"] = {"sequence_parallel": {"size": size}}
-        engine = zerofx.initialize(hf_model(kind, conv_kernel=conv_kernel), config, example_inputs=(ids[0, group],),
+        # Under sequence parallelism the model as Hugging Face builds it: the capture adapts its mixers (NOTE [The scan adapter while capturing]).
+        engine = zerofx.initialize(hf_model(kind, conv_kernel=conv_kernel, adapt=size == 1), config, example_inputs=(ids[0, group],),
                                    example_kwargs={"labels": labels[0, group], **padding(mask[0, group], masked)})
         losses = []
         for step in range(steps):

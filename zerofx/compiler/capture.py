@@ -21,6 +21,7 @@ raises ``CaptureError`` naming the reason. There is no fallback to eager.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +34,8 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from zerofx.common.errors import CaptureError, InputMismatchError, MissingLossError
+from zerofx.models.hf_experts import experts_traceable
+from zerofx.models.hf_mamba import scan_adapted
 from zerofx.passes import _compat, meta
 from zerofx.passes._compat import pytree
 from zerofx.passes.plan_tiling import TilingPlan
@@ -179,9 +182,11 @@ class StepTracer:
         param_infos: Sequence[TensorInfo] | None = None,
         device: torch.device | str | None = None,
         compute_dtype: torch.dtype | None = None,
+        adapt_scans: bool = False,
     ) -> None:
         example_kwargs = dict(example_kwargs or {})
         self.model, self.loss_fn = model, loss_fn
+        self.adapt_scans = adapt_scans  # Hugging Face's Mamba mixers recorded through the scan op (sequence parallelism)
         self.param_infos = traced_param_infos(model, param_infos, compute_dtype)
         self.buffer_infos = [TensorInfo(n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()]
         if compute_dtype is not None:  # mixed precision: floating buffers compute in it
@@ -225,7 +230,11 @@ class StepTracer:
         for pos, t in zip(self.tensor_positions, flat[num_p + num_b :]):
             call_leaves[pos] = t
         args, kwargs, loss_kw = pytree.tree_unflatten(call_leaves, self.spec)
-        output = functional_call(self.model, state, args, kwargs, tie_weights=True, strict=False)
+        with contextlib.ExitStack() as adapted:  # NOTE [Hugging Face experts under fake tensors], NOTE [The scan adapter while capturing]
+            adapted.enter_context(experts_traceable(self.model))
+            if self.adapt_scans:
+                adapted.enter_context(scan_adapted(self.model))
+            output = functional_call(self.model, state, args, kwargs, tie_weights=True, strict=False)
         loss = extract_loss(output, self.loss_fn, loss_kw)
         # The backward seed (the fp16 loss scale, up to 2**32) must not overflow: seed it in fp32.
         return loss.float() if isinstance(loss, torch.Tensor) and loss.is_floating_point() else loss

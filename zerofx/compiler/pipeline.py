@@ -214,9 +214,9 @@ class StepCapture:
                  loss_fn: LossFn | None = None, param_infos: Sequence[TensorInfo] | None = None,
                  device: torch.device | str | None = None, compute_dtype: torch.dtype | None = None,
                  sequence_parallel: SequenceParallelSpec | None = None, disabled: Sequence[str] = ()) -> None:
-        self.tracer = StepTracer(model, example_args, example_kwargs, loss_fn=loss_fn, param_infos=param_infos, device=device,
-                                 compute_dtype=compute_dtype)
         self.sequence_parallel = sequence_parallel if sequence_parallel is not None and sequence_parallel.size > 1 else None
+        self.tracer = StepTracer(model, example_args, example_kwargs, loss_fn=loss_fn, param_infos=param_infos, device=device,
+                                 compute_dtype=compute_dtype, adapt_scans=self.sequence_parallel is not None)
         self.disabled = tuple(disabled)
         self._record: fx.GraphModule | None = None
         self._forward: tuple[fx.GraphModule, SequenceParallelPlan | None] | None = None

@@ -41,8 +41,9 @@ Only the forward of training and of whole-sequence evaluation changes. A call wi
 (generation) runs Hugging Face's own forward. The mixer keeps its parameters, their names and
 its state dict: the adapter swaps each mixer's class for a subclass that overrides ``forward``,
 as ``torch.nn.utils.parametrize`` does. Subclasses of the two mixers, whose forward may differ,
-are refused by name (the mixers of FalconMamba, Bamba, Jamba and the other hybrids are classes
-of their own, not adapted), as are the keywords of packed sequences (``seq_idx``,
+are refused by name (Jamba's ``JambaMambaMixer``, Mamba-1's with RMSNorms of dt, B and C, is
+adapted; the mixers of FalconMamba, Bamba and the other hybrids are classes of their own, not
+adapted), as are the keywords of packed sequences (``seq_idx``,
 ``cu_seqlens``, ``cu_seq_lens_q``, ``cu_seq_lens_k``) and a conv other than Hugging Face's;
 other keywords (the loss's ``num_items_in_batch``) are ignored, as Hugging Face's mixers ignore
 them.
@@ -51,7 +52,9 @@ transformers is imported when the adapter runs, not with this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -80,13 +83,16 @@ def _causal_conv(conv: torch.nn.Conv1d, x: Tensor, act: Callable[[Tensor], Tenso
 
 
 def mamba_mixer_scan(mixer: torch.nn.Module, hidden_states: Tensor, attention_mask: Tensor | None, chunk_len: int) -> Tensor:
-    """``MambaMixer.forward`` without a cache, the scan one op: (B, T, d) -> (B, T, d)."""
+    """``MambaMixer.forward`` (and ``JambaMambaMixer.forward``, with its norms of dt, B and C)
+    without a cache, the scan one op: (B, T, d) -> (B, T, d)."""
     dtype = hidden_states.dtype
     r, n = mixer.time_step_rank, mixer.ssm_state_size
     hidden_states = _mask(hidden_states, attention_mask)
     x, gate = mixer.in_proj(hidden_states).chunk(2, dim=-1)  # (B, T, E) each
     x = _mask(_causal_conv(mixer.conv1d, x, mixer.act), attention_mask)  # (B, T, E)
     dt, b, c = torch.split(mixer.x_proj(x), [r, n, n], dim=-1)  # (B, T, R), (B, T, N), (B, T, N)
+    if isinstance(getattr(mixer, "dt_layernorm", None), torch.nn.Module):  # Jamba's RMSNorms of dt, B and C
+        dt, b, c = mixer.dt_layernorm(dt), mixer.b_layernorm(b), mixer.c_layernorm(c)
     dt = F.linear(dt, mixer.dt_proj.weight)  # (B, T, E)
     if mixer.dt_proj.bias is not None:
         dt = dt + mixer.dt_proj.bias.float()
@@ -128,11 +134,11 @@ def _check_conv(name: str, conv: torch.nn.Conv1d, channels: int) -> None:
                           f"{conv.padding}, groups {conv.groups}, {conv.padding_mode}")
 
 
-def _scan_forward(base: type, scan: Callable[..., Tensor], chunk_len: int) -> Callable[..., Tensor]:
+def _scan_forward(base: type, scan: Callable[..., Tensor], chunk_len: int, recording: bool) -> Callable[..., Tensor]:
     def forward(self: torch.nn.Module, hidden_states: Tensor, cache: object | None = None, attention_mask: Tensor | None = None,
                 **kwargs: object) -> Tensor:
         cache = kwargs.pop("cache_params", None) if cache is None else cache
-        if cache is not None:  # generation: Hugging Face's own path, which reads and updates the cache
+        if cache is not None and not recording:  # generation: Hugging Face's own path, which reads and updates the cache
             return base.forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         packed = sorted(k for k in PACKED_SEQUENCE_KWARGS if kwargs.get(k) is not None)
         if packed:
@@ -143,14 +149,15 @@ def _scan_forward(base: type, scan: Callable[..., Tensor], chunk_len: int) -> Ca
     return forward
 
 
-_SUBCLASSES: dict[tuple[type, int], type] = {}
+_SUBCLASSES: dict[tuple[type, int, bool], type] = {}
 
 
-def _subclass(base: type, scan: Callable[..., Tensor], chunk_len: int) -> type:
-    key = (base, chunk_len)
+def _subclass(base: type, scan: Callable[..., Tensor], chunk_len: int, recording: bool = False) -> type:
+    """``base`` with the scan's forward; ``recording``: the class a capture records (NOTE [The scan adapter while capturing])."""
+    key = (base, chunk_len, recording)
     if key not in _SUBCLASSES:
         _SUBCLASSES[key] = type(f"ZeroFXScan{base.__name__}", (base,), {
-            "forward": _scan_forward(base, scan, chunk_len), "zerofx_scan_chunk_len": chunk_len, "__module__": __name__,
+            "forward": _scan_forward(base, scan, chunk_len, recording), "zerofx_scan_chunk_len": chunk_len, "__module__": __name__,
             "__doc__": f"Hugging Face's {base.__name__} with the scan as one zerofx::selective_scan op (use_zerofx_scan)."})
     return _SUBCLASSES[key]
 
@@ -160,35 +167,87 @@ def is_zerofx_scan_mixer(module: torch.nn.Module) -> bool:
     return type(module) in _SUBCLASSES.values()
 
 
-def use_zerofx_scan(model: torch.nn.Module, *, chunk_len: int = DEFAULT_CHUNK_LEN) -> torch.nn.Module:
-    """Give every Hugging Face ``MambaMixer`` and ``Mamba2Mixer`` in ``model`` a forward with the
-    scan as one ``zerofx::selective_scan`` op, in place, and return ``model``; parameters, their
-    names and the state dict are unchanged (NOTE [Hugging Face Mamba through the scan op]). Run
-    it before ``zerofx.initialize`` or ``zerofx.compile``; a mixer already adapted is adapted
-    again with the new ``chunk_len``."""
+def _mixer_classes() -> dict[type, Callable[..., Tensor]]:
+    from transformers.models.jamba.modeling_jamba import JambaMambaMixer
     from transformers.models.mamba.modeling_mamba import MambaMixer
     from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
-    if isinstance(chunk_len, bool) or not isinstance(chunk_len, int) or chunk_len < 1:
-        raise ZeroFXError(f"use_zerofx_scan: chunk_len must be a positive int, got {chunk_len!r}")
-    scans = {MambaMixer: mamba_mixer_scan, Mamba2Mixer: mamba2_mixer_scan}
-    adapted = {sub: base for (base, _), sub in _SUBCLASSES.items()}
+    return {MambaMixer: mamba_mixer_scan, Mamba2Mixer: mamba2_mixer_scan, JambaMambaMixer: mamba_mixer_scan}
+
+
+def _adaptable(model: torch.nn.Module, scans: dict[type, Callable[..., Tensor]], *,
+               strict: bool = True) -> list[tuple[torch.nn.Module, type]]:
+    """Each mixer of ``model`` the adapter takes, with its Hugging Face class; for one it cannot
+    take, raises (``strict``) or leaves it out."""
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+
+    adapted = {sub: base for (base, *_), sub in _SUBCLASSES.items()}
     found = []
     for name, module in model.named_modules():
         cls = adapted.get(type(module), type(module))
         if cls not in scans:
             other = next((base for base in scans if isinstance(module, base)), None)
-            if other is not None:
+            if other is not None and strict:
                 raise ZeroFXError(f"use_zerofx_scan: {name} is a {cls.__name__}, a subclass of {other.__name__} whose forward may differ; "
                                   f"only {other.__name__} itself is adapted")
             continue
-        channels = module.intermediate_size if cls is MambaMixer else module.conv_dim
-        _check_conv(name, module.conv1d, channels)
-        if cls is Mamba2Mixer and module.num_heads % module.n_groups:
-            raise ZeroFXError(f"use_zerofx_scan: {name} has {module.num_heads} heads in {module.n_groups} groups, which do not divide them")
+        channels = module.conv_dim if cls is Mamba2Mixer else module.intermediate_size
+        try:
+            _check_conv(name, module.conv1d, channels)
+            if cls is Mamba2Mixer and module.num_heads % module.n_groups:
+                raise ZeroFXError(f"use_zerofx_scan: {name} has {module.num_heads} heads in {module.n_groups} groups, which do not "
+                                  "divide them")
+        except ZeroFXError:
+            if strict:
+                raise
+            continue
         found.append((module, cls))
+    return found
+
+
+def use_zerofx_scan(model: torch.nn.Module, *, chunk_len: int = DEFAULT_CHUNK_LEN) -> torch.nn.Module:
+    """Give every Hugging Face ``MambaMixer``, ``Mamba2Mixer`` and ``JambaMambaMixer`` in ``model``
+    a forward with the scan as one ``zerofx::selective_scan`` op, in place, and return ``model``;
+    parameters, their names and the state dict are unchanged (NOTE [Hugging Face Mamba through
+    the scan op]). Sequence parallelism applies it by itself while it captures (``scan_adapted``);
+    run it before ``zerofx.initialize`` or ``zerofx.compile`` for a capture without sequence
+    parallelism, or for another ``chunk_len``; a mixer already adapted is adapted again with the new
+    ``chunk_len``."""
+    if isinstance(chunk_len, bool) or not isinstance(chunk_len, int) or chunk_len < 1:
+        raise ZeroFXError(f"use_zerofx_scan: chunk_len must be a positive int, got {chunk_len!r}")
+    scans = _mixer_classes()
+    found = _adaptable(model, scans)
     if not found:
-        raise ZeroFXError(f"use_zerofx_scan: {type(model).__name__} holds no MambaMixer or Mamba2Mixer (transformers' Mamba and Mamba-2)")
+        raise ZeroFXError(f"use_zerofx_scan: {type(model).__name__} holds no MambaMixer, Mamba2Mixer or JambaMambaMixer "
+                          "(transformers' Mamba, Mamba-2 and Jamba)")
     for module, cls in found:
         module.__class__ = _subclass(cls, scans[cls], chunk_len)
     return model
+
+
+@contextlib.contextmanager
+def scan_adapted(model: torch.nn.Module) -> Iterator[None]:
+    """NOTE [The scan adapter while capturing]
+    Under sequence parallelism the capture records the model with every Hugging Face Mamba,
+    Mamba-2 and Jamba mixer given the adapter's forward (``use_zerofx_scan``; the default chunk
+    length, or the one the user adapted it with), and gives each its own class back afterwards,
+    also when the capture raises: the user's model is the same object of the same classes after
+    ``zerofx.compile`` or ``zerofx.initialize``, and only the recorded graph holds the scan op.
+    The class recorded runs the scan even when the model passes a cache (Jamba builds one for
+    every call with ``use_cache``): the capture records a training step, whose output is the
+    loss, and a cache filled during it is read by no one. A model without those mixers is recorded as it is, and so is
+    a mixer the adapter would refuse (a subclass, another conv: the sequence-parallel plan then
+    refuses its ops by name); transformers is read only when the
+    process imported it already (a Hugging Face model did)."""
+    if "transformers" not in sys.modules:
+        yield
+        return
+    scans = _mixer_classes()
+    found = [(m, cls, type(m)) for m, cls in _adaptable(model, scans, strict=False)]
+    for module, cls, own in found:
+        module.__class__ = _subclass(cls, scans[cls], getattr(own, "zerofx_scan_chunk_len", DEFAULT_CHUNK_LEN), recording=True)
+    try:
+        yield
+    finally:
+        for module, _, own in found:
+            module.__class__ = own
