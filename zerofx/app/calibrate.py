@@ -383,6 +383,10 @@ def _progress(rank: int, index: int, start: float) -> None:
 
 def _worker(rank: int, world_size: int, port: int, out: str, repeats: int, sizes: Sequence[int]) -> None:
     torch.set_num_threads(1)
+    # Inductor compiles in this process, not in a pool of workers (the pool's semaphores outlive
+    # the rank, and Python's resource tracker then warns of leaked semaphores at exit); the
+    # resident memory measured is this process's either way.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     start = time.perf_counter()
