@@ -115,7 +115,7 @@ def test_the_example_compiles_sequence_parallel() -> None:
 
 
 @pytest.mark.multiprocess
-def test_declared_ops_train_sequence_parallel_with_parity() -> None:
+def test_parity_declared_ops_sequence_2() -> None:
     """World 2, sequence-parallel 2, one launch: the three declared ops (halo, channels, gather)
     in one model train at stages 0 and 3 within 1e-5 of plain PyTorch (the conv written out, no
     custom op) after 3 SGD steps."""
