@@ -220,10 +220,12 @@ def test_parity_models_as_written_sequence_2() -> None:
     sharded as SDPA is (per layer one ring op, or two all-to-alls and the loss's and rank's two);
     so do BERT by Ulysses at stage 0 and ESM with absolute positions by ring at stage 3, each
     with a padded row (``attention_mask``); and the FFT convolution in HyenaDNA's spelling (stage
-    3) and in ortho norms (stage 0) by the long-conv mixer's channel all-to-alls."""
+    3) and in ortho norms (stage 0) by the long-conv mixer's channel all-to-alls; and a rotary
+    model that caches its tables on itself during ``forward`` (NOTE [Module state across a
+    trace]) by Ulysses at stage 3."""
     cases = [("llama_eager", 3, "ring"), ("written", 0, "ring"), ("gpt2", 3, "ulysses"), ("encoder_causal", 3, "ring"),
              ("encoder", 0, "ulysses"), ("flat_rows", 3, "ring"), ("bert", 0, "ulysses"), ("esm_absolute", 3, "ring"),
-             ("fft_reference", 3, "ulysses"), ("fft_ortho", 0, "ulysses")]
+             ("fft_reference", 3, "ulysses"), ("fft_ortho", 0, "ulysses"), ("cached_rotary", 3, "ulysses")]
     results = run_ranks(2, workers.train, cases, STEPS)
     for case in cases:
         expected = workers.reference(case[0], STEPS)

@@ -63,6 +63,45 @@ class EncoderLM(torch.nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
+class CachedRotaryLM(torch.nn.Module):
+    """Rotary tables built on the first call and cached as plain attributes (not buffers), the
+    frequencies a plain tensor attribute, and every call's sequence length appended to a list it
+    holds: state kept on the module during ``forward``, as older Hugging Face rotary embeddings
+    and implicit filters keep it."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.head = torch.nn.Linear(dim, VOCAB)
+        half = dim // heads // 2
+        self.inv_freq = 1.0 / 10000 ** (torch.arange(half) / half)  # a plain tensor, not a buffer
+        self.cos_cached: torch.Tensor | None = None
+        self.lengths: list[int] = []
+
+    def rotary(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos_cached is None or self.cos_cached.shape[0] < t:
+            freqs = torch.outer(torch.arange(t, dtype=torch.float32), self.inv_freq)  # (T, D/2)
+            self.cos_cached, self.sin_cached = freqs.cos(), freqs.sin()
+        self.lengths.append(t)
+        return self.cos_cached[:t], self.sin_cached[:t]
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        x = self.embed(ids)  # (B, T, C)
+        cos, sin = self.rotary(t)
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, T, D)
+
+        def rotate(u: torch.Tensor) -> torch.Tensor:
+            u1, u2 = u[..., ::2], u[..., 1::2]
+            return torch.cat([u1 * cos - u2 * sin, u1 * sin + u2 * cos], dim=-1)
+
+        y = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)  # (B, H, T, D)
+        x = x + y.transpose(1, 2).reshape(b, t, -1)
+        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), labels.reshape(-1))
+
+
 class FlatRowsLM(torch.nn.Module):
     """Token-wise work over (B·T, C) rows with position ids flattened the same way
     (``arange(T)`` repeated per sequence, (B·T,)), then causal SDPA over (B, H, T, D)."""
@@ -129,7 +168,8 @@ def model(kind: str) -> torch.nn.Module:
     ``nn.TransformerEncoderLayer`` with and without a causal mask, the flat rows above, and the
     masked LMs with absolute positions: Hugging Face BERT (position ids and token types cut from
     buffers, DNABERT's shape) and ESM (positions by a cumsum over the padding, Nucleotide
-    Transformer v1's shape), and the FFT convolution above in HyenaDNA's spelling and in ortho norms."""
+    Transformer v1's shape), the FFT convolution above in HyenaDNA's spelling and in ortho norms,
+    and the rotary model above that caches its tables on itself."""
     torch.manual_seed(0)
     if kind.startswith("fft_"):
         return FFTConvLM(kind.removeprefix("fft_"))
@@ -148,6 +188,8 @@ def model(kind: str) -> torch.nn.Module:
                         emb_layer_norm_before=False, pad_token_id=VOCAB, mask_token_id=VOCAB + 1, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
         return EsmForMaskedLM(cfg)
+    if kind == "cached_rotary":
+        return CachedRotaryLM()
     if kind == "flat_rows":
         return FlatRowsLM()
     if kind.startswith("encoder"):

@@ -22,9 +22,10 @@ raises ``CaptureError`` naming the reason. There is no fallback to eager.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +169,46 @@ def _explain(exc: BaseException) -> str:
     return f"{reason}.\n  {first_lines}"
 
 
+@contextlib.contextmanager
+def module_state_kept(model: nn.Module) -> Iterator[None]:
+    """NOTE [Module state across a trace]
+    A model may keep state on its modules during ``forward``: a rotary table or a time vector
+    built on the first call and cached as a plain attribute, not a buffer (``self.cos_cached =
+    freqs.cos()``), or appended to a list it holds. Recorded on fake tensors, such a cache would
+    keep a tensor of the trace: the next trace of the same model (AOTAutograd's after the
+    record, a capture with other tiling options, another rank's) would read it as a constant of
+    another trace and fail, and so would the user's own eager call afterwards. So every trace of
+    the step starts from the modules as the user left them and gives them back so: each module's
+    attributes are put back after the call, an attribute the call added is removed, and a list,
+    dict or set attribute the call changed in place gets its items back (the same object, so
+    what else holds it sees them too). The cache is built again inside every trace, as the
+    model's first call builds it, and the graph computes it from its sources (``arange``, a
+    plain tensor attribute as a constant). What the user cached before the capture (an eager
+    call's table) is used as it is, a constant of the graph."""
+    saved = []
+    for module in model.modules():
+        attrs = dict(module.__dict__)
+        items = {key: copy.copy(v) for key, v in attrs.items() if isinstance(v, (list, dict, set)) and key not in _MODULE_INTERNALS}
+        saved.append((module, attrs, items))
+    try:
+        yield
+    finally:
+        for module, attrs, items in saved:
+            for key in [k for k in module.__dict__ if k not in attrs]:
+                del module.__dict__[key]
+            module.__dict__.update(attrs)
+            for key, was in items.items():
+                held = attrs[key]
+                held.clear()
+                if isinstance(held, list):
+                    held.extend(was)
+                else:
+                    held.update(was)
+
+
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)  # parameters, buffers, submodules, hooks: torch.func restores them itself
+
+
 class StepTracer:
     """One model call, traced: the fake inputs built once, the step recorded before autograd
     (``record``) and differentiated into the joint graph (``differentiate``)."""
@@ -231,6 +272,7 @@ class StepTracer:
             call_leaves[pos] = t
         args, kwargs, loss_kw = pytree.tree_unflatten(call_leaves, self.spec)
         with contextlib.ExitStack() as adapted:  # NOTE [Hugging Face experts under fake tensors], NOTE [The scan adapter while capturing]
+            adapted.enter_context(module_state_kept(self.model))
             adapted.enter_context(experts_traceable(self.model))
             if self.adapt_scans:
                 adapted.enter_context(scan_adapted(self.model))
