@@ -204,15 +204,19 @@ def test_a_build_that_fails_on_rank_0_fails_on_every_rank() -> None:
 def test_rank_0_builds_in_a_child_where_the_fork_is_safe() -> None:
     """NOTE [Rank 0 builds in a child]: with one intra-op thread rank 0 builds in a forked child
     and reads the program back from its bytes, as rank 1 does; with two it builds in its own
-    process. Both train alike, bit for bit."""
+    process. Both runs lower the same graphs, code for code, and train alike: the same loss, and
+    parameters equal to within the rounding of a reduction split over one thread or two (rank 0
+    steps with one or two intra-op threads, which sum a gradient in another order on some CPUs)."""
     forked = run_ranks(2, built_in_child, 1)
     own = run_ranks(2, built_in_child, 2)
     assert forked[0]["phases"] == ["capture", "lower", "plan", "read back from the build process"]
     assert own[0]["phases"] == ["capture", "lower", "plan"]
     assert forked[1]["phases"] == own[1]["phases"] == ["from rank 0"]
     for rank in range(2):
+        assert forked[rank]["code"] == own[rank]["code"]
         assert torch.equal(forked[rank]["loss"], own[rank]["loss"])
-        assert all(torch.equal(v, own[rank]["state"][k]) for k, v in forked[rank]["state"].items())
+        for name, value in forked[rank]["state"].items():
+            torch.testing.assert_close(value, own[rank]["state"][name], rtol=0, atol=1e-7)
 
 
 @pytest.mark.multiprocess

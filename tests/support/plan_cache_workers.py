@@ -88,7 +88,8 @@ def built_in_child(rank: int, world_size: int, threads: int) -> dict[str, Any]:
         loss = engine(data[0, rank], labels=data[0, rank])
         engine.backward(loss)
         engine.step()
-        return {"phases": sorted(engine.program.setup_times), "loss": loss.detach().clone(), "state": engine.full_state_dict()}
+        return {"phases": sorted(engine.program.setup_times), "loss": loss.detach().clone(), "state": engine.full_state_dict(),
+                "code": {name: gm.code for name, gm in engine.graph_modules().items()}}
     finally:
         torch.set_num_threads(before)
 
