@@ -53,6 +53,7 @@ import torch.fx as fx
 from zerofx.common.errors import SequenceParallelError, ZeroFXError
 from zerofx.common.units import format_bytes
 from zerofx.cost_models.sequence import DeclaredOpDims, declared_exchange_bytes
+from zerofx.passes import _compat
 from zerofx.passes.mixer_conv import channels_to_seq, from_all, rank_index, seq_to_channels, with_halo
 from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, SequenceMixer
 
@@ -143,7 +144,10 @@ class OpSequenceMixer:
                f"per_channel {sorted(self.per_channel.items())}"
 
     def matches(self, node: fx.Node) -> bool:
-        return node.op == "call_function" and getattr(node.target, "overloadpacket", None) is self.op
+        # By the op's qualified name, not the packet object: an op defined again under the same name
+        # (a module imported twice, once by path and once by package) gets new packet objects.
+        address = _compat.op_address(node.target) if node.op == "call_function" else None
+        return address is not None and f"{address[0]}::{address[1]}" == self.name
 
     def check(self, node: fx.Node, ctx: MixerCheck) -> DeclaredSite | None:
         where = f"{self.name} in module {ctx.module!r}"

@@ -250,8 +250,11 @@ def test_ctrl_c_in_plan_auto_prints_the_best_so_far_and_exits_130() -> None:
     progress lines counted them against the most the space holds, with the best so far."""
     import signal
 
+    # As from a terminal: the child starts with SIGINT at its default, whatever the test process
+    # inherited (a runner's worker may ignore it, and Python then never raises KeyboardInterrupt).
     proc = subprocess.Popen([sys.executable, "-m", "zerofx.app.cli", "plan", "tiny", "--auto", "--world-size", "2", "--seq-len", "512",
-                             "--budget", "2MiB"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--budget", "2MiB"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     progress = []
     while len(progress) < 3:
         line = proc.stderr.readline()
