@@ -187,6 +187,8 @@ def test_batch_rule_mismatch_and_micro_batch_derived_from_train_batch_size(tmp_p
         (["train", "--keep-last", "0", "--output-dir", "x"], "--keep-last", "an integer >= 1"),
         (["train", "--collective-timeout", "0"], "--collective-timeout", "a finite number > 0"),
         (["train", "--collective-timeout", "nan"], "--collective-timeout", "a finite number > 0"),
+        (["train", "--schedule-steps", "0"], "--schedule-steps", "an integer >= 1"),
+        (["plan", "tiny", "--auto", "--world-size", "2", "--budget", "2MiB", "--time-limit", "0"], "--time-limit", "a finite number > 0"),
         (["calibrate", "--repeats", "0"], "--repeats", "an integer >= 1"),
         (["calibrate", "--world-size", "100000"], "--world-size", "an integer in 1..256"),
         (["plan", "tiny", "--world-size", "2", "--stage", "3", "--rank", "-1"], "--rank", "an integer >= 0"),
@@ -213,6 +215,12 @@ def test_huge_world_size_is_refused_with_the_range(world_size: int, capsys: pyte
     assert main(["plan", "tiny", "--world-size", str(world_size), "--stage", "3"]) == 2
     assert f"{world_size} is out of range; accepted: an integer in 1..{MAX_WORLD_SIZE}" in _error_line(capsys)
     assert build_parser().parse_args(["plan", "tiny", "--world-size", str(MAX_WORLD_SIZE)]).world_size == MAX_WORLD_SIZE
+
+
+def test_schedule_steps_needs_a_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
+    """--schedule-steps sets the config scheduler's total_num_steps: a run with none is told so before any rank starts."""
+    assert main(["train", "--schedule-steps", "40"]) == 2
+    assert "--schedule-steps sets the config's scheduler.params.total_num_steps; this run has no scheduler" in _error_line(capsys)
 
 
 # --------------------------------------------------------------------------- item 15 and model specs
