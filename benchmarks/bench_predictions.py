@@ -136,6 +136,9 @@ def _free_port() -> int:
 
 def _rank(rank: int, case: Case, config: dict[str, Any], port: int, warmup: int, steps: int, out_dir: str) -> None:
     """One rank: build on meta, initialize, step; write its step times and peak RSS."""
+    import faulthandler
+    import gc
+
     import torch
     import torch.distributed as dist
 
@@ -143,6 +146,7 @@ def _rank(rank: int, case: Case, config: dict[str, Any], port: int, warmup: int,
     from zerofx.common.rss import current_rss_bytes, peak_rss_bytes
     from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
+    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=case.world_size)
     runtime_rss = current_rss_bytes()
@@ -170,6 +174,12 @@ def _rank(rank: int, case: Case, config: dict[str, Any], port: int, warmup: int,
     result = {"rank": rank, "step_s": times, "peak_rss_bytes": peak_rss_bytes(), "setup_peak_rss_bytes": setup_peak,
               "runtime_rss_bytes": runtime_rss}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    # The engine and its groups go while the interpreter is whole: gloo work still referenced at
+    # interpreter exit is destroyed during finalization, which can abort a rank (SIGABRT,
+    # "terminate called without an active exception", seen once in CI on this benchmark's smoke run).
+    engine.close()
+    del engine, loss
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
