@@ -135,7 +135,8 @@ def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: An
             import functools
 
             import zerofx.runtime.offload.plan as offload_plan
-            from zerofx.passes.plan_offload import Placement, plan_param_offload
+            from zerofx.passes.plan.offload import Placement
+            from zerofx.passes.plan_offload import plan_param_offload
 
             rule = Placement.FIRST_FIT if args["kind"] == "param-first-fit" else Placement.BANDWIDTH
             offload_plan.plan_param_offload = functools.partial(plan_param_offload, placement=rule)  # type: ignore[assignment]

@@ -147,8 +147,8 @@ def _first_line(exc: BaseException) -> str:
 def computed_cells(model: Model) -> tuple[str, str, str]:
     """Capture, sequence parallelism at S = 2 and tiling, computed now on fake tensors."""
     from zerofx.compiler.pipeline import StepCapture
-    from zerofx.passes.plan_tiling import TilingOptions
-    from zerofx.passes.sequence_parallel import SequenceParallelSpec
+    from zerofx.passes.plan.tiling import TilingOptions
+    from zerofx.passes.plan.sequence import SequenceParallelSpec
 
     net, args, kwargs = model.build()
     try:

@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from zerofx.passes import meta
 from zerofx.passes._compat import pytree
-from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan.offload import ParamOffloadPlan
 from zerofx.common.errors import EngineStateError
 
 FETCH_FQN = "zerofx_fetch_fqn"  # str: on fetch_shard nodes, the parameter fetched

@@ -14,7 +14,6 @@ two on it. So one config key, ``sequence_parallel.mixers.attention``, names the 
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,15 +25,9 @@ from zerofx.common.units import format_bytes
 from zerofx.cost_models.sequence import AttentionDims, ring_exchange_bytes, ulysses_exchange_bytes
 from zerofx.passes import _compat, meta
 from zerofx.passes.ring_attention import ring_attention, ring_exchanges
+from zerofx.passes.plan.sequence import ATTENTION_KEY, SequenceAttention
 from zerofx.passes.seq_regions import is_sdpa
 from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all, bytes_by_strategy
-
-
-class SequenceAttention(enum.Enum):
-    """The attention mixer's strategies, the default first."""
-
-    ULYSSES = "ulysses"
-    RING = "ring"
 
 
 @dataclass(frozen=True)
@@ -94,13 +87,11 @@ def _is_causal(node: fx.Node) -> bool:
 class AttentionMixer:
     """``scaled_dot_product_attention`` by Ulysses or ring; its sites are ``AttentionShape``."""
 
-    name = "attention"
-    strategies = tuple(s.value for s in SequenceAttention)
+    name = ATTENTION_KEY.name
+    strategies = ATTENTION_KEY.strategies
     supports = "scaled_dot_product_attention (or written out as softmax(q @ k.T * scale + mask) @ v)"
     runs_zigzag = True
-    doc = ("how attention exchanges data: \"ulysses\" (all-to-all to head sharding, the default), \"ring\" (key/value blocks "
-           "passed around the group, NOTE [Ring attention]) or \"auto\" (the one that sends fewer bytes, ring where the size "
-           "does not divide the query heads)")
+    doc = ATTENTION_KEY.doc
 
     def matches(self, node: fx.Node) -> bool:
         return is_sdpa(node)

@@ -52,6 +52,7 @@ from zerofx.common.units import format_bytes
 from zerofx.cost_models.sequence import (HaloDims, LongConvDims, PrefixDims, channels_exchange_bytes, halo_exchange_bytes,
                                          prefix_exchange_bytes)
 from zerofx.passes import _compat, meta
+from zerofx.passes.plan.sequence import CUMSUM_KEY, LONG_CONV_KEY, SHORT_CONV_KEY
 from zerofx.passes.seq_regions import is_empty_pad, is_pointwise_conv1d, op_packet
 from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
 
@@ -132,12 +133,11 @@ class ShortConvSite(HaloDims):
 class ShortConvMixer:
     """A causal ``conv1d`` along the sequence by a halo from the left neighbour (NOTE [Convolutions along the sequence])."""
 
-    name = "short_conv"
-    strategies = ("halo",)
+    name = SHORT_CONV_KEY.name
+    strategies = SHORT_CONV_KEY.strategies
     supports = "causal depthwise conv1d with stride and dilation 1 (a pad of K-1 on the left, or padding=K-1 sliced to T)"
     runs_zigzag = False
-    doc = ("how a short causal depthwise conv1d along the sequence exchanges data: \"halo\" (the K-1 positions before each "
-           "rank's slice from its left neighbour, one all-to-all; NOTE [Convolutions along the sequence]) or \"auto\" (the same)")
+    doc = SHORT_CONV_KEY.doc
 
     def matches(self, node: fx.Node) -> bool:
         return (_is_conv1d(node) and not is_pointwise_conv1d(node)) or _is_causal_pad(node)
@@ -240,12 +240,11 @@ class LongConvSite(LongConvDims):
 class LongConvMixer:
     """``irfft(rfft(u) * rfft(h))[..., :T]`` by all-to-alls to channel shards and back (NOTE [Convolutions along the sequence])."""
 
-    name = "long_conv"
-    strategies = ("channels",)
+    name = LONG_CONV_KEY.name
+    strategies = LONG_CONV_KEY.strategies
     supports = "causal FFT convolution (fft_rfft of the signal and the filter with n=2T, their product, fft_irfft, the first T outputs)"
     runs_zigzag = False
-    doc = ("how a long causal convolution by FFT exchanges data: \"channels\" (all-to-all to channel shards for the FFTs and "
-           "back; NOTE [Convolutions along the sequence]) or \"auto\" (the same)")
+    doc = LONG_CONV_KEY.doc
 
     def matches(self, node: fx.Node) -> bool:
         return _is_fft(node)
@@ -364,12 +363,11 @@ def _accumulation(dtype: torch.dtype) -> torch.dtype:
 class CumsumMixer:
     """``cumsum`` along the sequence by the lower ranks' totals (NOTE [Convolutions along the sequence])."""
 
-    name = "cumsum"
-    strategies = ("prefix",)
+    name = CUMSUM_KEY.name
+    strategies = CUMSUM_KEY.strategies
     supports = "cumsum along the sequence"
     runs_zigzag = False
-    doc = ("how a cumsum along the sequence exchanges data: \"prefix\" (each rank's slice totals to every rank, one all-to-all; "
-           "NOTE [Convolutions along the sequence]) or \"auto\" (the same)")
+    doc = CUMSUM_KEY.doc
 
     def matches(self, node: fx.Node) -> bool:
         return op_packet(node) is aten.cumsum

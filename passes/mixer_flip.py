@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from zerofx.common.units import format_bytes
 from zerofx.cost_models.sequence import FlipDims, flip_exchange_bytes
+from zerofx.passes.plan.sequence import FLIP_KEY
 from zerofx.passes.seq_regions import op_packet
 from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
 
@@ -52,12 +53,11 @@ def _dims(node: fx.Node, rank: int) -> list[int]:
 class FlipMixer:
     """``aten.flip`` of a sequence-sharded value; its sites are ``FlipSite``."""
 
-    name = "flip"
-    strategies = ("all_to_all",)
+    name = FLIP_KEY.name
+    strategies = FLIP_KEY.strategies
     supports = "flip along the sequence"
     runs_zigzag = False
-    doc = ("how a flip along the sequence exchanges data: \"all_to_all\" (two all-to-alls move each rank's flipped slice to "
-           "rank S - 1 - r, NOTE [Flip along the sequence]) or \"auto\" (the same)")
+    doc = FLIP_KEY.doc
 
     def matches(self, node: fx.Node) -> bool:
         return node.op == "call_function" and op_packet(node) is aten.flip

@@ -29,7 +29,6 @@ mixer does not run on the zigzag layout (NOTE [Zigzag layout for causal rings]).
 
 from __future__ import annotations
 
-import enum
 import operator
 from collections.abc import Sequence
 
@@ -40,15 +39,10 @@ from zerofx.common.errors import SequenceParallelError
 from zerofx.common.units import format_bytes
 from zerofx.cost_models.sequence import ScanDims, state_passing_exchange_bytes
 from zerofx.models.scan import scan_dtype
+from zerofx.passes.plan.sequence import SCAN_KEY, ScanStrategy
 from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
 
 SCAN_OP = torch.ops.zerofx.selective_scan.default
-
-
-class ScanStrategy(enum.Enum):
-    """The scan mixer's strategies, the default first."""
-
-    STATE_PASSING = "state_passing"
 
 
 def is_selective_scan(node: fx.Node) -> bool:
@@ -64,12 +58,11 @@ def _is_scan_output(node: fx.Node) -> bool:
 class ScanMixer:
     """``zerofx::selective_scan`` and the ``getitem`` of its outputs; its sites are ``ScanDims``."""
 
-    name = "scan"
-    strategies = tuple(s.value for s in ScanStrategy)
+    name = SCAN_KEY.name
+    strategies = SCAN_KEY.strategies
     supports = "zerofx::selective_scan (state passing)"
     runs_zigzag = False
-    doc = ("how a selective scan (zerofx::selective_scan) exchanges data: \"state_passing\" (each rank's final state and "
-           "decay to every rank, NOTE [Scan by state passing]) or \"auto\" (the same)")
+    doc = SCAN_KEY.doc
 
     def matches(self, node: fx.Node) -> bool:
         return is_selective_scan(node) or _is_scan_output(node)

@@ -42,11 +42,8 @@ a tier and first-fit decreasing is already what this rule gives them.
 
 from __future__ import annotations
 
-import enum
-import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
 
 from zerofx.cost_models.offload import (
     FetchItem,
@@ -57,90 +54,8 @@ from zerofx.cost_models.offload import (
     estimate_param_write_s,
 )
 from zerofx.cost_models.tiers import Tier
+from zerofx.passes.plan.offload import FASTEST_FIRST, OffloadPlan, ParamOffloadPlan, Placement
 from zerofx.common.errors import PlanError
-from zerofx.common.units import format_bytes
-
-_FASTEST_FIRST = (Tier.DEVICE, Tier.CPU, Tier.NVME)
-
-
-class Placement(str, enum.Enum):
-    """How the shards' tiers were chosen (NOTE [Placing shards by their cost per step])."""
-
-    FIRST_FIT = "first_fit"  # largest first onto the fastest tier with room
-    BANDWIDTH = "bandwidth"  # most exposed seconds saved per byte first
-    BEST = "best"  # the planner's choice: whichever of the two the fetch timeline predicts faster
-
-
-class _TierPlacement:
-    """What both placements answer: the tier of a tensor, the tensors on a tier and their bytes.
-    Subclasses are frozen dataclasses with ``tiers`` and ``_SIZES`` naming their (fqn, bytes) field."""
-
-    tiers: tuple[tuple[str, Tier], ...]
-    _SIZES: str
-
-    def tier_of(self, fqn: str) -> Tier:
-        for f, t in self.tiers:
-            if f == fqn:
-                return t
-        raise KeyError(fqn)
-
-    def fqns_on(self, tier: Tier) -> tuple[str, ...]:
-        return tuple(f for f, t in self.tiers if t is tier)
-
-    def bytes_on(self, tier: Tier) -> int:
-        sizes = dict(getattr(self, self._SIZES))
-        return sum(sizes[f] for f in self.fqns_on(tier))
-
-    def to_json(self) -> str:
-        d = asdict(self)
-        d["tiers"] = [[f, t.value] for f, t in self.tiers]
-        d["estimates"] = dict(d["estimates"])
-        return json.dumps(d, indent=1, sort_keys=True)
-
-
-@dataclass(frozen=True)
-class OffloadPlan(_TierPlacement):
-    """Per-parameter tiers, the update (swap-in) order, and the estimates that justified them."""
-
-    tiers: tuple[tuple[str, Tier], ...]  # (fqn, tier), in update order
-    record_bytes: tuple[tuple[str, int], ...]  # (fqn, bytes of its record), in update order
-    buffer_count: int
-    delayed_update: bool
-    # Seconds per step: the whole optimizer step, its updates, all record I/O, and the I/O the
-    # step waits for (the rest is hidden).
-    estimates: Mapping[str, float]
-    _SIZES = "record_bytes"
-
-    @property
-    def update_order(self) -> tuple[str, ...]:
-        return tuple(f for f, _ in self.tiers)
-
-    @classmethod
-    def from_json(cls, text: str) -> OffloadPlan:
-        d = json.loads(text)
-        return cls(
-            tiers=tuple((f, Tier(t)) for f, t in d["tiers"]),
-            record_bytes=tuple((f, int(b)) for f, b in d["record_bytes"]),
-            buffer_count=d["buffer_count"],
-            delayed_update=d["delayed_update"],
-            estimates=d["estimates"],
-        )
-
-    def __str__(self) -> str:
-        from tabulate import tabulate
-
-
-        e = self.estimates
-        rows = [(t.value, len(self.fqns_on(t)), format_bytes(self.bytes_on(t))) for t in _FASTEST_FIRST]
-        lines = [
-            f"offload: optimizer-state records per tier, {self.buffer_count} NVMe buffers"
-            + (", one-step delayed update" if self.delayed_update else ""),
-            tabulate(rows, headers=["tier", "tensors", "bytes per rank"], tablefmt="simple"),
-            f"optimizer step {e['step_s'] * 1e3:.1f} ms: updates {e['update_s'] * 1e3:.1f} ms, record I/O "
-            f"{e['io_s'] * 1e3:.1f} ms per step, of which hidden {e['hidden_io_s'] * 1e3:.1f} ms and "
-            f"exposed {e['exposed_io_s'] * 1e3:.1f} ms",
-        ]
-        return "\n".join(lines)
 
 
 def plan_offload(
@@ -156,14 +71,14 @@ def plan_offload(
     """Place each ``(fqn, record_bytes)`` (in backward order) on a tier of ``tiers``; see NOTE
     [Bandwidth-centric placement]. ``Tier.DEVICE`` is always available (budget 0 if absent).
     ``ValueError`` when the records do not fit the tiers' budgets, naming the shortfall."""
-    budgets = {t: (tiers[t].budget_bytes if t in tiers else 0.0) for t in _FASTEST_FIRST}
+    budgets = {t: (tiers[t].budget_bytes if t in tiers else 0.0) for t in FASTEST_FIRST}
     if Tier.NVME not in tiers:
         budgets[Tier.NVME] = 0.0
     left = dict(budgets)
     placed: dict[str, Tier] = {}
     position = {f: i for i, (f, _) in enumerate(records)}
     for fqn, size in sorted(records, key=lambda r: (-r[1], position[r[0]])):
-        tier = next((t for t in _FASTEST_FIRST if size <= left[t]), None)
+        tier = next((t for t in FASTEST_FIRST if size <= left[t]), None)
         if tier is None:
             total = sum(b for _, b in records)
             raise PlanError(
@@ -173,7 +88,7 @@ def plan_offload(
             )
         left[tier] -= size
         placed[fqn] = tier
-    order = [f for t in _FASTEST_FIRST for f, _ in records if placed[f] is t]
+    order = [f for t in FASTEST_FIRST for f, _ in records if placed[f] is t]
     sizes = dict(records)
     timeline = estimate_offload_timeline(
         [OffloadItem(f, placed[f], sizes[f]) for f in order],
@@ -201,61 +116,6 @@ def plan_offload(
     )
 
 
-# --------------------------------------------------------------------------- parameter shards
-@dataclass(frozen=True)
-class ParamOffloadPlan(_TierPlacement):
-    """Per-shard tiers at stage 3 (``offload_param``), in model order, and the estimated I/O.
-
-    Shards on ``Tier.CPU`` or ``Tier.NVME`` are *offloaded*: ``fetch_params_pass`` makes the
-    graphs fetch them right before their bucket's all-gather. ``Tier.DEVICE`` shards stay in the
-    engine's flat buffer as without offload."""
-
-    tiers: tuple[tuple[str, Tier], ...]  # (fqn, tier), model order
-    shard_bytes: tuple[tuple[str, int], ...]
-    buffer_count: int
-    # Seconds per step (forward + backward reads, write-backs; exposed = waited for), and the
-    # exposed seconds each placement was predicted to cost (``first_fit_exposed_io_s``,
-    # ``bandwidth_exposed_io_s``).
-    estimates: Mapping[str, float]
-    placement: Placement = Placement.FIRST_FIT  # which placement ``tiers`` is
-    _SIZES = "shard_bytes"
-
-    @property
-    def offloaded(self) -> frozenset[str]:
-        return frozenset(f for f, t in self.tiers if t is not Tier.DEVICE)
-
-    @classmethod
-    def from_json(cls, text: str) -> ParamOffloadPlan:
-        d = json.loads(text)
-        return cls(
-            tiers=tuple((f, Tier(t)) for f, t in d["tiers"]),
-            shard_bytes=tuple((f, int(b)) for f, b in d["shard_bytes"]),
-            buffer_count=d["buffer_count"],
-            estimates=d["estimates"],
-            placement=Placement(d.get("placement", Placement.FIRST_FIT.value)),
-        )
-
-    def __str__(self) -> str:
-        from tabulate import tabulate
-
-
-        e = self.estimates
-        rows = [(t.value, len(self.fqns_on(t)), format_bytes(self.bytes_on(t))) for t in _FASTEST_FIRST]
-        lines = [
-            f"offload_param: parameter shards per tier, {self.buffer_count} NVMe reads ahead",
-            tabulate(rows, headers=["tier", "shards", "bytes per rank"], tablefmt="simple"),
-            f"parameter I/O {e['io_s'] * 1e3:.3g} ms per step (reads {e['read_s'] * 1e3:.3g} ms in forward and backward, "
-            f"write-backs {e['write_s'] * 1e3:.3g} ms), of which hidden {e['hidden_io_s'] * 1e3:.3g} ms and exposed "
-            f"{e['exposed_io_s'] * 1e3:.3g} ms",
-        ]
-        if "first_fit_exposed_io_s" in e:
-            ff, bw = e["first_fit_exposed_io_s"], e["bandwidth_exposed_io_s"]
-            chosen = "cost per step (bandwidth-centric)" if self.placement is Placement.BANDWIDTH else "first-fit decreasing"
-            lines.append(f"placement: {chosen}; predicted exposed parameter I/O {bw * 1e3:.3g} ms per step by cost per step, "
-                         f"{ff * 1e3:.3g} ms by first-fit decreasing")
-        return "\n".join(lines)
-
-
 def _first_fit(
     sizes: Sequence[tuple[str, int]], budgets: Mapping[Tier, float], key: Mapping[str, float] | None = None
 ) -> tuple[dict[str, Tier], str | None]:
@@ -267,7 +127,7 @@ def _first_fit(
     position = {f: i for i, (f, _) in enumerate(sizes)}
     rank = key if key is not None else {f: 0.0 for f, _ in sizes}
     for fqn, size in sorted(sizes, key=lambda r: (-rank[r[0]], -r[1], position[r[0]])):
-        tier = next((t for t in _FASTEST_FIRST if size <= left[t]), None)
+        tier = next((t for t in FASTEST_FIRST if size <= left[t]), None)
         if tier is None:
             return placed, fqn
         left[tier] -= size
@@ -302,7 +162,7 @@ def plan_param_offload(
     all-gather buckets in forward order; backward gathers them in reverse. Each bucket is assumed
     needed at an even share of the pass's compute (``forward_s``, ``backward_s``). ``ValueError``
     when the shards do not fit the budgets."""
-    budgets = {t: (tiers[t].budget_bytes if t in tiers else 0.0) for t in _FASTEST_FIRST}
+    budgets = {t: (tiers[t].budget_bytes if t in tiers else 0.0) for t in FASTEST_FIRST}
     sizes = {f: b for f, b, _ in shards}
     trainable = {f: t for f, _, t in shards}
     first_fit, no_room = _first_fit([(f, b) for f, b, _ in shards], budgets)
@@ -336,11 +196,11 @@ def plan_param_offload(
         for f in bucket:
             if f in hide:  # forward gathers bucket k k-th, backward (n - 1 - k)-th
                 hide[f] = (forward_s * min(k, buffer_count) / n, backward_s * min(n - 1 - k, buffer_count) / n)
-    slow = next(t for t in reversed(_FASTEST_FIRST) if budgets[t] > 0 or t is Tier.DEVICE)
+    slow = next(t for t in reversed(FASTEST_FIRST) if budgets[t] > 0 or t is Tier.DEVICE)
     saving = {}
     for f, b in sizes.items():
         on_slow = _tier_cost_s(b, slow, tiers, hide_s=hide[f], writes=int(trainable[f]))
-        on_fast = min(_tier_cost_s(b, t, tiers, hide_s=hide[f], writes=int(trainable[f])) for t in _FASTEST_FIRST)
+        on_fast = min(_tier_cost_s(b, t, tiers, hide_s=hide[f], writes=int(trainable[f])) for t in FASTEST_FIRST)
         saving[f] = (on_slow - on_fast) / max(b, 1)
     by_cost, no_room = _first_fit([(f, b) for f, b, _ in shards], budgets, key=saving)
     if no_room is not None:  # packing in another order left a gap: keep first-fit

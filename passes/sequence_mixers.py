@@ -41,9 +41,6 @@ import torch.fx as fx
 from zerofx.passes import _compat
 from zerofx.passes.seq_regions import SeqAnalysis
 
-AUTO = "auto"  # every mixer accepts it: its ``choose`` picks one of its strategies
-
-
 @dataclass(frozen=True)
 class MixerCheck:
     """What ``SequenceMixer.check`` reads of the analysed forward for one node."""

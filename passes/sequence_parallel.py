@@ -90,7 +90,8 @@ from zerofx.passes.mixer_flip import FLIP
 from zerofx.passes.mixer_scan import SCAN
 from zerofx.passes.ring_attention import rank_positions
 from zerofx.passes.seq_regions import SeqAnalysis, analyze, op_packet, sequence_length
-from zerofx.passes.sequence_mixers import AUTO, MixerCheck, MixerRewrite, SequenceMixer, all_to_all
+from zerofx.passes.plan.sequence import AUTO, MIXER_KEYS, SequenceParallelPlan, SequenceParallelSpec
+from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, SequenceMixer, all_to_all
 from zerofx.common.errors import SequenceParallelError
 
 aten = torch.ops.aten
@@ -100,6 +101,7 @@ _FLATTEN = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten}
 _SHAPED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
 # The ops that mix positions and how each shards, in the order they are asked (NOTE [Sequence mixers] in passes/sequence_mixers.py).
 MIXERS: tuple[SequenceMixer, ...] = (ATTENTION, SHORT_CONV, LONG_CONV, CUMSUM, SCAN, FLIP)
+assert tuple(m.name for m in MIXERS) == tuple(k.name for k in MIXER_KEYS), "the config's MIXER_KEYS name MIXERS, in order"
 
 
 def all_mixers() -> tuple[SequenceMixer, ...]:
@@ -120,20 +122,6 @@ def supported() -> str:
 
 
 @dataclass(frozen=True)
-class SequenceParallelSpec:
-    """What the config asks for, and the sequence group the collectives run over."""
-
-    size: int
-    mixers: tuple[tuple[str, str], ...] = ()  # (op class, strategy or "auto"); an op class left out runs by its mixer's default
-    group_name: str = ""
-    load_balance: bool = True  # zigzag layout for causal ring attention (NOTE [Zigzag layout for causal rings])
-
-    def strategy(self, mixer: SequenceMixer) -> str:
-        """The strategy asked for ``mixer``: as given, else its default (the first of its strategies)."""
-        return dict(self.mixers).get(mixer.name, mixer.strategies[0])
-
-
-@dataclass(frozen=True)
 class LossSite:
     """``cross_entropy(flatten(casts(slice(base, seq, 0, T-shift))), flatten(target))``, ``target`` of
     shape (..., T-shift) computed from the inputs (``labels[:, shift:]``, or padded then shifted)."""
@@ -145,27 +133,6 @@ class LossSite:
     target_casts: tuple[fx.Node, ...]  # applied to the local labels, in order
     shift: int
     skipped: tuple[fx.Node, ...]  # chain nodes the rewrite replaces
-
-
-@dataclass(frozen=True)
-class SequenceParallelPlan:
-    """What ``plan_sequence_parallel`` decided for one captured forward; ``sequence_parallel_pass``
-    applies it (finding the same ops again by the same analysis) and decides nothing."""
-
-    size: int
-    group_name: str
-    seq_len: int
-    strategies: tuple[tuple[str, str], ...]  # (op class, strategy as resolved) of every mixer whose ops the forward has
-    loss_shift: int
-    decisions: tuple[str, ...]
-    zigzag: bool = False  # each rank holds chunks r and 2S - 1 - r of 2S (NOTE [Zigzag layout for causal rings])
-
-    @property
-    def local_len(self) -> int:
-        return self.seq_len // self.size
-
-    def strategy(self, mixer: SequenceMixer) -> str:
-        return dict(self.strategies)[mixer.name]
 
 
 def module_of_nodes(gm: fx.GraphModule) -> dict[fx.Node, str]:

@@ -16,7 +16,8 @@ from zerofx.cost_models.infinity import NodeSpec, estimate_infinity, estimate_wo
 from zerofx.cost_models.memory import paper_breakdown
 from zerofx.cost_models.offload import TierSpec
 from zerofx.cost_models.tiers import Tier
-from zerofx.passes.plan_offload import ParamOffloadPlan, Placement, plan_param_offload
+from zerofx.passes.plan.offload import ParamOffloadPlan, Placement
+from zerofx.passes.plan_offload import plan_param_offload
 
 INF = math.inf
 ALL_NVME = ["--offload", "nvme", "--offload-param", "nvme", "--offload-grad", "nvme"]
@@ -195,7 +196,7 @@ def test_plan_tier_line_takes_offloaded_bytes_off_the_peak() -> None:
     from types import SimpleNamespace
 
     from zerofx.app.estimate import format_plan_tiers, plan_tier_bytes
-    from zerofx.passes.plan_offload import OffloadPlan
+    from zerofx.passes.plan.offload import OffloadPlan
 
     records = OffloadPlan(tiers=(("a", Tier.CPU), ("b", Tier.NVME)), record_bytes=(("a", 300), ("b", 500)), buffer_count=1,
                           delayed_update=False, estimates={})

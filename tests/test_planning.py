@@ -15,7 +15,7 @@ import zerofx
 from tests.support.models import dna_one_block
 from zerofx.compiler.folding import RepeatedBlocks, same_tiling_per_block
 from zerofx.config import parse_bytes
-from zerofx.passes.plan_tiling import TiledOp
+from zerofx.passes.plan.tiling import TiledOp
 from zerofx.cost_models.memory import paper_breakdown
 from zerofx.cost_models.symbolic import B, T, fit_exact, fit_timeline, longest_fitting
 from zerofx.app.planning import (

@@ -9,7 +9,7 @@ import random
 from types import SimpleNamespace
 
 from zerofx.compiler.search import fit_recompute, lower_prefetch_distance
-from zerofx.passes.plan_recompute import RecomputeMode
+from zerofx.passes.plan.recompute import RecomputeMode
 
 PEAKS = {3: 40.0, 2: 30.0, 1: 20.0, 0: 15.0}  # bytes at each prefetch distance
 
@@ -122,7 +122,7 @@ def test_recompute_search_tries_fewer_when_every_one_peaks_too_high() -> None:
 def _stub_tiling_plans(per_block: dict[int, dict[str, int]], outside: dict[int, dict[str, int]], seq_len: int = 1024):
     """``plan_of(n, options)`` for a model whose every block saves ``per_block[block][kind]`` and
     whose head saves ``outside[block][kind]``, with 100 untiled bytes per block and 50 outside."""
-    from zerofx.passes.plan_tiling import TiledOp, TilingPlan
+    from zerofx.passes.plan.tiling import TiledOp, TilingPlan
 
     def plan_of(n: int, options):
         block = options.block_size or 512
@@ -135,7 +135,7 @@ def _stub_tiling_plans(per_block: dict[int, dict[str, int]], outside: dict[int, 
 
 def test_folded_tiling_estimates_are_the_whole_models() -> None:
     from zerofx.compiler.folded_tiling import ladder, pinned_on, whole_estimates
-    from zerofx.passes.plan_tiling import TilingOptions
+    from zerofx.passes.plan.tiling import TilingOptions
 
     per_block = {512: {"attention": 30, "region": 20}, 256: {"attention": 30, "region": 25}}
     outside = {512: {"loss": 10}, 256: {"loss": 12}}

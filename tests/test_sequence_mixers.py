@@ -20,7 +20,7 @@ from zerofx.passes import mixer_custom, sequence_parallel
 from zerofx.passes.meta import is_all_to_all
 from zerofx.passes.mixer_attention import ATTENTION, AttentionShape
 from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all, bytes_by_strategy
-from zerofx.passes.sequence_parallel import SequenceParallelSpec
+from zerofx.passes.plan.sequence import SequenceParallelSpec
 
 aten = torch.ops.aten
 
@@ -94,10 +94,11 @@ def _compile(model: torch.nn.Module, section: dict) -> zerofx.Program:
 
 
 def _registry(monkeypatch: pytest.MonkeyPatch, *mixers: object) -> None:
-    """``MIXERS`` as given, for the plan and for the config's spec (which names every mixer), and no declared mixer."""
+    """``MIXERS`` as given, for the plan, and as the config's ``MIXER_KEYS`` for its spec (which names every mixer), and no
+    declared mixer."""
     monkeypatch.setattr(sequence_parallel, "MIXERS", mixers)
     monkeypatch.setattr(mixer_custom, "_DECLARED", {})
-    monkeypatch.setattr(options, "MIXERS", mixers)
+    monkeypatch.setattr(options, "MIXER_KEYS", mixers)
 
 
 def test_a_registered_mixer_is_asked_and_its_rewrite_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,8 @@ from tests.support.programs import saved_views_of_inputs_bytes
 from zerofx.common.errors import CaptureError, ConfigError
 from zerofx.passes.analyze_schedule import schedule_table
 from zerofx.passes.meta import is_all_to_all
-from zerofx.passes.mixer_attention import AttentionShape, SequenceAttention, choose_attention
+from zerofx.passes.mixer_attention import AttentionShape, choose_attention
+from zerofx.passes.plan.sequence import SequenceAttention
 from zerofx.passes.ring_attention import is_ring_attention
 from zerofx.app.training import TrainOptions, _cycle_batches, check_train_options, data_layout
 

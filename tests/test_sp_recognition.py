@@ -20,7 +20,7 @@ from zerofx.compiler.pipeline import StepCapture
 from zerofx.passes import meta
 from zerofx.passes.canonical_attention import canonicalize_attention_pass
 from zerofx.passes.canonical_fft import canonicalize_fft_conv_pass
-from zerofx.passes.sequence_parallel import SequenceParallelSpec
+from zerofx.passes.plan.sequence import SequenceParallelSpec
 from zerofx.passes.seq_regions import is_sdpa
 
 aten = torch.ops.aten

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import zerofx
 from zerofx.passes import partition_joint, tiled_kernels  # noqa: F401  (registers zerofx:: ops)
 from zerofx.passes.plan import Plan
-from zerofx.passes.plan_tiling import TilingOptions
+from zerofx.passes.plan.tiling import TilingOptions
 from tests.support.dist_utils import run_ranks
 from tests.test_core_passes import collectives
 from tests.support.tiling_models import BATCH, SEQ, dna_lm, llama, padding_mask, softmax_lm, tokens

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zerofx.models import build_model
-from zerofx.passes.plan_tiling import TilingOptions
+from zerofx.passes.plan.tiling import TilingOptions
 from tests.test_tiling import assert_parity, run_partitioned
 
 SEQ = 64

@@ -39,8 +39,8 @@ from zerofx.models.hf_experts import experts_traceable
 from zerofx.models.hf_mamba import scan_adapted
 from zerofx.passes import _compat, meta
 from zerofx.passes._compat import pytree
-from zerofx.passes.plan_tiling import TilingPlan
-from zerofx.passes.sequence_parallel import SequenceParallelPlan
+from zerofx.passes.plan.tiling import TilingPlan
+from zerofx.passes.plan.sequence import SequenceParallelPlan
 
 LossFn = Callable[..., torch.Tensor]
 

@@ -52,7 +52,8 @@ from zerofx.compiler.folding import FOLD_BLOCKS, RepeatedBlocks, extrapolate, wi
 from zerofx.compiler.pipeline import StepCapture
 from zerofx.config import ZeroConfig
 from zerofx.config.compile_options import compile_options
-from zerofx.passes.plan_tiling import DEFAULT_BUDGET_BYTES, KINDS, TilingOptions, TilingPlan, block_choices
+from zerofx.passes.plan.tiling import DEFAULT_BUDGET_BYTES, KINDS, TilingOptions, TilingPlan
+from zerofx.passes.plan_tiling import block_choices
 
 # The kinds a folded tiling chooses among; weights are tiled by size, not by the activation
 # budget (NOTE [Weight tiles] in passes/plan_tiling.py), so they stay on as "auto" leaves them.

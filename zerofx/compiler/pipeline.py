@@ -72,15 +72,18 @@ from zerofx.passes.grad_sync import build_grad_sync
 from zerofx.passes.offload_grads import offload_grads_pass
 from zerofx.passes.plan import ScheduleOptions
 from zerofx.passes import plan_recompute as recompute_module
-from zerofx.passes.plan_offload import ParamOffloadPlan
-from zerofx.passes.plan_recompute import RecomputedActivation, RecomputeMode, RecomputePlan, plan_recompute, recompute_activations_pass, recompute_candidates
+from zerofx.passes.plan.offload import ParamOffloadPlan
+from zerofx.passes.plan.recompute import RecomputedActivation, RecomputeMode, RecomputePlan
+from zerofx.passes.plan_recompute import plan_recompute, recompute_activations_pass, recompute_candidates
 from zerofx.passes.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
-from zerofx.passes.plan_tiling import TilingOptions, TilingPlan, plan_tiling
+from zerofx.passes.plan.tiling import TilingOptions, TilingPlan
+from zerofx.passes.plan_tiling import plan_tiling
 from zerofx.passes.reduce_scatter_all_to_all import reduce_scatter_by_all_to_all_pass
 from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 from zerofx.passes.canonical_attention import canonicalize_attention_pass
 from zerofx.passes.canonical_fft import canonicalize_fft_conv_pass
-from zerofx.passes.sequence_parallel import SequenceParallelPlan, SequenceParallelSpec, plan_sequence_parallel, sequence_parallel_pass
+from zerofx.passes.plan.sequence import SequenceParallelPlan, SequenceParallelSpec
+from zerofx.passes.sequence_parallel import plan_sequence_parallel, sequence_parallel_pass
 from zerofx.passes.tile_forward import tile_forward_pass
 from zerofx.passes.tile_weights import tile_weights_pass
 

@@ -25,7 +25,7 @@ from zerofx.cost_models.compute import CPU_CORE, DeviceSpec
 from zerofx.cost_models.profiles import load_profile
 from zerofx.passes import Plan, ZeroStage, _compat
 from zerofx.passes.analyze_schedule import ScheduleReport, analyze_schedule
-from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan.offload import ParamOffloadPlan
 from zerofx.passes.plan_shard_groups import prefetch_from_profile
 from zerofx.passes.plan_sharding import plan_sharding_from_shapes
 from zerofx.compiler.capture import CapturedStep, LossFn, flatten_call, traced_param_infos

@@ -19,8 +19,8 @@ from typing import Generic, Protocol, TypeVar
 from zerofx.passes.analyze_schedule import ScheduleReport
 from zerofx.common.units import format_bytes
 from zerofx.passes.plan import Plan
-from zerofx.passes.plan_recompute import RecomputeMode
-from zerofx.passes.plan_tiling import TilingOptions
+from zerofx.passes.plan.recompute import RecomputeMode
+from zerofx.passes.plan.tiling import TilingOptions
 
 log = logging.getLogger("zerofx.tiling")
 

@@ -34,8 +34,8 @@ import torch
 
 from zerofx.cost_models.memory import OPTIMIZERS, optimizer_kind
 from zerofx.passes.plan import ScheduleOptions
-from zerofx.passes.plan_tiling import TilingOptions
-from zerofx.passes.sequence_parallel import SequenceParallelSpec
+from zerofx.passes.plan.tiling import TilingOptions
+from zerofx.passes.plan.sequence import SequenceParallelSpec
 from zerofx.config.options import AutoOptions, NonFinite
 from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_GRADIENT_ACCUMULATION_STEPS, DEFAULT_GRADIENT_CLIPPING, DEFAULT_LR,
                                    DEFAULT_OPTIMIZER_TYPE, DEFAULT_PROFILE, DEFAULT_PROGRAM_CACHE_SIZE, CacheTrust, GraphCompiler,

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from zerofx.passes.plan import ScheduleOptions, ZeroStage
-from zerofx.passes.plan_tiling import TilingOptions
-from zerofx.passes.sequence_parallel import SequenceParallelSpec
+from zerofx.passes.plan.tiling import TilingOptions
+from zerofx.passes.plan.sequence import SequenceParallelSpec
 from zerofx.config import ZeroConfig, check_sequence_parallel_size, check_shard_group_size
 
 

@@ -14,9 +14,9 @@ import os
 from typing import Any
 
 from zerofx.passes.plan import ScheduleOptions
-from zerofx.passes.plan_recompute import RecomputeMode
-from zerofx.passes.plan_tiling import KINDS, TilingOptions
-from zerofx.passes.sequence_parallel import MIXERS, SequenceParallelSpec
+from zerofx.passes.plan.recompute import RecomputeMode
+from zerofx.passes.plan.tiling import KINDS, TilingOptions
+from zerofx.passes.plan.sequence import MIXER_KEYS, SequenceParallelSpec
 from zerofx.common.units import parse_bytes
 
 
@@ -269,7 +269,7 @@ def sequence_parallel_spec(section: Mapping[str, Any] | None) -> SequenceParalle
     # every mixer is named, with its default where the config leaves it out, so equal settings give equal specs.
     asked = {"attention": section["attention"]} if "attention" in section else {}
     asked |= section.get("mixers", {})
-    return SequenceParallelSpec(size=section["size"], mixers=tuple((m.name, asked.get(m.name, m.strategies[0])) for m in MIXERS),
+    return SequenceParallelSpec(size=section["size"], mixers=tuple((m.name, asked.get(m.name, m.strategies[0])) for m in MIXER_KEYS),
                                 load_balance=section.get("load_balance", True))
 
 

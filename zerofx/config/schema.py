@@ -13,9 +13,7 @@ from typing import Any
 from zerofx.cost_models.memory import OPTIMIZER_TYPES
 from zerofx.cost_models.tiers import NO_OFFLOAD, OFFLOAD_TIERS
 from zerofx.cost_models.profiles import BUILTIN as BUILTIN_PROFILES
-from zerofx.passes.mixer_attention import ATTENTION
-from zerofx.passes.sequence_mixers import AUTO, SequenceMixer
-from zerofx.passes.sequence_parallel import MIXERS
+from zerofx.passes.plan.sequence import ATTENTION_KEY, AUTO, MIXER_KEYS, MixerKey
 from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_MONITOR_JOB_NAME, DEFAULT_PROGRAM_CACHE_SIZE, DEFAULT_WANDB_PROJECT,
                                    MAX_COLLECTIVE_TIMEOUT_S, MAX_INITIAL_SCALE_POWER, MAX_LOSS_SCALE, PLAN_CACHE_ENV,
                                    GraphCompiler, LossScaleOptions)
@@ -41,7 +39,7 @@ class Key:
     per_rank: bool = False
 
 
-def _strategy_key(mixer: SequenceMixer) -> Key:
+def _strategy_key(mixer: MixerKey) -> Key:
     """The config key naming how ``mixer``'s op class shards: one of its strategies, or "auto"."""
     accepted = (*mixer.strategies, AUTO)
     return Key((str,), mixer.doc, lambda v: v in accepted, ", ".join(f'"{s}"' for s in accepted))
@@ -283,10 +281,10 @@ SCHEMA: dict[str, Key] = {
                                  "running 1/size of it (NOTE [Sequence parallelism as a rewrite])", children={
             "size": Key((int,), "ranks per sequence group; data-parallel size = world size / size", _pos_int,
                         "an integer >= 1 that divides the world size"),
-            "attention": _strategy_key(ATTENTION),
+            "attention": _strategy_key(ATTENTION_KEY),
             "mixers": Key((dict,), "the strategy of each op class that mixes positions (NOTE [Sequence mixers]); "
                           "\"attention\" here is the same setting as sequence_parallel.attention", children={
-                m.name: _strategy_key(m) for m in MIXERS}),
+                m.name: _strategy_key(m) for m in MIXER_KEYS}),
             "load_balance": Key((bool,), "with ring attention and a causal mask, each rank holds sequence chunks r and 2·size - 1 - r "
                                 "(zigzag) so every rank does the same attention work (default true; needs the sequence length divisible "
                                 "by 2·size, else contiguous slices; NOTE [Zigzag layout for causal rings])"),

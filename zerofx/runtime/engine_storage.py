@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
-from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan.offload import ParamOffloadPlan
 from zerofx.passes.plan_sharding import persistent_params
 from zerofx.config import OptimizerSpec, ZeroConfig
 from zerofx.common.errors import ZeroFXError

@@ -28,7 +28,7 @@ from zerofx.compiler.program import Program, capture_and_plan
 from zerofx.config import ZeroConfig
 from zerofx.config.compile_options import CompileOptions
 from zerofx.passes._compat import pytree
-from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan.offload import ParamOffloadPlan
 from zerofx.runtime import rank_agreement
 
 

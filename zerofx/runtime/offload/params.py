@@ -20,7 +20,7 @@ from zerofx.runtime.offload.files import IO_THREADS, NvmeFiles, OffloadError, al
 from zerofx.runtime.offload.tiers import BackgroundIO, TierBackend, TierRequest, open_tier
 from zerofx.config.offload_options import ParamOffloadOptions
 from zerofx.passes.fetch_params import fetch_shard
-from zerofx.passes.plan_offload import ParamOffloadPlan
+from zerofx.passes.plan.offload import ParamOffloadPlan
 
 
 # --------------------------------------------------------------------------- the parameter store

@@ -17,7 +17,8 @@ from zerofx.cost_models.compute import CPU_CORE
 from zerofx.cost_models.offload import FP32_BYTES, record_numels
 from zerofx.common.errors import ConfigError, PlanError
 from zerofx.config.offload_options import OffloadOptions, ParamOffloadOptions
-from zerofx.passes.plan_offload import OffloadPlan, ParamOffloadPlan, plan_offload, plan_param_offload
+from zerofx.passes.plan.offload import OffloadPlan, ParamOffloadPlan
+from zerofx.passes.plan_offload import plan_offload, plan_param_offload
 
 
 def plan_engine_offload(

@@ -26,7 +26,7 @@ from zerofx.cost_models.tiers import Tier
 from zerofx.runtime.offload.files import IO_THREADS, NvmeFiles
 from zerofx.runtime.offload.tiers import BackgroundIO, TierBackend, TierRequest, open_tier
 from zerofx.config.offload_options import OffloadOptions
-from zerofx.passes.plan_offload import OffloadPlan
+from zerofx.passes.plan.offload import OffloadPlan
 
 
 @dataclass

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from zerofx.common.units import format_bytes
-from zerofx.passes.plan_offload import ParamOffloadPlan
-from zerofx.passes.plan_recompute import RecomputePlan
-from zerofx.passes.plan_tiling import TilingPlan
-from zerofx.passes.sequence_parallel import SequenceParallelPlan
+from zerofx.passes.plan.offload import ParamOffloadPlan
+from zerofx.passes.plan.recompute import RecomputePlan
+from zerofx.passes.plan.tiling import TilingPlan
+from zerofx.passes.plan.sequence import SequenceParallelPlan
 
 
 class ZeroStage(enum.IntEnum):
