@@ -14,7 +14,7 @@ What runs, in this order:
    micro-batch 1 runs first, for two steps, and the cap is its peak RSS less ``--cap-margin``, so
    that FSDP2 needs activation checkpointing to fit (NOTE [A cap where FSDP2 needs activation
    checkpointing]).
-3. **The search.** ``zerofx.compiler.autoplan.search``, what ``zerofx plan --auto`` runs, for a
+3. **The search.** ``zerofx.planner.autoplan.search``, what ``zerofx plan --auto`` runs, for a
    device budget of ``--cap`` less that baseline (NOTE [From an RSS cap to a device budget]),
    with ``"zerofx": {"recompute": "auto"}`` in the base config, so that every candidate may
    recompute activations to fit. Its choice is the ``auto`` configuration.
@@ -388,7 +388,7 @@ def measure(run: RunConfig, opts: argparse.Namespace, *, warmup: int | None = No
 def run_search(opts: argparse.Namespace, budget_bytes: float) -> tuple[Any, dict[str, Any]]:
     """The search ``zerofx plan --auto`` runs, for ``budget_bytes`` per rank, over the base config
     with ``zerofx.recompute: "auto"``; the result and the base config it searched from."""
-    from zerofx.compiler.autoplan import resize_inputs, search, search_space
+    from zerofx.planner.autoplan import resize_inputs, search, search_space
     from zerofx.config import parse_config
     from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 
@@ -596,7 +596,7 @@ def run(opts: argparse.Namespace, log: Any = print, save: Any = None) -> dict[st
         result["probes"] = [p for system in systems for p in probe_fsdp2(system, opts, log, known)[0]]
         return result
     search_result, base = run_search(opts, budget)
-    from zerofx.app.cli import format_auto_plan
+    from zerofx.app.commands.plan_auto import format_auto_plan
 
     search_text = format_auto_plan(search_result, label=opts.size)
     log(search_text)

@@ -63,7 +63,7 @@ def fit_timeline_batch_seq(
     The sizes are exact polynomials, but which values backward saves is the min-cut
     partitioner's choice, weighted by those sizes, so at another batch size it may save a
     slightly different set: the node then holds a few bytes more or less than the polynomial.
-    Callers that must be exact (``zerofx.app.planning.solve_memory``) confirm their answer by capture.
+    Callers that must be exact (``zerofx.planner.solve.solve_memory``) confirm their answer by capture.
     """
     by_batch: dict[int, dict[int, Sequence[int]]] = {}
     for (b, t), values in timelines.items():

@@ -1,4 +1,4 @@
-"""The whole-job search (zerofx/compiler/autoplan.py, docs/autoplan.md): what it chooses as the
+"""The whole-job search (zerofx/planner/autoplan.py, docs/autoplan.md): what it chooses as the
 budget and the context change, what it says when nothing fits, the config block it prints
 planning the same thing again, and ``"zerofx": {"auto": true}`` applied at initialize. Tiny
 models on the meta device, small search spaces: seconds each."""
@@ -17,11 +17,12 @@ import zerofx
 
 from tests.support.autoplan_workers import MeanLM, auto_initialize
 from tests.support.dist_utils import run_ranks
-from zerofx.app.cli import format_auto_plan, main
+from zerofx.app.cli import main
+from zerofx.app.commands.plan_auto import format_auto_plan
 from zerofx.common.errors import ConfigError
 from zerofx.common.units import format_bytes
-from zerofx.compiler import autoplan
-from zerofx.compiler.autoplan import AutoPlan, SearchSpace, candidate_config, resize_inputs, search
+from zerofx.planner import autoplan
+from zerofx.planner.autoplan import AutoPlan, SearchSpace, candidate_config, resize_inputs, search
 from zerofx.config import parse_config
 from zerofx.models.registry import build_model
 from zerofx.passes import Plan
@@ -62,7 +63,7 @@ def test_host_offload_on_a_cpu_rank_frees_nothing() -> None:
     candidate with its optimizer state offloaded there is predicted at the peak its own program
     reports, the peak of the same candidate without offload, and the search does not offer it.
     On the H100 profile it is offered, and its peak is less the records it takes off the device."""
-    from zerofx.compiler.autoplan import Candidate, _Search
+    from zerofx.planner.autoplan import Candidate, _Search
 
     model = build_model("tiny", device="meta")
     ids = torch.zeros(1, 64, dtype=torch.long, device="meta")  # (B, T)
@@ -188,7 +189,7 @@ def test_inductor_is_chosen_where_what_it_keeps_resident_fits(tmp_path: Path) ->
     again = zerofx.compile(model, world_size=2, config=loose.config, example_inputs=(ids,), example_kwargs={"labels": ids})
     assert any("Inductor keeps resident" in d for d in again.plan.decisions)
     # A config that sets zerofx.compile keeps it; a profile that did not measure Inductor leaves it out.
-    from zerofx.compiler.autoplan import search_space
+    from zerofx.planner.autoplan import search_space
 
     for own, expected in (({"compile": "none", "profile": str(profile)}, ("config",)), ({"profile": str(profile)}, ("none", "inductor")),
                           ({}, ("none",))):
@@ -228,7 +229,7 @@ def test_many_ranks_lower_one_or_two_shard_group_sizes_per_stage() -> None:
     them in the shard-group model's order up to the first that fits, so at most two per stage
     here, and still chooses what lowering all eighteen chooses. Every candidate's lowered step is
     at least the floor the search skips candidates by."""
-    from zerofx.compiler.autoplan import Candidate, _Search
+    from zerofx.planner.autoplan import Candidate, _Search
 
     model = build_model("tiny", device="meta")  # 2 blocks: the 21 candidates lowered below cost half what "small"'s 4 do
     ids = torch.zeros(1, 256, dtype=torch.long, device="meta")  # (B, T)
@@ -256,7 +257,7 @@ def test_the_memory_bound_holds_per_stage_and_shard_group_size() -> None:
     taken from stage 0's transient would skip stage 2 K 8, the fastest that fits. Every
     candidate skipped by the memory bound peaks at least at its bound, and the search chooses
     what lowering every candidate chooses."""
-    from zerofx.compiler.autoplan import _Search
+    from zerofx.planner.autoplan import _Search
 
     model = build_model("small", device="meta")
     ids = torch.zeros(1, 32, dtype=torch.long, device="meta")  # (B, T)
@@ -321,7 +322,7 @@ def test_a_folded_recompute_candidate_is_not_planned_whole_where_nothing_recompu
     """NOTE [Budgets of the cut models]: recompute only adds to the step, so a folded candidate
     that recomputes to the budget, planned with nothing recomputed, gives its step's floor; where
     that is slower than the best so far it is not captured and planned whole."""
-    from zerofx.compiler.autoplan import Candidate, Evaluated, _Search
+    from zerofx.planner.autoplan import Candidate, Evaluated, _Search
 
     model = build_model("small", device="meta")
     ids = torch.zeros(1, 64, dtype=torch.long, device="meta")  # (B, T)
@@ -343,7 +344,7 @@ def test_a_folded_search_cuts_longer_where_the_prefetch_window_spans_blocks() ->
     """NOTE [A window that spans blocks]: with one gather bucket per block and a prefetch
     distance of 2 or 3 buckets, a candidate is lowered on cuts longer than 2 and 3 blocks, and
     its folded peak is the whole model's."""
-    from zerofx.compiler.autoplan import Candidate, _Search
+    from zerofx.planner.autoplan import Candidate, _Search
     from zerofx.models import DNADecoderLM
     from zerofx.models.sizes import DNALMConfig
 
@@ -373,7 +374,7 @@ def test_cut_models_are_planned_at_the_whole_models_prefetch_distance() -> None:
     the planner takes from the profile differs between the cut models (4 buckets ahead) and the
     whole one (3), so the cuts are planned at the whole model's, and the folded peak and step
     are the whole model's."""
-    from zerofx.compiler.autoplan import Candidate, _Search
+    from zerofx.planner.autoplan import Candidate, _Search
     from zerofx.compiler.program import resolve
     from zerofx.models import DNADecoderLM
     from zerofx.models.sizes import DNA_LM_SIZES
@@ -501,7 +502,7 @@ def test_keys_the_config_sets_win() -> None:
     """A dimension the config sets is kept: the candidate's config keeps the user's value."""
     fixed = frozenset({"stage", "offload_optimizer"})
     base = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, "zerofx": {"auto": True, "memory_budget": 1}}
-    from zerofx.compiler.autoplan import Candidate
+    from zerofx.planner.autoplan import Candidate
 
     out = candidate_config(base, Candidate(3, 1, 2, "none", "off", 1, 1, "auto"), world_size=2, global_batch=2, fixed=fixed)
     assert out["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu"}}
@@ -562,7 +563,7 @@ def test_a_winner_not_captured_from_its_own_config_says_so(monkeypatch: pytest.M
 def test_a_folded_candidate_planned_whole_says_so_before_it_starts() -> None:
     """The whole model's plan is the longest step of a folded search: the progress says it is
     under way before it starts, and the candidate's figures are the whole model's."""
-    from zerofx.compiler.autoplan import Candidate, _Search
+    from zerofx.planner.autoplan import Candidate, _Search
     from zerofx.models import DNADecoderLM
     from zerofx.models.sizes import DNALMConfig
 
@@ -586,8 +587,8 @@ def test_a_folded_search_pins_one_tiling_for_every_block(monkeypatch: pytest.Mon
     candidate is planned whole, and the config plans the whole model to the folded figures.
     ``"auto"`` pins the least tiled setting whose folded timeline fits, or, when none does, one
     of those needing the least."""
-    from zerofx.compiler import folded_tiling
-    from zerofx.compiler.autoplan import Candidate, _Search
+    from zerofx.planner import folded_tiling
+    from zerofx.planner.autoplan import Candidate, _Search
     from zerofx.compiler.pipeline import StepCapture
     from zerofx.compiler.program import compile, resolve
     from zerofx.models import DNADecoderLM
@@ -635,8 +636,8 @@ def test_a_folded_search_skips_tiling_on_where_auto_tried_it_for_nothing() -> No
     """NOTE [How the whole-job search prunes]: folded, tiling ``true`` is not searched where
     ``"auto"`` at the same micro-batch and sequence-parallel size tried its pinned tiling and it
     needed no less memory than the less tiled one ``"auto"`` kept."""
-    from zerofx.compiler.autoplan import Candidate, _Search
-    from zerofx.compiler.folded_tiling import PinnedTiling
+    from zerofx.planner.autoplan import Candidate, _Search
+    from zerofx.planner.folded_tiling import PinnedTiling
 
     s = _Search(build_model("small", device="meta"), resize_inputs((torch.zeros(1, 64, dtype=torch.long, device="meta"),), {}), {},
                 world_size=2, seq_len=64, global_batch=2, budget_bytes=1e9, fixed=frozenset(), loss_fn=None, fold="on")

@@ -142,7 +142,7 @@ def test_cli_plan_1b_at_world_size_1024(capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert "ZeRO stage 3, world size 1024" in out
     assert "1,011,970,048 parameters" in out
-    # 20 identical blocks: planned by folding (zerofx.compiler.folding), rows of the 2-block capture.
+    # 20 identical blocks: planned by folding (zerofx.planner.folding), rows of the 2-block capture.
     assert "'blocks' holds 20 identical blocks" in out and "(one row per collective" in out and "x19" in out
     assert "all_gather" in out and "reduce_scatter" in out
     assert "budget 4 GiB: fits" in out and "estimated step" in out

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 import zerofx
-from zerofx.app.cli import MAX_WORLD_SIZE, build_parser, main
+from zerofx.app.cli import build_parser, main
+from zerofx.common.limits import MAX_WORLD_SIZE
 from zerofx.data.genome import (
     FOREIGN_CHECK_MIN_SYMBOLS,
     MAX_FOREIGN_FRACTION,

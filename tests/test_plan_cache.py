@@ -264,7 +264,7 @@ def test_a_model_file_loaded_by_path_misses_when_its_code_changes(tmp_path: Path
     import importlib
     import sys
 
-    from zerofx.app.planning import load_model_spec
+    from zerofx.app.model_spec import load_model_spec
 
     model_file, helper_file = tmp_path / "my_models.py", tmp_path / "my_helpers.py"
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -290,7 +290,7 @@ def test_a_model_adapted_with_another_chunk_length_misses() -> None:
     is another key."""
     from transformers import MambaConfig, MambaForCausalLM
 
-    from zerofx.app.planning import ModelSpec
+    from zerofx.planner.solve import ModelSpec
     from zerofx.models.hf_mamba import use_zerofx_scan
 
     ids = torch.zeros(1, 16, dtype=torch.long)
@@ -307,7 +307,8 @@ def test_a_model_adapted_with_another_chunk_length_misses() -> None:
 def test_a_solve_sample_of_an_edited_model_file_is_captured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole path: ``zerofx plan``'s cached samples of a ``FILE.py:CALLABLE`` model; after
     the file changes, the next sample is captured, not read."""
-    from zerofx.app.planning import load_model_spec, sample_program
+    from zerofx.app.model_spec import load_model_spec
+    from zerofx.planner.solve import sample_program
 
     monkeypatch.setenv("ZEROFX_PLAN_CACHE", str(tmp_path / "cache"))
     model_file = tmp_path / "net.py"

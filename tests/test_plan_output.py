@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import zerofx
-from zerofx.app.cli import build_parser, main, plot_title, step_note
+from zerofx.app.cli import build_parser, main
+from zerofx.app.commands.plan_output import plot_title, step_note
 from zerofx.cost_models.profiles import load_profile
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 from zerofx.passes.analyze_schedule import END, START, ScheduleReport, bucket_label, format_report, module_label
-from zerofx.app.planning import plot_report
+from zerofx.app.commands.plan_output import plot_report
 from zerofx.common.units import binary_unit, format_bytes, format_seconds, parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

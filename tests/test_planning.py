@@ -13,17 +13,14 @@ import torch
 
 import zerofx
 from tests.support.models import dna_one_block
-from zerofx.compiler.folding import RepeatedBlocks, same_tiling_per_block
+from zerofx.planner.folding import RepeatedBlocks, same_tiling_per_block
 from zerofx.config import parse_bytes
 from zerofx.passes.plan.tiling import TiledOp
 from zerofx.cost_models.memory import paper_breakdown
 from zerofx.cost_models.symbolic import B, T, fit_exact, fit_timeline, longest_fitting
-from zerofx.app.planning import (
-    ModelSpec,
-    load_model_spec,
-    plot_report,
-    report_json,
-)
+from zerofx.planner.solve import ModelSpec
+from zerofx.app.model_spec import load_model_spec
+from zerofx.app.commands.plan_output import plot_report, report_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,7 +159,7 @@ def _dna_spec(size: str, seq_len: int) -> tuple[torch.nn.Module, tuple, dict]:
 
 @pytest.mark.slow
 def test_folded_plan_matches_the_full_capture() -> None:
-    from zerofx.compiler.folding import find_repeated_blocks, plan_folded, with_num_blocks
+    from zerofx.planner.folding import find_repeated_blocks, plan_folded, with_num_blocks
 
     model, args, kwargs = _dna_spec("small", 128)  # 4 identical blocks: the full capture is the test's cost
     blocks = find_repeated_blocks(model)
@@ -230,7 +227,7 @@ def test_folded_peak_is_exact_when_the_prefetch_window_spans_blocks() -> None:
     """NOTE [A window that spans blocks]: with one gather bucket per block, a prefetch distance
     of d buckets reaches d blocks ahead. The 2- and 3-block cuts under-predict such a peak, so
     folding cuts larger (or plans the whole model) until the peak is exact."""
-    from zerofx.compiler.folding import find_repeated_blocks, fold_reports, plan_folded, with_num_blocks
+    from zerofx.planner.folding import find_repeated_blocks, fold_reports, plan_folded, with_num_blocks
     from zerofx.models import DNADecoderLM
     from zerofx.models.sizes import DNALMConfig
     from zerofx.passes.analyze_schedule import ScheduleReport
@@ -275,7 +272,7 @@ def test_folded_peak_is_exact_when_the_prefetch_window_spans_blocks() -> None:
 
 
 def test_fold_finds_the_blocks_of_a_transformers_model() -> None:
-    from zerofx.compiler.folding import find_repeated_blocks, with_num_blocks
+    from zerofx.planner.folding import find_repeated_blocks, with_num_blocks
 
     model = load_model_spec(f"{ROOT / 'examples' / 'model_specs.py'}:hf_llama_tiny").model
     blocks = find_repeated_blocks(model)
@@ -342,7 +339,7 @@ def test_memory_model_is_symbolic_in_batch_and_sequence(tmp_path: Path, monkeypa
     import zerofx.compiler.program
     from zerofx.config import parse_config
     from zerofx.cost_models.symbolic import fit_timeline_batch_seq
-    from zerofx.app.planning import sample_program, solve_memory
+    from zerofx.planner.solve import sample_program, solve_memory
 
     if parse_config(None).plan_cache_dir is None:  # the cache turned off by the caller: one of this test's own
         monkeypatch.setenv("ZEROFX_PLAN_CACHE", str(tmp_path))
@@ -425,13 +422,14 @@ def test_cli_recompute_auto_is_planned_whole(capsys: pytest.CaptureFixture[str],
     """Recompute "auto" fits the whole model's peak to the budget, which the cut models of a folded
     plan are planned without: folding by default plans the whole model and says so; --fold on is refused."""
     from zerofx.app import cli
+    from zerofx.planner import folded_plan
 
     config = tmp_path / "auto.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "zerofx": {"recompute": "auto"}}))
     argv = ["plan", "small", "--world-size", "4", "--seq-len", "64", "--budget", "1GiB", "--config", str(config), "--format", "json"]
     assert cli.main([*argv, "--fold", "on"]) == 2
     assert "--fold on cannot plan zerofx.recompute \"auto\"" in capsys.readouterr().err
-    monkeypatch.setattr(cli, "AUTO_FOLD_MIN_BLOCKS", 3)  # the small model's 4 blocks would fold
+    monkeypatch.setattr(folded_plan, "AUTO_FOLD_MIN_BLOCKS", 3)  # the small model's 4 blocks would fold
     assert cli.main(argv) == 0
     out = capsys.readouterr()
     assert "planning all 4 blocks of 'blocks', not folded" in out.err

@@ -8,7 +8,7 @@ import math
 import random
 from types import SimpleNamespace
 
-from zerofx.compiler.search import fit_recompute, lower_prefetch_distance
+from zerofx.planner.fit import fit_recompute, lower_prefetch_distance
 from zerofx.passes.plan.recompute import RecomputeMode
 
 PEAKS = {3: 40.0, 2: 30.0, 1: 20.0, 0: 15.0}  # bytes at each prefetch distance
@@ -117,7 +117,7 @@ def test_recompute_search_tries_fewer_when_every_one_peaks_too_high() -> None:
     chosen, calls = _fit(lambda count: 100.0 + count, n, 10.0)  # recompute only adds: none kept
     assert calls == [n, n // 2] and chosen.count == 0 and "kept 0, which do not fit" in chosen.decisions[0]
 
-# NOTE [One tiling for every cut] (zerofx/compiler/folded_tiling.py): stub tiling plans and
+# NOTE [One tiling for every cut] (zerofx/planner/folded_tiling.py): stub tiling plans and
 # stub folded timelines.
 def _stub_tiling_plans(per_block: dict[int, dict[str, int]], outside: dict[int, dict[str, int]], seq_len: int = 1024):
     """``plan_of(n, options)`` for a model whose every block saves ``per_block[block][kind]`` and
@@ -134,7 +134,7 @@ def _stub_tiling_plans(per_block: dict[int, dict[str, int]], outside: dict[int, 
 
 
 def test_folded_tiling_estimates_are_the_whole_models() -> None:
-    from zerofx.compiler.folded_tiling import ladder, pinned_on, whole_estimates
+    from zerofx.planner.folded_tiling import ladder, pinned_on, whole_estimates
     from zerofx.passes.plan.tiling import TilingOptions
 
     per_block = {512: {"attention": 30, "region": 20}, 256: {"attention": 30, "region": 25}}
@@ -160,7 +160,7 @@ def test_folded_tiling_estimates_are_the_whole_models() -> None:
 
 
 def test_folded_tiling_bisects_for_the_least_tiled_that_fits() -> None:
-    from zerofx.compiler.folded_tiling import PinnedTiling, fit_pinned
+    from zerofx.planner.folded_tiling import PinnedTiling, fit_pinned
 
     rungs = [PinnedTiling(("region",), 4096 >> i) for i in range(7)]
     transient = {r: 1000 - 100 * i for i, r in enumerate(rungs)}  # more tiled, less memory

@@ -1,6 +1,6 @@
 """``zerofx plan`` for the genomic models under sequence parallelism: the sequence mixers'
 all-to-alls in the schedule with the bytes each rank sends, and ``--solve seq_len`` at S = 2
-(NOTE [Solving for the context under sequence parallelism] in zerofx/app/planning.py), checked
+(NOTE [Solving for the context under sequence parallelism] in zerofx/planner/solve.py), checked
 against the memory model by planning at the answer and one multiple of S past it. Single
 process: planned from meta tensors, no process group."""
 

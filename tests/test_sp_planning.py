@@ -1,6 +1,6 @@
 """``zerofx plan --solve seq_len`` under sequence parallelism: the longest context per rank at a
 sequence-parallel size S (NOTE [Solving for the context under sequence parallelism] in
-zerofx/app/planning.py). Single process: every program is planned from meta tensors, no process group.
+zerofx/planner/solve.py). Single process: every program is planned from meta tensors, no process group.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tests.support.programs import saved_views_of_inputs_bytes
 from zerofx.cost_models.symbolic import B, T
 from zerofx.models import DNADecoderLM
 from zerofx.models.sizes import DNALMConfig
-from zerofx.app.planning import ModelSpec, sample_program, solve_seq_len
+from zerofx.planner.solve import ModelSpec, sample_program, solve_seq_len
 
 WORLD = 4
 # The DNA LM's block at a width where activations dominate a small budget; max_seq_len only

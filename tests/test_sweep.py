@@ -16,7 +16,7 @@ from zerofx.cost_models.hierarchy import model_state_bytes
 from zerofx.cost_models.profiles import load_profile
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 from zerofx.compiler.program import resolve
-from zerofx.app.sweep import parse_sweep, sweep_world_sizes
+from zerofx.planner.sweep import parse_sweep, sweep_world_sizes
 
 SIZES = [8, 64, 1024]
 

@@ -90,7 +90,7 @@ def test_cut_models_tile_every_block_alike(name: str, sp: int) -> None:
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from zerofx.compiler.folding import find_repeated_blocks, same_tiling_per_block, with_num_blocks
+    from zerofx.planner.folding import find_repeated_blocks, same_tiling_per_block, with_num_blocks
     from zerofx.compiler.pipeline import StepCapture
     from zerofx.models.registry import model_class
     from zerofx.models.sizes import model_config

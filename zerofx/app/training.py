@@ -322,9 +322,9 @@ def describe_vocabulary(opts: TrainOptions) -> str:
 
 
 def load_spec_model(spec: str) -> nn.Module:
-    """The model of a model spec (``zerofx.app.planning.load_model_spec``; its example inputs are
+    """The model of a model spec (``zerofx.app.model_spec.load_model_spec``; its example inputs are
     not used: training captures on its first real batch)."""
-    from zerofx.app.planning import load_model_spec  # sympy and the planner's imports, for specs only
+    from zerofx.app.model_spec import load_model_spec  # sympy and the planner's imports, for specs only
 
     return load_model_spec(spec).model
 

@@ -6,7 +6,7 @@ A child made by ``os.fork`` inherits the imported torch and every object of the 
 CPython's allocator keeps after a capture (partly freed arenas) is returned to the OS when the
 child exits, where in the parent it stays for the life of the process. Two callers use it:
 ``zerofx plan``'s folding captures one of its two cut models in a child while the parent
-captures the other (NOTE [Planning the two captures in parallel] in zerofx/compiler/folding.py),
+captures the other (NOTE [Planning the two captures in parallel] in zerofx/planner/folding.py),
 and rank 0 of a job builds its program in a child and keeps only the bytes it sends the other
 ranks (NOTE [One build per job] in zerofx/runtime/rank_agreement.py).
 

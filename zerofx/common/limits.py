@@ -3,7 +3,7 @@
 Torch-free: ``zerofx --help``, every subcommand's ``--help`` and ``zerofx estimate --params``
 answer without loading torch (NOTE [A command line that answers at once] in zerofx/app/cli.py). The
 modules that enforce these bounds at run time (``zerofx.compiler.program``, ``zerofx.app.training``,
-``zerofx.data.genome``, ``zerofx.compiler.folding``) import them from here, so each has one definition.
+``zerofx.data.genome``, ``zerofx.planner.folding``) import them from here, so each has one definition.
 The named model sizes and their check are ``zerofx.models.sizes``.
 """
 

@@ -33,7 +33,7 @@ through ``run_passes`` (the same, per pass, plus a lint of the graph it returns 
 
 The first three are ``StepCapture`` (a ``CapturedStep``); ``plan_step`` is stage four, and its
 ``Plan`` is the one input of the last four (``lower``). The searches of the plan stage
-(``fit_prefetch``, ``fit_tiling`` in zerofx/compiler/search.py) lower candidates to measure
+(``fit_prefetch``, ``fit_tiling`` in zerofx/planner/fit.py) lower candidates to measure
 them, so a candidate is built by a callback (``MakeCandidate``: zerofx/compiler/program.py
 binds it to ``Program``). A step with neither sequence parallelism nor tiling skips the
 pre_autograd rewrites: AOTAutograd traces the model's call itself. Reading this file top to
@@ -57,7 +57,7 @@ import torch.nn as nn
 
 from zerofx.common.errors import CaptureError, CompileStageError, SequenceParallelError, ZeroFXError
 from zerofx.compiler.capture import CapturedStep, LossFn, StepTracer, TensorInfo
-from zerofx.compiler.search import Planned, fit_prefetch, fit_recompute, fit_tiling
+from zerofx.planner.fit import Planned, fit_prefetch, fit_recompute, fit_tiling
 from zerofx.config import ZeroConfig
 from zerofx.common.units import format_bytes
 from zerofx.config.compile_options import CompileOptions
@@ -205,7 +205,7 @@ class StepCapture:
 
     NOTE [One forward record per capture search]
     ``zerofx.tiling.enabled: "auto"`` captures the step with several tiling options (NOTE
-    [Tiling checked against the memory timeline] in zerofx/compiler/search.py). What comes before tiling
+    [Tiling checked against the memory timeline] in zerofx/planner/fit.py). What comes before tiling
     is the same for all of them: the fake inputs, the forward recorded before autograd, its
     sequence-parallel rewrite. It is made once, on the first call that needs it, and each call
     tiles a copy (``tile_forward_pass`` rewrites in place). The tiling plan is a function of that
@@ -327,7 +327,7 @@ def plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpti
     3. ``plan_sharding``: placement, buckets, prefetch, estimates; the captured step's tiling and
        sequence-parallel plans and the offload plans joined into the one ``Plan``;
     4. ``fit_prefetch`` (``zerofx.memory_budget``): the prefetch distance lowered until the
-       lowered graphs' peak fits (NOTE [Prefetch under a memory budget] in zerofx/compiler/search.py);
+       lowered graphs' peak fits (NOTE [Prefetch under a memory budget] in zerofx/planner/fit.py);
     5. ``fit_recompute`` (``zerofx.recompute``): the saved activations recomputed in backward, the
        fewest that fit the budget under "auto" (NOTE [Selective activation recompute] in
        passes/plan_recompute.py).
@@ -432,7 +432,7 @@ def capture_and_plan(capture: StepCapture, cfg: ZeroConfig, compile_opts: Compil
                      param_offload: ParamOffloadPlan | None = None, choose_shard_group_size: bool = True) -> Candidate:
     """Stages capture to plan: ``capture(tiling_options)``, then ``plan_step``; with
     ``zerofx.tiling.enabled: auto`` the tiling is checked against the memory timeline (NOTE
-    [Tiling checked against the memory timeline] in zerofx/compiler/search.py), which may
+    [Tiling checked against the memory timeline] in zerofx/planner/fit.py), which may
     capture again: once per tiling plan, the options whose plan is one already built getting that
     candidate (NOTE [One forward record per capture search])."""
     options = compile_opts.tiling

@@ -452,7 +452,7 @@ def whole_prefetch_distance(model: nn.Module, cfg: ZeroConfig, world_size: int, 
     an explicit profile, no distance configured), from its parameters' shapes and ``compute_s``,
     one step's compute estimate; None where the planner would not take it from the profile. Folded
     plans use it for their cut models (NOTE [The whole model's prefetch distance] in
-    zerofx/compiler/autoplan.py)."""
+    zerofx/planner/autoplan.py)."""
     if not prefetch_from_the_profile(cfg):
         return None
     plan = plan_from_shapes(model, cfg, compile_options(cfg, world_size))

@@ -67,8 +67,8 @@ from zerofx.passes.offload_grads import grad_sink
 from zerofx.passes.plan_sharding import place_param
 from zerofx.compiler.capture import CapturedStep, LossFn, TensorInfo, cast_info, flatten_call
 from zerofx.compiler.pipeline import capture_step
-from zerofx.compiler.autoplan import example_shape, resize_inputs, search_space
-from zerofx.compiler.autoplan import search as autoplan_search
+from zerofx.planner.autoplan import example_shape, resize_inputs, search_space
+from zerofx.planner.autoplan import search as autoplan_search
 from zerofx.config import ZeroConfig, load_config, parse_config
 from zerofx.config.compile_options import compile_options
 from zerofx.common.errors import (

@@ -3,7 +3,7 @@ into the config, so that models cut short tile their blocks as the whole model d
 
 NOTE [One tiling for every cut]
 Folding extrapolates from copies of the model cut to a few blocks (NOTE [Why linear
-extrapolation is exact here] in zerofx/compiler/folding.py), which holds only where each cut
+extrapolation is exact here] in zerofx/planner/folding.py), which holds only where each cut
 plans every block alike (NOTE [Tiling the same in every cut]). Tiling ``"auto"`` and ``true``
 decide from the captured model's own totals: auto tiles the biggest savings first until the
 estimate, then the memory timeline, fits the budget; ``true`` takes the largest block whose
@@ -27,7 +27,7 @@ the search measured. The choice is made for the whole model from the cuts:
   they save at the largest block, then every kind at smaller blocks) and bisects for the first
   whose folded memory timeline (peak less persistent state) fits the activation budget, the
   check ``fit_tiling`` makes on a whole capture (NOTE [Tiling checked against the memory
-  timeline] in zerofx/compiler/search.py); when none fits, the least tiled of those tried
+  timeline] in zerofx/planner/fit.py); when none fits, the least tiled of those tried
   that need the least memory (within ``NO_FIT_TOLERANCE``). On the 100m model above, 2,048-,
   512- and 256-token blocks all peaked at 964 MiB of activations against 646 MiB: what is left
   is not in the tiled regions, and smaller blocks would only add chunks. So two settings of
@@ -48,7 +48,7 @@ from typing import Any
 import torch.nn as nn
 
 from zerofx.compiler.capture import LossFn
-from zerofx.compiler.folding import FOLD_BLOCKS, RepeatedBlocks, extrapolate, with_num_blocks
+from zerofx.planner.folding import FOLD_BLOCKS, RepeatedBlocks, extrapolate, with_num_blocks
 from zerofx.compiler.pipeline import StepCapture
 from zerofx.config import ZeroConfig
 from zerofx.config.compile_options import compile_options

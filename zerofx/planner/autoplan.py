@@ -9,7 +9,7 @@ measured what it keeps resident), and the micro-batch with gradient accumulation
 fixed; a dimension the config sets itself is kept (``AutoOptions.fixed``). The result is an
 ``AutoPlan``: the chosen candidate, every candidate ranked with why it lost, and, when nothing
 fits, what would have to change. The command line and the engine only format and apply it.
-What a candidate is and how it is written into a config: ``zerofx.compiler.autoplan_space``.
+What a candidate is and how it is written into a config: ``zerofx.planner.space``.
 
 NOTE [How the whole-job search prunes]
 Capture is the costly part (seconds for a small model; lowering and the report a fraction of
@@ -84,7 +84,7 @@ offload plan's host step with the record I/O it cannot hide).
 
 NOTE [Budgets of the cut models]
 A model with ``AUTO_FOLD_MIN_BLOCKS`` or more repeated blocks is searched folded, as ``zerofx
-plan`` plans it (NOTE [Why linear extrapolation is exact here] in zerofx/compiler/folding.py):
+plan`` plans it (NOTE [Why linear extrapolation is exact here] in zerofx/planner/folding.py):
 each capture group captures the model cut to 2 and to 3 blocks, every candidate is planned and
 lowered on both, and its step, peak and model state are extrapolated to every block. A 20-block
 model then costs a quarter of its whole capture and lowering per candidate. What the planner
@@ -104,9 +104,9 @@ and measured as that config plans it before it is kept; it must still fit, or th
 (``MAX_RECAPTURES``). A winner still planned from another capture after that many is reported
 with a caveat saying so (``AutoPlan.unchecked``). Tiling ``"auto"`` and ``true`` would tile
 the cut models otherwise than the whole model (NOTE [Tiling the same in every cut] in
-zerofx/compiler/folding.py), so a folded capture group's tiling is pinned in its config, the
+zerofx/planner/folding.py), so a folded capture group's tiling is pinned in its config, the
 same in every block and chosen for the whole model (NOTE [One tiling for every cut] in
-zerofx/compiler/folded_tiling.py).
+zerofx/planner/folded_tiling.py).
 """
 
 from __future__ import annotations
@@ -122,11 +122,11 @@ import torch.nn as nn
 
 from zerofx.common.errors import CaptureError, SequenceParallelError
 from zerofx.common.units import format_bytes, format_seconds
-from zerofx.compiler.autoplan_space import (Candidate, InputsAt, SearchSpace, candidate_config, example_shape,
+from zerofx.planner.space import (Candidate, InputsAt, SearchSpace, candidate_config, example_shape,
                                             powers_of_two_dividing, resize_inputs, search_space, with_auto_tiling)
 from zerofx.compiler.capture import LossFn
-from zerofx.compiler.folded_tiling import NO_FIT_TOLERANCE, PinnedTiling, fit_pinned, ladder, model_estimates, pinned_on
-from zerofx.compiler.folding import AUTO_FOLD_MIN_BLOCKS, FOLD_BLOCKS, RepeatedBlocks, extrapolate, find_repeated_blocks, fold, graph_seconds, with_num_blocks
+from zerofx.planner.folded_tiling import NO_FIT_TOLERANCE, PinnedTiling, fit_pinned, ladder, model_estimates, pinned_on
+from zerofx.planner.folding import AUTO_FOLD_MIN_BLOCKS, FOLD_BLOCKS, RepeatedBlocks, extrapolate, find_repeated_blocks, fold, graph_seconds, with_num_blocks
 from zerofx.compiler.program import Program, compile, plan_from_shapes, prefetch_from_the_profile, resolve, whole_prefetch_distance
 from zerofx.config.compile_options import compile_options
 from zerofx.config.options import BUDGET_KEYS, GraphCompiler
@@ -152,7 +152,7 @@ MAX_RECAPTURES = 3
 # tests/test_autoplan.py checks the floor holds): a candidate is skipped by it only with this margin.
 SHARDING_MODEL_MARGIN = 0.25
 # A folded step is within 5% of the whole model's where the prefetch window spans blocks (NOTE [A
-# window that spans blocks] in zerofx/compiler/folding.py): a folded step skips a candidate as a
+# window that spans blocks] in zerofx/planner/folding.py): a folded step skips a candidate as a
 # floor only with this margin.
 FOLDED_STEP_MARGIN = 0.1
 # Halvings of the sequence tried to say how short a sequence the leanest candidate fits.
@@ -293,7 +293,7 @@ class _Search:
 
     def pinned_tiling(self, c: Candidate, config: Mapping[str, Any]) -> PinnedTiling | None:
         """Folded: the tiling of ``c``'s capture group, the same in every block and chosen for the
-        whole model (NOTE [One tiling for every cut] in zerofx/compiler/folded_tiling.py); None
+        whole model (NOTE [One tiling for every cut] in zerofx/planner/folded_tiling.py); None
         where nothing can be tiled. ``config`` is ``c``'s, its tiling aside."""
         assert self.blocks is not None
         key = c.capture_group
@@ -601,7 +601,7 @@ class _Search:
 
     def evaluate_folded(self, c: Candidate, config: dict[str, Any]) -> Evaluated:
         """``c`` planned on the cut models and its figures extrapolated to every block (NOTE [Why
-        linear extrapolation is exact here] in zerofx/compiler/folding.py), the prefetch distance
+        linear extrapolation is exact here] in zerofx/planner/folding.py), the prefetch distance
         fitted to the budget on the extrapolated peak (NOTE [Budgets of the cut models])."""
         cfg = resolve(config, stage=None, world_size=self.world_size)
         evaluated, peak, distance = self._measure_cuts(c, self.cut_config(config, self.whole_prefetch_distance(c, cfg)), cfg)
@@ -638,7 +638,7 @@ class _Search:
 
     def _measure_cuts(self, c: Candidate, config: Mapping[str, Any], cfg: ZeroConfig) -> tuple[Evaluated, float, int]:
         """The folded figures of ``c`` planned with ``config`` on the cut models (NOTE [A window
-        that spans blocks] in zerofx/compiler/folding.py says which), the extrapolated peak before
+        that spans blocks] in zerofx/planner/folding.py says which), the extrapolated peak before
         anything is offloaded (the figure ``fit_prefetch`` checks), and the prefetch distance."""
         assert self.blocks is not None
         count = self.blocks.count
@@ -747,6 +747,21 @@ def _micro_batches(space: SearchSpace, per_group: int) -> tuple[tuple[int, int],
         return ((space.micro_batch, space.accumulation),)
     micros = sorted({*powers_of_two_dividing(per_group), per_group})
     return tuple((m, per_group // m) for m in micros)
+
+
+def search_config(model: nn.Module, example_args: tuple[Any, ...], example_kwargs: Mapping[str, Any], config: Mapping[str, Any], *,
+                  world_size: int | None, budget_bytes: float, fold: str = "auto", progress: Progress | None = None,
+                  time_limit_s: float | None = None) -> AutoPlan:
+    """``search`` over what ``config`` (a config with ``zerofx.auto``) leaves open, at the example
+    inputs' micro-batch and sequence length: what ``zerofx plan --auto`` runs. ``world_size``
+    None takes the config's."""
+    cfg = parse_config(config, world_size=world_size)
+    world_size = world_size if world_size is not None else cfg.world_size
+    batch, seq_len = example_shape(example_args, example_kwargs)
+    assert cfg.auto is not None
+    space = search_space(cfg, cfg.auto, world_size=world_size, seq_len=seq_len, batch=batch)
+    return search(model, resize_inputs(example_args, example_kwargs), config, world_size=world_size, seq_len=seq_len, batch=batch,
+                  budget_bytes=budget_bytes, space=space, fixed=cfg.auto.fixed, fold=fold, time_limit_s=time_limit_s, progress=progress)
 
 
 def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any], *, world_size: int, seq_len: int, batch: int,

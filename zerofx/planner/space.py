@@ -1,4 +1,4 @@
-"""What the whole-job search (``zerofx.compiler.autoplan``) searches over: a ``Candidate``, the
+"""What the whole-job search (``zerofx.planner.autoplan``) searches over: a ``Candidate``, the
 ``SearchSpace`` a config leaves open (``AutoOptions.fixed`` keeps the rest), a candidate written
 into the user's config, and the model call resized to a candidate's micro-batch and length."""
 

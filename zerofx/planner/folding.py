@@ -46,12 +46,12 @@ import torch.nn as nn
 
 from zerofx.passes.plan import Plan
 from zerofx.passes.analyze_schedule import CollectiveRow, ScheduleReport, format_summary, schedule_table, summary_json
-from zerofx.common.limits import AUTO_FOLD_MIN_BLOCKS  # noqa: F401  (re-exported: zerofx.compiler.folding names it)
+from zerofx.common.limits import AUTO_FOLD_MIN_BLOCKS  # noqa: F401  (re-exported: zerofx.planner.folding names it)
 from zerofx.common.units import format_bytes
 from zerofx.common.fork import fork_is_safe, start_in_fork
 from zerofx.common.errors import PlanError
 
-log = logging.getLogger("zerofx.compiler.folding")
+log = logging.getLogger("zerofx.planner.folding")
 
 # AUTO_FOLD_MIN_BLOCKS (zerofx.common.limits, where the command line's help reads it without torch):
 # ``zerofx plan --fold auto`` folds models with at least that many repeated blocks.
@@ -275,7 +275,7 @@ def graph_seconds(report: ScheduleReport) -> dict[str, float]:
 # NOTE [Tiling the same in every cut]
 # Extrapolating from two cuts assumes each block of each cut is planned alike. Tiling "auto"
 # fits each capture's tiles to that capture's own memory timeline (NOTE [Tiling checked against
-# the memory timeline] in zerofx/compiler/search.py), so cuts of different lengths can tile their
+# the memory timeline] in zerofx/planner/fit.py), so cuts of different lengths can tile their
 # blocks differently. On the 100m DNA LM at 8k tokens, 4 ranks, stage 3, the 2-block cut left
 # block 0's MLP region untiled where the 3-block cut tiled it in two blocks; the fold
 # extrapolated an 856 MiB peak where the whole model, captured with the same config, peaks at
