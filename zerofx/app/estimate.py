@@ -1,8 +1,8 @@
 """``zerofx estimate``'s per-tier section: at stage 3 with model states off the device
 (ZeRO-Infinity), bytes per rank on the device, in host memory and on NVMe, from the parameter
 count, a layer shape and a node (``cost_models.infinity``). The flags and their defaults live
-here; ``zerofx.app.cli`` adds them to the ``estimate`` parser and prints what ``infinity_section``
-returns. Imports no torch (NOTE [A command line that answers at once] in ``zerofx/app/cli.py``).
+here; ``zerofx.app.commands.estimate`` adds them to the ``estimate`` parser and prints what
+``infinity_section`` returns. Imports no torch (NOTE [A command line that answers at once] in ``zerofx/app/cli.py``).
 """
 
 from __future__ import annotations

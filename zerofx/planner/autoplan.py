@@ -1,112 +1,23 @@
-"""One plan for the whole job: search the configuration for the most predicted tokens per second
-whose peak memory per rank fits a budget (``zerofx plan --auto``, ``"zerofx": {"auto": true}``).
+"""The whole-job search: the configuration with the most predicted tokens per second whose peak
+memory per rank fits a budget (``zerofx plan --auto``, ``"zerofx": {"auto": true}``;
+docs/autoplan.md).
 
-The search plans candidates through ``zerofx.compile`` and ``Program.replan`` and reads each
-one's estimated schedule (``program.report``): nothing runs and no process group is needed. It
+Candidates are planned through ``zerofx.compile`` and ``Program.replan`` and measured on their
+estimated schedule (``program.report``): nothing runs and no process group is needed. The search
 varies the ZeRO stage, the sequence-parallel size, the shard group size, where the optimizer
 state lives, tiling, activation recompute, the compiler (eager, or Inductor where the profile
-measured what it keeps resident), and the micro-batch with gradient accumulation keeping the global batch
-fixed; a dimension the config sets itself is kept (``AutoOptions.fixed``). The result is an
-``AutoPlan``: the chosen candidate, every candidate ranked with why it lost, and, when nothing
-fits, what would have to change. The command line and the engine only format and apply it.
-What a candidate is and how it is written into a config: ``zerofx.planner.space``.
+measured what it keeps resident) and the micro-batch, with gradient accumulation keeping the
+global batch fixed; a dimension the config sets is kept (``AutoOptions.fixed``). What a candidate
+is, and the space a config leaves open: ``zerofx.planner.space``.
 
-NOTE [How the whole-job search prunes]
-Capture is the costly part (seconds for a small model; lowering and the report a fraction of
-that), and it depends only on the micro-batch, the sequence-parallel size and tiling, the
-capture group. Within a group one capture serves every stage, shard group size and offload
-placement (``Program.replan``, NOTE [Planning again from one capture]). The search skips what
-cannot win:
-- Each candidate's model state per rank is known from the parameters' shapes, without
-  lowering. A candidate whose model state plus the smallest
-  transient memory (peak less persistent state) measured in the group at its stage and shard
-  group size (with another optimizer-state placement: it does not change the transient)
-  exceeds the budget is not lowered: it is reported over budget by at least that much. Stage
-  and K are not shared: stages 0 and 1 hold every gradient whole until the step ends, which
-  stages 2 and 3 reduce into shards as the backward goes, and the buckets in flight change with
-  K (a bound taken across stages had skipped the 1B model's fastest candidate at 1,024 ranks).
-  Recompute lowers the transient
-  memory, so candidates that recompute are bounded only by those measured with it; before any
-  is measured the bound is the model state alone (at 1,024 ranks a 1B model's stage 0, with or
-  without its optimizer state offloaded, is over 8 GiB by its state: lowering each cost 0.4 to
-  3 s). When every candidate is over by its state alone, the leanest is lowered so the report
-  can say what budget it needs.
-- Within a stage (and offload and recompute setting), the shard group sizes are lowered in the
-  order of the shard-group model's predicted step (NOTE [Hierarchical sharding cost]: the
-  buckets from the parameters' shapes, the capture's compute estimate; ties broken as
-  ``shard_group_size: "auto"`` breaks them), and once one fits, the sizes after it are not
-  lowered: that model, the one ``"auto"`` chooses K by, predicts them no faster. At a thousand
-  ranks that is one or two lowerings per stage instead of ten.
-- A candidate whose step floor is longer than the best predicted step that fits is not
-  lowered. The floor is every micro-step's compute (the compute model over its capture's joint
-  graph, its runs fused for an Inductor candidate) or the shard-group model's step less
-  ``SHARDING_MODEL_MARGIN``, or, with the optimizer state offloaded, the host's update of the
-  records past the device tier (the offload timeline runs them one after another), whichever is
-  longest; recompute only adds to it. At 1,024 ranks on the H100 profile a 1B model's offloaded
-  update takes a second or more, so no offloaded candidate is lowered once one without offload
-  fits (each had cost 0.5 to 3 s).
-- Inductor shortens the step and adds what it keeps resident to the peak, so a compiled
-  candidate is searched beside the eager one of each configuration; the transient-memory bound
-  and the shard-group order above are kept apart per compiler.
-- Offloading the optimizer state only adds time (its updates run on the host, its records
-  cross the host link), and so does recomputing activations (their ops run again in backward),
-  so a candidate with either is tried only for a stage and shard group size that is over the
-  budget without both, and not for a K the shard-group model puts behind one that fits
-  without. Under ``"auto"`` the planner recomputes the fewest activations that fit the budget,
-  none when it already fits (NOTE [Recompute under a memory budget]).
-- Micro-batches are tried smallest first within a sequence-parallel size and tiling: a larger
-  one holds more activations, so once the group's leanest candidate is over the budget no
-  larger micro-batch is tried.
-- Sequence parallelism adds exchanges and, at a fixed global batch, leaves each rank the same
-  tokens per step and the same model state, so a larger sequence-parallel size is tried only
-  when some candidate of the smaller ones is over the budget by its activations alone (its model
-  state fits) and, if it was lowered, is predicted faster than the best that fits: only such a
-  candidate could be made to fit and win. Once something fits, the sizes stop at the first
-  doubling that makes nothing fit faster than before: each rank's activations shrink as 1/S,
-  so every further doubling frees half as much as the one that rescued nothing.
-- Tiling only trades time for activation memory, so tiled captures are tried for a micro-batch
-  and sequence-parallel size only when some candidate of its untiled capture is such a one.
-  Folded, tiling ``true`` is not searched where ``"auto"`` at the same micro-batch and
-  sequence-parallel size tried the same pinned tiling and it needed no less memory than the
-  less tiled one ``"auto"`` kept (NOTE [One tiling for every cut]): on the 100m DNA LM at 8k
-  tokens, 4 ranks and 1 GiB, 256-token blocks in every kind left the same 964 MiB of
-  activations as 2,048-token blocks, and each of its candidates took 11 to 24 s to lower
-  folded, where 2,048-token blocks took 1 to 5 s.
-- A sequence-parallel size whose rewrite refuses the model (``SequenceParallelError``) is not a
-  candidate, and the report says why.
-With tiling ``auto``, the capture's tiling is fitted to the timeline of the candidate it was
-captured for; a winner planned again from another candidate's capture is captured once more
-from its own config, and measured as that config plans it, before it is kept.
 The objective is tokens per optimizer step over the predicted optimizer step: the micro-steps'
-forward and backward (with the exposed communication), the once-per-step gradient and
-parameter syncs of stages 1-2, and the optimizer update (memory-bound on the device, or the
-offload plan's host step with the record I/O it cannot hide).
-
-NOTE [Budgets of the cut models]
-A model with ``AUTO_FOLD_MIN_BLOCKS`` or more repeated blocks is searched folded, as ``zerofx
-plan`` plans it (NOTE [Why linear extrapolation is exact here] in zerofx/planner/folding.py):
-each capture group captures the model cut to 2 and to 3 blocks, every candidate is planned and
-lowered on both, and its step, peak and model state are extrapolated to every block. A 20-block
-model then costs a quarter of its whole capture and lowering per candidate. What the planner
-fits to ``zerofx.memory_budget`` would fit the cut models' smaller peaks, so the cut models are
-planned without it, and the prefetch distance is lowered here until the extrapolated peak fits,
-as ``fit_prefetch`` lowers it on a whole model's peak; at a fixed distance extrapolation is
-exact, so the whole model fits at the same distance. ``zerofx.recompute: "auto"`` chooses
-activations one by one from a graph's own ranking, which two cut models need not share, so a
-candidate that recomputes to the budget is first planned folded with every candidate
-recomputed (the same in every block, so exact), the most ``"auto"`` can free; only if that fits
-is it planned whole (one whole capture per capture group, made only where one is needed).
-Recompute only adds to the step, and ``"auto"`` recomputes at the prefetch distance the budget
-left without it, so the candidate planned folded with nothing recomputed is its step's floor:
-where that floor, less ``FOLDED_STEP_MARGIN``, is slower than the best that fits so far, it is
-not planned whole (at 1,024 ranks a 1B model's whole capture and plan took 16 s). The winner is captured whole from its own config
-and measured as that config plans it before it is kept; it must still fit, or the next one is
-(``MAX_RECAPTURES``). A winner still planned from another capture after that many is reported
-with a caveat saying so (``AutoPlan.unchecked``). Tiling ``"auto"`` and ``true`` would tile
-the cut models otherwise than the whole model (NOTE [Tiling the same in every cut] in
-zerofx/planner/folding.py), so a folded capture group's tiling is pinned in its config, the
-same in every block and chosen for the whole model (NOTE [One tiling for every cut] in
-zerofx/planner/folded_tiling.py).
+forward and backward with the communication they expose, the once-per-step gradient and
+parameter syncs of stages 1-2, and the optimizer update (on the device, or the offload plan's
+host step with the record I/O it cannot hide). The result, an ``AutoPlan``, holds the choice,
+every candidate ranked with why it lost, and, when nothing fits, what would have to change; the
+command line and the engine only format and apply it. Which candidates are lowered at all is
+NOTE [How the whole-job search prunes]; how a deep model is searched from cuts of its blocks is
+NOTE [Budgets of the cut models].
 """
 
 from __future__ import annotations
@@ -696,6 +607,24 @@ class _Search:
         return "" if pinned is None else pinned.describe()
 
 
+# NOTE [Budgets of the cut models]
+# A model of ``AUTO_FOLD_MIN_BLOCKS`` or more repeated blocks is searched folded, as ``zerofx
+# plan`` plans it (NOTE [Why linear extrapolation is exact here] in zerofx/planner/folding.py):
+# each capture group captures the model cut to 2 and 3 blocks, and each candidate's step, peak
+# and model state are extrapolated from both. What the planner fits to ``zerofx.memory_budget``
+# would fit the cut models' smaller peaks, so they are planned without it and the prefetch
+# distance is lowered here until the extrapolated peak fits; at a fixed distance extrapolation
+# is exact, so the whole model fits at the same distance. ``zerofx.recompute: "auto"`` ranks
+# activations per graph, which two cuts need not share, so a candidate that recomputes to the
+# budget is first planned folded with every activation it may recompute recomputed (the same in
+# every block, so exact), the most ``"auto"`` can free. Only where that fits, and the candidate
+# folded with nothing recomputed (its step's floor) less ``FOLDED_STEP_MARGIN`` is not slower
+# than the best that fits, is it planned whole. The winner is captured whole from its own config
+# and must still fit, or the next one is (``MAX_RECAPTURES``); one still planned from another
+# capture after that carries a caveat (``AutoPlan.unchecked``). Tiling ``"auto"`` and ``true``
+# would tile the cuts otherwise than the whole model (NOTE [Tiling the same in every cut]), so a
+# folded capture group's tiling is pinned in its config, chosen for the whole model (NOTE [One
+# tiling for every cut] in zerofx/planner/folded_tiling.py).
 def _blocks_to_fold(model: nn.Module, fold: str) -> RepeatedBlocks | None:
     """The repeated blocks the search folds (``fold``: "auto" from ``AUTO_FOLD_MIN_BLOCKS``
     blocks, "on" from ``FOLD_BLOCKS[1]``, "off"), or None."""
@@ -764,6 +693,38 @@ def search_config(model: nn.Module, example_args: tuple[Any, ...], example_kwarg
                   budget_bytes=budget_bytes, space=space, fixed=cfg.auto.fixed, fold=fold, time_limit_s=time_limit_s, progress=progress)
 
 
+# NOTE [How the whole-job search prunes]
+# Capture is the costly part, and it depends only on the capture group (micro-batch,
+# sequence-parallel size, tiling): one capture serves every stage, shard group size and offload
+# placement of its group (``Program.replan``, NOTE [Planning again from one capture]). A
+# candidate is lowered only where it could win (docs/autoplan.md lists each rule with its
+# reasons):
+# - Memory bound: model state per rank comes from the parameters' shapes; a candidate whose model
+#   state plus the smallest transient (peak less model state) measured at its stage and shard
+#   group size K exceeds the budget is reported over budget by at least that much. The bound is
+#   not shared across stages (stages 0-1 hold every gradient whole until the step ends, 2-3
+#   reduce them as the backward goes) nor across K (the buckets in flight change with it), and a
+#   candidate that recomputes is bounded only by transients measured with recompute. When every
+#   candidate is over by its state alone, the leanest is lowered to say what budget it needs.
+# - Order: within a stage (and offload, recompute and compiler setting) K is lowered in the
+#   order of the shard-group model's step (NOTE [Hierarchical sharding cost]; ties broken as
+#   ``shard_group_size: "auto"`` breaks them), and none after the first that fits.
+# - Step floor: a candidate whose floor is longer than the best fitting step is not lowered. The
+#   floor is the longest of every micro-step's compute, the shard-group model's step less
+#   ``SHARDING_MODEL_MARGIN``, and, offloaded, the host's update of the records past the device.
+# - Optimizer offload and recompute only add time, so a candidate with either is tried only for
+#   a stage and K over the budget without both, and not for a K behind one that fits without. A
+#   larger sequence-parallel size or a tiled capture only saves activations, so it is tried only
+#   while some candidate without it is over the budget by its activations alone and, if lowered,
+#   faster than the best that fits; sequence-parallel sizes stop at the first doubling that makes
+#   nothing fit faster, as activations per rank shrink as 1/S. Micro-batches go smallest first and
+#   stop at the first whose leanest candidate is over the budget. A sequence-parallel size whose
+#   rewrite refuses the model (``SequenceParallelError``) is not a candidate; the report says why.
+# - Folded, tiling ``true`` is not searched where ``"auto"`` tried the same pinned tiling and it
+#   needed no less memory than the less tiled one ``"auto"`` kept (NOTE [One tiling for every cut]).
+# With tiling ``"auto"`` a capture's tiles fit the candidate it was captured for, so a winner
+# planned from another candidate's capture is captured again from its own config, and measured
+# as that config plans it, before it is kept (at most ``MAX_RECAPTURES`` times).
 def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any], *, world_size: int, seq_len: int, batch: int,
            budget_bytes: float, space: SearchSpace, fixed: frozenset[str] = frozenset(), loss_fn: LossFn | None = None,
            fold: str = "auto", progress: Progress | None = None, time_limit_s: float | None = None) -> AutoPlan:

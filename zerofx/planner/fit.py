@@ -3,8 +3,9 @@
 Each search builds candidates through a callback (a capture, plan and lowering, or a folded
 plan) and measures them on the lowered graphs' memory timeline. A plan is rebuilt, never
 patched: the rewrites read only the Plan. The candidates are ``Program``s, seen here through
-``Planned`` (their plan, their report, ``with_decision``), so this module sits below
-``zerofx.compiler.program``, which calls it, as ``zerofx plan --fold`` does (``zerofx.app.cli``).
+``Planned`` (their plan, their report, ``with_decision``), so this module imports no compiler:
+it is the planner's layer below ``zerofx.compiler``, whose spine calls it (NOTE [Layers] in
+pyproject.toml), as the folded plan does (``zerofx.planner.folded_plan``).
 """
 
 from __future__ import annotations
