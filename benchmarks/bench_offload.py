@@ -12,7 +12,7 @@ RSS after training, median step time, and NVMe bytes read and written per step.
 on NVMe with ``max_in_cpu`` room for the other half's shards, optimizer state in memory) runs
 ``param-first-fit`` and ``param-bandwidth``: the same config with the shards placed by first-fit
 decreasing and by the planner's cost per step (NOTE [Placing shards by their cost per step] in
-``passes/plan_offload.py``), and reports each placement's predicted exposed I/O and measured step.
+``passes/memory/plan_offload.py``), and reports each placement's predicted exposed I/O and measured step.
 
 Peak RSS is ``VmHWM`` from ``/proc/self/status``: ``ru_maxrss`` would carry the spawning
 process's peak over into a spawned rank.
@@ -136,7 +136,7 @@ def _rank(rank: int, world_size: int, port: int, args: dict[str, Any], queue: An
 
             import zerofx.runtime.offload.plan as offload_plan
             from zerofx.passes.plan.offload import Placement
-            from zerofx.passes.plan_offload import plan_param_offload
+            from zerofx.passes.memory.plan_offload import plan_param_offload
 
             rule = Placement.FIRST_FIT if args["kind"] == "param-first-fit" else Placement.BANDWIDTH
             offload_plan.plan_param_offload = functools.partial(plan_param_offload, placement=rule)  # type: ignore[assignment]

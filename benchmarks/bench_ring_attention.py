@@ -1,12 +1,12 @@
-"""Ring attention alone (NOTE [Ring attention] in passes/ring_attention.py) on S gloo ranks: the
+"""Ring attention alone (NOTE [Ring attention] in passes/sequence/ring_attention.py) on S gloo ranks: the
 bytes autograd saves for the backward, peak RSS and the forward + backward time, for the op in
 this tree in contiguous slices (``op``) and in the zigzag layout (``zigzag``, NOTE [Zigzag layout
-for causal rings] in passes/sequence_parallel.py), and optionally an older unrolled ring given as
+for causal rings] in passes/sequence/sequence_parallel.py), and optionally an older unrolled ring given as
 a file (``unrolled``: one ``ring_shift`` per block and one ``ring_block_attention`` per step,
 traced by autograd).
 
     python -m benchmarks.bench_ring_attention --variants op,zigzag --sizes 2
-    git show b509f71:passes/ring_attention.py > /tmp/unrolled_ring.py
+    git show b509f71:passes/sequence/ring_attention.py > /tmp/unrolled_ring.py
     python -m benchmarks.bench_ring_attention --variants op,unrolled --unrolled /tmp/unrolled_ring.py
 
 Per sequence-parallel size S (``--sizes``), each variant runs ``--rounds`` times in fresh
@@ -49,7 +49,7 @@ def _unrolled(path: str) -> Any:
 def run_rank(rank: int, world_size: int, variant: str, unrolled_path: str, shape: tuple[int, int, int, int], reps: int) -> dict:
     """One rank of one run: saved bytes, VmHWM before and after, seconds per timed step."""
     from zerofx.passes import _compat
-    from zerofx.passes.ring_attention import ring_attention
+    from zerofx.passes.sequence.ring_attention import ring_attention
     from zerofx.common.rss import peak_rss_bytes
 
     torch.set_num_threads(1)

@@ -18,7 +18,7 @@ length that does not fit.
 
 Systems: ``pytorch_sdpa`` (eager PyTorch), ``zerofx_untiled`` (tiling off), ``zerofx_tiled``
 (``enabled: auto``: the planner tiles only what the activation ``--budget`` needs and picks the
-block size; NOTE [Block size from the budget] in ``passes/plan_tiling.py``) and
+block size; NOTE [Block size from the budget] in ``passes/tiling/plan_tiling.py``) and
 ``zerofx_tiled_all`` (``enabled: true``: every candidate tiled, block from the budget).
 
 ``--time``: one process per length holds all systems and runs their steps interleaved

@@ -3,7 +3,7 @@
 ``python -m benchmarks.check_weight_tiles`` runs the tiny DNA LM on 2 gloo ranks at stage 3 for
 2 SGD steps (lr 1, so parameter differences are gradient differences), untiled and with every
 linear weight over 4 KiB gathered one tile at a time (NOTE [One weight tile at a time] in
-``passes/tile_weights.py``), in fp32, bf16 and with ``"compile": "inductor"``. It prints, per
+``passes/zero/tile_weights.py``), in fp32, bf16 and with ``"compile": "inductor"``. It prints, per
 rank, each pair's loss and largest parameter difference. Kept out of the suite for CI time.
 """
 

@@ -1,5 +1,5 @@
 """Reproduce torch's gloo completion race without zerofx (NOTE [gloo's completion race] in
-passes/gather_into_buffers.py), and show that the all-gather zerofx's graphs run avoids it.
+passes/zero/gather_into_buffers.py), and show that the all-gather zerofx's graphs run avoids it.
 
 Each trial starts two gloo ranks that, per iteration, put four all-gathers and four
 reduce-scatters of a few floats in flight and then wait for them all, until TRIAL_SECONDS pass

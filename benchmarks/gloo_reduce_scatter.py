@@ -1,5 +1,5 @@
 """gloo's own reduce-scatter against the all-to-all and sum zerofx's graphs issue on gloo (NOTE
-[gloo's reduce-scatter as an all-to-all] in passes/reduce_scatter_all_to_all.py), without zerofx.
+[gloo's reduce-scatter as an all-to-all] in passes/zero/reduce_scatter_all_to_all.py), without zerofx.
 
     python benchmarks/gloo_reduce_scatter.py [--world-size 2] [--sizes 12e6,100e6] [--calls 10] [--trials 3]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Soak: `zerofx train` at stage 3 with block-buffered output through a slow pipe, the shape that
 # used to crash a rank on gloo (docs/failure-modes.md, "A rank that crashes";
-# NOTE [gloo's completion race] in passes/gather_into_buffers.py). Runs up to
+# NOTE [gloo's completion race] in passes/zero/gather_into_buffers.py). Runs up to
 # RUNS runs of STEPS steps; stops at the first crash and keeps its log and the core dump.
 #
 #   bash benchmarks/soak_piped_train.sh [RUNS=8] [STEPS=3000] [OUT_DIR=soak-out]

@@ -5,7 +5,7 @@ gloo ranks; reports each rank's resident memory over the run and exits non-zero 
 
 This is the shape that once aborted ranks with ``malloc(): unaligned tcache chunk detected``, a
 race inside torch's gloo backend that zerofx's graphs now avoid (NOTE [gloo's completion race] in
-passes/gather_into_buffers.py). Each rank runs faulthandler, so an abort
+passes/zero/gather_into_buffers.py). Each rank runs faulthandler, so an abort
 prints every thread's Python stack. Every ``--every`` steps rank 0 prints one line: the step, the
 loss, and both ranks' VmRSS. At the end it prints the RSS change from the first report to the
 last; ``--max-growth-mib`` (default 8) makes a larger growth an error. Too long for CI: a run of

@@ -53,14 +53,14 @@ ZEROFX_VARIANTS: dict[str, tuple[int, bool, dict[str, Any]]] = {
     # Built on the meta device: each rank initializes only its shard (zerofx.compiler.materialize).
     "zerofx3_meta": (3, True, {}),
     # gloo's own reduce-scatter (an all-reduce) instead of the all-to-all and sum zerofx issues on
-    # gloo (NOTE [gloo's reduce-scatter as an all-to-all] in passes/reduce_scatter_all_to_all.py).
+    # gloo (NOTE [gloo's reduce-scatter as an all-to-all] in passes/zero/reduce_scatter_all_to_all.py).
     "zerofx3_gloo_rs": (3, False, {"reduce_scatter_by_all_to_all": False}),
     # Fused AdamW (one kernel over the rank's flat shards); compare with fsdp2_fused.
     "zerofx3_fused": (3, False, {"fused_optimizer": True}),
     # Also: forward and backward graphs compiled by Inductor, fused AdamW over the shards.
     "zerofx3_inductor": (3, True, {"compile": "inductor", "fused_optimizer": True}),
     # Also: every linear weight over 8 MiB gathered, used and reduced in tiles of at most 8 MiB
-    # (NOTE [One weight tile at a time] in passes/tile_weights.py); no sequence tiling.
+    # (NOTE [One weight tile at a time] in passes/zero/tile_weights.py); no sequence tiling.
     "zerofx3_wtiles": (3, True, {"tiling": {"enabled": True, "attention": False, "region": False, "loss": False,
                                             "weight_tile_bytes": "8MiB"}}),
 }

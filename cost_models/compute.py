@@ -188,7 +188,7 @@ def _attention_flops(q: tuple[int, ...], keys: int, *, backward: bool) -> int:
 
 
 # NOTE [Custom ops' FLOPs]
-# zerofx's own kernels (passes/tiled_kernels.py, passes/ring_attention.py) are custom ops, opaque
+# zerofx's own kernels (passes/tiled_kernels.py, passes/sequence/ring_attention.py) are custom ops, opaque
 # to the graph: priced as every unknown op, by the bytes they read and write, a tiled attention
 # (``zerofx::blocked_attention``, which calls the CPU flash kernel that SDPA calls) cost 0.025 s
 # per step where the profiler measured 0.72 s, and the 25m DNA LM's step at 2x1024 tokens with

@@ -21,7 +21,7 @@ Frozen parameters hold no gradient and no optimizer state.
 With gradient offload (``zerofx.offload_gradients``, stages 2-3) the grads column is 0 on the
 device (``device_model_state_bytes``): there is no gradient buffer, and a reduced bucket is on
 the device only from its reduction's wait to its hand-off, a transient that the memory timeline
-counts (NOTE [Gradients leave at their bucket's wait] in passes/offload_grads.py).
+counts (NOTE [Gradients leave at their bucket's wait] in passes/memory/offload_grads.py).
 """
 
 from __future__ import annotations

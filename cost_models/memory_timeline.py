@@ -11,11 +11,11 @@ belong to the persistent model state (parameters, buffers, user inputs) are not 
 an input is that input]). Gathered stage-3 parameters, activations, gradients before they
 are reduced, and collective buffers are all transient and counted; a collective's inputs count
 until its ``wait_tensor``, because its work object holds them until then (NOTE [A reduction
-holds its input until its wait] in passes/schedule_overlap.py). The backward graph's outputs
+holds its input until its wait] in passes/zero/schedule_overlap.py). The backward graph's outputs
 (this rank's reduced gradients) are counted until the end of backward, when the engine adds them
 into its persistent gradient buffers; with gradient offload they are no outputs, and each is
 counted until its hand-off (NOTE [Gradients leave at their bucket's wait] in
-passes/offload_grads.py).
+passes/memory/offload_grads.py).
 """
 
 from __future__ import annotations

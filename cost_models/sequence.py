@@ -5,8 +5,8 @@ and in seconds, from its shapes, its dtype's item size,
 the sequence group's size and a frozen ``CommSpec``.
 
 Pure: nothing here reads a graph. Each mixer's ``exchange_bytes`` returns these bytes, and
-``choose_attention`` in passes/mixer_attention.py compares them for
-``sequence_parallel.attention: "auto"`` (NOTE [Sequence mixers] in passes/sequence_mixers.py);
+``choose_attention`` in passes/sequence/mixer_attention.py compares them for
+``sequence_parallel.attention: "auto"`` (NOTE [Sequence mixers] in passes/sequence/sequence_mixers.py);
 the sends themselves are described in NOTE [Ring attention] and NOTE [Sequence parallelism as a
 rewrite]. A new mixer's formulas go here beside attention's: its site's dimensions as a frozen
 dataclass, and ``<strategy>_exchange_bytes`` and ``<strategy>_exchange_s`` for each strategy.
@@ -82,7 +82,7 @@ def ulysses_exchange_s(dims: AttentionDims, size: int, spec: CommSpec) -> float:
 def ring_exchange_s(dims: AttentionDims, size: int, spec: CommSpec) -> float:
     """Seconds of one attention's ring sends, forward and backward, each to the neighbour over the
     slowest link the group crosses; not hidden behind the blocks' compute here (the schedule's
-    overlap model does that, NOTE [The overlap model] in passes/analyze_schedule.py)."""
+    overlap model does that, NOTE [The overlap model] in passes/analysis/analyze_schedule.py)."""
     alpha_s, bandwidth = spec.link(size)
     block = ring_block_bytes(dims, size)
     grads = block / dims.itemsize * FP32_BYTES
@@ -194,7 +194,7 @@ def scan_state_bytes(dims: ScanDims) -> float:
 def state_passing_exchange_bytes(dims: ScanDims, size: int) -> float:
     """Bytes one rank sends for one scan's forward and backward by state passing: its final state
     and its slice's decay to each of the S - 1 other ranks, and as many gradients back; independent
-    of T (NOTE [Scan by state passing] in passes/mixer_scan.py)."""
+    of T (NOTE [Scan by state passing] in passes/sequence/mixer_scan.py)."""
     return 2 * (size - 1) * 2 * scan_state_bytes(dims)
 
 
@@ -213,7 +213,7 @@ class FlipDims:
 
 def flip_exchange_bytes(dims: FlipDims, size: int) -> float:
     """Bytes one rank sends for one flip's forward and backward: two all-to-alls of its slice each
-    way, each sending (S - 1)/S of it (NOTE [Flip along the sequence] in passes/mixer_flip.py)."""
+    way, each sending (S - 1)/S of it (NOTE [Flip along the sequence] in passes/sequence/mixer_flip.py)."""
     return 2 * 2 * (size - 1) / size * dims.numel / size * dims.itemsize
 
 
@@ -224,7 +224,7 @@ def flip_exchange_s(dims: FlipDims, size: int, spec: CommSpec) -> float:
 
 @dataclass(frozen=True)
 class DeclaredOpDims:
-    """One op whose sharding its user declared (passes/mixer_custom.py): the bytes of one position
+    """One op whose sharding its user declared (passes/sequence/mixer_custom.py): the bytes of one position
     of each sequence-sharded input and of the output, over a whole sequence of ``seq_len``."""
 
     input_position_bytes: tuple[int, ...]

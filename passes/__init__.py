@@ -1,13 +1,16 @@
-"""Graph passes: planners (``plan_*``, read only) and rewrites (``*_pass``), one per file."""
+"""Graph passes: planners (``plan_*``, read only) and rewrites (``*_pass``), one per file, in one
+folder per feature (``zero``, ``sequence``, ``tiling``, ``memory``, ``analysis``) over the types
+of the plans they hand off (``plan``); what every feature shares (metadata keys, the
+forward/backward split, the custom ops, the private torch imports) sits here at the root."""
 
-from zerofx.passes.param_sync import build_param_sync
+from zerofx.passes.zero.param_sync import build_param_sync
 from zerofx.passes.partition import partition_joint
 from zerofx.passes.plan import Collective, CommKind, ParamPlacement, Plan, ZeroStage
 from zerofx.passes.plan.offload import OffloadPlan
-from zerofx.passes.plan_offload import plan_offload
-from zerofx.passes.plan_sharding import plan_sharding
-from zerofx.passes.reduce_grads import reduce_grads_pass
-from zerofx.passes.shard_params import shard_params_pass
+from zerofx.passes.memory.plan_offload import plan_offload
+from zerofx.passes.zero.plan_sharding import plan_sharding
+from zerofx.passes.zero.reduce_grads import reduce_grads_pass
+from zerofx.passes.zero.shard_params import shard_params_pass
 
 __all__ = [
     "Collective",

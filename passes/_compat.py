@@ -113,7 +113,7 @@ def boxed_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
 c10d_functional = torch.ops._c10d_functional
 ALL_GATHER = c10d_functional.all_gather_into_tensor.default
 # The same all-gather into a caller's buffer; what lowered graphs run (NOTE [gloo's completion
-# race] in passes/gather_into_buffers.py).
+# race] in passes/zero/gather_into_buffers.py).
 ALL_GATHER_INTO = c10d_functional.all_gather_into_tensor_out.default
 REDUCE_SCATTER = c10d_functional.reduce_scatter_tensor.default
 ALL_REDUCE = c10d_functional.all_reduce.default

@@ -21,7 +21,7 @@ COMM_FQNS = "zerofx_comm_fqns"  # tuple[str, ...]: the bucket of parameters a co
 COMM_BYTES = "zerofx_comm_bytes"  # int: bytes this rank contributes to the collective
 COMM_GROUP = "zerofx_comm_group"  # str: plan.SHARD or plan.REPLICATE, the group it runs over (absent: SHARD)
 # bool, on an all-to-all that does a bucket's reduce-scatter (NOTE [gloo's reduce-scatter as an
-# all-to-all] in passes/reduce_scatter_all_to_all.py)
+# all-to-all] in passes/zero/reduce_scatter_all_to_all.py)
 REDUCE_SCATTER_BY_ALL_TO_ALL = "zerofx_reduce_scatter_by_all_to_all"
 # In ``meta["custom"]`` (``_compat.annotate``) of a pre-autograd node the sequence-parallel rewrite
 # traced: the dim of its output that holds this rank's slice of the sequence (its attention outputs).
@@ -61,7 +61,7 @@ def is_reduce_scatter(node: fx.Node) -> bool:
 
 def is_reduce_scatter_by_all_to_all(node: fx.Node) -> bool:
     """An all-to-all that does a bucket's reduce-scatter, a sum following its wait (NOTE [gloo's
-    reduce-scatter as an all-to-all] in passes/reduce_scatter_all_to_all.py)."""
+    reduce-scatter as an all-to-all] in passes/zero/reduce_scatter_all_to_all.py)."""
     return node.op == "call_function" and node.target is _compat.ALL_TO_ALL and bool(node.meta.get(REDUCE_SCATTER_BY_ALL_TO_ALL))
 
 
@@ -82,7 +82,7 @@ def is_collective(node: fx.Node) -> bool:
 
 def collective_name(node: fx.Node) -> str:
     """A collective node's op as plans and errors name it: both forms of the all-gather (NOTE
-    [gloo's completion race] in passes/gather_into_buffers.py) are ``all_gather_into_tensor``, and
+    [gloo's completion race] in passes/zero/gather_into_buffers.py) are ``all_gather_into_tensor``, and
     a reduce-scatter issued as an all-to-all (NOTE [gloo's reduce-scatter as an all-to-all]) is
     ``reduce_scatter_tensor``."""
     if is_all_gather(node):

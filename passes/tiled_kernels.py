@@ -32,7 +32,7 @@ NOTE [Feature-tiled linear]
 blocks of output features (rows of w, split by ``tile_bounds``); its backward op computes dx,
 dw and db tile by tile too. On a whole weight this changes nothing but the order of the
 work: the op exists so that stage 3 can find the linear in the joint graph and gather its
-weight one tile at a time (NOTE [One weight tile at a time] in ``passes/tile_weights.py``),
+weight one tile at a time (NOTE [One weight tile at a time] in ``passes/zero/tile_weights.py``),
 where the min-cut partitioner and the rewrite see one node in forward and one in backward.
 Below stage 3, or where the weight cannot be tile-gathered, these kernels run as they are.
 """

@@ -12,11 +12,11 @@ import torch.fx as fx
 import zerofx
 from zerofx.passes import ZeroStage, _compat, meta, partition_joint, plan_sharding, reduce_grads_pass, shard_params_pass
 from zerofx.cost_models.comm import CPU_GLOO, efficient_bucket_bytes, estimate_all_gather_s, estimate_all_reduce_s
-from zerofx.passes.check_collectives import collective_sequence, first_divergence
+from zerofx.passes.analysis.check_collectives import collective_sequence, first_divergence
 from zerofx.passes.plan import Plan
-from zerofx.passes.plan_buckets import choose_prefetch_distance, plan_buckets
-from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
-from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
+from zerofx.passes.zero.plan_buckets import choose_prefetch_distance, plan_buckets
+from zerofx.passes.zero.gather_into_buffers import gather_into_buffers_pass
+from zerofx.passes.zero.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
 from zerofx.compiler.pipeline import lower
 from tests.support.models import BATCH, SEQ, TINY
 from tests.support.programs import SMALL_BUCKETS, meta_program
@@ -170,7 +170,7 @@ def test_param_sync_writes_each_bucket_in_place() -> None:
 def test_reductions_in_flight_are_bounded() -> None:
     """NOTE [A reduction holds its input until its wait]: with the overlap, no point of the
     backward has more than REDUCTIONS_IN_FLIGHT reductions issued and not yet waited for."""
-    from zerofx.passes.schedule_overlap import REDUCTIONS_IN_FLIGHT
+    from zerofx.passes.zero.schedule_overlap import REDUCTIONS_IN_FLIGHT
     bw = meta_program(3, 4, overlap_comm=True, **SMALL_BUCKETS).graph_modules(0)["backward"]
     in_flight, most = set(), 0
     for n in bw.graph.nodes:

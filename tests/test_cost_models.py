@@ -29,7 +29,7 @@ from zerofx.cost_models.compute import (
 )
 from zerofx.cost_models.memory import estimate_model_state_bytes, estimate_process_peak_bytes, zero_paper_bytes
 from zerofx.passes import meta
-from zerofx.passes.analyze_schedule import format_report
+from zerofx.passes.analysis.analyze_schedule import format_report
 from tests.support.programs import SMALL_BUCKETS, meta_program
 
 
@@ -80,7 +80,7 @@ def test_flops_of_matmul_and_attention() -> None:
 def test_flops_of_zerofx_custom_ops_are_the_products_they_run() -> None:
     """NOTE [Custom ops' FLOPs]: the tiled attention counts as SDPA, a ring attention over every
     rank's keys, the tiled linear and the chunked loss as their products; all take the roofline."""
-    import zerofx.passes.ring_attention  # noqa: F401  (registers zerofx::ring_attention)
+    import zerofx.passes.sequence.ring_attention  # noqa: F401  (registers zerofx::ring_attention)
     import zerofx.passes.tiled_kernels  # noqa: F401
 
     graph = torch.fx.Graph()

@@ -68,14 +68,14 @@ def test_calls_out_of_order_are_refused_and_change_nothing() -> None:
 
 
 # gloo's op types, by the c10d op that issues them, whose names fit in a std::string's 15-character
-# inline buffer (NOTE [gloo's completion race] in passes/gather_into_buffers.py). Not allowed:
+# inline buffer (NOTE [gloo's completion race] in passes/zero/gather_into_buffers.py). Not allowed:
 # allgather_into_tensor_coalesced_ (ALLGATHER_COALESCED), allreduce_coalesced_
 # (ALLREDUCE_COALESCED), _reduce_scatter_base_ (_REDUCE_SCATTER_BASE).
 SHORT_NAMED_GLOO_OPS = {
     "c10d::_allgather_base_",  # _ALLGATHER_BASE
     "c10d::allreduce_",  # ALLREDUCE
     "c10d::reduce_scatter_tensor_coalesced_",  # gloo runs it as an ALLREDUCE of a copy
-    "c10d::alltoall_base_",  # ALLTOALL_BASE: a reduce-scatter on gloo (passes/reduce_scatter_all_to_all.py)
+    "c10d::alltoall_base_",  # ALLTOALL_BASE: a reduce-scatter on gloo (passes/zero/reduce_scatter_all_to_all.py)
     "c10d::broadcast_", "c10d::allgather_", "c10d::barrier",
 }
 

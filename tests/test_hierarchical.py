@@ -22,7 +22,7 @@ from zerofx.config import ConfigError, parse_config
 from zerofx.models import DNADecoderLM
 from zerofx.passes import meta
 from zerofx.passes.plan import REPLICATE, SHARD, Plan
-from zerofx.passes.plan_sharding import place_param
+from zerofx.passes.zero.plan_sharding import place_param
 from zerofx.compiler.program import PLANNING_GROUP, PLANNING_REPLICATE_GROUP
 
 SGD = {"type": "SGD", "params": {"lr": 0.1}}

@@ -17,7 +17,7 @@ from zerofx.cost_models.memory import paper_breakdown
 from zerofx.cost_models.offload import TierSpec
 from zerofx.cost_models.tiers import Tier
 from zerofx.passes.plan.offload import ParamOffloadPlan, Placement
-from zerofx.passes.plan_offload import plan_param_offload
+from zerofx.passes.memory.plan_offload import plan_param_offload
 
 INF = math.inf
 ALL_NVME = ["--offload", "nvme", "--offload-param", "nvme", "--offload-grad", "nvme"]

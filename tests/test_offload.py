@@ -19,7 +19,7 @@ import zerofx
 from zerofx.cost_models.offload import OffloadItem, TierSpec, estimate_offload_timeline
 from zerofx.cost_models.tiers import Tier
 from zerofx.passes.plan.offload import OffloadPlan
-from zerofx.passes.plan_offload import plan_offload
+from zerofx.passes.memory.plan_offload import plan_offload
 from tests.support.dist_utils import run_ranks
 from tests.support.models import reference
 from tests.support.offload_workers import config, fault_runs, param_config, reference_late, run_many
@@ -326,7 +326,7 @@ def test_param_fetch_timeline_closed_form() -> None:
 
 def test_param_placement_and_plan_round_trip() -> None:
     from zerofx.passes.plan.offload import ParamOffloadPlan
-    from zerofx.passes.plan_offload import plan_param_offload
+    from zerofx.passes.memory.plan_offload import plan_param_offload
 
     tiers = {Tier.DEVICE: TierSpec(0, INF, INF), Tier.CPU: TierSpec(250, INF, INF), Tier.NVME: TierSpec(INF, 1e3, 1e3)}
     shards = [("a", 100, True), ("b", 200, True), ("c", 50, False)]
@@ -357,7 +357,7 @@ def _stage3_graphs() -> tuple[dict, object]:
 
 def test_fetch_params_pass_fetches_each_shard_right_before_its_gather() -> None:
     from zerofx.passes import meta
-    from zerofx.passes.fetch_params import FETCH_FQN, fetch_order, fetch_params_pass, is_fetch
+    from zerofx.passes.memory.fetch_params import FETCH_FQN, fetch_order, fetch_params_pass, is_fetch
     from zerofx.passes.plan.offload import ParamOffloadPlan
 
     gms, plan = _stage3_graphs()

@@ -17,7 +17,7 @@ from zerofx.app.cli import build_parser, main
 from zerofx.app.commands.plan_output import plot_title, step_note
 from zerofx.cost_models.profiles import load_profile
 from zerofx.models import DNA_LM_SIZES, DNADecoderLM
-from zerofx.passes.analyze_schedule import END, START, ScheduleReport, bucket_label, format_report, module_label
+from zerofx.passes.analysis.analyze_schedule import END, START, ScheduleReport, bucket_label, format_report, module_label
 from zerofx.app.commands.plan_output import plot_report
 from zerofx.common.units import binary_unit, format_bytes, format_seconds, parse_bytes
 

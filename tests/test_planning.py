@@ -230,7 +230,7 @@ def test_folded_peak_is_exact_when_the_prefetch_window_spans_blocks() -> None:
     from zerofx.planner.folding import find_repeated_blocks, fold_reports, plan_folded, with_num_blocks
     from zerofx.models import DNADecoderLM
     from zerofx.models.sizes import DNALMConfig
-    from zerofx.passes.analyze_schedule import ScheduleReport
+    from zerofx.passes.analysis.analyze_schedule import ScheduleReport
 
     with torch.device("meta"):
         model = DNADecoderLM(DNALMConfig(dim=64, num_layers=12, num_heads=4, ffn_dim=172, max_seq_len=256))
@@ -373,7 +373,7 @@ def test_memory_model_is_symbolic_in_batch_and_sequence(tmp_path: Path, monkeypa
 
 
 def test_buckets_end_at_block_boundaries() -> None:
-    from zerofx.passes.plan_buckets import plan_buckets, repeated_blocks_of
+    from zerofx.passes.zero.plan_buckets import plan_buckets, repeated_blocks_of
 
     shapes = {"embed.weight": (16, 8), "norm.weight": (8,)}
     for i in range(3):

@@ -19,8 +19,8 @@ from zerofx.common.errors import ConfigError
 from zerofx.compiler import pipeline
 from zerofx.config import parse_config
 from zerofx.cost_models.compute import CPU_CORE
-from zerofx.passes import plan_recompute
-from zerofx.passes.plan_recompute import recompute_candidates, spine_values
+from zerofx.passes.memory import plan_recompute
+from zerofx.passes.memory.plan_recompute import recompute_candidates, spine_values
 
 aten = torch.ops.aten
 

@@ -1,4 +1,4 @@
-"""The sequence-mixer seam (NOTE [Sequence mixers] in passes/sequence_mixers.py): a mixer in the
+"""The sequence-mixer seam (NOTE [Sequence mixers] in passes/sequence/sequence_mixers.py): a mixer in the
 registry is asked for the ops it owns, an op no mixer owns is refused, the config's two spellings
 of a strategy are one spec, and the exchange costs in cost_models/sequence.py."""
 
@@ -16,10 +16,10 @@ from zerofx.common.errors import CaptureError, ConfigError, SequenceParallelErro
 from zerofx.config import options, parse_config  # imported before any test patches the registry: the schema reads it once
 from zerofx.cost_models.comm import CommSpec
 from zerofx.cost_models.sequence import AttentionDims, ring_exchange_bytes, ring_exchange_s, ulysses_exchange_bytes, ulysses_exchange_s
-from zerofx.passes import mixer_custom, sequence_parallel
+from zerofx.passes.sequence import mixer_custom, sequence_parallel
 from zerofx.passes.meta import is_all_to_all
-from zerofx.passes.mixer_attention import ATTENTION, AttentionShape
-from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all, bytes_by_strategy
+from zerofx.passes.sequence.mixer_attention import ATTENTION, AttentionShape
+from zerofx.passes.sequence.sequence_mixers import MixerCheck, MixerRewrite, all_to_all, bytes_by_strategy
 from zerofx.passes.plan.sequence import SequenceParallelSpec
 
 aten = torch.ops.aten

@@ -14,11 +14,11 @@ from tests.support import sequence_parallel_workers as workers
 from tests.support.dist_utils import run_ranks
 from tests.support.programs import saved_views_of_inputs_bytes
 from zerofx.common.errors import CaptureError, ConfigError
-from zerofx.passes.analyze_schedule import schedule_table
+from zerofx.passes.analysis.analyze_schedule import schedule_table
 from zerofx.passes.meta import is_all_to_all
-from zerofx.passes.mixer_attention import AttentionShape, choose_attention
+from zerofx.passes.sequence.mixer_attention import AttentionShape, choose_attention
 from zerofx.passes.plan.sequence import SequenceAttention
-from zerofx.passes.ring_attention import is_ring_attention
+from zerofx.passes.sequence.ring_attention import is_ring_attention
 from zerofx.app.training import TrainOptions, _cycle_batches, check_train_options, data_layout
 
 STEPS = 3

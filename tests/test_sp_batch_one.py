@@ -1,6 +1,6 @@
 """Masked-LM training under sequence parallelism at batch 1, the usual long-context setting: the
 loss's flatten ``(1, T, V) -> (T, V)`` keeps the sequence axis, and the loss is still sharded
-(NOTE [The loss's flatten at batch 1] in passes/sequence_parallel.py)."""
+(NOTE [The loss's flatten at batch 1] in passes/sequence/sequence_parallel.py)."""
 
 from __future__ import annotations
 

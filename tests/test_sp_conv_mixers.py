@@ -1,4 +1,4 @@
-"""Sequence parallelism through the convolution and cumsum mixers (passes/mixer_conv.py, NOTE
+"""Sequence parallelism through the convolution and cumsum mixers (passes/sequence/mixer_conv.py, NOTE
 [Convolutions along the sequence]): the plans of the Hyena models, the ops refused by name, and
 parity with plain single-process PyTorch in real gloo process groups."""
 

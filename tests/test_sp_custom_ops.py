@@ -1,6 +1,6 @@
 """Ops zerofx cannot know: a ``torch.library`` op with a fake kernel shards along the sequence as
 its user declares with ``zerofx.register_sequence_mixer`` (NOTE [Declared sequence mixers] in
-passes/mixer_custom.py): each exchange's rewrite on the graph, SGD parity with plain PyTorch in
+passes/sequence/mixer_custom.py): each exchange's rewrite on the graph, SGD parity with plain PyTorch in
 real gloo process groups, bad declarations refused naming what is accepted, and every
 sequence-parallel refusal naming the API."""
 

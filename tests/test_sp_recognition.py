@@ -1,8 +1,8 @@
 """Sequence parallelism recognizes computations, not spellings: attention written out as matmuls
 and softmax folds into SDPA (NOTE [Attention written out is SDPA] in
-passes/canonical_attention.py) and shards as SDPA does, and views that merge the sequence with
+passes/sequence/canonical_attention.py) and shards as SDPA does, and views that merge the sequence with
 the batch keep the ops over them token-wise (NOTE [The sequence axis merged with the batch] in
-passes/seq_merged.py); checked on the graph and by SGD parity with plain PyTorch in real gloo
+passes/sequence/seq_merged.py); checked on the graph and by SGD parity with plain PyTorch in real gloo
 process groups."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from tests.support.dist_utils import run_ranks
 from zerofx.common.errors import CaptureError
 from zerofx.compiler.pipeline import StepCapture
 from zerofx.passes import meta
-from zerofx.passes.canonical_attention import canonicalize_attention_pass
-from zerofx.passes.canonical_fft import canonicalize_fft_conv_pass
+from zerofx.passes.sequence.canonical_attention import canonicalize_attention_pass
+from zerofx.passes.sequence.canonical_fft import canonicalize_fft_conv_pass
 from zerofx.passes.plan.sequence import SequenceParallelSpec
-from zerofx.passes.seq_regions import is_sdpa
+from zerofx.passes.sequence.seq_regions import is_sdpa
 
 aten = torch.ops.aten
 STEPS = 3

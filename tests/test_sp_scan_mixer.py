@@ -1,4 +1,4 @@
-"""Sequence parallelism through the scan and flip mixers (passes/mixer_scan.py, passes/mixer_flip.py):
+"""Sequence parallelism through the scan and flip mixers (passes/sequence/mixer_scan.py, passes/sequence/mixer_flip.py):
 the plan's decisions and the rewritten forward's ops, what is refused, and parity with plain
 PyTorch in real gloo groups on conv-free scan models and on the bundled Mamba and BiMamba."""
 

@@ -337,7 +337,7 @@ def test_stage3_gathers_and_reduces_one_weight_tile_at_a_time() -> None:
     backward gathers each again and reduce-scatters its gradient right away; the whole weight
     never exists on a rank, and the plan's schedule is exactly what the graphs issue."""
     from zerofx.passes import meta
-    from zerofx.passes.tile_weights import WEIGHT_TILE
+    from zerofx.passes.zero.tile_weights import WEIGHT_TILE
 
     program = weight_tiled_program(4)
     plan = program.plan
@@ -476,8 +476,8 @@ def _mlp_forward(seq: int = SEQ):
 
 
 def test_region_pass_structure_and_idempotence() -> None:
-    from zerofx.passes.plan_tiling import plan_tiling
-    from zerofx.passes.tile_forward import TILE_REGION, tile_forward_pass
+    from zerofx.passes.tiling.plan_tiling import plan_tiling
+    from zerofx.passes.tiling.tile_forward import TILE_REGION, tile_forward_pass
 
     gm = _mlp_forward()
     plan = plan_tiling(gm, ON)
@@ -495,7 +495,7 @@ def test_region_pass_structure_and_idempotence() -> None:
 
 
 def test_planner_picks_the_fewest_chunks_that_fit_the_budget(caplog: pytest.LogCaptureFixture) -> None:
-    from zerofx.passes.plan_tiling import MIN_AUTO_BLOCK, block_choices, plan_tiling
+    from zerofx.passes.tiling.plan_tiling import MIN_AUTO_BLOCK, block_choices, plan_tiling
 
     assert block_choices(1000, TilingOptions()) == [512, 256]  # 2 and 4 even chunks, rounded up to 64 tokens
     assert block_choices(1000, TilingOptions(block_size=100)) == [100]

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from zerofx.runtime.engine import Engine, initialize
     from zerofx.compiler.materialize import init_weights_
     from zerofx.compiler.program import Program, compile
-    from zerofx.passes.mixer_custom import OpSequenceMixer, register_sequence_mixer, unregister_sequence_mixer
+    from zerofx.passes.sequence.mixer_custom import OpSequenceMixer, register_sequence_mixer, unregister_sequence_mixer
 
 # The names that need torch load their module when first used (PEP 562), so that `import zerofx`
 # (and with it `zerofx --help`) stays light: NOTE [A command line that answers at once] in
@@ -43,9 +43,9 @@ _LAZY = {
     "init_weights_": "zerofx.compiler.materialize",
     "Program": "zerofx.compiler.program",
     "compile": "zerofx.compiler.program",
-    "OpSequenceMixer": "zerofx.passes.mixer_custom",
-    "register_sequence_mixer": "zerofx.passes.mixer_custom",
-    "unregister_sequence_mixer": "zerofx.passes.mixer_custom",
+    "OpSequenceMixer": "zerofx.passes.sequence.mixer_custom",
+    "register_sequence_mixer": "zerofx.passes.sequence.mixer_custom",
+    "unregister_sequence_mixer": "zerofx.passes.sequence.mixer_custom",
 }
 
 

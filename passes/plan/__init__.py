@@ -159,7 +159,7 @@ class Plan:
     # Saved activations recomputed in backward instead (NOTE [Selective activation recompute]).
     recompute: RecomputePlan | None = None
     # Each reduce-scatter lowered to an all-to-all and a sum (NOTE [gloo's reduce-scatter as an
-    # all-to-all] in passes/reduce_scatter_all_to_all.py).
+    # all-to-all] in passes/zero/reduce_scatter_all_to_all.py).
     reduce_scatter_by_all_to_all: bool = False
 
     def __post_init__(self) -> None:

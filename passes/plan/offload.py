@@ -1,7 +1,7 @@
 """The offload plans' types: which tier holds each optimizer-state record and in what order
 the step swaps them in (``OffloadPlan``, from ``plan_offload``), and which tier holds each
 stage-3 parameter shard between uses (``ParamOffloadPlan``, from ``plan_param_offload``); both
-planners are in passes/plan_offload.py. The runtime follows them and ``zerofx plan``
+planners are in passes/memory/plan_offload.py. The runtime follows them and ``zerofx plan``
 prints them.
 """
 

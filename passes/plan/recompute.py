@@ -1,5 +1,5 @@
 """The recompute plan's types: the ``zerofx.recompute`` mode (``RecomputeMode``) and the
-activations ``plan_recompute`` (passes/plan_recompute.py) chose to recompute in backward
+activations ``plan_recompute`` (passes/memory/plan_recompute.py) chose to recompute in backward
 (``RecomputePlan``, NOTE [Selective activation recompute]). Part of the ``Plan``
 (``Plan.recompute``).
 """

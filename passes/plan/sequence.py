@@ -1,7 +1,7 @@
 """The sequence-parallel plan's types and the config's words for the bundled mixers.
 
 ``SequenceParallelSpec`` is what ``zerofx.sequence_parallel`` asks for, ``SequenceParallelPlan``
-what ``plan_sequence_parallel`` (passes/sequence_parallel.py) decided for one captured forward
+what ``plan_sequence_parallel`` (passes/sequence/sequence_parallel.py) decided for one captured forward
 (part of the ``Plan``, ``Plan.sequence_parallel``). ``MixerKey`` is what the config knows of each
 bundled sequence mixer (NOTE [Sequence mixers]): the op class that names its key under
 ``sequence_parallel.mixers``, the strategies the key accepts (the default first; ``AUTO`` too)
@@ -66,7 +66,7 @@ FLIP_KEY = MixerKey(
     "how a flip along the sequence exchanges data: \"all_to_all\" (two all-to-alls move each rank's flipped slice to "
     "rank S - 1 - r, NOTE [Flip along the sequence]) or \"auto\" (the same)")
 
-# In the order of ``MIXERS`` (passes/sequence_parallel.py), which asserts that it lists these.
+# In the order of ``MIXERS`` (passes/sequence/sequence_parallel.py), which asserts that it lists these.
 MIXER_KEYS: tuple[MixerKey, ...] = (ATTENTION_KEY, SHORT_CONV_KEY, LONG_CONV_KEY, CUMSUM_KEY, SCAN_KEY, FLIP_KEY)
 
 

@@ -1,5 +1,5 @@
 """The tiling plan's types: what ``zerofx.tiling`` asks for (``TilingOptions``) and what
-``plan_tiling`` (passes/plan_tiling.py) decided (``TilingPlan``: the ops it tiles, those it
+``plan_tiling`` (passes/tiling/plan_tiling.py) decided (``TilingPlan``: the ops it tiles, those it
 leaves and why, and the estimates behind each, NOTE [What the estimates mean]). A ``TilingPlan``
 is part of the ``Plan`` (``Plan.tiling``), so it is fingerprinted and compared across ranks.
 """

@@ -1,7 +1,7 @@
 """Ops zerofx cannot know, defined here with ``torch.library`` (a kernel, a fake kernel and an
 autograd formula, as a CUDA causal-conv1d ships them; the formula is
 examples/custom_op_sp.py's, so parity checks the example's too), their sequence sharding declared with
-``zerofx.register_sequence_mixer`` (NOTE [Declared sequence mixers] in passes/mixer_custom.py),
+``zerofx.register_sequence_mixer`` (NOTE [Declared sequence mixers] in passes/sequence/mixer_custom.py),
 and what each rank runs in tests/test_sp_custom_ops.py. The ops and declarations exist in any
 process that imports this module, the pool's ranks included."""
 

@@ -16,7 +16,7 @@ import torch.fx as fx
 import zerofx
 from tests.support.models import BUILDERS, VOCAB, batches
 from zerofx.passes import meta
-from zerofx.passes.offload_grads import is_offload
+from zerofx.passes.memory.offload_grads import is_offload
 
 
 def grad_config(stage: int, opt: dict, grads: dict | None = None, *, bf16: bool = False, accumulation: int = 1,

@@ -1,6 +1,6 @@
 """What each rank runs in tests/test_sp_scan_mixer.py, and the single-process reference: models
 whose only ops that mix positions are selective scans and flips along the sequence (the scan and
-flip mixers, passes/mixer_scan.py and passes/mixer_flip.py), and the bundled Mamba models."""
+flip mixers, passes/sequence/mixer_scan.py and passes/sequence/mixer_flip.py), and the bundled Mamba models."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import zerofx
 from zerofx.common.errors import RankDivergenceError
 from zerofx.models.dna_lm import DNADecoderLM, DNALMConfig
 from zerofx.passes.meta import is_all_to_all
-from zerofx.passes.ring_attention import is_ring_attention, ring_exchanges
+from zerofx.passes.sequence.ring_attention import is_ring_attention, ring_exchanges
 
 CONFIG = DNALMConfig(dim=32, num_layers=2, num_heads=4, ffn_dim=88, max_seq_len=64)
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
@@ -201,7 +201,7 @@ class CumprodLM(torch.nn.Module):
 
 
 class PoolLM(torch.nn.Module):
-    """An average pool along the sequence, which no mixer owns (the convolutions' are passes/mixer_conv.py's)."""
+    """An average pool along the sequence, which no mixer owns (the convolutions' are passes/sequence/mixer_conv.py's)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -235,7 +235,7 @@ def ring_attention_errors(rank: int, world_size: int) -> dict[str, dict]:
     import torch.distributed as dist
 
     from zerofx.passes import _compat
-    from zerofx.passes.ring_attention import ring_attention, zigzag_chunks
+    from zerofx.passes.sequence.ring_attention import ring_attention, zigzag_chunks
 
     _compat.register_group_name("zerofx_test_ring", dist.group.WORLD)
     gen = torch.Generator().manual_seed(2)

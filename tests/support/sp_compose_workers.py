@@ -25,7 +25,7 @@ from tests.support.sp_conv_workers import ConvCumsumLM
 from zerofx.compiler.materialize import init_weights_
 from zerofx.models import build_model
 from zerofx.passes.meta import is_all_to_all
-from zerofx.passes.mixer_scan import is_selective_scan
+from zerofx.passes.sequence.mixer_scan import is_selective_scan
 
 SEQ, VOCAB = 64, 4  # 32 positions a rank at S = 2: striped-tiny's MR filter needs a halo of 15
 GLOBAL_BATCH = 4  # sequences per step, split over the data groups

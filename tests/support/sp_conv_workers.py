@@ -116,8 +116,8 @@ def cumsum_errors(rank: int, world_size: int) -> dict[str, dict]:
     import torch.fx as fx
 
     from zerofx.passes import _compat
-    from zerofx.passes.mixer_conv import CUMSUM
-    from zerofx.passes.sequence_mixers import MixerRewrite
+    from zerofx.passes.sequence.mixer_conv import CUMSUM
+    from zerofx.passes.sequence.sequence_mixers import MixerRewrite
 
     _compat.register_group_name("zerofx_test_cumsum", dist.group.WORLD)
     b, t, d = 2, 512, 4

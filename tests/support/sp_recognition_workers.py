@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import zerofx
 from zerofx.passes.meta import is_all_to_all
-from zerofx.passes.ring_attention import is_ring_attention
+from zerofx.passes.sequence.ring_attention import is_ring_attention
 
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
 VOCAB, SEQ, BATCH, IGNORE = 8, 16, 2, -100

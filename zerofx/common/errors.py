@@ -28,7 +28,7 @@ class MissingLossError(CaptureError):
     """The model's output holds no loss (for example a Hugging Face model called without labels)."""
 
 
-# Every sequence-parallel refusal ends with it (NOTE [Declared sequence mixers] in passes/mixer_custom.py).
+# Every sequence-parallel refusal ends with it (NOTE [Declared sequence mixers] in passes/sequence/mixer_custom.py).
 DECLARE_MIXER_HINT = ("an op zerofx does not know shards once declared with zerofx.register_sequence_mixer("
                       "zerofx.OpSequenceMixer(op, exchange=...)): docs/sequence-parallel.md, \"Ops zerofx cannot know\"")
 

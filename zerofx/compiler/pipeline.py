@@ -66,26 +66,26 @@ from zerofx.cost_models.compute import DeviceSpec
 from zerofx.cost_models.memory import device_model_state_bytes, inductor_resident_bytes
 from zerofx.cost_models.profiles import load_profile
 from zerofx.passes import Plan, ZeroStage, _compat, build_param_sync, meta, partition_joint, plan_sharding, reduce_grads_pass, shard_params_pass
-from zerofx.passes.fetch_params import fetch_params_pass
-from zerofx.passes.gather_into_buffers import gather_into_buffers_pass
-from zerofx.passes.grad_sync import build_grad_sync
-from zerofx.passes.offload_grads import offload_grads_pass
+from zerofx.passes.memory.fetch_params import fetch_params_pass
+from zerofx.passes.zero.gather_into_buffers import gather_into_buffers_pass
+from zerofx.passes.zero.grad_sync import build_grad_sync
+from zerofx.passes.memory.offload_grads import offload_grads_pass
 from zerofx.passes.plan import ScheduleOptions
-from zerofx.passes import plan_recompute as recompute_module
+from zerofx.passes.memory import plan_recompute as recompute_module
 from zerofx.passes.plan.offload import ParamOffloadPlan
 from zerofx.passes.plan.recompute import RecomputedActivation, RecomputeMode, RecomputePlan
-from zerofx.passes.plan_recompute import plan_recompute, recompute_activations_pass, recompute_candidates
-from zerofx.passes.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
+from zerofx.passes.memory.plan_recompute import plan_recompute, recompute_activations_pass, recompute_candidates
+from zerofx.passes.zero.plan_shard_groups import estimate_compute_s, plan_auto_shard_group_size, prefetch_from_profile
 from zerofx.passes.plan.tiling import TilingOptions, TilingPlan
-from zerofx.passes.plan_tiling import plan_tiling
-from zerofx.passes.reduce_scatter_all_to_all import reduce_scatter_by_all_to_all_pass
-from zerofx.passes.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
-from zerofx.passes.canonical_attention import canonicalize_attention_pass
-from zerofx.passes.canonical_fft import canonicalize_fft_conv_pass
+from zerofx.passes.tiling.plan_tiling import plan_tiling
+from zerofx.passes.zero.reduce_scatter_all_to_all import reduce_scatter_by_all_to_all_pass
+from zerofx.passes.zero.schedule_overlap import prefetch_gathers_pass, sink_reduce_waits_pass
+from zerofx.passes.sequence.canonical_attention import canonicalize_attention_pass
+from zerofx.passes.sequence.canonical_fft import canonicalize_fft_conv_pass
 from zerofx.passes.plan.sequence import SequenceParallelPlan, SequenceParallelSpec
-from zerofx.passes.sequence_parallel import plan_sequence_parallel, sequence_parallel_pass
-from zerofx.passes.tile_forward import tile_forward_pass
-from zerofx.passes.tile_weights import tile_weights_pass
+from zerofx.passes.sequence.sequence_parallel import plan_sequence_parallel, sequence_parallel_pass
+from zerofx.passes.tiling.tile_forward import tile_forward_pass
+from zerofx.passes.zero.tile_weights import tile_weights_pass
 
 log = logging.getLogger("zerofx.compiler.pipeline")
 
@@ -143,14 +143,14 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[tuple[str, Pass]], *, disabl
 # ----------------------------------------------------------------------------- the pass lists
 def canonical_passes() -> list[tuple[str, Pass]]:
     """Pre-autograd, before the sequence-parallel planner: one form for each computation it
-    recognizes (NOTE [Attention written out is SDPA] in passes/canonical_attention.py, NOTE [FFT
-    convolutions up to scaling] in passes/canonical_fft.py)."""
+    recognizes (NOTE [Attention written out is SDPA] in passes/sequence/canonical_attention.py, NOTE [FFT
+    convolutions up to scaling] in passes/sequence/canonical_fft.py)."""
     return [("canonicalize_attention_pass", canonicalize_attention_pass), ("canonicalize_fft_conv_pass", canonicalize_fft_conv_pass)]
 
 
 def sequence_passes(plan: SequenceParallelPlan) -> list[tuple[str, Pass]]:
     """Pre-autograd, first: the forward rewritten to run this rank's slice of the sequence
-    (NOTE [Sequence parallelism as a rewrite] in passes/sequence_parallel.py)."""
+    (NOTE [Sequence parallelism as a rewrite] in passes/sequence/sequence_parallel.py)."""
     return [("sequence_parallel_pass", functools.partial(sequence_parallel_pass, plan=plan))]
 
 
@@ -242,7 +242,7 @@ class StepCapture:
         length (``plan_tiling(..., seq_len=T/S)``) and tiles the rank's own slice. The rewrite cuts
         every source of the axis with one ``index_select`` by the rank's positions; the sequence
         analysis takes such a cut of T/S positions as a source and a gather by token-wise positions
-        as token-wise (NOTE [Sequence dimension propagation] in passes/seq_regions.py), so regions
+        as token-wise (NOTE [Sequence dimension propagation] in passes/sequence/seq_regions.py), so regions
         start at the cut inputs. The all-to-alls and the ring op read positions across the slice and
         are barriers, as attention is. The rewrite marks each attention's output, the rank's slice
         again (``meta.SEQUENCE_DIM`` through ``_compat.annotate``), and the analysis starts the
@@ -306,7 +306,7 @@ def capture_step(model: nn.Module, example_args: Sequence[Any], example_kwargs: 
     autograd, planned and tiled along the sequence, and the joint graph is traced from that.
     With ``sequence_parallel`` (size > 1) the forward is recorded before autograd the same way
     and rewritten to run this rank's slice of the sequence (NOTE [Sequence parallelism as a
-    rewrite] in passes/sequence_parallel.py).
+    rewrite] in passes/sequence/sequence_parallel.py).
 
     ``options`` are ``StepCapture``'s: ``loss_fn``, ``param_infos``, ``device``,
     ``compute_dtype``, ``sequence_parallel``.
@@ -330,7 +330,7 @@ def plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpti
        lowered graphs' peak fits (NOTE [Prefetch under a memory budget] in zerofx/planner/fit.py);
     5. ``fit_recompute`` (``zerofx.recompute``): the saved activations recomputed in backward, the
        fewest that fit the budget under "auto" (NOTE [Selective activation recompute] in
-       passes/plan_recompute.py).
+       passes/memory/plan_recompute.py).
     """
     return run_stage("plan", _plan_step, captured, cfg, compile_opts, make, param_offload=param_offload,
                      choose_shard_group_size=choose_shard_group_size, done=("capture", "pre_autograd", "autograd"))
@@ -380,7 +380,7 @@ def _plan_step(captured: CapturedStep, cfg: ZeroConfig, compile_opts: CompileOpt
 # NOTE [Recompute candidates once per capture]
 # The recompute candidates are a function of the captured joint graph, the device profile and
 # whether Inductor runs the graphs; finding them partitions the joint graph once per round
-# (NOTE [Recompute in rounds] in passes/plan_recompute.py). A plan never changes the captured
+# (NOTE [Recompute in rounds] in passes/memory/plan_recompute.py). A plan never changes the captured
 # joint (NOTE [Planning again from one capture] in zerofx/compiler/program.py), so every plan of one capture with recompute
 # "auto" or on (``Program.replan``, and the whole-job search's candidates of one capture group)
 # shares them. On the 100m DNA LM at 8k tokens, 4 ranks, tiled, partitioning took about three

@@ -50,7 +50,7 @@ from zerofx.compiler import cache_trust
 from zerofx.config import ZeroConfig
 from zerofx.config.options import CacheTrust
 from zerofx.passes import _compat
-from zerofx.passes.mixer_custom import declared_cache_keys
+from zerofx.passes.sequence.mixer_custom import declared_cache_keys
 from zerofx.compiler.program import Program
 
 FORMAT = "zerofx-plan-cache/2"
@@ -236,7 +236,7 @@ def cache_key(*, model: nn.Module, input_signature: Any, loss_fn: Callable[..., 
         "program_options": {k: repr(v) for k, v in sorted(program_options.items())},
         "world": {"world_size": world_size, "rank": rank, "backend": backend, "device": str(device)},
         "forward": forward,
-        "sequence_mixers": declared_cache_keys(),  # NOTE [Declared sequence mixers] in passes/mixer_custom.py
+        "sequence_mixers": declared_cache_keys(),  # NOTE [Declared sequence mixers] in passes/sequence/mixer_custom.py
     }
 
 

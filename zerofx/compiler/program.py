@@ -24,10 +24,10 @@ from zerofx.cost_models.comm import CPU_GLOO, CommSpec
 from zerofx.cost_models.compute import CPU_CORE, DeviceSpec
 from zerofx.cost_models.profiles import load_profile
 from zerofx.passes import Plan, ZeroStage, _compat
-from zerofx.passes.analyze_schedule import ScheduleReport, analyze_schedule
+from zerofx.passes.analysis.analyze_schedule import ScheduleReport, analyze_schedule
 from zerofx.passes.plan.offload import ParamOffloadPlan
-from zerofx.passes.plan_shard_groups import prefetch_from_profile
-from zerofx.passes.plan_sharding import plan_sharding_from_shapes
+from zerofx.passes.zero.plan_shard_groups import prefetch_from_profile
+from zerofx.passes.zero.plan_sharding import plan_sharding_from_shapes
 from zerofx.compiler.capture import CapturedStep, LossFn, flatten_call, traced_param_infos
 from zerofx.config import ZeroConfig, parse_config, source_config
 from zerofx.config.compile_options import CompileOptions, compile_options
@@ -96,7 +96,7 @@ class Program:
     @property
     def plan(self) -> Plan:
         """The sharding plan. Without a capture it is planned from the parameters' shapes (NOTE [A
-        plan from shapes alone] in passes/plan_sharding.py), unless the config chooses from the
+        plan from shapes alone] in passes/zero/plan_sharding.py), unless the config chooses from the
         memory timeline (``zerofx.memory_budget``, ``zerofx.tiling``): then it needs the capture."""
         if self._captured is None and self._plan_waits_for is not None:
             raise MissingExampleInputsError(self._needs_inputs(f"program.plan ({self._plan_waits_for})"))
@@ -110,7 +110,7 @@ class Program:
     @property
     def offload_grads(self) -> bool:
         """Stages 2-3 with zerofx.offload_gradients: the backward hands each reduced shard off at
-        its bucket's wait (NOTE [Gradients leave at their bucket's wait] in passes/offload_grads.py)."""
+        its bucket's wait (NOTE [Gradients leave at their bucket's wait] in passes/memory/offload_grads.py)."""
         return self._plan.offload_grads
 
     @property
@@ -431,7 +431,7 @@ def _programs(group_name: str, replicate_group_name: str) -> Callable[[CapturedS
 
 def plan_from_shapes(model: nn.Module, cfg: ZeroConfig, compile_opts: CompileOptions) -> Plan:
     """The plan from ``model``'s parameters alone, taken as capture takes them (NOTE [A plan from
-    shapes alone] in passes/plan_sharding.py)."""
+    shapes alone] in passes/zero/plan_sharding.py)."""
     infos = traced_param_infos(model, compute_dtype=cfg.compute_dtype)
     plan = plan_sharding_from_shapes([(i.fqn, i.shape, i.dtype, i.requires_grad) for i in infos], world_size=compile_opts.world_size,
                                      stage=compile_opts.stage, optimizer=compile_opts.optimizer, options=compile_opts.schedule,

@@ -50,7 +50,7 @@ def compile_options(cfg: ZeroConfig, world_size: int, *, backend: str | None = N
     (``zerofx.compiler.program.resolve`` and ``initialize`` see to it). ``backend``: the
     process-group backend the graphs run on, where there is a group (the engine's); it decides
     how reduce-scatters are issued (NOTE [gloo's reduce-scatter as an all-to-all] in
-    passes/reduce_scatter_all_to_all.py), which a plan without a group takes from its comm profile."""
+    passes/zero/reduce_scatter_all_to_all.py), which a plan without a group takes from its comm profile."""
     assert cfg.stage is not None, "the stage is resolved before the compile options"
     value = cfg.shard_group_size
     decision = None

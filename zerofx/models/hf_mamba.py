@@ -9,7 +9,7 @@ fixed chunked SSD subgraph of some forty ops (``segment_sum``, ``cumsum``, ``exp
 adapter, as kernel libraries do for Hugging Face modules, gives each ``MambaMixer`` and
 ``Mamba2Mixer`` a forward that computes the same function with the scan as one op
 (zerofx/models/scan.py, NOTE [The selective scan op]), which sequence parallelism runs by state
-passing (NOTE [Scan by state passing] in passes/mixer_scan.py):
+passing (NOTE [Scan by state passing] in passes/sequence/mixer_scan.py):
 
 - Mamba-1: ``in_proj``, the depthwise causal conv (``conv1d(padding=K-1)`` sliced to T, then
   the activation), ``x_proj`` into (dt, B, C), ``delta = softplus(dt_proj(dt))``,

@@ -44,7 +44,7 @@ each, for two reasons:
   the gradient of y on the chunk and of the state it hands on, which gives the gradient of the
   state it started from, handed on to the chunk before. The peak is one chunk's (B, L, E, N) intermediates and their gradients,
   instead of every chunk's (what the partitioner keeps of an unrolled scan);
-- matching: sequence parallelism owns the node whole (passes/mixer_scan.py), and h0 and h_last
+- matching: sequence parallelism owns the node whole (passes/sequence/mixer_scan.py), and h0 and h_last
   are what it passes between ranks (NOTE [Scan by state passing] there).
 The op is pure maths on its inputs (no collective), so opcheck and AOTAutograd see an ordinary
 function; the gradients equal those of the unrolled scan up to rounding.

@@ -49,9 +49,9 @@ from zerofx.cost_models.offload import FP32_BYTES, estimate_device_freed_bytes, 
 from zerofx.cost_models.profiles import load_profile
 from zerofx.cost_models.tiers import NO_OFFLOAD, Tier
 from zerofx.passes import Plan
-from zerofx.passes.analyze_schedule import ScheduleReport
-from zerofx.passes.plan_offload import plan_offload
-from zerofx.passes.plan_shard_groups import bucket_bytes, estimate_compute_s
+from zerofx.passes.analysis.analyze_schedule import ScheduleReport
+from zerofx.passes.memory.plan_offload import plan_offload
+from zerofx.passes.zero.plan_shard_groups import bucket_bytes, estimate_compute_s
 
 
 # Told a line per candidate as the search goes (``zerofx plan --auto`` prints it to stderr).

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Generic, Protocol, TypeVar
 
-from zerofx.passes.analyze_schedule import ScheduleReport
+from zerofx.passes.analysis.analyze_schedule import ScheduleReport
 from zerofx.common.units import format_bytes
 from zerofx.passes.plan import Plan
 from zerofx.passes.plan.recompute import RecomputeMode
@@ -100,7 +100,7 @@ def fit_prefetch(first: P, replan: Callable[[int], P], budget_bytes: float | Non
 
 # NOTE [Tiling checked against the memory timeline]
 # ``auto`` tiling chooses from per-op estimates that are upper bounds (NOTE [What the estimates
-# mean] in passes/plan_tiling.py): a region counts every token-wise output as saved, where the
+# mean] in passes/tiling/plan_tiling.py): a region counts every token-wise output as saved, where the
 # min-cut partitioner saves far fewer, and SDPA counts a score matrix its fused kernel never
 # makes. Measured on the 2-layer d256 DNA LM at 8k tokens, they put activations at 2.9 GiB
 # untiled, where the lowered graphs' memory timeline gives 354 MiB and the real process
@@ -137,7 +137,7 @@ def fit_tiling(first: P, build: Callable[[TilingOptions], P], options: TilingOpt
         return tuple(op for op in ops(program) if op.kind != "weight")
 
     # Weight tiles follow weight_tile_bytes, not the activation budget (NOTE [Weight tiles] in
-    # passes/plan_tiling.py): "untiled" here means no sequence tiling, with the weights as planned.
+    # passes/tiling/plan_tiling.py): "untiled" here means no sequence tiling, with the weights as planned.
     weights_tiled = any(op.kind == "weight" for op in ops(first))
     untiled_options = replace(options, kinds=("weight",)) if weights_tiled else replace(options, enabled=False)
     if not sequence_ops(first):
@@ -187,7 +187,7 @@ def fit_tiling(first: P, build: Callable[[TilingOptions], P], options: TilingOpt
 # NOTE [Recompute under a memory budget]
 # The candidates of ``recompute_candidates`` come ranked by bytes freed per second of recompute,
 # round after round (NOTE [Selective activation recompute], NOTE [Recompute in rounds] in
-# passes/plan_recompute.py); taking more frees more.
+# passes/memory/plan_recompute.py); taking more frees more.
 # Under "auto" the search keeps the plan as it is when its lowered graphs' peak fits the budget;
 # otherwise it lowers every candidate recomputed, and when that fits, searches for the fewest
 # best-ranked candidates that fit, each count planned and lowered anew. The search keeps a

@@ -27,7 +27,7 @@ from zerofx.config.options import BUDGET_KEYS
 from zerofx.cost_models.comm import CommSpec
 from zerofx.cost_models.compute import DeviceSpec
 from zerofx.cost_models.profiles import load_profile
-from zerofx.passes.plan_shard_groups import estimate_compute_s
+from zerofx.passes.zero.plan_shard_groups import estimate_compute_s
 from zerofx.planner.fit import lower_prefetch_distance
 from zerofx.planner.folded_tiling import model_estimates, pinned_on
 from zerofx.planner.folding import FOLD_BLOCKS, FoldedReport, RepeatedBlocks, extrapolate, find_repeated_blocks, plan_folded, with_num_blocks

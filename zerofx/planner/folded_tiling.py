@@ -53,10 +53,10 @@ from zerofx.compiler.pipeline import StepCapture
 from zerofx.config import ZeroConfig
 from zerofx.config.compile_options import compile_options
 from zerofx.passes.plan.tiling import DEFAULT_BUDGET_BYTES, KINDS, TilingOptions, TilingPlan
-from zerofx.passes.plan_tiling import block_choices
+from zerofx.passes.tiling.plan_tiling import block_choices
 
 # The kinds a folded tiling chooses among; weights are tiled by size, not by the activation
-# budget (NOTE [Weight tiles] in passes/plan_tiling.py), so they stay on as "auto" leaves them.
+# budget (NOTE [Weight tiles] in passes/tiling/plan_tiling.py), so they stay on as "auto" leaves them.
 SEQUENCE_KINDS = tuple(k for k in KINDS if k != "weight")
 TILING_ON = TilingOptions(enabled=True)
 

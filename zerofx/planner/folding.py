@@ -9,13 +9,13 @@ extrapolates the whole-model figures.
 NOTE [Why linear extrapolation is exact here]
 Every figure the planner reports is a sum over the step's nodes or collectives (bytes moved,
 compute, communication and exposed time, model-state bytes), or a peak of live bytes. Buckets
-end at block boundaries (NOTE [Buckets end at block boundaries] in ``passes/plan_buckets.py``),
+end at block boundaries (NOTE [Buckets end at block boundaries] in ``passes/zero/plan_buckets.py``),
 so each extra block adds the same nodes and the same collectives, and a sum over the model with
 N blocks is ``f(2) + (N - 2) * (f(3) - f(2))``. Peaks are taken per graph. The first and the
 last block are special (the embedding's gradient meets the first; the head's small reduction
 is in flight during the last); every block between them behaves alike: its backward runs with
 the previous block's gradient reduction in flight (NOTE [A reduction holds its input until its
-wait] in ``passes/schedule_overlap.py``) and with every earlier block's saved activations
+wait] in ``passes/zero/schedule_overlap.py``) and with every earlier block's saved activations
 alive. So the backward of a 3-block model is the first one with a middle block, and from 3
 blocks on each extra block adds what one block keeps alive to every point, which the two
 captures show where their nodes align (the end of forward, the start of backward). Captures
@@ -45,7 +45,7 @@ from typing import Any
 import torch.nn as nn
 
 from zerofx.passes.plan import Plan
-from zerofx.passes.analyze_schedule import CollectiveRow, ScheduleReport, format_summary, schedule_table, summary_json
+from zerofx.passes.analysis.analyze_schedule import CollectiveRow, ScheduleReport, format_summary, schedule_table, summary_json
 from zerofx.common.limits import AUTO_FOLD_MIN_BLOCKS  # noqa: F401  (re-exported: zerofx.planner.folding names it)
 from zerofx.common.units import format_bytes
 from zerofx.common.fork import fork_is_safe, start_in_fork
@@ -146,7 +146,7 @@ class FoldedReport:
     exposed_s: float
     step_s: float
     num_collectives: int
-    micro_batch_s: float = 0.0  # NOTE [An optimizer step of several micro-batches] in passes/analyze_schedule.py
+    micro_batch_s: float = 0.0  # NOTE [An optimizer step of several micro-batches] in passes/analysis/analyze_schedule.py
     repeats: Mapping[int, int] = field(default_factory=dict)  # row order -> times it repeats in the whole model
     peak_graph: str = ""
     cuts: tuple[int, int] = FOLD_BLOCKS  # the block counts the figures are extrapolated from

@@ -22,7 +22,7 @@ InputsAt = Callable[[int, int], tuple[tuple[Any, ...], Mapping[str, Any]]]
 TILINGS = ("off", "auto", "on")
 OFFLOADS = (NO_OFFLOAD, Tier.CPU.value)
 # "off": the default min-cut saves; "auto": the fewest recomputed activations that fit the budget
-# (NOTE [Selective activation recompute] in passes/plan_recompute.py); "config": the config's own.
+# (NOTE [Selective activation recompute] in passes/memory/plan_recompute.py); "config": the config's own.
 RECOMPUTES = ("off", "auto")
 # "none": the graphs run as FX code in eager ATen; "inductor": compiled by Inductor, with torch's
 # fused optimizer update where the optimizer has one (NOTE [Fused kernels under Inductor] in

@@ -24,8 +24,8 @@ from zerofx.cost_models.comm import CommSpec
 from zerofx.cost_models.compute import DeviceSpec
 from zerofx.cost_models.hierarchy import estimate_step_comm_s, estimate_step_s
 from zerofx.passes import Plan, ZeroStage
-from zerofx.passes.plan_shard_groups import bucket_bytes, device_budget, estimate_compute_s, plan_shard_group_size, prefetch_from_profile
-from zerofx.passes.plan_sharding import plan_sharding_from_shapes
+from zerofx.passes.zero.plan_shard_groups import bucket_bytes, device_budget, estimate_compute_s, plan_shard_group_size, prefetch_from_profile
+from zerofx.passes.zero.plan_sharding import plan_sharding_from_shapes
 from zerofx.common.errors import UsageError
 from zerofx.common.units import format_bytes
 

@@ -39,7 +39,7 @@ until a named point, and nothing writes into it or frees it before then:
   with the delayed update the generation being read belongs to the update thread until
   ``finish`` (NOTE [Offloaded gradients] in zerofx.runtime.offload.grads).
 - Inside torch, gloo's two worker threads share one unguarded string (the name of the last
-  completed collective); NOTE [gloo's completion race] in passes/gather_into_buffers.py says
+  completed collective); NOTE [gloo's completion race] in passes/zero/gather_into_buffers.py says
   why every collective zerofx issues has a name short enough to keep that string off the heap.
 """
 
@@ -62,9 +62,9 @@ import torch.nn as nn
 
 from zerofx.passes import ParamPlacement, ZeroStage, _compat
 from zerofx.passes.meta import is_wait
-from zerofx.passes.fetch_params import fetch_order
-from zerofx.passes.offload_grads import grad_sink
-from zerofx.passes.plan_sharding import place_param
+from zerofx.passes.memory.fetch_params import fetch_order
+from zerofx.passes.memory.offload_grads import grad_sink
+from zerofx.passes.zero.plan_sharding import place_param
 from zerofx.compiler.capture import CapturedStep, LossFn, TensorInfo, cast_info, flatten_call
 from zerofx.compiler.pipeline import capture_step
 from zerofx.planner.autoplan import example_shape, resize_inputs, search_space
@@ -458,7 +458,7 @@ class Engine:
     def _sync_grads(self) -> None:
         """Stage 1, at the accumulation boundary: reduce-scatter the accumulated local gradients
         into this rank's shard of each buffer (a collective; NOTE [Stages 1 and 2 move 2 Psi] in
-        passes/grad_sync.py)."""
+        passes/zero/grad_sync.py)."""
         program = self.program
         if program is not None and "grad_sync" in program.graph_modules(self.rank):
             order = [f for bucket in program.plan.reduce_buckets for f in bucket]
@@ -469,7 +469,7 @@ class Engine:
         program = self.program
         if program is not None and "param_sync" in program.graph_modules(self.rank):
             order = [f for bucket in program.plan.sync_buckets for f in bucket]
-            # The graph writes each gathered bucket into the full flats in place (passes/param_sync.py).
+            # The graph writes each gathered bucket into the full flats in place (passes/zero/param_sync.py).
             self._run(program, "param_sync", [self.storage.shards[f] for f in order] + [self.storage.full[f] for f in order])
 
     # ----------------------------------------------------------------- state

@@ -37,7 +37,7 @@ At stage 3 with ``offload_param`` the sharded parameters ``plan_param_offload`` 
 memory or on NVMe are not in the engine's flat buffer either: a ``ParamStore`` holds them (NOTE
 [The parameter store] in ``zerofx.runtime.offload``). The graphs take the store's 8-byte token in place
 of each such shard and fetch the shard right before its bucket's all-gather
-(``passes.fetch_params``), so the rank never holds them all. ``shards`` has no entry for
+(``passes.memory.fetch_params``), so the rank never holds them all. ``shards`` has no entry for
 them; ``optimizer_params`` holds a shape-only handle (no storage) per offloaded shard, and the
 optimizer, always an ``OffloadedOptimizer`` then (its records on the device when
 ``offload_optimizer`` is off), takes each shard from the store to update it and writes it
@@ -54,7 +54,7 @@ import torch.nn as nn
 
 from zerofx.passes import OffloadPlan, ParamPlacement, ZeroStage, _compat
 from zerofx.passes.plan.offload import ParamOffloadPlan
-from zerofx.passes.plan_sharding import persistent_params
+from zerofx.passes.zero.plan_sharding import persistent_params
 from zerofx.config import OptimizerSpec, ZeroConfig
 from zerofx.common.errors import ZeroFXError
 from zerofx.compiler.materialize import InitFn, iter_initial_state
@@ -283,7 +283,7 @@ class EngineStorage:
         """What the forward graph takes for a parameter: its shard if sharded, else its full value."""
         p = self.placements[fqn]
         if self.param_store is not None and fqn in self.param_store:
-            return self.param_store.token  # the graph fetches the shard itself (passes.fetch_params)
+            return self.param_store.token  # the graph fetches the shard itself (passes.memory.fetch_params)
         if fqn not in self.full:
             return self.shards[fqn]
         return self.full[fqn][: p.numel].view(p.shape)

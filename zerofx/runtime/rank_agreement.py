@@ -29,7 +29,7 @@ from zerofx.compiler import plan_cache
 from zerofx.config import ZeroConfig, first_config_difference
 from zerofx.common.errors import CollectiveTimeoutError, RankDivergenceError, ZeroFXError
 from zerofx.passes import _compat
-from zerofx.passes.check_collectives import collective_sequence, first_divergence
+from zerofx.passes.analysis.check_collectives import collective_sequence, first_divergence
 from zerofx.compiler.program import Program
 
 log = logging.getLogger(__name__)

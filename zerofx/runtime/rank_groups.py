@@ -29,7 +29,7 @@ def sequence_group(options: CompileOptions, group: dist.ProcessGroup, timeout: t
     group: consecutive ranks, as a node's ranks usually are, since its all-to-alls move
     activations every layer. There are D = N / S groups, data-parallel to each other. Every
     rank of a group is given the same batch and runs its 1/S of each sequence (NOTE [Sequence
-    parallelism as a rewrite] in passes/sequence_parallel.py). ZeRO is unchanged: model state is
+    parallelism as a rewrite] in passes/sequence/sequence_parallel.py). ZeRO is unchanged: model state is
     sharded over all N ranks and gradients are reduced over all N of them. Each rank registers
     its own group under the shared name ``zerofx_sequence_SofN`` (``sequence_group_name`` in
     zerofx/config/compile_options.py), so every rank lowers the same graph code. Each forward

@@ -238,7 +238,7 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
     from zerofx.compiler.program import resolve
     from zerofx.config import load_config
     from zerofx.cost_models.memory import estimate_process_peak_bytes
-    from zerofx.passes.analyze_schedule import format_report
+    from zerofx.passes.analysis.analyze_schedule import format_report
     from zerofx.planner.folded_plan import blocks_to_fold
     from zerofx.planner.solve import solve_memory
     from zerofx.runtime.offload import plan_for_program

@@ -15,7 +15,7 @@ from zerofx.common.units import binary_unit, format_bytes
 
 if TYPE_CHECKING:
     from zerofx.compiler.program import Program
-    from zerofx.passes.analyze_schedule import ScheduleReport
+    from zerofx.passes.analysis.analyze_schedule import ScheduleReport
     from zerofx.planner.folding import FoldedReport
     from zerofx.planner.solve import ModelSpec
 
@@ -139,7 +139,7 @@ def plot_report(report: ScheduleReport, path: Path, *, title: str, budget_bytes:
 def report_json(program: Program, report: ScheduleReport, budget_bytes: float | None, *, device_peak_bytes: float | None = None,
                 micro_batches: int = 1) -> str:
     """The plan, the schedule's rows, memory with the fits verdict, and the summary, as ``zerofx plan --format json`` prints them."""
-    from zerofx.passes.analyze_schedule import summary_json
+    from zerofx.passes.analysis.analyze_schedule import summary_json
 
     plan = json.loads(program.plan.to_json())
     return json.dumps(

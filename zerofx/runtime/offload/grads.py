@@ -23,7 +23,7 @@ from zerofx.config.offload_options import GradOffloadOptions
 # empty, ``memory()["grads"]`` is 0). Each reduced gradient shard goes to ``GradStore.add`` from
 # inside the backward graph, as soon as its bucket's reduction is waited for: the graph's
 # ``zerofx::offload_grad`` op hands it over and the graph returns None for it (NOTE [Gradients
-# leave at their bucket's wait] in passes/offload_grads.py), so the device holds a bounded
+# leave at their bucket's wait] in passes/memory/offload_grads.py), so the device holds a bounded
 # number of reduced buckets, not the whole gradient at the end of the backward. ``add`` puts it
 # into a host tensor (pinned on CUDA with ``pin_memory``), or copies it to the host and writes
 # it to its file ``<nvme_path>/rank-<r>/<fqn>.grad`` on an I/O thread (NOTE [NVMe I/O]: aligned

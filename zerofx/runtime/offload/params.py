@@ -1,6 +1,6 @@
 """``offload_param`` at run time (stage 3): ``ParamStore``, this rank's parameter shards in host
 memory or in files on NVMe, each tier kept by its backend (``zerofx.runtime.offload.tiers``), fetched into the graphs through
-``zerofx::fetch_shard`` (``passes.fetch_params``; its kernel is registered here) and streamed
+``zerofx::fetch_shard`` (``passes.memory.fetch_params``; its kernel is registered here) and streamed
 through the optimizer's update. See NOTE [The parameter store].
 """
 
@@ -19,7 +19,7 @@ from zerofx.cost_models.tiers import Tier
 from zerofx.runtime.offload.files import IO_THREADS, NvmeFiles, OffloadError, aligned_empty
 from zerofx.runtime.offload.tiers import BackgroundIO, TierBackend, TierRequest, open_tier
 from zerofx.config.offload_options import ParamOffloadOptions
-from zerofx.passes.fetch_params import fetch_shard
+from zerofx.passes.memory.fetch_params import fetch_shard
 from zerofx.passes.plan.offload import ParamOffloadPlan
 
 
@@ -29,7 +29,7 @@ from zerofx.passes.plan.offload import ParamOffloadPlan
 # holds them on their tiers' backends (NOTE [Tier backends]): host tensors held in place (pinned
 # on CUDA with ``pin_memory``) or one file per shard, ``<nvme_path>/rank-<r>/<fqn>.param``, read
 # and written whole through ``NvmeFiles`` (NOTE [NVMe I/O]); the NVMe shards are the streamed
-# ones. The graphs ask for a shard with ``zerofx::fetch_shard`` (``passes.fetch_params``) right
+# ones. The graphs ask for a shard with ``zerofx::fetch_shard`` (``passes.memory.fetch_params``) right
 # before its bucket's all-gather; the optimizer asks for it to update it (``acquire`` /
 # ``release``, which writes it back).
 #

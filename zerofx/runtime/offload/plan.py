@@ -2,7 +2,7 @@
 storage: ``plan_engine_offload`` (where each optimizer-state record lives) and
 ``plan_engine_param_offload`` (where each stage-3 parameter shard lives), which the engine
 calls, and ``plan_for_program``, what ``zerofx plan`` shows for a ``Plan``. The placement itself
-is the pure planner in ``passes/plan_offload.py``; this module turns options into its inputs and
+is the pure planner in ``passes/memory/plan_offload.py``; this module turns options into its inputs and
 its ``ValueError`` into a ``ConfigError``.
 """
 
@@ -18,7 +18,7 @@ from zerofx.cost_models.offload import FP32_BYTES, record_numels
 from zerofx.common.errors import ConfigError, PlanError
 from zerofx.config.offload_options import OffloadOptions, ParamOffloadOptions
 from zerofx.passes.plan.offload import OffloadPlan, ParamOffloadPlan
-from zerofx.passes.plan_offload import plan_offload, plan_param_offload
+from zerofx.passes.memory.plan_offload import plan_offload, plan_param_offload
 
 
 def plan_engine_offload(

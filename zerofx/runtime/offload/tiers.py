@@ -42,7 +42,7 @@ A new tier (say, a remote store) touches:
   ``--offload`` flags and the cost models' placement table accept it at once (``OFFLOAD_TIERS``
   and ``PLACEMENT_CHOICES``, from which they derive their spellings and messages);
 - ``zerofx/config/offload_options.py``: its budget and bandwidths in the ``tier_specs``;
-- ``passes/plan_offload.py``: its place in ``_FASTEST_FIRST``;
+- ``passes/memory/plan_offload.py``: its place in ``_FASTEST_FIRST``;
 - a new module here implementing ``TierBackend``, and its opener in ``_OPENERS`` below.
 
 The stores stay as they are.

@@ -2,7 +2,7 @@
 
 Expects the pre-autograd ATen forward that ``make_fx(..., pre_dispatch=True)`` records, with
 ``meta['val']`` on every node. Runs before ``plan_sequence_parallel`` (zerofx/compiler/pipeline.py)
-and returns a new GraphModule, so the long-conv mixer (passes/mixer_conv.py) sees one form.
+and returns a new GraphModule, so the long-conv mixer (passes/sequence/mixer_conv.py) sees one form.
 Postcondition: each ``fft_irfft(P, n)`` whose input ``P`` is the product of two ``fft_rfft``
 (through scalar multiplies and divides) reads ``rfft(u, n) * rfft(h, n)`` with every ``norm``
 unset and no scalar between, and the factor those carried multiplies the irfft's first user (the
@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from zerofx.passes import meta
-from zerofx.passes.seq_regions import op_packet
+from zerofx.passes.sequence.seq_regions import op_packet
 
 aten = torch.ops.aten
 

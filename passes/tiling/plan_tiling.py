@@ -72,10 +72,11 @@ import math
 import torch
 import torch.fx as fx
 
-from zerofx.passes import meta, seq_regions
+from zerofx.passes import meta
+from zerofx.passes.sequence import seq_regions
 from zerofx.passes.plan.tiling import DEFAULT_BUDGET_BYTES, DEFAULT_WEIGHT_TILE_BYTES, KINDS, SkippedOp, TiledOp, TilingOptions, TilingPlan
-from zerofx.passes.seq_regions import SeqAnalysis
-from zerofx.passes.sequence_parallel import mixer_of
+from zerofx.passes.sequence.seq_regions import SeqAnalysis
+from zerofx.passes.sequence.sequence_parallel import mixer_of
 
 log = logging.getLogger("zerofx.tiling")
 

@@ -42,9 +42,10 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from zerofx.passes import _compat, meta, seq_regions
+from zerofx.passes import _compat, meta
+from zerofx.passes.sequence import seq_regions
 from zerofx.passes.plan.tiling import TilingPlan
-from zerofx.passes.plan_tiling import analyze_for_tiling, channel_chunks_allowed, weight_linears
+from zerofx.passes.tiling.plan_tiling import analyze_for_tiling, channel_chunks_allowed, weight_linears
 from zerofx.common.errors import PlanError
 
 aten = torch.ops.aten

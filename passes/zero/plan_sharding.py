@@ -34,14 +34,10 @@ from zerofx.passes.plan import (
     ScheduleOptions,
     ZeroStage,
 )
-from zerofx.passes.plan_buckets import (
-    choose_prefetch_distance,
-    plan_buckets,
-    repeated_blocks_of,
-)
-from zerofx.passes.tile_weights import BACKWARD as TILED_BACKWARD
-from zerofx.passes.tile_weights import FORWARD as TILED_FORWARD
-from zerofx.passes.tile_weights import tile_gatherable
+from zerofx.passes.zero.plan_buckets import choose_prefetch_distance, plan_buckets, repeated_blocks_of
+from zerofx.passes.zero.tile_weights import BACKWARD as TILED_BACKWARD
+from zerofx.passes.zero.tile_weights import FORWARD as TILED_FORWARD
+from zerofx.passes.zero.tile_weights import tile_gatherable
 from zerofx.passes.tiled_kernels import tile_bounds
 
 _tiling_log = logging.getLogger("zerofx.tiling")  # weights gathered whole, with the reason
@@ -229,7 +225,7 @@ def _plan(
         schedule += [Collective(CommKind.ALL_GATHER, (fqn,), "backward", b) for b in tile_bytes if gathers_in_backward]
         schedule += [Collective(CommKind.REDUCE_SCATTER, (fqn,), "backward", world_size * b) for b in tile_bytes if reduces]
 
-    # NOTE [gloo's reduce-scatter as an all-to-all] (passes/reduce_scatter_all_to_all.py)
+    # NOTE [gloo's reduce-scatter as an all-to-all] (passes/zero/reduce_scatter_all_to_all.py)
     by_all_to_all = comm.backend == "gloo" if options.reduce_scatter_by_all_to_all is None else options.reduce_scatter_by_all_to_all
     return Plan(
         world_size=world_size,

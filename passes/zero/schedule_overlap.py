@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from zerofx.passes import meta
 from zerofx.passes.plan import REPLICATE, Plan
-from zerofx.passes.tile_weights import WEIGHT_TILE
+from zerofx.passes.zero.tile_weights import WEIGHT_TILE
 
 
 # Gradient reductions issued and not yet waited for, at most (NOTE [A reduction holds its input

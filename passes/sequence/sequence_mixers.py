@@ -2,13 +2,13 @@
 ``SequenceMixer`` protocol, what a mixer reads while planning and rewriting, and the
 all-to-all over the sequence group that mixers and the rewrite share.
 
-Read by passes/sequence_parallel.py, whose ``MIXERS`` tuple lists the mixers; the first
-implementation is attention (passes/mixer_attention.py). Reads and writes no node meta.
+Read by passes/sequence/sequence_parallel.py, whose ``MIXERS`` tuple lists the mixers; the first
+implementation is attention (passes/sequence/mixer_attention.py). Reads and writes no node meta.
 
 NOTE [Sequence mixers]
 Token-wise ops run on each rank's slice as they are (NOTE [Sequence parallelism as a rewrite]);
 an op that reads the sequence axis across positions runs sharded only through a mixer. ``MIXERS``
-in passes/sequence_parallel.py is one ordered tuple, and the first mixer whose ``matches``
+in passes/sequence/sequence_parallel.py is one ordered tuple, and the first mixer whose ``matches``
 accepts a node owns it. ``plan_sequence_parallel`` calls the owner's ``check`` on each node it
 owns, which returns what the mixer needs of the node (its site: shapes, refusals; None where the
 node adds no site of its own, such as a convolution's pad) or raises
@@ -21,7 +21,7 @@ sequence-sharded inputs as this rank's slices, and the value it returns is this 
 the output. A node no mixer owns that reads a sharded value across positions is refused with
 the ops that are supported (the token-wise ops, each mixer's ``supports``, the loss). A mixer that needs the sequence cut another way than in contiguous
 slices says so in ``zigzag_balances`` (NOTE [Zigzag layout for causal rings]). The plan's
-schedule (passes/analyze_schedule.py) sees a mixer's exchanges in the graph it traces: each
+schedule (passes/analysis/analyze_schedule.py) sees a mixer's exchanges in the graph it traces: each
 ``all_to_all`` below is a collective of its bytes there; sends inside an op of the mixer's own
 (ring attention's point-to-point steps) are what its ``op_exchanges`` returns for a node of the
 compiled graph, which the schedule asks every mixer of ``MIXERS``. A mixer whose exchanges assume
@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from zerofx.passes import _compat
-from zerofx.passes.seq_regions import SeqAnalysis
+from zerofx.passes.sequence.seq_regions import SeqAnalysis
 
 @dataclass(frozen=True)
 class MixerCheck:

@@ -1,7 +1,7 @@
-"""Attention as a sequence mixer (NOTE [Sequence mixers] in passes/sequence_mixers.py): each
+"""Attention as a sequence mixer (NOTE [Sequence mixers] in passes/sequence/sequence_mixers.py): each
 ``scaled_dot_product_attention`` runs by Ulysses (all-to-all to head shards and back) or by ring
-attention (passes/ring_attention.py), as NOTE [Sequence parallelism as a rewrite] in
-passes/sequence_parallel.py describes, and ``"auto"`` chooses between them (``choose_attention``)
+attention (passes/sequence/ring_attention.py), as NOTE [Sequence parallelism as a rewrite] in
+passes/sequence/sequence_parallel.py describes, and ``"auto"`` chooses between them (``choose_attention``)
 by the bytes of cost_models/sequence.py. Reads and writes no node meta, except the sequence-dim
 mark on the last op of each attention's output (NOTE [Tiling a sequence-parallel forward] in
 zerofx/compiler/pipeline.py).
@@ -24,10 +24,10 @@ from zerofx.common.errors import SequenceParallelError
 from zerofx.common.units import format_bytes
 from zerofx.cost_models.sequence import AttentionDims, ring_exchange_bytes, ulysses_exchange_bytes
 from zerofx.passes import _compat, meta
-from zerofx.passes.ring_attention import ring_attention, ring_exchanges
+from zerofx.passes.sequence.ring_attention import ring_attention, ring_exchanges
 from zerofx.passes.plan.sequence import ATTENTION_KEY, SequenceAttention
-from zerofx.passes.seq_regions import is_sdpa
-from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all, bytes_by_strategy
+from zerofx.passes.sequence.seq_regions import is_sdpa
+from zerofx.passes.sequence.sequence_mixers import MixerCheck, MixerRewrite, all_to_all, bytes_by_strategy
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class AttentionMixer:
         how = ("each an all-to-all to heads before (one per q/k/v shape) and one back after" if strategy == SequenceAttention.ULYSSES.value
                else f"each one zerofx::ring_attention op: {size - 1} send(s) of k and v forward, {size - 1} of k and v and {size} of "
                     f"their gradients backward, {seq_len // size} keys and values saved per rank (NOTE [Ring attention] in "
-                    "passes/ring_attention.py)")
+                    "passes/sequence/ring_attention.py)")
         return f"{len(sites)} attention(s), {how}"
 
     def zigzag_balances(self, graph: fx.Graph, strategy: str) -> bool:

@@ -10,7 +10,7 @@ A small discrete-event simulation. Compute runs node by node in graph order, eac
 they are issued; each starts when it is issued and the channel is free, and takes its
 alpha-beta time. A ``wait_tensor`` blocks compute until its collective is done: the time it
 blocks is *exposed* communication. The rest is hidden behind compute. The sends inside a ring
-attention op (NOTE [Ring attention] in passes/ring_attention.py) are modelled as blocking: compute
+attention op (NOTE [Ring attention] in passes/sequence/ring_attention.py) are modelled as blocking: compute
 waits for all of each: an upper bound, since the op receives the next block while it attends to the
 current one.
 
@@ -44,9 +44,9 @@ from zerofx.cost_models.compute import (DeviceSpec, estimate_node_s, estimate_op
                                         writes_in_place)
 from zerofx.cost_models.memory_timeline import TimelinePoint, collective_copy_bytes, peak, saved_activations, step_timeline
 from zerofx.passes import meta
-from zerofx.passes.check_collectives import GRAPH_ORDER
+from zerofx.passes.analysis.check_collectives import GRAPH_ORDER
 from zerofx.passes.plan import REPLICATE, Plan
-from zerofx.passes.sequence_parallel import all_mixers
+from zerofx.passes.sequence.sequence_parallel import all_mixers
 from zerofx.common.units import format_bytes
 
 aten = torch.ops.aten

@@ -1,9 +1,9 @@
-"""Ring attention for sequence parallelism: the custom op the attention mixer (passes/mixer_attention.py)
+"""Ring attention for sequence parallelism: the custom op the attention mixer (passes/sequence/mixer_attention.py)
 traces in place of each ``scaled_dot_product_attention`` under the ``"ring"`` strategy, the
 sequence layout it reads, and what the schedule reads off it.
 
 Used while tracing the pre-autograd forward (NOTE [Sequence parallelism as a rewrite] in
-passes/sequence_parallel.py); AOTAutograd differentiates the result, and the op's registered
+passes/sequence/sequence_parallel.py); AOTAutograd differentiates the result, and the op's registered
 autograd formula gives its backward: one ``zerofx::ring_attention_backward`` op. Reads and writes
 no node meta.
 
@@ -23,7 +23,7 @@ log-sum-exp over all T keys (+inf for a query that attends to no key; lse gets n
 Causal attention (top-left, query t attends keys <= t): with contiguous slices, block j against
 own slice r is the diagonal block at step 0 (j = r, causal within the block), wholly visible
 when j < r, and wholly masked when j > r; in the zigzag layout each step attends half a block
-(``_blocks``, NOTE [Zigzag layout for causal rings] in passes/sequence_parallel.py). Inside the
+(``_blocks``, NOTE [Zigzag layout for causal rings] in passes/sequence/sequence_parallel.py). Inside the
 op the rank is a Python int, so a masked block is not computed; it is still received and passed
 on, so every rank sends and receives at every step and the pattern stays symmetric. A mask
 ``attn_mask`` (boolean, True = attend, or additive) broadcastable to (B, H, T, T) is cut to the
@@ -51,8 +51,8 @@ accumulators; no rank gathers the sequence's keys and values, and no (T/S) x T s
 exists. Communication per attention and rank: the forward sends k and v S - 1 times (2 · B ·
 Hkv · T/S · D elements each time); the backward sends k and v S - 1 times and their fp32
 gradients S times. ``ring_exchanges`` lists those sends for the schedule (NOTE [The overlap
-model] in passes/analyze_schedule.py); ``ring_exchange_bytes`` in cost_models/sequence.py counts them for ``"auto"``
-(``choose_attention`` in passes/mixer_attention.py).
+model] in passes/analysis/analyze_schedule.py); ``ring_exchange_bytes`` in cost_models/sequence.py counts them for ``"auto"``
+(``choose_attention`` in passes/sequence/mixer_attention.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Ops zerofx cannot know, as sequence mixers their users declare (NOTE [Sequence mixers] in
-passes/sequence_mixers.py): a ``torch.library`` op with a fake kernel (a CUDA or Triton causal
+passes/sequence/sequence_mixers.py): a ``torch.library`` op with a fake kernel (a CUDA or Triton causal
 conv, an FFT convolution, a fused attention) shards along the sequence by one of three exchanges
 its user names, through ``OpSequenceMixer`` and ``register_sequence_mixer`` (the public
 ``zerofx.OpSequenceMixer`` and ``zerofx.register_sequence_mixer``). Expects the pre-autograd
@@ -36,7 +36,7 @@ input's. All three exchanges are functional all-to-alls, so autograd's derivativ
 rewritten forward sends the gradients back the same way, and the schedule sees them as
 collectives; all three read the rank's place as the r-th contiguous slice (``runs_zigzag`` is
 False). Declared mixers are asked after the bundled ones (``MIXERS`` in
-passes/sequence_parallel.py), so a declaration never takes an op from them; registering an op
+passes/sequence/sequence_parallel.py), so a declaration never takes an op from them; registering an op
 again replaces its declaration. The plan cache keys on each declaration (``cache_key``).
 """
 
@@ -54,8 +54,8 @@ from zerofx.common.errors import SequenceParallelError, ZeroFXError
 from zerofx.common.units import format_bytes
 from zerofx.cost_models.sequence import DeclaredOpDims, declared_exchange_bytes
 from zerofx.passes import _compat
-from zerofx.passes.mixer_conv import channels_to_seq, from_all, rank_index, seq_to_channels, with_halo
-from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, SequenceMixer
+from zerofx.passes.sequence.mixer_conv import channels_to_seq, from_all, rank_index, seq_to_channels, with_halo
+from zerofx.passes.sequence.sequence_mixers import MixerCheck, MixerRewrite, SequenceMixer
 
 
 class Exchange(enum.Enum):
@@ -193,7 +193,7 @@ class OpSequenceMixer:
     def describe(self, sites: Sequence[DeclaredSite], strategy: str, size: int, seq_len: int) -> str:
         sent = sum(self.exchange_bytes(s, strategy, size) for s in sites)
         return (f"{len(sites)} {self.name} op(s) by {strategy} as declared: {format_bytes(sent)} sent per rank and step in all "
-                "(NOTE [Declared sequence mixers] in passes/mixer_custom.py)")
+                "(NOTE [Declared sequence mixers] in passes/sequence/mixer_custom.py)")
 
     def zigzag_balances(self, graph: fx.Graph, strategy: str) -> bool:
         return False
@@ -247,7 +247,7 @@ _DECLARED: dict[str, SequenceMixer] = {}
 
 def register_sequence_mixer(mixer: SequenceMixer) -> SequenceMixer:
     """Declare how an op zerofx does not know shards along the sequence: an ``OpSequenceMixer``,
-    or any object with the ``SequenceMixer`` protocol (passes/sequence_mixers.py). Registering
+    or any object with the ``SequenceMixer`` protocol (passes/sequence/sequence_mixers.py). Registering
     the same name again replaces it. Returns ``mixer``."""
     missing = [a for a in ("name", "strategies", "matches", "check", "rewrite", "describe", "exchange_bytes", "choose",
                            "accept", "zigzag_balances", "op_exchanges", "runs_zigzag", "supports") if not hasattr(mixer, a)]

@@ -1,5 +1,5 @@
 """Convolutions and running sums along the sequence as sequence mixers (NOTE [Sequence mixers] in
-passes/sequence_mixers.py): a short causal depthwise ``conv1d`` by a halo from the left
+passes/sequence/sequence_mixers.py): a short causal depthwise ``conv1d`` by a halo from the left
 neighbour, a long causal convolution by FFT (Hyena's implicit filter, Evo 2's Hyena-LI) by
 all-to-alls to channel shards and back, and a ``cumsum`` by the exclusive prefix of the lower
 ranks' totals. Their bytes are in cost_models/sequence.py. Reads and writes no node meta, except
@@ -24,7 +24,7 @@ The rank's index is not a graph constant: it is ``positions[0] // (T/S)`` of ``c
   Autograd through the all-to-all sends the halo's gradient back to its owner. Refused: stride or
   dilation other than 1, groups other than the channels (depthwise), K - 1 > T/S (the halo would
   reach past the neighbour), any padding but K - 1 zeros on the left. A 1-tap conv with stride 1
-  and no padding (``is_pointwise_conv1d`` in passes/seq_regions.py) reads each position alone:
+  and no padding (``is_pointwise_conv1d`` in passes/sequence/seq_regions.py) reads each position alone:
   it is token-wise, not this mixer's, and runs on the rank's slice with nothing exchanged.
 - Long conv (``long_conv``, ``"channels"``): ``irfft(rfft(u, n=2T) * rfft(h, n=2T), n=2T)[..., :T]``
   (``fft_causal_conv`` in zerofx/models/long_conv.py). The signal (..., C, T/S) and the filter's
@@ -53,8 +53,8 @@ from zerofx.cost_models.sequence import (HaloDims, LongConvDims, PrefixDims, cha
                                          prefix_exchange_bytes)
 from zerofx.passes import _compat, meta
 from zerofx.passes.plan.sequence import CUMSUM_KEY, LONG_CONV_KEY, SHORT_CONV_KEY
-from zerofx.passes.seq_regions import is_empty_pad, is_pointwise_conv1d, op_packet
-from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
+from zerofx.passes.sequence.seq_regions import is_empty_pad, is_pointwise_conv1d, op_packet
+from zerofx.passes.sequence.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
 
 aten = torch.ops.aten
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from zerofx.passes import _compat, bucket_ops, meta
+from zerofx.passes import _compat, meta
+from zerofx.passes.zero import bucket_ops
 from zerofx.passes.plan import Plan, ZeroStage
 
 aten = torch.ops.aten

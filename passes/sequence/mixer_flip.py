@@ -1,5 +1,5 @@
 """A flip along the sequence as a sequence mixer (NOTE [Sequence mixers] in
-passes/sequence_mixers.py): ``aten.flip`` of a sequence-sharded value, as BiMamba's reverse scan
+passes/sequence/sequence_mixers.py): ``aten.flip`` of a sequence-sharded value, as BiMamba's reverse scan
 reads its input (zerofx/models/mamba.py). Expects the pre-autograd forward of NOTE [Sequence
 parallelism as a rewrite]; reads and writes no node meta.
 
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from zerofx.common.units import format_bytes
 from zerofx.cost_models.sequence import FlipDims, flip_exchange_bytes
 from zerofx.passes.plan.sequence import FLIP_KEY
-from zerofx.passes.seq_regions import op_packet
-from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
+from zerofx.passes.sequence.seq_regions import op_packet
+from zerofx.passes.sequence.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
 
 aten = torch.ops.aten
 
@@ -83,7 +83,7 @@ class FlipMixer:
         along = [s for s in sites if s.along_sequence]
         sent = sum(self.exchange_bytes(s, strategy, size) for s in along)
         return (f"{len(along)} flip(s) along the sequence, each two all-to-alls moving rank r's flipped slice to rank S - 1 - r: "
-                f"{format_bytes(sent)} sent per rank and step in all (NOTE [Flip along the sequence] in passes/mixer_flip.py)")
+                f"{format_bytes(sent)} sent per rank and step in all (NOTE [Flip along the sequence] in passes/sequence/mixer_flip.py)")
 
     def zigzag_balances(self, graph: fx.Graph, strategy: str) -> bool:
         return False

@@ -10,7 +10,7 @@ by AOTAutograd afterwards) is the sequence-parallel backward. Reads ``zerofx_rol
 
 NOTE [Sequence parallelism as a rewrite]
 Every rank of a sequence group is given the same whole batch. The sequence axis is found as
-tiling finds it (NOTE [Sequence dimension propagation] in passes/seq_regions.py), and the graph
+tiling finds it (NOTE [Sequence dimension propagation] in passes/sequence/seq_regions.py), and the graph
 is traced again with three changes:
 
 - Sources of the axis (inputs, ``arange(T)``, prefix slices of rotary tables) are cut to this
@@ -20,16 +20,16 @@ is traced again with three changes:
   arguments with T/S in place of T. Rotary tables and position ids are cut the same way, so
   each rank applies its own offset.
 - Each op that mixes positions runs through the mixer that owns it (NOTE [Sequence mixers] in
-  passes/sequence_mixers.py; ``MIXERS`` lists them). Each attention core (SDPA), the mixer of
-  passes/mixer_attention.py, runs in one of two ways, as ``sequence_parallel.mixers.attention``
+  passes/sequence/sequence_mixers.py; ``MIXERS`` lists them). Each attention core (SDPA), the mixer of
+  passes/sequence/mixer_attention.py, runs in one of two ways, as ``sequence_parallel.mixers.attention``
   (or ``sequence_parallel.attention``) says
-  (``"auto"``: ``choose_attention`` in passes/mixer_attention.py, ring where S does not divide
+  (``"auto"``: ``choose_attention`` in passes/sequence/mixer_attention.py, ring where S does not divide
   the query heads or where Ulysses sends more bytes, recorded in the plan's decisions).
   Ulysses: an all-to-all turns q, k and v from sequence-sharded ``(B, H, T/S, D)`` into
   head-sharded ``(B, H/S, T, D)``, SDPA runs on the whole sequence for H/S heads with its own
   mask and ``is_causal`` unchanged, and an all-to-all turns the output back. Key/value heads
   that S does not divide are repeated to H first. Ring: q stays local and the key/value blocks
-  pass around the group (NOTE [Ring attention] in passes/ring_attention.py).
+  pass around the group (NOTE [Ring attention] in passes/sequence/ring_attention.py).
 - The loss ``cross_entropy(logits[..., :T-k, :], labels[..., k:])`` becomes a sum over the
   local positions against labels shifted on the whole batch, with ``ignore_index`` where the
   shift runs out, so a shifted label crosses slice boundaries exactly; the sum and the token
@@ -46,9 +46,9 @@ sends inside ring attention's ``zerofx::ring_attention`` op (which reads its ran
 at run time); the ZeRO rewrites act on all-gathers, reduce-scatters and all-reduces only, and
 leave these alone.
 
-Convolutions and cumsums along the sequence run through the mixers of passes/mixer_conv.py
+Convolutions and cumsums along the sequence run through the mixers of passes/sequence/mixer_conv.py
 (NOTE [Convolutions along the sequence]), the ``zerofx::selective_scan`` op by state passing
-(passes/mixer_scan.py) and a flip along the sequence by two all-to-alls (passes/mixer_flip.py);
+(passes/sequence/mixer_scan.py) and a flip along the sequence by two all-to-alls (passes/sequence/mixer_flip.py);
 all of them keep the slices contiguous.
 
 What is refused: any other op that reads the axis across positions, one no mixer owns (a
@@ -56,10 +56,10 @@ scan along the sequence written as plain ops, a convolution those mixers refuse,
 written as matmuls and softmax, a mask computed from sequence-sharded values; for Ulysses also query heads S does not
 divide and a mask that differs per head) makes ``plan_sequence_parallel`` raise
 ``SequenceParallelError`` naming the op and its module (NOTE [Naming a node by its module] in
-passes/analyze_schedule.py).
+passes/analysis/analyze_schedule.py).
 
 ``MIXERS`` below is the registry of sequence mixers; ``all_mixers`` adds those users declared for
-ops zerofx does not know (NOTE [Declared sequence mixers] in passes/mixer_custom.py), and every
+ops zerofx does not know (NOTE [Declared sequence mixers] in passes/sequence/mixer_custom.py), and every
 refusal names how to declare one. A new mixer of zerofx's own (NOTE [Sequence mixers]) touches:
 
 - its module, ``passes/mixer_<op>.py``: an object with the ``SequenceMixer`` protocol (matching,
@@ -83,15 +83,15 @@ import torch
 import torch.fx as fx
 
 from zerofx.passes import _compat, meta
-from zerofx.passes.mixer_attention import ATTENTION
-from zerofx.passes.mixer_conv import CUMSUM, LONG_CONV, SHORT_CONV
-from zerofx.passes.mixer_custom import declared_mixers
-from zerofx.passes.mixer_flip import FLIP
-from zerofx.passes.mixer_scan import SCAN
-from zerofx.passes.ring_attention import rank_positions
-from zerofx.passes.seq_regions import SeqAnalysis, analyze, op_packet, sequence_length
+from zerofx.passes.sequence.mixer_attention import ATTENTION
+from zerofx.passes.sequence.mixer_conv import CUMSUM, LONG_CONV, SHORT_CONV
+from zerofx.passes.sequence.mixer_custom import declared_mixers
+from zerofx.passes.sequence.mixer_flip import FLIP
+from zerofx.passes.sequence.mixer_scan import SCAN
+from zerofx.passes.sequence.ring_attention import rank_positions
+from zerofx.passes.sequence.seq_regions import SeqAnalysis, analyze, op_packet, sequence_length
 from zerofx.passes.plan.sequence import AUTO, MIXER_KEYS, SequenceParallelPlan, SequenceParallelSpec
-from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, SequenceMixer, all_to_all
+from zerofx.passes.sequence.sequence_mixers import MixerCheck, MixerRewrite, SequenceMixer, all_to_all
 from zerofx.common.errors import SequenceParallelError
 
 aten = torch.ops.aten
@@ -99,13 +99,13 @@ aten = torch.ops.aten
 _CASTS = {aten.to, aten._to_copy, aten.contiguous, aten.clone, aten.alias, aten.type_as}
 _FLATTEN = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten}
 _SHAPED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
-# The ops that mix positions and how each shards, in the order they are asked (NOTE [Sequence mixers] in passes/sequence_mixers.py).
+# The ops that mix positions and how each shards, in the order they are asked (NOTE [Sequence mixers] in passes/sequence/sequence_mixers.py).
 MIXERS: tuple[SequenceMixer, ...] = (ATTENTION, SHORT_CONV, LONG_CONV, CUMSUM, SCAN, FLIP)
 assert tuple(m.name for m in MIXERS) == tuple(k.name for k in MIXER_KEYS), "the config's MIXER_KEYS name MIXERS, in order"
 
 
 def all_mixers() -> tuple[SequenceMixer, ...]:
-    """``MIXERS``, then the mixers users declared (NOTE [Declared sequence mixers] in passes/mixer_custom.py)."""
+    """``MIXERS``, then the mixers users declared (NOTE [Declared sequence mixers] in passes/sequence/mixer_custom.py)."""
     return (*MIXERS, *declared_mixers())
 
 
@@ -137,7 +137,7 @@ class LossSite:
 
 def module_of_nodes(gm: fx.GraphModule) -> dict[fx.Node, str]:
     """Each node's module by the parameters it reads, else the last module before it (NOTE
-    [Naming a node by its module] in passes/analyze_schedule.py), on a pre-autograd graph."""
+    [Naming a node by its module] in passes/analysis/analyze_schedule.py), on a pre-autograd graph."""
     param_of: dict[fx.Node, str] = {}
     for ph in meta.placeholders(gm.graph, meta.Role.PARAM):
         param_of[ph] = ph.meta[meta.FQN]
@@ -184,7 +184,7 @@ def _flattens_tokens(node: fx.Node) -> bool:
 
 def _labels_fit(labels: tuple[int, ...], logits: torch.Tensor, outer: int, t: int, shift: int) -> bool:
     """Labels (..., T - shift) for logits (..., T, V), or, for logits over rows (o · T, V) of o whole
-    sequences (NOTE [The sequence axis merged with the batch] in passes/seq_merged.py), unshifted
+    sequences (NOTE [The sequence axis merged with the batch] in passes/sequence/seq_merged.py), unshifted
     labels (..., T) of as many sequences."""
     if logits.shape[-2] == t:
         return labels == (*logits.shape[:-2], t - shift)
@@ -338,7 +338,7 @@ def _choose_layout(gm: fx.GraphModule, spec: SequenceParallelSpec, strategies: M
     With causal ring attention and contiguous slices, rank r attends to r + 1 of the S key/value
     blocks (its own half of them causally), so rank S - 1 does about 2S - 1 times the attention
     work of rank 0, and every ring step waits for it. Cut into 2S chunks instead, rank r holding
-    chunks r and 2S - 1 - r (``zigzag_chunks`` and ``rank_positions`` in passes/ring_attention.py), every rank does the
+    chunks r and 2S - 1 - r (``zigzag_chunks`` and ``rank_positions`` in passes/sequence/ring_attention.py), every rank does the
     same work: its own block causally, then at each step half a block (all its queries against
     the first chunk of an earlier rank's keys, or its second chunk's queries against all of a
     later rank's keys). Every source of the axis is cut by the same positions (``_Sharded._positions``),
@@ -398,7 +398,7 @@ class _Sharded(fx.Interpreter):
             sd, outer = self.an.sdim[node], self.an.outer.get(node, 1)
             if value.shape[sd] == self.plan.seq_len:
                 self.slices[node] = torch.index_select(value, sd, self._positions(value))
-            else:  # o · T · f elements: cut the T of each (NOTE [The sequence axis merged with the batch] in passes/seq_merged.py)
+            else:  # o · T · f elements: cut the T of each (NOTE [The sequence axis merged with the batch] in passes/sequence/seq_merged.py)
                 split = value.unflatten(sd, (outer, self.plan.seq_len, -1))
                 self.slices[node] = torch.index_select(split, sd + 1, self._positions(value)).flatten(sd, sd + 2)
         return self.slices[node]
@@ -422,7 +422,7 @@ class _Sharded(fx.Interpreter):
             if pk in _SHAPED:
                 shape = list(args[1])
                 assert shape[sd] == -1 or shape[sd] % p.seq_len == 0, f"{n}: shape {shape} has no sequence entry at {sd}"
-                shape[sd] = shape[sd] // p.size if shape[sd] != -1 else -1  # o · T · f -> o · T/S · f (merged axes, passes/seq_merged.py)
+                shape[sd] = shape[sd] // p.size if shape[sd] != -1 else -1  # o · T · f -> o · T/S · f (merged axes, passes/sequence/seq_merged.py)
                 args = (args[0], shape, *args[2:])
             elif pk in (aten.slice, aten.narrow) and (args[1] % n.args[0].meta["val"].dim()) == self.an.sdim.get(n.args[0]):
                 return args[0]  # a whole slice of the sequence: the local slice itself

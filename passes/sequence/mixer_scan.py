@@ -1,4 +1,4 @@
-"""The selective scan as a sequence mixer (NOTE [Sequence mixers] in passes/sequence_mixers.py):
+"""The selective scan as a sequence mixer (NOTE [Sequence mixers] in passes/sequence/sequence_mixers.py):
 each ``zerofx::selective_scan`` node (zerofx/models/scan.py, NOTE [The selective scan op]) runs
 by state passing. Expects the pre-autograd forward of NOTE [Sequence parallelism as a rewrite];
 reads and writes no node meta.
@@ -40,7 +40,7 @@ from zerofx.common.units import format_bytes
 from zerofx.cost_models.sequence import ScanDims, state_passing_exchange_bytes
 from zerofx.models.scan import scan_dtype
 from zerofx.passes.plan.sequence import SCAN_KEY, ScanStrategy
-from zerofx.passes.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
+from zerofx.passes.sequence.sequence_mixers import MixerCheck, MixerRewrite, all_to_all
 
 SCAN_OP = torch.ops.zerofx.selective_scan.default
 
@@ -98,7 +98,7 @@ class ScanMixer:
         sent = sum(self.exchange_bytes(s, strategy, size) for s in sites)
         return (f"{len(sites)} selective scan(s) by state passing, each scanning its slice twice and one all-to-all of each "
                 f"rank's final state and decay (B, E, N) to every rank: {format_bytes(sent)} sent per rank and step in all "
-                "(NOTE [Scan by state passing] in passes/mixer_scan.py)")
+                "(NOTE [Scan by state passing] in passes/sequence/mixer_scan.py)")
 
     def zigzag_balances(self, graph: fx.Graph, strategy: str) -> bool:
         return False

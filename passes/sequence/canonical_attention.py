@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from zerofx.passes import meta
-from zerofx.passes.seq_regions import AttentionMatch, match_softmax_attention, op_packet
+from zerofx.passes.sequence.seq_regions import AttentionMatch, match_softmax_attention, op_packet
 
 aten = torch.ops.aten
 

@@ -19,7 +19,7 @@ from zerofx.cost_models.compute import DeviceSpec, estimate_node_s, fused_node_s
 from zerofx.cost_models.comm import estimate_all_gather_s
 from zerofx.cost_models.hierarchy import StepEstimate, choose_prefetch_distance_s, choose_shard_group_size
 from zerofx.passes.plan import Plan, ScheduleOptions, ZeroStage
-from zerofx.passes.plan_sharding import plan_sharding
+from zerofx.passes.zero.plan_sharding import plan_sharding
 
 
 def estimate_compute_s(joint: fx.GraphModule, device: DeviceSpec, *, fused: bool = False) -> float:

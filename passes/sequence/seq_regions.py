@@ -49,7 +49,7 @@ import torch
 import torch.fx as fx
 
 from zerofx.passes import meta, tiled_kernels  # noqa: F401  (registers the zerofx:: ops)
-from zerofx.passes.seq_merged import merged_tokenwise_sdim
+from zerofx.passes.sequence.seq_merged import merged_tokenwise_sdim
 
 aten = torch.ops.aten
 
@@ -102,7 +102,7 @@ def is_pointwise_conv1d(node: fx.Node) -> bool:
     """A ``conv1d`` whose output at position t reads its input at t alone: one tap, stride 1, no
     padding (``padding=0``, ``"valid"`` or ``"same"``). A 1-tap conv (Hugging Face Mamba's
     ``conv_kernel=1``) is token-wise, not a mixer (NOTE [Convolutions along the sequence] in
-    passes/mixer_conv.py)."""
+    passes/sequence/mixer_conv.py)."""
     if op_packet(node) is not aten.conv1d or len(node.args) < 2:
         return False
     w = _val(node.args[1])
@@ -316,11 +316,11 @@ def analyze(gm: fx.GraphModule, seq_len: int, mixes: Callable[[fx.Node], bool] |
             mixer_lengths: bool = False, merged: bool = False) -> SeqAnalysis:
     """Sequence dims, token-wise nodes, regions by level, attention and loss matches. ``mixes``:
     the other ops whose output runs along their first argument's sequence axis, as attention's
-    does (sequence parallelism's mixers, NOTE [Sequence mixers] in passes/sequence_mixers.py).
+    does (sequence parallelism's mixers, NOTE [Sequence mixers] in passes/sequence/sequence_mixers.py).
     With ``mixer_lengths`` (tiling), a mixer's node keeps the axis only where its output has
     ``seq_len`` positions there (NOTE [Mixers as tiling barriers]). With ``merged`` (sequence
     parallelism), the axis also runs through views that merge it with other axes (NOTE [The
-    sequence axis merged with the batch] in passes/seq_merged.py)."""
+    sequence axis merged with the batch] in passes/sequence/seq_merged.py)."""
     res = SeqAnalysis(seq_len=seq_len)
     sd, tok, dep, level = res.sdim, res.tokenwise, {}, res.level
     res.attention = _find_attention(gm)

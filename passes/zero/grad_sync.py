@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from zerofx.passes import _compat, meta
 from zerofx.passes.plan import Plan, ZeroStage
-from zerofx.passes.reduce_grads import add_bucket_reduce_scatter
+from zerofx.passes.zero.reduce_grads import add_bucket_reduce_scatter
 
 aten = torch.ops.aten
 
