@@ -5,6 +5,8 @@ function to dodge an import cycle."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,3 +71,18 @@ def test_each_folder_under_zerofx_is_a_layer_of_the_contract() -> None:
     assert not [n for n in ast.walk(init) if isinstance(n, (ast.Import, ast.ImportFrom))]
     loose = sorted(p.name for p in (ROOT / "zerofx").glob("*.py"))
     assert loose == ["__init__.py", "_checkout.py", "_version.py"]
+
+
+def test_parsing_a_config_imports_no_sequence_parallelism_tiling_or_analysis(tmp_path: Path) -> None:
+    """``import zerofx.config`` takes the options' and plans' types from ``zerofx.passes.plan``
+    (the bottom of the passes, NOTE [Layers]) and loads no module of ``zerofx.passes.sequence``
+    (the mixers, ring attention, the sequence analysis), ``zerofx.passes.tiling`` or
+    ``zerofx.passes.analysis``: the schema reads the mixers' config keys from
+    ``zerofx.passes.plan.sequence``."""
+    probe = "import sys, zerofx.config; print(' '.join(sorted(m for m in sys.modules if m.startswith('zerofx.passes'))))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    loaded = done.stdout.split()
+    assert "zerofx.passes.plan.sequence" in loaded and "zerofx.passes.plan.tiling" in loaded, loaded
+    heavy = [m for m in loaded if f"{m}.".startswith(("zerofx.passes.sequence.", "zerofx.passes.tiling.", "zerofx.passes.analysis."))]
+    assert not heavy, f"import zerofx.config loads {heavy}"

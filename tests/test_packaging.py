@@ -81,3 +81,17 @@ def test_private_torch_imports_live_in_the_compat_module() -> None:
                 if any(part.startswith("_") for part in module.split(".")):
                     offenders.append(f"{path.relative_to(ROOT)}: {module}")
     assert not offenders, offenders
+
+
+def test_every_package_folder_is_installed() -> None:
+    """setuptools installs exactly the packages ``[tool.setuptools] packages`` names, so every
+    folder with an ``__init__.py`` under zerofx/, passes/ and cost_models/ is named there (a
+    feature folder of passes/ left out would be missing from every regular install)."""
+    import tomllib
+
+    named = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = set()
+    for folder, package in (("zerofx", "zerofx"), ("passes", "zerofx.passes"), ("cost_models", "zerofx.cost_models")):
+        for init in (ROOT / folder).rglob("__init__.py"):
+            on_disk.add(".".join([package, *init.parent.relative_to(ROOT / folder).parts]))
+    assert on_disk == named, (sorted(on_disk - named), sorted(named - on_disk))
