@@ -398,7 +398,7 @@ def _tiny_train_graphs() -> str:
     with torch.device("meta"):
         model = DNADecoderLM(DNA_LM_SIZES["tiny"])
     ids = torch.zeros(2, opts.seq_len, dtype=torch.long, device="meta")
-    program = zerofx.compile(model, world_size=opts.world_size, stage=3, config=training._engine_config(opts))
+    program = zerofx.compile(model, world_size=opts.world_size, stage=3, config=training._parse_run_config(opts))
     graphs = program.graph_modules(0, example_inputs=(ids,), example_kwargs={"labels": ids})
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

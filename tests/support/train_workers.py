@@ -84,3 +84,32 @@ def saved_tensors_freed_in_backward(rank: int, world_size: int, stages: list[int
         engine.step()
         out[stage] = {"saved": count, "freed": len(freed_in_graph), "freed_in_graph": sum(freed_in_graph)}
     return out
+
+
+def train_run_parses(rank: int, world_size: int, config_path: str) -> dict:
+    """``zerofx train``'s path on this rank, counting how often a config is parsed from a dict
+    or a file (``zerofx.config._validate`` runs once per such parse): ``check_train_options``
+    as the launcher runs it, then one rank's training loop of one step, as a spawned rank runs
+    it with the options the launcher checked (NOTE [Options are parsed once])."""
+    import zerofx.config as config_module
+    from zerofx.app import training
+
+    parses = []
+    validate = config_module._validate
+
+    def counting(raw, schema, prefix):
+        if prefix == "":  # the top level: one call per parse (the sections recurse with a prefix)
+            parses.append(1)
+        return validate(raw, schema, prefix)
+
+    config_module._validate = counting
+    try:
+        opts = training.check_train_options(training.TrainOptions(
+            model="tiny", world_size=world_size, steps=1, seq_len=64, config=config_path, eval_batches=1,
+            collective_timeout_s=120, schedule_steps=50))
+        checked = len(parses)
+        training._train_rank(rank, opts)
+    finally:
+        config_module._validate = validate
+    return {"after_check": checked, "after_training": len(parses), "timeout": opts.engine_config.collective_timeout_s,
+            "total_num_steps": opts.engine_config.scheduler.total_num_steps}

@@ -45,7 +45,7 @@ from zerofx.passes.meta import is_all_gather, is_all_reduce, is_all_to_all, is_r
 from zerofx.common.paths import probe_writable
 from zerofx.common.units import format_bytes
 from zerofx.runtime.checkpoint import describe_layout, latest_complete_tag, read_metadata, saved_layout
-from zerofx.config import load_config, parse_config
+from zerofx.config import ZeroConfig, parse_config
 from zerofx.data.genome import bundled_genome
 from zerofx.data.prepared import open_prepared
 from zerofx.app.train_data import batch_starts, check_data, resolve_data, sample_batches, sampler
@@ -105,6 +105,10 @@ class TrainOptions:
     holdout_bed: Path | None = None
     max_n_fraction: float = 0.1  # windows with a larger share of N are skipped
     reverse_complement: bool = False  # half the training windows read on the reverse strand
+    # The config parsed once, by ``check_train_options``, with the flags that override it
+    # (--collective-timeout, --schedule-steps; without --config, --stage and --lr) written in
+    # before the parse: what every rank initializes with (NOTE [Options are parsed once]).
+    engine_config: ZeroConfig | None = None
 
 
 def _free_port() -> int:
@@ -114,32 +118,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _engine_config(opts: TrainOptions) -> str | Path | Mapping[str, Any]:
-    raw: dict[str, Any]
-    if opts.config is not None:
-        if opts.collective_timeout_s is None and opts.schedule_steps is None:
-            return opts.config
-        raw = load_config(opts.config)
-    else:
-        raw = {"zero_optimization": {"stage": opts.stage}, "optimizer": {"type": "AdamW", "params": {"lr": opts.lr}}}
-    if opts.collective_timeout_s is not None:  # the flag wins over the config, on every rank alike
-        raw.setdefault("zerofx", {})["collective_timeout_s"] = opts.collective_timeout_s
-    if opts.schedule_steps is not None and "scheduler" in raw:  # as does this one; check_train_options refuses it without a scheduler
-        raw = {**raw, "scheduler": {**raw["scheduler"], "params": {**raw["scheduler"].get("params", {}),
-                                                                   "total_num_steps": opts.schedule_steps}}}
-    return raw
+def _parse_run_config(opts: TrainOptions) -> ZeroConfig:
+    """The run's one parse (NOTE [Options are parsed once] in zerofx/config/__init__.py): the
+    --config file, or without one the config the flags describe (AdamW at --lr; the stage is
+    left to ``check_train_options``), with --collective-timeout and --schedule-steps applied to
+    the typed options. The flags win over the file, on every rank alike."""
+    flags = {"optimizer": {"type": "AdamW", "params": {"lr": opts.lr}}}
+    cfg = parse_config(opts.config if opts.config is not None else flags)  # the world size is checked last, with the stage
+    if opts.collective_timeout_s is not None:
+        cfg = replace(cfg, collective_timeout_s=float(opts.collective_timeout_s))
+    if opts.schedule_steps is not None:
+        if cfg.scheduler is None:
+            raise UsageError("--schedule-steps sets the config's scheduler.params.total_num_steps; this run has no scheduler "
+                             "(a --config with a scheduler section, e.g. examples/dna_lm_zero3.json)")
+        cfg = replace(cfg, scheduler=replace(cfg.scheduler, total_num_steps=opts.schedule_steps))  # checked as the file's would be
+    return cfg
+
+
+def _engine_config(opts: TrainOptions) -> ZeroConfig:
+    """The run's options, parsed once by ``check_train_options``."""
+    if opts.engine_config is None:
+        raise ZeroFXError("TrainOptions.engine_config is not set: pass the options through check_train_options first")
+    return opts.engine_config
 
 
 def _collective_timeout(opts: TrainOptions) -> timedelta:
     """The process group's timeout: --collective-timeout, else the config's (NOTE [The collective timeout])."""
-    return timedelta(seconds=parse_config(_engine_config(opts)).collective_timeout_s)
+    return timedelta(seconds=_engine_config(opts).collective_timeout_s)
 
 
 def data_layout(opts: TrainOptions, rank: int) -> tuple[int, int]:
     """(this rank's data-parallel index, the number of data-parallel groups). Without sequence
     parallelism every rank is its own group; with it, the ranks of a sequence group (r // S,
     NOTE [Sequence groups] in zerofx/runtime/rank_groups.py) get the same windows, and the groups different ones."""
-    spec = parse_config(_engine_config(opts)).sequence_parallel if opts.config is not None else None
+    spec = _engine_config(opts).sequence_parallel
     size = 1 if spec is None else spec.size
     return rank // size, opts.world_size // size
 
@@ -162,7 +174,7 @@ def _config_micro_batch(opts: TrainOptions) -> tuple[int, str] | None:
     the rule leaves, as DeepSpeed derives it; with neither, None."""
     if opts.config is None:
         return None
-    cfg = parse_config(opts.config)
+    cfg = _engine_config(opts)
     total, micro = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu
     accumulate, world = cfg.gradient_accumulation_steps, data_layout(opts, 0)[1]  # ranks of a sequence group share a batch
     if total is None:
@@ -189,6 +201,15 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
     size and genome resolved. Raises ``ZeroFXError`` subclasses naming the bad value."""
     opts = _check_model_and_objective(opts)
     check_stage(opts.stage)
+    if opts.schedule_steps is not None:
+        check_positive("--schedule-steps", opts.schedule_steps)
+    if opts.collective_timeout_s is not None and not (
+            isinstance(opts.collective_timeout_s, (int, float)) and math.isfinite(opts.collective_timeout_s) and opts.collective_timeout_s > 0):
+        raise UsageError(f"--collective-timeout {opts.collective_timeout_s} is invalid; accepted: a finite number of seconds > 0")
+    if not (isinstance(opts.lr, (int, float)) and math.isfinite(opts.lr) and opts.lr >= 0):
+        raise UsageError(f"--lr {opts.lr} is invalid; accepted: a finite number >= 0")
+    # NOTE [Options are parsed once] (zerofx/config/__init__.py): the run's one parse; the ranks get the result.
+    opts = replace(opts, engine_config=_parse_run_config(opts))
     for name, value in (("--world-size", opts.world_size), ("--steps", opts.steps)):
         check_positive(name, value)
     if opts.batch_size is not None:
@@ -206,13 +227,11 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
     if opts.seq_len < 2 or (max_seq_len is not None and opts.seq_len > max_seq_len):
         accepted = "an integer >= 2" if max_seq_len is None else f"2..{max_seq_len}"
         raise UsageError(f"--seq-len {opts.seq_len} is invalid for model {opts.model}; accepted: {accepted}")
-    sequence = parse_config(opts.config).sequence_parallel if opts.config is not None else None
+    sequence = _engine_config(opts).sequence_parallel
     if sequence is not None and opts.seq_len % sequence.size:  # else each rank fails at capture, after spawning
         raise UsageError(f"--seq-len {opts.seq_len} is not divisible by the config's zerofx.sequence_parallel.size={sequence.size} "
                          f"(each of its ranks holds seq_len / size positions); accepted: a multiple of {sequence.size}, "
                          f"e.g. {opts.seq_len - opts.seq_len % sequence.size or sequence.size}")
-    if not (isinstance(opts.lr, (int, float)) and math.isfinite(opts.lr) and opts.lr >= 0):
-        raise UsageError(f"--lr {opts.lr} is invalid; accepted: a finite number >= 0")
     if not 0 <= opts.seed <= MAX_SEED:
         raise UsageError(f"--seed {opts.seed} is invalid; accepted: an integer in 0..{MAX_SEED}")
     if opts.save_every is not None:
@@ -223,21 +242,13 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
         check_positive("--keep-last", opts.keep_last)
         if opts.output_dir is None:
             raise UsageError("--keep-last needs --output-dir, the directory the checkpoints go to")
-    if opts.schedule_steps is not None:
-        check_positive("--schedule-steps", opts.schedule_steps)
-        if opts.config is None or "scheduler" not in load_config(opts.config):
-            raise UsageError("--schedule-steps sets the config's scheduler.params.total_num_steps; this run has no scheduler "
-                             "(a --config with a scheduler section, e.g. examples/dna_lm_zero3.json)")
-    if opts.collective_timeout_s is not None and not (
-            isinstance(opts.collective_timeout_s, (int, float)) and math.isfinite(opts.collective_timeout_s) and opts.collective_timeout_s > 0):
-        raise UsageError(f"--collective-timeout {opts.collective_timeout_s} is invalid; accepted: a finite number of seconds > 0")
     if opts.output_dir is not None:
         check_output_dir(Path(opts.output_dir))
     stage = opts.stage
-    auto = opts.config is not None and parse_config(opts.config).auto is not None  # zerofx.auto chooses the stage at initialize
+    cfg = _engine_config(opts)
+    auto = cfg.auto is not None  # zerofx.auto chooses the stage at initialize
     if stage is None and not auto:
-        file_stage = parse_config(opts.config).stage if opts.config is not None else None
-        stage = DEFAULT_TRAIN_STAGE if file_stage is None else file_stage
+        stage = DEFAULT_TRAIN_STAGE if cfg.stage is None else cfg.stage
     if opts.data is not None and opts.fasta is not None:
         raise UsageError("--fasta and --data were both given; accepted: one of them (--data is a prepared --fasta)")
     if not (0 <= opts.max_n_fraction <= 1):
@@ -249,12 +260,9 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
     check_data(opts, data, train_tokenizer(opts))
     if is_model_spec(opts.model):  # last: it runs the user's code and builds the model
         check_vocabulary(load_spec_model(opts.model), opts)
-    opts = replace(opts, stage=stage, fasta=fasta, data=data)
-    if auto:
-        parse_config(opts.config, stage=stage, world_size=opts.world_size)  # the config, and that it agrees
-    else:
-        resolve(opts.config, stage=stage, world_size=opts.world_size)  # the config, and that it agrees
-    return opts
+    # The stage resolved, and checked against the config's (resolve: present unless the search chooses it).
+    cfg = cfg.for_run(stage=stage, world_size=opts.world_size) if auto else resolve(cfg, stage=stage, world_size=opts.world_size)
+    return replace(opts, stage=stage, fasta=fasta, data=data, engine_config=cfg)
 
 
 def check_output_dir(path: Path) -> None:
@@ -484,7 +492,7 @@ def _finished_line(opts: TrainOptions, step: int) -> str | None:
         return None
     where = "=" if step == opts.steps else "past"
     more = step + opts.steps
-    schedule = parse_config(_engine_config(opts)).scheduler if opts.config is not None else None
+    schedule = _engine_config(opts).scheduler
     total = None if schedule is None else schedule.total_num_steps
     if total is not None and more > total:  # past its end the lr stays at its final value: the hint raises it
         return (f"{opts.output_dir} is at step {step} {where} --steps {opts.steps}: nothing to train. Pass --steps {more} "
@@ -549,7 +557,7 @@ def _train_rank(rank: int, opts: TrainOptions, channel: RankChannel | None = Non
     model = build_model(opts, device)
     first = tuple(t.to(device) for t in next(_cycle_batches(opts, rank)))  # (inputs, labels), each (B, T): the capture's example
     engine = initialize(
-        model, config=_engine_config(opts), stage=opts.stage, example_inputs=(first[0],), example_kwargs={"labels": first[1]},
+        model, config=_engine_config(opts), example_inputs=(first[0],), example_kwargs={"labels": first[1]},
         # A materialized model took its values from torch.manual_seed(opts.seed) above; init_seed is for a meta-built one.
         init_seed=opts.seed if any(t.is_meta for t in model.parameters()) else 0,
     )

@@ -29,7 +29,7 @@ from zerofx.passes.plan.offload import ParamOffloadPlan
 from zerofx.passes.zero.plan_shard_groups import prefetch_from_profile
 from zerofx.passes.zero.plan_sharding import plan_sharding_from_shapes
 from zerofx.compiler.capture import CapturedStep, LossFn, flatten_call, traced_param_infos
-from zerofx.config import ZeroConfig, parse_config, source_config
+from zerofx.config import ZeroConfig, parse_config
 from zerofx.config.compile_options import CompileOptions, compile_options
 from zerofx.config.options import GraphCompiler
 from zerofx.common.errors import MissingExampleInputsError, ZeroFXError
@@ -261,11 +261,14 @@ class Program:
         if source is None:
             raise ZeroFXError("this program was planned from a captured step (the engine's); replan a program from zerofx.compile")
         captured = self._require_capture("program.replan()")
-        # Without ``config``, this program's config again (at another stage when ``stage=`` is given).
-        chosen = source_config(source.cfg, without_stage=stage is not None) if config is None else config
-        alone = parse_config(chosen)  # what the config fixes by itself; the rest stays this program's
-        cfg = resolve(chosen, stage=stage if stage is not None or alone.stage is not None else int(self.stage),
-                      world_size=world_size if world_size is not None or alone.world_size is not None else self.world_size)
+        # Without ``config``, this program's options again (at another stage when ``stage=`` is given).
+        if config is None:
+            chosen = source.cfg.without_stage() if stage is not None else source.cfg
+        else:
+            chosen = parse_config(config)
+        # What the config fixes by itself (``config_stage``, ``config_world_size``); the rest stays this program's.
+        cfg = resolve(chosen, stage=stage if stage is not None or chosen.config_stage is not None else int(self.stage),
+                      world_size=world_size if world_size is not None or chosen.config_world_size is not None else self.world_size)
         if cfg.world_size is None:
             raise ZeroFXError("no world size given; pass world_size= (an integer >= 1) or set zerofx.world_size in the config")
         options = compile_options(cfg, cfg.world_size)

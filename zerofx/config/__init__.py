@@ -24,8 +24,8 @@ import inspect
 import json
 import math
 import warnings
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from zerofx.config.options import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_GRADIEN
                                    sequence_parallel_spec, tiling_options)
 from zerofx.config.schema import SCHEMA, Key, type_names
 from zerofx.common.errors import ConfigError, did_you_mean
-from zerofx.config.offload_options import GradOffloadOptions, OffloadOptions, ParamOffloadOptions
+from zerofx.config.offload_options import GradOffloadOptions, OffloadOptions, ParamOffloadOptions, check_grad_offload_stage
 from zerofx.config.options import is_finite_number
 from zerofx.config.schedulers import SchedulerSpec
 from zerofx.common.units import parse_bytes as parse_bytes  # the byte sizes config values take, as ``zerofx.config.parse_bytes``
@@ -85,10 +85,14 @@ class OptimizerSpec:
 # ``parse_config`` validates the config against ``SCHEMA`` and fills every field of
 # ``ZeroConfig`` from it, defaults included (the constants and option classes of
 # ``zerofx.config.options``); nothing reads an option from the config dict afterwards. ``raw``
-# is kept only as what a checkpoint stores and what ``source_config`` hands back to parse again
-# (``Program.replan``). Options that also need the world size (the sequence group's name, the
-# shard group size, checked against it) are resolved once per world size by ``compile_options``
-# (zerofx/config/compile_options.py), which the compiler and the runtime read.
+# is kept only as what a checkpoint stores. The edges (the CLI's subcommands, ``zerofx train``,
+# ``initialize`` and ``zerofx.compile`` given a dict or a path) parse once and pass the
+# ``ZeroConfig`` on; ``parse_config`` given a ``ZeroConfig`` parses nothing and only reconciles it
+# with a stage and world size (``ZeroConfig.for_run``), which is how a run's stage, the auto-plan's
+# candidates and ``Program.replan`` vary it: typed, never through the dict. Options that also need
+# the world size (the sequence group's name, the shard group size, checked against it) are
+# resolved once per world size by ``compile_options`` (zerofx/config/compile_options.py), which the
+# compiler and the runtime read.
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,12 @@ class ZeroConfig:
     shard_group_size: int | str | None = None
     # ``zerofx.auto``: search the configuration at initialize (zerofx/compiler/autoplan.py); None when off.
     auto: AutoOptions | None = None
+    # The stage and world size the config itself states (``zero_optimization.stage``;
+    # ``zerofx.world_size`` or DeepSpeed's batch rule), None where it leaves them open: a stage or
+    # world size given as an argument must agree with these (``for_run``), not with ``stage`` and
+    # ``world_size``, which an earlier argument may have filled in.
+    config_stage: int | None = None
+    config_world_size: int | None = None
 
     # NOTE [What ranks must agree on]
     # A setting that changes the collectives a rank issues (stage, buckets, prefetch, overlap,
@@ -192,6 +202,44 @@ class ZeroConfig:
                          "wandb": self.monitors.wandb is not None},
         }
         return _jsonable(fields)
+
+    def for_run(self, *, stage: int | None = None, world_size: int | None = None) -> ZeroConfig:
+        """These options for a run at ``stage`` and ``world_size`` (None: as they are): each must
+        agree with what the config states (``ConfigError`` naming both otherwise), and what
+        depends on them is checked again. Parses nothing (NOTE [Options are parsed once])."""
+        _check_agreement(stage, self.config_stage, world_size, self.config_world_size)
+        resolved_stage = stage if stage is not None else self.stage
+        resolved_world = world_size if world_size is not None else self.world_size
+        if resolved_stage == self.stage and resolved_world == self.world_size:
+            return self
+        check_shard_group_size(self.shard_group_size, stage=resolved_stage, world_size=resolved_world)
+        if self.sequence_parallel is not None and resolved_world is not None:
+            check_sequence_parallel_size(self.sequence_parallel.size, world_size=resolved_world)
+        if self.grad_offload is not None:
+            check_grad_offload_stage(self.grad_offload.device.value, resolved_stage)
+        return replace(self, stage=resolved_stage, world_size=resolved_world)
+
+    def with_keys(self, keys: Mapping[str, Any] | None = None, *, drop: Iterable[str] = ()) -> ZeroConfig:
+        """These options with config keys set (``keys``, by dotted path: ``"zerofx.memory_budget"``)
+        or removed (``drop``), validated as the config's own keys are: how a flag overrides the
+        config and how the planner builds a candidate, without anything outside this layer
+        editing a config dict (NOTE [Options are parsed once]). A stage or world size an argument
+        gave stays, unless the keys now state one."""
+        cfg = parse_config(edited_config(self.raw, keys or {}, drop))
+        given_stage = self.stage if self.config_stage is None else None
+        given_world = self.world_size if self.config_world_size is None else None
+        return cfg.for_run(stage=given_stage if cfg.config_stage is None else None,
+                           world_size=given_world if cfg.config_world_size is None else None)
+
+    def to_config_dict(self) -> dict[str, Any]:
+        """The config these options were parsed from, as JSON-ready data: what the auto-plan
+        writes out for its choice and what a checkpoint records."""
+        return copy.deepcopy(dict(self.raw))
+
+    def without_stage(self) -> ZeroConfig:
+        """These options with the stage left open, as if the config set none: for planning the
+        same config at another stage (``Program.replan``, the auto-plan's candidates)."""
+        return replace(self, stage=None, config_stage=None)
 
     def fingerprint(self) -> str:
         """A short hash of ``fingerprint_fields()``: equal on ranks whose settings agree."""
@@ -355,26 +403,34 @@ def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def parse_config(
-    config: str | Path | Mapping[str, Any] | None,
+    config: ZeroConfig | str | Path | Mapping[str, Any] | None,
     *,
     stage: int | None = None,
     world_size: int | None = None,
+    keys: Mapping[str, Any] | None = None,
+    drop: Iterable[str] = (),
 ) -> ZeroConfig:
     """Validate ``config`` and reconcile it with the ``stage=``/``world_size=`` arguments.
 
-    A value given both ways must agree; otherwise that is an error naming both.
+    A value given both ways must agree; otherwise that is an error naming both. A ``ZeroConfig``
+    is not parsed again: it is only reconciled (``ZeroConfig.for_run``). ``keys`` and ``drop``
+    (dotted paths) set and remove keys before the one parse: the CLI's flags that override the
+    config's keys, checked as the file's own would be.
     """
+    if isinstance(config, ZeroConfig):
+        if keys or drop:
+            config = config.with_keys(keys, drop=drop)
+        return config.for_run(stage=stage, world_size=world_size)
     raw = load_config(config)
+    if keys or drop:
+        raw = edited_config(raw, keys or {}, drop)
     _validate(raw, SCHEMA, "")
     if raw.get("bf16", {}).get("enabled") and raw.get("fp16", {}).get("enabled"):
         raise ConfigError("bf16.enabled and fp16.enabled are both true; enable at most one")
     zero = raw.get("zero_optimization", {})
     cfg_stage = zero.get("stage")
-    if stage is not None and cfg_stage is not None and stage != cfg_stage:
-        raise ConfigError(f"stage={stage} disagrees with the config's zero_optimization.stage={cfg_stage}; give one or make them equal")
     cfg_world = _config_world_size(raw)
-    if world_size is not None and cfg_world is not None and world_size != cfg_world:
-        raise ConfigError(f"world_size={world_size} disagrees with the config, which implies world size {cfg_world}; give one or make them equal")
+    _check_agreement(stage, cfg_stage, world_size, cfg_world)
     opt = raw.get("optimizer", {})
     params = dict(opt.get("params", {"lr": DEFAULT_LR}))
     params.setdefault("lr", DEFAULT_LR)
@@ -445,7 +501,44 @@ def parse_config(
         steps_per_print=raw.get("steps_per_print"),
         monitors=MonitorOptions.from_config(raw),
         nonfinite=NonFinite(own.get("nonfinite", NonFinite.ERROR.value)),
+        config_stage=cfg_stage,
+        config_world_size=cfg_world,
     )
+
+
+def edited_config(raw: Mapping[str, Any], keys: Mapping[str, Any], drop: Iterable[str]) -> dict[str, Any]:
+    """A copy of ``raw`` with each dotted key in ``keys`` set (its sections made as needed) and
+    each in ``drop`` removed, with the sections it leaves empty."""
+    out = copy.deepcopy(dict(raw))
+    for path in drop:
+        *parents, leaf = path.split(".")
+        chain, section = [], out
+        for name in parents:
+            if not isinstance(section.get(name), dict):
+                break
+            chain.append((section, name))
+            section = section[name]
+        else:
+            section.pop(leaf, None)
+            for parent, name in reversed(chain):  # the sections left empty go too
+                if not parent[name]:
+                    parent.pop(name)
+    for path, value in keys.items():
+        *parents, leaf = path.split(".")
+        section = out
+        for name in parents:
+            section[name] = dict(section.get(name) or {})
+            section = section[name]
+        section[leaf] = copy.deepcopy(value)
+    return out
+
+
+def _check_agreement(stage: int | None, cfg_stage: int | None, world_size: int | None, cfg_world: int | None) -> None:
+    """A stage or world size given as an argument against the one the config states."""
+    if stage is not None and cfg_stage is not None and stage != cfg_stage:
+        raise ConfigError(f"stage={stage} disagrees with the config's zero_optimization.stage={cfg_stage}; give one or make them equal")
+    if world_size is not None and cfg_world is not None and world_size != cfg_world:
+        raise ConfigError(f"world_size={world_size} disagrees with the config, which implies world size {cfg_world}; give one or make them equal")
 
 
 def _shared_sections(zero: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
@@ -470,15 +563,6 @@ def _one_spelling(section: Mapping[str, Any]) -> dict[str, Any]:
     if "attention" in section:
         out["mixers"] = {**section.get("mixers", {}), "attention": section["attention"]}
     return out
-
-
-def source_config(cfg: ZeroConfig, *, without_stage: bool = False) -> dict[str, Any]:
-    """The config ``cfg`` was parsed from, to parse again (``Program.replan``); with
-    ``without_stage`` less its ``zero_optimization.stage``, so that another stage may be given."""
-    chosen = copy.deepcopy(dict(cfg.raw))
-    if without_stage:
-        chosen["zero_optimization"] = {k: v for k, v in chosen.get("zero_optimization", {}).items() if k != "stage"}
-    return chosen
 
 
 def check_shard_group_size(value: int | str | None, *, stage: int | None, world_size: int | None) -> None:

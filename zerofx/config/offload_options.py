@@ -169,11 +169,7 @@ class GradOffloadOptions:
         device = section.get("device", NO_OFFLOAD)
         if device == NO_OFFLOAD:
             return None
-        if stage is not None and stage < 2:
-            raise ConfigError(
-                f"zerofx.offload_gradients.device is {device} but zero_optimization.stage is {stage}; gradients are "
-                f"sharded only at stages 2 and 3: set stage 2 or 3, or offload_gradients.device {NO_OFFLOAD}"
-            )
+        check_grad_offload_stage(device, stage)
         if Tier(device) is Tier.NVME and not section.get("nvme_path"):
             raise ConfigError("zerofx.offload_gradients.device is nvme but zerofx.offload_gradients.nvme_path is missing; "
                               "accepted: a writable folder")
@@ -182,4 +178,13 @@ class GradOffloadOptions:
             nvme_path=Path(section["nvme_path"]) if section.get("nvme_path") else None,
             pin_memory=bool(section.get("pin_memory", False)),
             buffer_count=int(section.get("buffer_count", DEFAULT_GRAD_BUFFER_COUNT)),
+        )
+
+
+def check_grad_offload_stage(device: str, stage: int | None) -> None:
+    """Gradient offload against the resolved ZeRO stage (None: not known yet)."""
+    if stage is not None and stage < 2:
+        raise ConfigError(
+            f"zerofx.offload_gradients.device is {device} but zero_optimization.stage is {stage}; gradients are "
+            f"sharded only at stages 2 and 3: set stage 2 or 3, or offload_gradients.device {NO_OFFLOAD}"
         )

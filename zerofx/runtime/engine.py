@@ -69,7 +69,7 @@ from zerofx.compiler.capture import CapturedStep, LossFn, TensorInfo, cast_info,
 from zerofx.compiler.pipeline import capture_step
 from zerofx.planner.autoplan import example_shape, resize_inputs, search_space
 from zerofx.planner.autoplan import search as autoplan_search
-from zerofx.config import ZeroConfig, load_config, parse_config
+from zerofx.config import ZeroConfig, parse_config
 from zerofx.config.compile_options import compile_options
 from zerofx.common.errors import (
     CollectiveTimeoutError,
@@ -87,7 +87,7 @@ from zerofx.runtime.offload import OffloadedOptimizer
 from zerofx.runtime import rank_agreement
 from zerofx.runtime.optimizer_step import OptimizerStep
 from zerofx.runtime.program_cache import ProgramCache, misplaced_input
-from zerofx.runtime.rank_groups import sequence_group, shard_groups
+from zerofx.runtime.rank_groups import sequence_group, shard_group_names, shard_groups
 from zerofx.compiler.program import (
     PLANNING_REPLICATE_GROUP,
     Program,
@@ -218,8 +218,10 @@ class Engine:
         self.shard_group, self.replicate_group = shard_groups(self.group, self.world_size, self.shard_group_size,
                                                                timedelta(seconds=self.collective_timeout_s))
         k, n = self.shard_group_size, self.world_size
-        self.group_name = self.group.group_name if k == n else f"zerofx_shard_{k}of{n}"
-        self.replicate_group_name = PLANNING_REPLICATE_GROUP if k == n else f"zerofx_replicate_{k}of{n}"
+        if k == n:
+            self.group_name, self.replicate_group_name = self.group.group_name, PLANNING_REPLICATE_GROUP
+        else:
+            self.group_name, self.replicate_group_name = shard_group_names(k, n)
         self.shard_index = self.rank % self.shard_group_size
         self.placements: dict[str, ParamPlacement] = {
             i.fqn: place_param(i.fqn, i.shape, i.dtype, i.requires_grad, self.world_size, self.shard_group_size) for i in self.param_infos
@@ -562,9 +564,9 @@ def _meta_init_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def auto_config(model: nn.Module, config: str | Path | Mapping[str, Any], example_args: tuple[Any, ...],
+def auto_config(model: nn.Module, cfg: ZeroConfig, example_args: tuple[Any, ...],
                 example_kwargs: Mapping[str, Any] | None, *, stage: int | None, world_size: int | None, loss_fn: LossFn | None,
-                group: dist.ProcessGroup | None) -> dict[str, Any]:
+                group: dist.ProcessGroup | None) -> ZeroConfig:
     """``zerofx.auto``: the config with the search's choice written in (zerofx/compiler/autoplan.py).
 
     The data each rank is fed is fixed before ``initialize``, so the search keeps the config's
@@ -576,7 +578,7 @@ def auto_config(model: nn.Module, config: str | Path | Mapping[str, Any], exampl
     With nothing fitting the budget every rank raises ``ConfigError`` saying what would fit."""
     group = group if group is not None else dist.group.WORLD
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    raw = dict(load_config(config))
+    raw = dict(cfg.raw)
     if stage is not None:  # stage= fixes the stage, as the config's would
         raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": stage}
     message: list[Any] = [None]
@@ -592,7 +594,7 @@ def auto_config(model: nn.Module, config: str | Path | Mapping[str, Any], exampl
         raise failed
     if not isinstance(message[0], Mapping):
         raise ConfigError(f"config key 'zerofx.auto': {message[0]}")
-    return dict(message[0])
+    return parse_config(dict(message[0]), stage=stage, world_size=world_size)
 
 
 def _search_on_rank_zero(model: nn.Module, raw: Mapping[str, Any], example_args: tuple[Any, ...],
@@ -637,7 +639,10 @@ def initialize(
     its stage keeps, and the values are the same at every world size.
     """
     args = check_example_inputs(example_inputs)
-    if parse_config(config, stage=stage, world_size=world_size).auto is not None and dist.is_available() and dist.is_initialized():
-        config = auto_config(model, config, args, example_kwargs, stage=stage, world_size=world_size, loss_fn=loss_fn, group=group)
-    cfg = resolve(config, stage=stage, world_size=world_size)
+    # NOTE [Options are parsed once] (zerofx/config/__init__.py): a dict or a path is parsed here,
+    # once; a ZeroConfig (zerofx train's) is only reconciled with stage= and world_size=.
+    cfg = parse_config(config, stage=stage, world_size=world_size)
+    if cfg.auto is not None and dist.is_available() and dist.is_initialized():
+        cfg = auto_config(model, cfg, args, example_kwargs, stage=stage, world_size=world_size, loss_fn=loss_fn, group=group)
+    cfg = resolve(cfg, stage=stage, world_size=world_size)
     return Engine(model, cfg, args, example_kwargs, loss_fn=loss_fn, group=group, init_fn=init_fn, init_seed=init_seed)

@@ -58,6 +58,12 @@ def sequence_group(options: CompileOptions, group: dist.ProcessGroup, timeout: t
     return _SEQUENCE_GROUPS[key]
 
 
+def shard_group_names(shard_group_size: int, world_size: int) -> tuple[str, str]:
+    """The names every rank registers its shard and replicate groups under (NOTE [Shard groups
+    of consecutive ranks]): what the graphs' collectives name."""
+    return f"zerofx_shard_{shard_group_size}of{world_size}", f"zerofx_replicate_{shard_group_size}of{world_size}"
+
+
 def shard_groups(group: dist.ProcessGroup, world_size: int, shard_group_size: int,
                  timeout: timedelta) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
     """(this rank's shard group, its replicate group or None when sharding is flat). A collective
@@ -92,9 +98,9 @@ def shard_groups(group: dist.ProcessGroup, world_size: int, shard_group_size: in
     device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (world_size // shard_group_size, shard_group_size), mesh_dim_names=("replicate", "shard"))
     shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
-    for g, role in ((shard, "shard"), (replicate, "replicate")):
+    for g, name in zip((shard, replicate), shard_group_names(shard_group_size, world_size)):
         _compat.set_group_timeout(g, timeout)
-        _compat.register_group_name(f"zerofx_{role}_{shard_group_size}of{world_size}", g)
+        _compat.register_group_name(name, g)
     _SHARD_GROUPS[key] = shard, replicate
     return shard, replicate
 
