@@ -60,13 +60,13 @@ class TinyLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x).reshape(-1, workers.VOCAB), labels.reshape(-1))
 
 
-class ScaleAfterMask(TinyLM):
-    """``softmax((q kᵀ + mask) · c) v``: the scale after the mask is not SDPA's order."""
+class AttentionDropoutLM(TinyLM):
+    """``dropout(softmax(q kᵀ · c + mask), p=0.1) v`` in training: random per call, not SDPA without dropout."""
 
     def mix(self, x: torch.Tensor) -> torch.Tensor:
         x, t = x.unsqueeze(1), x.shape[1]  # (B, 1, T, 8)
         mask = torch.triu(torch.full((t, t), float("-inf")), 1)
-        return ((((x @ x.transpose(-2, -1)) + mask) * 0.5).softmax(-1) @ x).squeeze(1)
+        return (torch.nn.functional.dropout((x @ x.transpose(-2, -1) * 0.5 + mask).softmax(-1), 0.1) @ x).squeeze(1)
 
 
 class MergedCumsumLM(TinyLM):
@@ -100,13 +100,39 @@ def test_written_attention_becomes_one_sdpa(kind: str, layers: int) -> None:
     assert canonicalize_attention_pass(gm) is gm
 
 
-def test_scale_after_mask_is_left_alone() -> None:
-    """A scale applied after the mask is not SDPA's order: the graph is unchanged, and sequence
-    parallelism refuses its matmul by op, as any attention it cannot shard."""
-    gm = recorded(ScaleAfterMask())
+@pytest.mark.parametrize("spelling", workers.ATTENTION_SPELLINGS)
+def test_attention_spellings_become_one_sdpa(spelling: str) -> None:
+    """A boolean mask filled into the scores (``-inf`` or the dtype's lowest value), a scale after
+    the mask, and 3-d ``bmm`` over (B·H, T, d) are each one SDPA with scale 1/sqrt(d) and an
+    additive float mask: no softmax, matmul or bmm of the attention is left, the graph lints, the
+    loss is the model's, the input is left alone, and a second run changes nothing."""
+    net = workers.model(f"spelled_{spelling}")
+    gm = recorded(net)
+    assert count(gm, aten.softmax) == 1 and not any(is_sdpa(n) for n in gm.graph.nodes)
+    ids, labels = workers.batches(1)
+    expected = workers.loss_of(net, ids[0], labels[0])
+    original, recorded_graph = gm, str(gm.graph)
+    gm = canonicalize_attention_pass(original)
+    assert gm is not original and str(original.graph) == recorded_graph
+    [sdpa] = [n for n in gm.graph.nodes if is_sdpa(n)]
+    assert count(gm, aten.softmax) == count(gm, aten.matmul) == count(gm, aten.bmm) == 0
+    assert sdpa.kwargs["scale"] == pytest.approx(8 ** -0.5)
+    mask = sdpa.args[3].meta["val"]
+    assert mask.dtype == torch.float32 and tuple(mask.shape) == (workers.SEQ, workers.SEQ)
+    q = sdpa.args[0].meta["val"]  # (B, H, T, D), or the bmm's (B·H, T, D) as (1, B·H, T, D)
+    assert tuple(q.shape) == ((1, 4, workers.SEQ, 8) if spelling == "bmm" else (workers.BATCH, 2, workers.SEQ, 8))
+    gm.graph.lint()
+    assert torch.allclose(run(gm, net, ids[0], labels[0]), expected, atol=1e-6)
+    assert canonicalize_attention_pass(gm) is gm
+
+
+def test_attention_dropout_is_left_alone() -> None:
+    """Attention dropout of nonzero probability is random per call, not SDPA's: the graph is
+    unchanged, and sequence parallelism refuses its matmul by op, as any attention it cannot shard."""
+    gm = recorded(AttentionDropoutLM())
     assert canonicalize_attention_pass(gm) is gm
     ids, labels = workers.batches(1)
-    capture = StepCapture(ScaleAfterMask(), (ids[0],), {"labels": labels[0]}, sequence_parallel=SequenceParallelSpec(size=2))
+    capture = StepCapture(AttentionDropoutLM(), (ids[0],), {"labels": labels[0]}, sequence_parallel=SequenceParallelSpec(size=2))
     with pytest.raises(CaptureError, match="cannot shard aten.matmul"):
         capture.sequence_forward()
 
@@ -209,6 +235,58 @@ def test_a_tensor_scale_on_a_spectrum_is_left_alone() -> None:
     assert canonicalize_fft_conv_pass(gm) is gm
 
 
+def test_an_unsqueeze_of_a_spectrum_moves_before_its_fft() -> None:
+    """``rfft(k) / n`` unsqueezed to (1, C, T + 1) before the product is the FFT of the unsqueezed
+    filter: the product reads two rffts, the filter's reads the unsqueeze, the factor folds to 1,
+    the loss is the model's, and a second run changes nothing."""
+    net = workers.model("fft_unsqueeze")
+    gm = recorded(net)
+    ids, labels = workers.batches(1)
+    gm = canonicalize_fft_conv_pass(gm)
+    [irfft] = [n for n in gm.graph.nodes if getattr(n.target, "overloadpacket", None) is aten.fft_irfft]
+    rffts = irfft.args[0].args
+    assert [getattr(a.target, "overloadpacket", None) for a in rffts] == [aten.fft_rfft, aten.fft_rfft]
+    assert getattr(rffts[1].args[0].target, "overloadpacket", None) is aten.unsqueeze
+    assert tuple(rffts[1].meta["val"].shape) == (1, 8, workers.SEQ + 1)
+    assert count(gm, aten.unsqueeze) == 2 and not any(getattr(u.target, "overloadpacket", None) is aten.mul
+                                                      for u in next(iter(irfft.users)).users)  # the skip's and the filter's
+    assert torch.allclose(run(gm, net, ids[0], labels[0]), workers.loss_of(net, ids[0], labels[0]), atol=1e-6)
+    assert canonicalize_fft_conv_pass(gm) is gm
+
+
+def test_a_filter_cut_to_t_takes_the_ranks_positions() -> None:
+    """A filter computed from parameters over the buffers' 2T positions and cut to T before its FFT
+    is cut again to each rank's T/S positions: the channel all-to-all sends the filter's (C, T/S)
+    lags, so both rffts of the rewritten forward run on C/S channels over the whole sequence."""
+    gm = sequence_forward(workers.model("fft_long_filter"))
+    rffts = [tuple(n.args[0].meta["val"].shape) for n in gm.graph.nodes
+             if getattr(n.target, "overloadpacket", None) is aten.fft_rfft]
+    assert sorted(rffts) == [(workers.BATCH, 4, workers.SEQ), (4, workers.SEQ)], rffts
+
+
+def check(results: list[dict], case: tuple, world_size: int) -> None:
+    """fp32 parity with plain PyTorch on the same global batch within 1e-5 after the steps, and each
+    mixer sharded as SDPA or the FFT convolution is: per attention one ring op, or two all-to-alls
+    (and the loss's and the rank's two); per FFT convolution three all-to-alls."""
+    size, attention = workers.layout(case, world_size)
+    expected = workers.reference(case[0], STEPS, world_size // size)
+    layers = {"llama_eager": 2, "gpt2": 2, "spelled": len(workers.ATTENTION_SPELLINGS), **dict.fromkeys(workers.PADDED, 2)}.get(case[0], 1)
+    for rank, by_case in enumerate(results):
+        res = by_case[case]
+        diff = max((res["state"][k].double() - v.double()).abs().max().item() for k, v in expected["state"].items())
+        assert diff < 1e-5, (rank, case, diff)
+        assert res["losses"] == pytest.approx([step[rank // size] for step in expected["losses"]], abs=1e-5), (rank, case)
+        if case[0].startswith("fft_"):  # the signal, the filter and the output; the rank's position and the loss
+            assert res["ring_ops"] == 0 and res["all_to_alls"] == 5, (rank, case)
+            assert any("1 FFT convolution(s)" in d for d in res["decisions"]), (rank, case)
+            continue
+        if attention == "ring":
+            assert res["ring_ops"] == layers and res["all_to_alls"] == 2, (rank, case)
+        else:
+            assert res["ring_ops"] == 0 and res["all_to_alls"] == 2 * layers + 2, (rank, case)
+        assert any(f"{layers} attention(s)" in d for d in res["decisions"]), (rank, case)
+
+
 @pytest.mark.multiprocess
 def test_parity_models_as_written_sequence_2() -> None:
     """World 2, sequence-parallel size 2, one launch: Hugging Face Llama in eager attention with
@@ -217,30 +295,29 @@ def test_parity_models_as_written_sequence_2() -> None:
     ``nn.TransformerEncoderLayer`` with a causal mask by ring at stage 3 and without one by
     Ulysses at stage 0, and token-wise work, position ids and the loss over flattened (B·T, C)
     rows by ring at stage 3 match plain PyTorch within 1e-5 after 3 SGD steps, each attention
-    sharded as SDPA is (per layer one ring op, or two all-to-alls and the loss's and rank's two);
-    so do BERT by Ulysses at stage 0 and ESM with absolute positions by ring at stage 3, each
-    with a padded row (``attention_mask``); and the FFT convolution in HyenaDNA's spelling (stage
-    3) and in ortho norms (stage 0) by the long-conv mixer's channel all-to-alls; and a rotary
-    model that caches its tables on itself during ``forward`` (NOTE [Module state across a
-    trace]) by Ulysses at stage 3."""
+    sharded as SDPA is; so do BERT by Ulysses at stage 0 and ESM with absolute positions by ring
+    at stage 3, each with a padded row (``attention_mask``); the attention spellings (a boolean
+    mask filled into the scores, a scale after the mask, 3-d ``bmm``), a layer each, by ring at
+    stage 0 and by Ulysses at stage 3; and the FFT convolution in HyenaDNA's spelling (stage 3),
+    in ortho norms (stage 0), with its filter cut to T (stage 3) and with an unsqueezed spectrum
+    (stage 0) by the long-conv mixer's channel all-to-alls; and a rotary model that caches its
+    tables on itself during ``forward`` (NOTE [Module state across a trace]) by Ulysses at stage 3."""
     cases = [("llama_eager", 3, "ring"), ("written", 0, "ring"), ("gpt2", 3, "ulysses"), ("encoder_causal", 3, "ring"),
              ("encoder", 0, "ulysses"), ("flat_rows", 3, "ring"), ("bert", 0, "ulysses"), ("esm_absolute", 3, "ring"),
-             ("fft_reference", 3, "ulysses"), ("fft_ortho", 0, "ulysses"), ("cached_rotary", 3, "ulysses")]
+             ("spelled", 0, "ring"), ("spelled", 3, "ulysses"), ("fft_reference", 3, "ulysses"), ("fft_ortho", 0, "ulysses"),
+             ("fft_long_filter", 3, "ulysses"), ("fft_unsqueeze", 0, "ulysses"), ("cached_rotary", 3, "ulysses")]
     results = run_ranks(2, workers.train, cases, STEPS)
     for case in cases:
-        expected = workers.reference(case[0], STEPS)
-        layers = 2 if case[0] in ("llama_eager", "gpt2", *workers.PADDED) else 1
-        for rank, by_case in enumerate(results):
-            res = by_case[case]
-            diff = max((res["state"][k].double() - v.double()).abs().max().item() for k, v in expected["state"].items())
-            assert diff < 1e-5, (rank, case, diff)
-            assert res["losses"] == pytest.approx(expected["losses"], abs=1e-5), (rank, case)
-            if case[0].startswith("fft_"):  # the signal, the filter and the output; the rank's position and the loss
-                assert res["ring_ops"] == 0 and res["all_to_alls"] == 5, (rank, case)
-                assert any("1 FFT convolution(s)" in d for d in res["decisions"]), (rank, case)
-                continue
-            if case[2] == "ring":
-                assert res["ring_ops"] == layers and res["all_to_alls"] == 2, (rank, case)
-            else:
-                assert res["ring_ops"] == 0 and res["all_to_alls"] == 2 * layers + 2, (rank, case)
-            assert any(f"{layers} attention(s)" in d for d in res["decisions"]), (rank, case)
+        check(results, case, 2)
+
+
+@pytest.mark.multiprocess
+def test_parity_bert_and_gpt2_sequence_4_and_data_2_x_sequence_2() -> None:
+    """World 4, stage 3: padded BERT by Ulysses and GPT-2 by ring (causal: the zigzag layout) over
+    one sequence group of 4 ranks (T/S = 4 positions each), and BERT by ring and GPT-2 by Ulysses
+    over 2 data-parallel groups of 2, each group on its own batch, match plain PyTorch on the
+    global batch within 1e-5 after 3 SGD steps."""
+    cases = [("bert", 3, 4, "ulysses"), ("gpt2", 3, 4, "ring"), ("bert", 3, 2, "ring"), ("gpt2", 3, 2, "ulysses")]
+    results = run_ranks(4, workers.train, cases, STEPS)
+    for case in cases:
+        check(results, case, 4)

@@ -249,7 +249,9 @@ def _analyze(gm: fx.GraphModule, size: int) -> tuple[SeqAnalysis, set[fx.Node], 
     # "From parameters" counts what is computed from them without the sequence too (a filter's
     # decay rates exp(log_rate)): StripedHyena's long filter ``R * r * exp(-r * arange(T))``
     # then runs on the rank's T/S lags, as the FFT convolution's all-to-all expects, instead of
-    # whole on every rank, (C, modes, T) of it saved for backward.
+    # whole on every rank, (C, modes, T) of it saved for backward. A value computed from them
+    # over a longer axis and cut to its first T positions (a filter of the longest context, then
+    # ``k[..., :T]``) is computed whole and cut to the rank's positions at the cut.
     params = set(meta.placeholders(gm.graph, meta.Role.PARAM))
     from_params: set[fx.Node] = set()
     local: set[fx.Node] = set()
@@ -258,6 +260,8 @@ def _analyze(gm: fx.GraphModule, size: int) -> tuple[SeqAnalysis, set[fx.Node], 
             local.add(n)  # a mixer of values every rank holds whole (position ids by a cumsum of the padding) runs whole
         elif n in an.tokenwise and any(a in params or a in from_params or a in local for a in n.all_input_nodes):
             local.add(n)
+        elif op_packet(n) in (aten.slice, aten.narrow) and an.sdim.get(n) is not None and n.args[0] in from_params:
+            local.add(n)  # parameter-derived values cut to T: the rank's positions of them
         elif an.sdim.get(n) is None and any(a in params or a in from_params for a in n.all_input_nodes):
             from_params.add(n)
     losses = [site for n in gm.graph.nodes if (site := _find_loss(n, an, local)) is not None]
@@ -395,13 +399,17 @@ class _Sharded(fx.Interpreter):
         if node in self.local or self.an.sdim.get(node) is None:
             return value
         if node not in self.slices:
-            sd, outer = self.an.sdim[node], self.an.outer.get(node, 1)
-            if value.shape[sd] == self.plan.seq_len:
-                self.slices[node] = torch.index_select(value, sd, self._positions(value))
-            else:  # o · T · f elements: cut the T of each (NOTE [The sequence axis merged with the batch] in passes/sequence/seq_merged.py)
-                split = value.unflatten(sd, (outer, self.plan.seq_len, -1))
-                self.slices[node] = torch.index_select(split, sd + 1, self._positions(value)).flatten(sd, sd + 2)
+            self.slices[node] = self._cut(node, value)
         return self.slices[node]
+
+    def _cut(self, node: fx.Node, value: torch.Tensor) -> torch.Tensor:
+        """``node``'s whole ``value``, cut to this rank's positions along its sequence dim."""
+        sd, outer = self.an.sdim[node], self.an.outer.get(node, 1)
+        if value.shape[sd] == self.plan.seq_len:
+            return torch.index_select(value, sd, self._positions(value))
+        # o · T · f elements: cut the T of each (NOTE [The sequence axis merged with the batch] in passes/sequence/seq_merged.py)
+        split = value.unflatten(sd, (outer, self.plan.seq_len, -1))
+        return torch.index_select(split, sd + 1, self._positions(value)).flatten(sd, sd + 2)
 
     def run_node(self, n: fx.Node) -> Any:
         if n in self.skipped:
@@ -426,6 +434,8 @@ class _Sharded(fx.Interpreter):
                 args = (args[0], shape, *args[2:])
             elif pk in (aten.slice, aten.narrow) and (args[1] % n.args[0].meta["val"].dim()) == self.an.sdim.get(n.args[0]):
                 return args[0]  # a whole slice of the sequence: the local slice itself
+            elif pk in (aten.slice, aten.narrow) and self.an.sdim.get(n.args[0]) is None:
+                return self._cut(n, n.target(*args, **kwargs))  # parameter-derived values cut to T (``_analyze``)
             return n.target(*args, **kwargs)
 
     def _loss(self, site: LossSite) -> torch.Tensor:

@@ -44,6 +44,49 @@ class WrittenAttentionLM(torch.nn.Module):
         return F.cross_entropy(self.head(x).reshape(-1, VOCAB), labels.reshape(-1))
 
 
+ATTENTION_SPELLINGS = ("masked_fill", "fill_then_scale", "add_then_scale", "bmm")
+
+
+class SpelledAttentionLM(torch.nn.Module):
+    """One causal attention layer per spelling, each as hand-written code writes it, the causal
+    mask ``triu(ones(T, T), diagonal=1).bool()``: ``masked_fill`` of the scaled scores with
+    ``-inf``; the scores filled with the dtype's lowest value, then scaled; an additive ``-inf``
+    mask, then divided by sqrt(d); and 3-d ``bmm`` over (B·H, T, d), scaled, filled with ``-inf``."""
+
+    def __init__(self, spellings: tuple[str, ...], dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.spellings, self.heads = spellings, heads
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(dim, 3 * dim) for _ in spellings)
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in spellings)
+        self.head = torch.nn.Linear(dim, VOCAB)
+
+    def attend(self, spelling: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, h, t, d = q.shape  # (B, H, T, D)
+        causal = torch.triu(torch.ones(t, t), diagonal=1).bool()  # (T, T): True above the diagonal
+        if spelling == "masked_fill":
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)
+            return scores.masked_fill(causal, float("-inf")).softmax(-1) @ v
+        if spelling == "fill_then_scale":
+            scores = (q @ k.transpose(-2, -1)).masked_fill(causal, torch.finfo(q.dtype).min) * d ** -0.5
+            return scores.softmax(-1) @ v
+        if spelling == "add_then_scale":
+            mask = torch.zeros(t, t).masked_fill(causal, float("-inf"))
+            return ((q @ k.transpose(-2, -1) + mask) / math.sqrt(d)).softmax(-1) @ v
+        assert spelling == "bmm", spelling
+        q3, k3, v3 = (x.reshape(b * h, t, d) for x in (q, k, v))  # (B·H, T, D)
+        scores = torch.bmm(q3, k3.transpose(1, 2)) * d ** -0.5
+        return torch.bmm(F.softmax(scores.masked_fill(causal, float("-inf")), dim=-1), v3).view(b, h, t, d)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        x = self.embed(ids)  # (B, T, C)
+        for spelling, qkv, proj in zip(self.spellings, self.qkv, self.proj):
+            q, k, v = qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, T, D)
+            x = x + proj(self.attend(spelling, q, k, v).transpose(1, 2).reshape(b, t, -1))
+        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), labels.reshape(-1))
+
+
 class EncoderLM(torch.nn.Module):
     """``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention`` inside), batch first, with or
     without a causal mask: its attention runs sequence-first, ``unflatten`` splits q, k and v
@@ -127,7 +170,9 @@ class FFTConvLM(torch.nn.Module):
     times a per-channel exponential decay), ``rfft(k, n=2T) / 2T`` against the signal's spectrum
     (the signal cast to the filter's dtype), ``irfft(..., norm="forward")`` cut to T, and a skip
     ``D · u``. ``spelling="ortho"`` writes every FFT with ``norm="ortho"`` and scales the output
-    by sqrt(2T) instead."""
+    by sqrt(2T) instead; ``"long_filter"`` computes the filter over the buffers' whole 2T
+    positions and cuts it to T before its FFT; ``"unsqueeze"`` multiplies the signal's spectrum
+    by the filter's unsqueezed to (1, C, T + 1)."""
 
     def __init__(self, spelling: str, dim: int = 8, features: int = 3) -> None:
         super().__init__()
@@ -146,13 +191,19 @@ class FFTConvLM(torch.nn.Module):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         b, t = ids.shape
         x, u = self.in_proj(self.embed(ids)).transpose(1, 2).split(self.dim, dim=1)  # (B, C, T) each
-        hidden = self.filter_mlp[0](self.z[:, :t])  # (1, T, 16)
-        k = self.filter_mlp[1](torch.sin(hidden)) * torch.exp(-self.t[:, :t] * self.decay.abs())  # (1, T, C)
-        k = k[0].transpose(0, 1)  # (C, T)
+        length = 2 * SEQ if self.spelling == "long_filter" else t  # the filter's positions
+        hidden = self.filter_mlp[0](self.z[:, :length])  # (1, L, 16)
+        k = self.filter_mlp[1](torch.sin(hidden)) * torch.exp(-self.t[:, :length] * self.decay.abs())  # (1, L, C)
+        k = k[0].transpose(0, 1)  # (C, L)
+        if self.spelling == "long_filter":
+            k = k[..., :t]  # (C, T): the filter of the longest context cut to T
         n = 2 * t
         if self.spelling == "ortho":
             y = torch.fft.irfft(torch.fft.rfft(u, n=n, norm="ortho") * torch.fft.rfft(k, n=n, norm="ortho"), n=n, norm="ortho")
             y = y[..., :t] * math.sqrt(n)
+        elif self.spelling == "unsqueeze":
+            k_f = torch.fft.rfft(k, n=n) / n  # (C, T + 1)
+            y = torch.fft.irfft(torch.fft.rfft(u, n=n) * k_f.unsqueeze(0), n=n, norm="forward")[..., :t]
         else:
             k_f = torch.fft.rfft(k, n=n) / n
             u_f = torch.fft.rfft(u.to(dtype=k.dtype), n=n)
@@ -168,9 +219,12 @@ def model(kind: str) -> torch.nn.Module:
     ``nn.TransformerEncoderLayer`` with and without a causal mask, the flat rows above, and the
     masked LMs with absolute positions: Hugging Face BERT (position ids and token types cut from
     buffers, DNABERT's shape) and ESM (positions by a cumsum over the padding, Nucleotide
-    Transformer v1's shape), the FFT convolution above in HyenaDNA's spelling and in ortho norms,
-    and the rotary model above that caches its tables on itself."""
+    Transformer v1's shape), the FFT convolution above in HyenaDNA's spelling, in ortho norms,
+    with a filter cut to T and with an unsqueezed spectrum, the attention spellings above, and
+    the rotary model above that caches its tables on itself."""
     torch.manual_seed(0)
+    if kind.startswith("spelled"):  # "spelled": every spelling, a layer each; "spelled_<spelling>": one
+        return SpelledAttentionLM(ATTENTION_SPELLINGS if kind == "spelled" else (kind.removeprefix("spelled_"),))
     if kind.startswith("fft_"):
         return FFTConvLM(kind.removeprefix("fft_"))
     if kind == "bert":
@@ -233,9 +287,10 @@ def loss_of(net: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, kind:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def batches(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ids and labels (steps, B, T); a quarter of the labels ignored, in the first half of the sequence."""
-    gen = torch.Generator().manual_seed(1)
+def batches(steps: int, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and labels (steps, B, T) of data group ``group``; a quarter of the labels ignored, in
+    the first half of the sequence."""
+    gen = torch.Generator().manual_seed(1 + group)
     ids = torch.randint(0, VOCAB, (steps, BATCH, SEQ), generator=gen)
     labels = ids.clone()
     ignored = torch.rand(ids.shape, generator=gen) < 0.25
@@ -244,31 +299,40 @@ def batches(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def reference(kind: str, steps: int) -> dict:
-    """Plain PyTorch on the whole batch, SGD."""
+def reference(kind: str, steps: int, groups: int = 1) -> dict:
+    """Plain PyTorch on the whole global batch, SGD: the mean over data groups of each group's
+    loss (what data parallelism averages); the losses per step, one per group."""
     net = model(kind)
     opt = torch.optim.SGD(net.parameters(), lr=SGD["params"]["lr"])
-    ids, labels = batches(steps)
+    data = [batches(steps, g) for g in range(groups)]
     losses = []
     for step in range(steps):
-        loss = loss_of(net, ids[step], labels[step], kind)
+        group_losses = [loss_of(net, ids[step], labels[step], kind) for ids, labels in data]
+        loss = torch.stack(group_losses).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        losses.append([x.item() for x in group_losses])
     return {"state": {k: v.detach().clone() for k, v in net.state_dict().items()}, "losses": losses}
 
 
-def train(rank: int, world_size: int, cases: list[tuple[str, int, str]], steps: int) -> dict:
-    """For each (model kind, stage, attention strategy): ``steps`` SGD steps over one sequence
-    group of ``world_size`` ranks, each on the whole batch; the full state, the losses, the
-    exchanges in the forward and the plan's decisions."""
+def layout(case: tuple, world_size: int) -> tuple[int, str]:
+    """A case's sequence-parallel size and attention strategy: (kind, stage, attention) runs one
+    sequence group of all ranks, (kind, stage, size, attention) ``world_size // size`` groups."""
+    return (world_size, case[2]) if len(case) == 3 else (case[2], case[3])
+
+
+def train(rank: int, world_size: int, cases: list[tuple], steps: int) -> dict:
+    """For each case (``layout``): ``steps`` SGD steps, every rank of a sequence group on its
+    group's whole batch; the full state, the losses, the exchanges in the forward and the plan's
+    decisions."""
     out = {}
-    ids, labels = batches(steps)
     for case in cases:
-        kind, stage, attention = case
+        kind, stage = case[:2]
+        size, attention = layout(case, world_size)
+        ids, labels = batches(steps, rank // size)
         config = {"zero_optimization": {"stage": stage}, "optimizer": SGD,
-                  "zerofx": {"sequence_parallel": {"size": world_size, "attention": attention}}}
+                  "zerofx": {"sequence_parallel": {"size": size, "attention": attention}}}
         engine = zerofx.initialize(model(kind), config, example_inputs=(padded_ids(kind, ids[0]),),
                                    example_kwargs=keywords(kind, ids[0], labels[0]))
         losses = []
