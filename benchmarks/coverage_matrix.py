@@ -87,6 +87,7 @@ _NAMES = {
         "bert": "Hugging Face BERT (DNABERT), padded",
         "esm_absolute": "Hugging Face ESM, absolute positions (Nucleotide Transformer v1), padded",
         "spelled": "attention written out: a boolean mask filled in, the scale after the mask, 3-d bmm",
+        "mha_weights": "nn.MultiheadAttention returning its weights (3-d baddbmm and bmm)",
         "fft_reference": "FFT convolution as HyenaDNA's reference spells it", "fft_ortho": "FFT convolution in ortho norms",
         "fft_long_filter": "FFT convolution, a filter longer than T cut to T",
         "fft_unsqueeze": "FFT convolution, the filter's spectrum unsqueezed",

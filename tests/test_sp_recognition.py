@@ -126,6 +126,25 @@ def test_attention_spellings_become_one_sdpa(spelling: str) -> None:
     assert canonicalize_attention_pass(gm) is gm
 
 
+def test_multihead_attention_returning_its_weights_is_one_sdpa() -> None:
+    """``nn.MultiheadAttention`` with ``need_weights=True`` (its default) computes attention as
+    ``baddbmm(mask, q · c, kᵀ)`` and ``bmm`` over (B·H, T, d) and averages the weights over the
+    heads; the caller drops them. It is one SDPA over (1, B·H, T, d) with the (1, 1, T, T) causal
+    mask, the dropped weights are gone with the softmax, and the loss is the model's."""
+    net = workers.model("mha_weights")
+    gm = recorded(net)
+    assert count(gm, aten.baddbmm) == count(gm, aten.bmm) == count(gm, aten.mean) == 1
+    ids, labels = workers.batches(1)
+    gm = canonicalize_attention_pass(gm)
+    [sdpa] = [n for n in gm.graph.nodes if is_sdpa(n)]
+    assert count(gm, aten.softmax) == count(gm, aten.baddbmm) == count(gm, aten.bmm) == count(gm, aten.mean) == 0
+    assert tuple(sdpa.args[0].meta["val"].shape) == (1, 4, workers.SEQ, 8)
+    assert tuple(sdpa.args[3].meta["val"].shape) == (1, 1, workers.SEQ, workers.SEQ)
+    assert sdpa.kwargs["scale"] == pytest.approx(8 ** -0.5)
+    assert torch.allclose(run(gm, net, ids[0], labels[0]), workers.loss_of(net, ids[0], labels[0]), atol=1e-6)
+    assert canonicalize_attention_pass(gm) is gm
+
+
 def test_attention_dropout_is_left_alone() -> None:
     """Attention dropout of nonzero probability is random per call, not SDPA's: the graph is
     unchanged, and sequence parallelism refuses its matmul by op, as any attention it cannot shard."""
@@ -298,14 +317,17 @@ def test_parity_models_as_written_sequence_2() -> None:
     sharded as SDPA is; so do BERT by Ulysses at stage 0 and ESM with absolute positions by ring
     at stage 3, each with a padded row (``attention_mask``); the attention spellings (a boolean
     mask filled into the scores, a scale after the mask, 3-d ``bmm``), a layer each, by ring at
-    stage 0 and by Ulysses at stage 3; and the FFT convolution in HyenaDNA's spelling (stage 3),
-    in ortho norms (stage 0), with its filter cut to T (stage 3) and with an unsqueezed spectrum
-    (stage 0) by the long-conv mixer's channel all-to-alls; and a rotary model that caches its
-    tables on itself during ``forward`` (NOTE [Module state across a trace]) by Ulysses at stage 3."""
+    stage 0 and by Ulysses at stage 3, and ``nn.MultiheadAttention`` returning its weights (3-d
+    ``baddbmm`` and ``bmm``) by ring at stage 3; and the FFT convolution in HyenaDNA's spelling
+    (stage 3), in ortho norms (stage 0), with its filter cut to T (stage 3) and with an unsqueezed
+    spectrum (stage 0) by the long-conv mixer's channel all-to-alls; and a rotary model that
+    caches its tables on itself during ``forward`` (NOTE [Module state across a trace]) by
+    Ulysses at stage 3."""
     cases = [("llama_eager", 3, "ring"), ("written", 0, "ring"), ("gpt2", 3, "ulysses"), ("encoder_causal", 3, "ring"),
              ("encoder", 0, "ulysses"), ("flat_rows", 3, "ring"), ("bert", 0, "ulysses"), ("esm_absolute", 3, "ring"),
-             ("spelled", 0, "ring"), ("spelled", 3, "ulysses"), ("fft_reference", 3, "ulysses"), ("fft_ortho", 0, "ulysses"),
-             ("fft_long_filter", 3, "ulysses"), ("fft_unsqueeze", 0, "ulysses"), ("cached_rotary", 3, "ulysses")]
+             ("spelled", 0, "ring"), ("spelled", 3, "ulysses"), ("mha_weights", 3, "ring"), ("fft_reference", 3, "ulysses"),
+             ("fft_ortho", 0, "ulysses"), ("fft_long_filter", 3, "ulysses"), ("fft_unsqueeze", 0, "ulysses"),
+             ("cached_rotary", 3, "ulysses")]
     results = run_ranks(2, workers.train, cases, STEPS)
     for case in cases:
         check(results, case, 2)

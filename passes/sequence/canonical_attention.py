@@ -84,6 +84,31 @@ def _bool(x: object) -> bool:
     return v is not None and v.dtype == torch.bool
 
 
+# Ops without side effects that a dropped value passes through.
+_PURE = {aten.view, aten.reshape, aten._unsafe_view, aten.mean, aten.sum, aten.transpose, aten.permute, aten.to,
+         aten._to_copy, aten.squeeze, aten.unsqueeze, aten.clone, aten.contiguous, aten.detach, aten.alias}
+
+
+def _dead(node: fx.Node) -> bool:
+    """Whether ``node`` computes a value nothing reads, without side effects: the attention
+    weights ``nn.MultiheadAttention(need_weights=True)`` averages over the heads for a caller that drops them."""
+    return op_packet(node) in _PURE and all(_dead(u) for u in node.users)
+
+
+def _live_user(node: fx.Node) -> fx.Node | None:
+    """The one user of ``node`` that is not dead, or None."""
+    live = [u for u in node.users if not _dead(u)]
+    return live[0] if len(live) == 1 else None
+
+
+def _erase(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` once nothing but dead values reads it, those first."""
+    if all(_dead(u) for u in node.users):
+        for user in list(node.users):
+            _erase(graph, user)
+        graph.erase_node(node)
+
+
 def _strip(node: fx.Node) -> tuple[fx.Node, float, list[fx.Node]]:
     """``node`` under multiplies and divides by nonzero Python numbers, each read only by the next
     op: (the value under them, their factor, the scalar nodes from the outermost)."""
@@ -173,12 +198,12 @@ def written_attention(scores: fx.Node) -> WrittenAttention | None:
             or _rank(sm) != rank:
         return None
     post, cur = [], sm
-    while len(cur.users) == 1 and op_packet(nxt := next(iter(cur.users))) in _POST and nxt.args[0] is cur:
+    while (nxt := _live_user(cur)) is not None and op_packet(nxt) in _POST and nxt.args[0] is cur:
         if op_packet(nxt) is aten.dropout and nxt.args[1] != 0 and nxt.args[2]:
             return None
         post.append(nxt)
         cur = nxt
-    out = next(iter(cur.users)) if len(cur.users) == 1 else None
+    out = _live_user(cur)
     if out is None or op_packet(out) not in _PRODUCTS or out.args[0] is not cur or _rank(out.args[1]) != rank or _rank(out) != rank:
         return None
     return WrittenAttention(scores, rank, q, k, fq * fk, (*q_scalars, *k_scalars), tuple(steps), sm, tuple(post), out)
@@ -249,8 +274,7 @@ def _canonicalize(graph: fx.Graph, w: WrittenAttention) -> None:
     w.output.replace_all_uses_with(x)
     kt = w.scores.args[2] if op_packet(w.scores) is aten.baddbmm else w.scores.args[1]
     for node in (w.output, *reversed(w.post), w.softmax, *reversed(w.steps), w.scores, kt, *w.scalars):
-        if not node.users:
-            graph.erase_node(node)
+        _erase(graph, node)
 
 
 def _written(graph: fx.Graph) -> list[WrittenAttention]:

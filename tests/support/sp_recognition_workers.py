@@ -87,6 +87,24 @@ class SpelledAttentionLM(torch.nn.Module):
         return F.cross_entropy(self.head(x).reshape(-1, VOCAB), labels.reshape(-1))
 
 
+class MultiheadAttentionLM(torch.nn.Module):
+    """``nn.MultiheadAttention`` called as its documentation shows, its weights returned
+    (``need_weights=True``, the default) and dropped, with a causal float mask: inside, 3-d
+    ``baddbmm(mask, q · c, kᵀ)`` over (B·H, T, d), softmax, ``bmm`` with v, and the weights
+    averaged over the heads for a caller that does not read them."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.attn = torch.nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.head = torch.nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)  # (B, T, C)
+        y, _ = self.attn(x, x, x, attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(ids.shape[1]))
+        return F.cross_entropy(self.head(x + y).flatten(0, 1), labels.flatten())
+
+
 class EncoderLM(torch.nn.Module):
     """``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention`` inside), batch first, with or
     without a causal mask: its attention runs sequence-first, ``unflatten`` splits q, k and v
@@ -220,8 +238,9 @@ def model(kind: str) -> torch.nn.Module:
     masked LMs with absolute positions: Hugging Face BERT (position ids and token types cut from
     buffers, DNABERT's shape) and ESM (positions by a cumsum over the padding, Nucleotide
     Transformer v1's shape), the FFT convolution above in HyenaDNA's spelling, in ortho norms,
-    with a filter cut to T and with an unsqueezed spectrum, the attention spellings above, and
-    the rotary model above that caches its tables on itself."""
+    with a filter cut to T and with an unsqueezed spectrum, the attention spellings above,
+    ``nn.MultiheadAttention`` returning its weights, and the rotary model above that caches its
+    tables on itself."""
     torch.manual_seed(0)
     if kind.startswith("spelled"):  # "spelled": every spelling, a layer each; "spelled_<spelling>": one
         return SpelledAttentionLM(ATTENTION_SPELLINGS if kind == "spelled" else (kind.removeprefix("spelled_"),))
@@ -244,6 +263,8 @@ def model(kind: str) -> torch.nn.Module:
         return EsmForMaskedLM(cfg)
     if kind == "cached_rotary":
         return CachedRotaryLM()
+    if kind == "mha_weights":
+        return MultiheadAttentionLM()
     if kind == "flat_rows":
         return FlatRowsLM()
     if kind.startswith("encoder"):
