@@ -70,7 +70,7 @@ def test_host_offload_on_a_cpu_rank_frees_nothing() -> None:
     peaks = {}
     for profile in ("cpu", "h100"):
         base = {"zerofx": {"memory_budget": 2**30, "profile": profile}}
-        s = _Search(model, resize_inputs((ids,), {"labels": ids}), base, world_size=2, seq_len=64, global_batch=2, budget_bytes=2**30,
+        s = _Search(model, resize_inputs((ids,), {"labels": ids}), parse_config(base), world_size=2, seq_len=64, global_batch=2, budget_bytes=2**30,
                     fixed=frozenset(), loss_fn=None)
         plain, host = (s.evaluate(Candidate(0, 1, 2, offload, "off", 1, 1, "off")) for offload in ("none", "cpu"))
         peaks[profile] = (plain.peak_bytes, host.peak_bytes)
@@ -243,7 +243,7 @@ def test_many_ranks_lower_one_or_two_shard_group_sizes_per_stage() -> None:
     assert len(lowered) <= 6 and all(sum(e.candidate.stage == st for e in lowered) <= 2 for st in (1, 2, 3))
     assert all(e.step_s >= e.step_bound_s > 0 for e in lowered)
     assert all("behind" in e.why or "shard-group model, slower" in e.why for e in result.ranked if not e.lowered)
-    every = _Search(model, inputs_at, base, world_size=64, seq_len=256, global_batch=128, budget_bytes=1e9, fixed=frozenset(),
+    every = _Search(model, inputs_at, parse_config(base), world_size=64, seq_len=256, global_batch=128, budget_bytes=1e9, fixed=frozenset(),
                     loss_fn=None)
     exhaustive = [every.evaluate(Candidate(st, 1, k, "none", "off", 2, 1)) for st in (1, 2, 3) for k in (2, 4, 8, 16, 32, 64)]
     best = max((e for e in exhaustive if e.fits), key=lambda e: e.tokens_per_s)
@@ -267,7 +267,7 @@ def test_the_memory_bound_holds_per_stage_and_shard_group_size() -> None:
     space = SearchSpace(stages=(0, 2), sequence_parallel=(1,), shard_group_sizes=(8, 64), offloads=("none", "cpu"), tilings=("off",),
                         recomputes=("off",), micro_batch=1, accumulation=1)
     result = search(model, inputs_at, base, world_size=64, seq_len=32, batch=1, budget_bytes=budget, space=space)
-    every = _Search(model, inputs_at, base, world_size=64, seq_len=32, global_batch=64, budget_bytes=budget, fixed=frozenset(), loss_fn=None)
+    every = _Search(model, inputs_at, parse_config(base), world_size=64, seq_len=32, global_batch=64, budget_bytes=budget, fixed=frozenset(), loss_fn=None)
     exhaustive = {e.candidate: every.evaluate(e.candidate) for e in result.ranked}
     bounded = [e for e in result.ranked if not e.lowered and "over budget by at least" in e.why]
     assert all(e.peak_bytes <= exhaustive[e.candidate].peak_bytes for e in bounded)
@@ -329,7 +329,7 @@ def test_a_folded_recompute_candidate_is_not_planned_whole_where_nothing_recompu
     inputs_at = resize_inputs((ids,), {"labels": ids})
     c = Candidate(3, 1, 2, "none", "off", 1, 1, "auto")
 
-    s = _Search(model, inputs_at, {"zerofx": {"memory_budget": 1e9}}, world_size=2, seq_len=64, global_batch=2, budget_bytes=1e9,
+    s = _Search(model, inputs_at, parse_config({"zerofx": {"memory_budget": 1e9}}), world_size=2, seq_len=64, global_batch=2, budget_bytes=1e9,
                 fixed=frozenset(), loss_fn=None, fold="on")
     faster = Evaluated(Candidate(2, 1, 2, "none", "off", 1, 1), 1e-9, 1.0, 0.0, 0.0, fits=True)
     e = s.evaluate(c, best=faster)
@@ -356,7 +356,7 @@ def test_a_folded_search_cuts_longer_where_the_prefetch_window_spans_blocks() ->
     candidate = Candidate(3, 1, 4, "none", "off", 1, 1)
     for distance in (2, 3):
         base = {"zero_optimization": {"stage3_prefetch_bucket_size": one_bucket_per_block}, "zerofx": {"prefetch_distance": distance}}
-        folded, whole = (_Search(model, inputs_at, base, world_size=4, seq_len=64, global_batch=4, budget_bytes=1e9, fixed=frozenset(),
+        folded, whole = (_Search(model, inputs_at, parse_config(base), world_size=4, seq_len=64, global_batch=4, budget_bytes=1e9, fixed=frozenset(),
                                  loss_fn=None, fold=fold) for fold in ("on", "off"))
         f, w = folded.evaluate(candidate), whole.evaluate(candidate)
         assert folded.num_captures == 4  # cut to 2, 3, then 4 and 5 (distance 2) or 5 and 6 (distance 3) blocks
@@ -384,7 +384,7 @@ def test_cut_models_are_planned_at_the_whole_models_prefetch_distance() -> None:
     ids = torch.zeros(1, 512, dtype=torch.long, device="meta")
     inputs_at = resize_inputs((ids,), {"labels": ids})
     base = {"zerofx": {"memory_budget": 8 * 2**30, "profile": "h100"}}
-    folded, whole = (_Search(model, inputs_at, base, world_size=1024, seq_len=512, global_batch=1024, budget_bytes=8 * 2**30,
+    folded, whole = (_Search(model, inputs_at, parse_config(base), world_size=1024, seq_len=512, global_batch=1024, budget_bytes=8 * 2**30,
                              fixed=frozenset(), loss_fn=None, fold=fold) for fold in ("on", "off"))
     c = Candidate(3, 1, 8, "none", "off", 1, 1)
     f, w = folded.evaluate(c), whole.evaluate(c)
@@ -504,11 +504,13 @@ def test_keys_the_config_sets_win() -> None:
     base = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, "zerofx": {"auto": True, "memory_budget": 1}}
     from zerofx.planner.autoplan import Candidate
 
-    out = candidate_config(base, Candidate(3, 1, 2, "none", "off", 1, 1, "auto"), world_size=2, global_batch=2, fixed=fixed)
+    out = candidate_config(parse_config(base), Candidate(3, 1, 2, "none", "off", 1, 1, "auto"), world_size=2, global_batch=2,
+                           fixed=fixed).to_config_dict()
     assert out["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu"}}
     assert "auto" not in out["zerofx"] and out["zerofx"]["recompute"] == "auto"
-    kept = candidate_config({**base, "zerofx": {**base["zerofx"], "recompute": True}}, Candidate(3, 1, 2, "none", "off", 1, 1, "config"),
-                            world_size=2, global_batch=2, fixed=fixed | {"recompute"})
+    kept = candidate_config(parse_config({**base, "zerofx": {**base["zerofx"], "recompute": True}}),
+                            Candidate(3, 1, 2, "none", "off", 1, 1, "config"), world_size=2, global_batch=2,
+                            fixed=fixed | {"recompute"}).to_config_dict()
     assert kept["zerofx"]["recompute"] is True
 
 
@@ -573,7 +575,7 @@ def test_a_folded_candidate_planned_whole_says_so_before_it_starts() -> None:
     one_bucket_per_block = sum(p.numel() for p in model.blocks[0].parameters()) + 1
     base = {"zero_optimization": {"stage3_prefetch_bucket_size": one_bucket_per_block}, "zerofx": {"prefetch_distance": 3}}
     said: list[str] = []
-    folded = _Search(model, resize_inputs((ids,), {"labels": ids}), base, world_size=4, seq_len=64, global_batch=4, budget_bytes=1e9,
+    folded = _Search(model, resize_inputs((ids,), {"labels": ids}), parse_config(base), world_size=4, seq_len=64, global_batch=4, budget_bytes=1e9,
                      fixed=frozenset(), loss_fn=None, fold="on", progress=said.append)
     candidate = Candidate(3, 1, 4, "none", "off", 1, 1)
     evaluated = folded.evaluate(candidate)
@@ -608,13 +610,13 @@ def test_a_folded_search_pins_one_tiling_for_every_block(monkeypatch: pytest.Mon
     # ``true``'s pin against the whole model's planner: tests/test_planning.py (the CLI's fold).
     for tiling, budget in (("auto", 1e9), ("auto", 1.0)):
         said: list[str] = []
-        s = _Search(model, resize_inputs((ids,), {"labels": ids}), {"zerofx": {"memory_budget": budget}}, world_size=2, seq_len=512,
+        s = _Search(model, resize_inputs((ids,), {"labels": ids}), parse_config({"zerofx": {"memory_budget": budget}}), world_size=2, seq_len=512,
                     global_batch=2, budget_bytes=budget, fixed=frozenset(), loss_fn=None, fold="on", progress=said.append)
         c = Candidate(3, 1, 2, "none", tiling, 1, 1)
         e = s.evaluate(c)
         config = s.config(c)
-        section = config["zerofx"]["tiling"]
-        assert section["enabled"] is True and isinstance(section["block_size"], int) and e.tiling and e.tiling in e.label()
+        assert config.tiling is not None and config.tiling.enabled is True and isinstance(config.tiling.block_size, int)
+        assert e.tiling and e.tiling in e.label()
         assert not any("planning all" in line for line in said)  # the cuts folded
         whole = compile(model, world_size=2, config=config, example_inputs=(ids,), example_kwargs={"labels": ids})
         measured = s.measure(c, whole, whole.report(0), resolve(config, stage=None, world_size=2))
@@ -639,7 +641,7 @@ def test_a_folded_search_skips_tiling_on_where_auto_tried_it_for_nothing() -> No
     from zerofx.planner.autoplan import Candidate, _Search
     from zerofx.planner.folded_tiling import PinnedTiling
 
-    s = _Search(build_model("small", device="meta"), resize_inputs((torch.zeros(1, 64, dtype=torch.long, device="meta"),), {}), {},
+    s = _Search(build_model("small", device="meta"), resize_inputs((torch.zeros(1, 64, dtype=torch.long, device="meta"),), {}), parse_config({}),
                 world_size=2, seq_len=64, global_batch=2, budget_bytes=1e9, fixed=frozenset(), loss_fn=None, fold="on")
     on = Candidate(3, 1, 2, "none", "on", 1, 1)
     auto = replace(on, tiling="auto")

@@ -153,6 +153,12 @@ class ZeroConfig:
     # ``world_size``, which an earlier argument may have filled in.
     config_stage: int | None = None
     config_world_size: int | None = None
+    # ``zerofx.memory_margin``: the share of ``zerofx.memory_budget`` the planners hold back, already
+    # taken off ``schedule.memory_budget_bytes`` (NOTE [The memory margin] in zerofx/config/options.py); 0 without one.
+    memory_margin: float = 0.0
+    # Whether the config sets ``zerofx.fused_optimizer`` itself: where it does not, the auto-plan
+    # turns it on with Inductor (zerofx/planner/space.py).
+    fused_optimizer_is_explicit: bool = False
 
     # NOTE [What ranks must agree on]
     # A setting that changes the collectives a rank issues (stage, buckets, prefetch, overlap,
@@ -503,6 +509,8 @@ def parse_config(
         nonfinite=NonFinite(own.get("nonfinite", NonFinite.ERROR.value)),
         config_stage=cfg_stage,
         config_world_size=cfg_world,
+        memory_margin=float(own.get("memory_margin", 0)),
+        fused_optimizer_is_explicit="fused_optimizer" in own,
     )
 
 

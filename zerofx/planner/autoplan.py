@@ -22,7 +22,6 @@ NOTE [Budgets of the cut models].
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -49,6 +48,7 @@ from zerofx.cost_models.offload import FP32_BYTES, estimate_device_freed_bytes, 
 from zerofx.cost_models.profiles import load_profile
 from zerofx.cost_models.tiers import NO_OFFLOAD, Tier
 from zerofx.passes import Plan
+from zerofx.passes.plan.recompute import RecomputeMode
 from zerofx.passes.analysis.analyze_schedule import ScheduleReport
 from zerofx.passes.memory.plan_offload import plan_offload
 from zerofx.passes.zero.plan_shard_groups import bucket_bytes, estimate_compute_s
@@ -156,7 +156,7 @@ class AutoPlan:
 class _Search:
     """The state of one search: the captures made, what each candidate measured."""
 
-    def __init__(self, model: nn.Module, inputs_at: InputsAt, base: Mapping[str, Any], *, world_size: int, seq_len: int,
+    def __init__(self, model: nn.Module, inputs_at: InputsAt, base: ZeroConfig, *, world_size: int, seq_len: int,
                  global_batch: int, budget_bytes: float, fixed: frozenset[str], loss_fn: LossFn | None, fold: str = "auto",
                  progress: Progress | None = None, deadline_s: float | None = None, total: int | None = None) -> None:
         self.model, self.inputs_at, self.base, self.fold = model, inputs_at, base, fold
@@ -168,7 +168,7 @@ class _Search:
         self.blocks = _blocks_to_fold(model, fold)
         self.cuts: dict[int, nn.Module] = {}  # folded: the model cut to n blocks, by n
         # Folded: each capture group's first program per cut, and the config it was planned with.
-        self.cut_groups: dict[tuple[int, int, str], dict[int, tuple[Program, dict[str, Any]]]] = {}
+        self.cut_groups: dict[tuple[int, int, str], dict[int, tuple[Program, ZeroConfig]]] = {}
         self.folded: set[Candidate] = set()  # candidates measured on the cut models
         # Folded: each capture group's tiling, pinned for the whole model (NOTE [One tiling for every cut]).
         self.pinned: dict[tuple[int, int, str], PinnedTiling | None] = {}
@@ -182,17 +182,24 @@ class _Search:
         self.num_lowered = 0
         self._states: dict[Candidate, float] = {}
         self._compute_s: dict[tuple[int, int, str, bool], float] = {}  # per capture group, eager or fused
-        parsed = parse_config(base)
-        self.profile, self.base_compiler = parsed.profile, parsed.graph_compiler
+        self._configs: dict[Candidate, ZeroConfig] = {}  # ``candidate_config`` of each candidate
+        self.profile, self.base_compiler = base.profile, base.graph_compiler
         self.comm, self.device = load_profile(self.profile)
 
-    def config(self, c: Candidate) -> dict[str, Any]:
-        config = candidate_config(self.base, c, world_size=self.world_size, global_batch=self.global_batch, fixed=self.fixed)
+    def candidate_config(self, c: Candidate) -> ZeroConfig:
+        """``candidate_config`` of ``c`` on this search's base, its tiling as the candidate names it."""
+        if c not in self._configs:
+            self._configs[c] = candidate_config(self.base, c, world_size=self.world_size, global_batch=self.global_batch, fixed=self.fixed)
+        return self._configs[c]
+
+    def config(self, c: Candidate) -> ZeroConfig:
+        """``c``'s options: its tiling pinned for the whole model (folded) or fitted to the
+        activation budget (``"auto"``)."""
+        config = self.candidate_config(c)
         if c.tiling in ("auto", "on") and self.blocks is not None:
             pinned = self.pinned_tiling(c, config)
             if pinned is not None:
-                config.setdefault("zerofx", {})["tiling"] = pinned.section()
-                return config
+                return config.with_keys({"zerofx.tiling": pinned.section()})
         if c.tiling == "auto":
             config = with_auto_tiling(config, self.activation_budget_bytes(c))
         return config
@@ -202,7 +209,7 @@ class _Search:
         less the leanest model state."""
         return self.budget_bytes - self.model_state_bytes(replace(c, stage=3, offload=NO_OFFLOAD, shard_group_size=self.world_size))
 
-    def pinned_tiling(self, c: Candidate, config: Mapping[str, Any]) -> PinnedTiling | None:
+    def pinned_tiling(self, c: Candidate, config: ZeroConfig) -> PinnedTiling | None:
         """Folded: the tiling of ``c``'s capture group, the same in every block and chosen for the
         whole model (NOTE [One tiling for every cut] in zerofx/planner/folded_tiling.py); None
         where nothing can be tiled. ``config`` is ``c``'s, its tiling aside."""
@@ -210,8 +217,7 @@ class _Search:
         key = c.capture_group
         if key in self.pinned:
             return self.pinned[key]
-        untiled = copy.deepcopy(dict(config))
-        untiled.get("zerofx", {}).pop("tiling", None)
+        untiled = config.with_keys(drop=["zerofx.tiling"])
         args, kwargs = self.inputs_at(c.micro_batch, self.seq_len)
         estimates = model_estimates(self.model, self.blocks, args, kwargs, resolve(untiled, stage=None, world_size=self.world_size),
                                     self.world_size, loss_fn=self.loss_fn, cuts={n: self.cut(n) for n in FOLD_BLOCKS})
@@ -222,23 +228,21 @@ class _Search:
             self.pinned[key] = pinned_on(estimates)
             return self.pinned[key]
         budget = self.activation_budget_bytes(c)
-        tested: dict[PinnedTiling, dict[int, tuple[Program, dict[str, Any]]]] = {}
+        tested: dict[PinnedTiling, dict[int, tuple[Program, ZeroConfig]]] = {}
 
         def transient_of(rung: PinnedTiling) -> float:
-            tiled = copy.deepcopy(untiled)
-            tiled.setdefault("zerofx", {})["tiling"] = rung.section()
-            cut = self.cut_config(tiled)
-            programs: dict[int, tuple[Program, dict[str, Any]]] = {}
+            cut = self.cut_config(untiled.with_keys({"zerofx.tiling": rung.section()}))
+            programs: dict[int, tuple[Program, ZeroConfig]] = {}
 
             def report_at(n: int) -> tuple[ScheduleReport, Plan]:
                 if n >= self.blocks.count:
                     self.say_planned_whole(f"tiling auto for micro {c.micro_batch}, sp {c.sequence_parallel}: {rung.describe()}")
                 model = self.model if n >= self.blocks.count else self.cut(n)
-                program = compile(model, world_size=self.world_size, config=dict(cut), example_inputs=args, example_kwargs=kwargs,
+                program = compile(model, world_size=self.world_size, config=cut, example_inputs=args, example_kwargs=kwargs,
                                   loss_fn=self.loss_fn)
                 self.num_captures += 1
                 if n < self.blocks.count:
-                    programs[n] = (program, copy.deepcopy(cut))
+                    programs[n] = (program, cut)
                 return program.report(0, comm=self.comm, device=self.device), program.plan
 
             folded = fold(self.blocks, report_at)
@@ -297,8 +301,7 @@ class _Search:
 
     def shapes_plan(self, c: Candidate) -> tuple[Plan, ZeroConfig]:
         """The candidate's plan from the parameters' shapes alone (no capture), and its config."""
-        config = candidate_config(self.base, c, world_size=self.world_size, global_batch=self.global_batch, fixed=self.fixed)
-        cfg = resolve(config, stage=None, world_size=self.world_size)
+        cfg = resolve(self.candidate_config(c), stage=None, world_size=self.world_size)
         return plan_from_shapes(self.model, cfg, compile_options(cfg, self.world_size)), cfg
 
     def compute_s(self, c: Candidate, *, fused: bool | None = None) -> float:
@@ -311,8 +314,7 @@ class _Search:
             if self.blocks is None:
                 self._compute_s[key] = estimate_compute_s(self.groups[group].captured.joint, self.device, fused=fused)
             else:
-                config = self.cut_config(self.config(c))
-                small, large = (estimate_compute_s(self.cut_capture(c, config, n)[0].captured.joint, self.device, fused=fused) for n in FOLD_BLOCKS)
+                small, large = (estimate_compute_s(self.group_capture(c, n).captured.joint, self.device, fused=fused) for n in FOLD_BLOCKS)
                 # Compute is a sum over nodes: exact from the first two cuts whatever the peak needed.
                 self._compute_s[key] = extrapolate(small, large, self.blocks.count)
         return self._compute_s[key]
@@ -387,38 +389,44 @@ class _Search:
         return estimate_device_freed_bytes(0.0 if on_nvme else offloaded, offloaded if on_nvme else 0.0,
                                            memory_is_host=self.device.memory_is_host)
 
-    def cut_capture(self, c: Candidate, config: Mapping[str, Any], n: int) -> tuple[Program, dict[str, Any]]:
+    def group_capture(self, c: Candidate, n: int) -> Program:
+        """Folded: the first program of ``c``'s capture group on the model cut to ``n`` blocks,
+        captured from ``c``'s cut config where there is none yet. That config is made only then:
+        with ``zerofx.recompute`` "auto" there is none (the cuts are planned without the budget
+        "auto" needs; NOTE [Budgets of the cut models]), and such a candidate's group is captured
+        by the candidates planned before it."""
+        group = self.cut_groups.get(c.capture_group, {})
+        if n in group:
+            return group[n][0]
+        return self.cut_capture(c, self.cut_config(self.config(c)), n)[0]
+
+    def cut_capture(self, c: Candidate, config: ZeroConfig, n: int) -> tuple[Program, ZeroConfig]:
         """Folded: the first program of ``c``'s capture group on the model cut to ``n`` blocks,
         capturing it with ``config`` if there is none yet, and the config it was planned with."""
         assert self.blocks is not None
         group = self.cut_groups.setdefault(c.capture_group, {})
         if n not in group:
             args, kwargs = self.inputs_at(c.micro_batch, self.seq_len)
-            program = compile(self.cut(n), world_size=self.world_size, config=dict(config), example_inputs=args, example_kwargs=kwargs,
+            program = compile(self.cut(n), world_size=self.world_size, config=config, example_inputs=args, example_kwargs=kwargs,
                               loss_fn=self.loss_fn)
             self.num_captures += 1
-            group[n] = (program, copy.deepcopy(dict(config)))
+            group[n] = (program, config)
         return group[n]
 
-    def cut_program(self, c: Candidate, config: Mapping[str, Any], n: int) -> Program:
+    def cut_program(self, c: Candidate, config: ZeroConfig, n: int) -> Program:
         """Folded: the candidate planned on the model cut to ``n`` blocks, from its group's capture
         of that cut (the capture itself where it was planned with ``config``)."""
         first, planned_with = self.cut_capture(c, config, n)
-        return first if planned_with == dict(config) else first.replan(dict(config))
+        return first if planned_with.to_config_dict() == config.to_config_dict() else first.replan(config)
 
     @staticmethod
-    def cut_config(config: Mapping[str, Any], prefetch_distance: int | None = None) -> dict[str, Any]:
-        """Folded: the config the cut models are planned with: without the memory budget, at
+    def cut_config(config: ZeroConfig, prefetch_distance: int | None = None) -> ZeroConfig:
+        """Folded: the options the cut models are planned with: without the memory budget, at
         ``prefetch_distance`` when given (NOTE [Budgets of the cut models])."""
-        cut = copy.deepcopy(dict(config))
-        own = cut.setdefault("zerofx", {})
-        for key in BUDGET_KEYS:
-            own.pop(key, None)
-        if prefetch_distance is not None:
-            own["prefetch_distance"] = prefetch_distance
-        return cut
+        keys = {} if prefetch_distance is None else {"zerofx.prefetch_distance": prefetch_distance}
+        return config.with_keys(keys, drop=[f"zerofx.{key}" for key in BUDGET_KEYS])
 
-    def program(self, c: Candidate, config: dict[str, Any], *, whole: bool = False) -> Program:
+    def program(self, c: Candidate, config: ZeroConfig, *, whole: bool = False) -> Program:
         """The candidate planned from its group's capture, capturing the group's first (folded
         unless ``whole``: the 3-block cut's, the one ``tiled_ops`` reads)."""
         if self.blocks is not None and not whole:
@@ -485,18 +493,15 @@ class _Search:
     def _evaluate(self, c: Candidate, best: Evaluated | None) -> Evaluated:
         config = self.config(c)
         if self.blocks is not None:
-            if config.get("zerofx", {}).get("recompute") != "auto":
+            if config.schedule.recompute != RecomputeMode.AUTO.value:
                 return self.evaluate_folded(c, config)
             # NOTE [Budgets of the cut models]: every candidate recomputed is the most "auto" can
             # free; only where that fits is the candidate planned whole.
-            every = copy.deepcopy(config)
-            every["zerofx"]["recompute"] = True
-            most = self.evaluate_folded(c, every)
+            most = self.evaluate_folded(c, config.with_keys({"zerofx.recompute": True}))
             if not most.fits:
                 return most
             if best is not None:
-                nothing = copy.deepcopy(config)
-                nothing["zerofx"]["recompute"] = False
+                nothing = config.with_keys({"zerofx.recompute": False})
                 floor_s = (1 - FOLDED_STEP_MARGIN) * self.evaluate_folded(c, nothing).step_s
                 if floor_s > best.step_s:
                     return Evaluated(c, float("inf"), 0.0, most.peak_bytes, most.model_state_bytes, fits=False, lowered=False,
@@ -510,14 +515,13 @@ class _Search:
         cfg = resolve(config, stage=None, world_size=self.world_size)
         return self.measure(c, program, report, cfg)
 
-    def evaluate_folded(self, c: Candidate, config: dict[str, Any]) -> Evaluated:
+    def evaluate_folded(self, c: Candidate, config: ZeroConfig) -> Evaluated:
         """``c`` planned on the cut models and its figures extrapolated to every block (NOTE [Why
         linear extrapolation is exact here] in zerofx/planner/folding.py), the prefetch distance
         fitted to the budget on the extrapolated peak (NOTE [Budgets of the cut models])."""
         cfg = resolve(config, stage=None, world_size=self.world_size)
         evaluated, peak, distance = self._measure_cuts(c, self.cut_config(config, self.whole_prefetch_distance(c, cfg)), cfg)
-        budget = config.get("zerofx", {}).get("memory_budget")
-        while budget is not None and peak > self.budget_bytes and distance > 0:
+        while cfg.schedule.memory_budget_bytes is not None and peak > self.budget_bytes and distance > 0:
             evaluated, peak, distance = self._measure_cuts(c, self.cut_config(config, distance - 1), cfg)
         self.folded.add(c)
         return evaluated
@@ -547,7 +551,7 @@ class _Search:
             self.progress(f"{time.perf_counter() - self.start_s:.1f} s: {what}: planning all {self.blocks.count} blocks, its cut "
                           f"models do not extrapolate (NOTE [A window that spans blocks], NOTE [Tiling the same in every cut])")
 
-    def _measure_cuts(self, c: Candidate, config: Mapping[str, Any], cfg: ZeroConfig) -> tuple[Evaluated, float, int]:
+    def _measure_cuts(self, c: Candidate, config: ZeroConfig, cfg: ZeroConfig) -> tuple[Evaluated, float, int]:
         """The folded figures of ``c`` planned with ``config`` on the cut models (NOTE [A window
         that spans blocks] in zerofx/planner/folding.py says which), the extrapolated peak before
         anything is offloaded (the figure ``fit_prefetch`` checks), and the prefetch distance."""
@@ -678,18 +682,18 @@ def _micro_batches(space: SearchSpace, per_group: int) -> tuple[tuple[int, int],
     return tuple((m, per_group // m) for m in micros)
 
 
-def search_config(model: nn.Module, example_args: tuple[Any, ...], example_kwargs: Mapping[str, Any], config: Mapping[str, Any], *,
-                  world_size: int | None, budget_bytes: float, fold: str = "auto", progress: Progress | None = None,
+def search_config(model: nn.Module, example_args: tuple[Any, ...], example_kwargs: Mapping[str, Any], config: ZeroConfig | Mapping[str, Any],
+                  *, world_size: int | None, budget_bytes: float, fold: str = "auto", progress: Progress | None = None,
                   time_limit_s: float | None = None) -> AutoPlan:
-    """``search`` over what ``config`` (a config with ``zerofx.auto``) leaves open, at the example
-    inputs' micro-batch and sequence length: what ``zerofx plan --auto`` runs. ``world_size``
-    None takes the config's."""
+    """``search`` over what ``config`` (options with ``zerofx.auto``; a dict is parsed here)
+    leaves open, at the example inputs' micro-batch and sequence length: what ``zerofx plan
+    --auto`` runs. ``world_size`` None takes the config's."""
     cfg = parse_config(config, world_size=world_size)
     world_size = world_size if world_size is not None else cfg.world_size
     batch, seq_len = example_shape(example_args, example_kwargs)
     assert cfg.auto is not None
     space = search_space(cfg, cfg.auto, world_size=world_size, seq_len=seq_len, batch=batch)
-    return search(model, resize_inputs(example_args, example_kwargs), config, world_size=world_size, seq_len=seq_len, batch=batch,
+    return search(model, resize_inputs(example_args, example_kwargs), cfg, world_size=world_size, seq_len=seq_len, batch=batch,
                   budget_bytes=budget_bytes, space=space, fixed=cfg.auto.fixed, fold=fold, time_limit_s=time_limit_s, progress=progress)
 
 
@@ -725,7 +729,7 @@ def search_config(model: nn.Module, example_args: tuple[Any, ...], example_kwarg
 # With tiling ``"auto"`` a capture's tiles fit the candidate it was captured for, so a winner
 # planned from another candidate's capture is captured again from its own config, and measured
 # as that config plans it, before it is kept (at most ``MAX_RECAPTURES`` times).
-def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any], *, world_size: int, seq_len: int, batch: int,
+def search(model: nn.Module, inputs_at: InputsAt, base_config: ZeroConfig | Mapping[str, Any], *, world_size: int, seq_len: int, batch: int,
            budget_bytes: float, space: SearchSpace, fixed: frozenset[str] = frozenset(), loss_fn: LossFn | None = None,
            fold: str = "auto", progress: Progress | None = None, time_limit_s: float | None = None) -> AutoPlan:
     """The configuration of ``space`` with the most predicted tokens/s whose device peak per rank
@@ -734,17 +738,20 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
     ``inputs_at(micro_batch, seq_len)`` gives the model call at that shape; ``batch`` is the
     sequences per rank per optimizer step without sequence parallelism, so the global batch,
     ``batch * world_size``, is the same for every candidate (a sequence group of S ranks shares
-    ``batch * S`` sequences per step, in micro-batches). ``base_config`` is the user's config: the
-    dimensions in ``fixed`` keep its values, and every candidate's config is it with the choice
-    written in. ``fold`` ("auto", "on", "off") plans a model of repeated blocks from captures
-    cut to 2 and 3 blocks (NOTE [Budgets of the cut models]); the winner is then captured whole.
+    ``batch * S`` sequences per step, in micro-batches). ``base_config`` is the user's options (a
+    dict is parsed here, once): the dimensions in ``fixed`` keep its values, and every
+    candidate's options are these with the choice written in (``ZeroConfig.with_keys``); the
+    chosen one is written out as JSON data (``AutoPlan.config``). ``fold`` ("auto", "on", "off")
+    plans a model of repeated blocks from captures cut to 2 and 3 blocks (NOTE [Budgets of the
+    cut models]); the winner is then captured whole.
     ``progress`` is given a line per candidate planned, as the search goes (it takes seconds to
     minutes). ``time_limit_s`` bounds the search's seconds, and Ctrl-C stops it too: either way
     the result is the best of the candidates tried, marked ``stopped`` (NOTE [A search answers
     anytime])."""
     start = time.perf_counter()
     global_batch = batch * world_size
-    s = _Search(model, inputs_at, base_config, world_size=world_size, seq_len=seq_len, global_batch=global_batch,
+    base = parse_config(base_config)
+    s = _Search(model, inputs_at, base, world_size=world_size, seq_len=seq_len, global_batch=global_batch,
                 budget_bytes=budget_bytes, fixed=fixed, loss_fn=loss_fn, fold=fold, progress=progress,
                 deadline_s=None if time_limit_s is None else start + time_limit_s, total=space_size(space, world_size, batch))
     results: list[Evaluated] = []
@@ -773,11 +780,11 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
         chosen = ranked[0] if ranked and ranked[0].fits else None
         unchecked = ("" if chosen is None or not s.needs_own_capture(chosen.candidate) else
                      "not captured from its own config (the search stopped first); zerofx plan --config FILE plans it as the config says")
-        config = None if chosen is None else s.config(chosen.candidate)
+        config = None if chosen is None else s.config(chosen.candidate).to_config_dict()
         return AutoPlan(chosen=chosen, ranked=tuple(ranked), not_candidates=tuple(not_candidates), to_fit=(), config=config,
                         budget_bytes=budget_bytes, world_size=world_size, seq_len=seq_len, global_batch=global_batch, profile=s.profile,
                         fixed=tuple(sorted(fixed)), search_s=time.perf_counter() - start, num_captures=s.num_captures,
-                        num_lowered=s.num_lowered, memory_margin=float(base_config.get("zerofx", {}).get("memory_margin", 0)),
+                        num_lowered=s.num_lowered, memory_margin=base.memory_margin,
                         unchecked=unchecked, stopped=stopped)
     ranked = _rank(results, budget_bytes)
     chosen = ranked[0] if ranked and ranked[0].fits else None
@@ -810,14 +817,14 @@ def search(model: nn.Module, inputs_at: InputsAt, base_config: Mapping[str, Any]
     to_fit: tuple[str, ...] = ()
     if chosen is None and any(e.lowered for e in ranked):
         to_fit = _what_would_fit(s, ranked)
-    config = None if chosen is None else s.config(chosen.candidate)
+    config = None if chosen is None else s.config(chosen.candidate).to_config_dict()  # the output: the chosen options as JSON data
     # Every candidate of a pinned capture group names its tiling, lowered or not.
     ranked = tuple(replace(e, tiling=s.tiling_detail(e.candidate)) for e in ranked)
     chosen = None if chosen is None else next(e for e in ranked if e.candidate == chosen.candidate)
     return AutoPlan(chosen=chosen, ranked=ranked, not_candidates=tuple(not_candidates), to_fit=to_fit, config=config,
                     budget_bytes=budget_bytes, world_size=world_size, seq_len=seq_len, global_batch=global_batch, profile=s.profile,
                     fixed=tuple(sorted(fixed)), search_s=time.perf_counter() - start, num_captures=s.num_captures,
-                    num_lowered=s.num_lowered, memory_margin=float(base_config.get("zerofx", {}).get("memory_margin", 0)),
+                    num_lowered=s.num_lowered, memory_margin=base.memory_margin,
                     unchecked=unchecked)
 
 

@@ -22,7 +22,7 @@ from zerofx.common.errors import UsageError
 from zerofx.common.limits import AUTO_FOLD_MIN_BLOCKS
 from zerofx.common.units import format_bytes
 from zerofx.compiler.program import Program, compile, prefetch_from_the_profile, resolve, whole_prefetch_distance
-from zerofx.config import load_config
+from zerofx.config import ZeroConfig
 from zerofx.config.options import BUDGET_KEYS
 from zerofx.cost_models.comm import CommSpec
 from zerofx.cost_models.compute import DeviceSpec
@@ -32,7 +32,8 @@ from zerofx.planner.fit import lower_prefetch_distance
 from zerofx.planner.folded_tiling import model_estimates, pinned_on
 from zerofx.planner.folding import FOLD_BLOCKS, FoldedReport, RepeatedBlocks, extrapolate, find_repeated_blocks, plan_folded, with_num_blocks
 
-Config = Path | Mapping[str, Any] | None
+# Options, or a config to parse once (a dict or a JSON file's path; None: the defaults).
+Config = ZeroConfig | Path | Mapping[str, Any] | None
 
 
 def blocks_to_fold(model: nn.Module, fold: str, *, label: str, recompute_auto: bool) -> tuple[RepeatedBlocks | None, str | None]:
@@ -79,48 +80,47 @@ def plan_model_folded(model: nn.Module, example_args: tuple[Any, ...], example_k
     the extrapolated peak fits it."""
     programs: dict[int, Program] = {}  # by the number of blocks of the cut model
 
-    def report_for(cut: nn.Module, cut_config: Mapping[str, Any]) -> Any:
+    def report_for(cut: nn.Module, cut_config: ZeroConfig) -> Any:
         program = compile(cut, world_size=world_size, stage=stage, config=cut_config, example_inputs=example_args,
                           example_kwargs=example_kwargs)
         programs[len(cut.get_submodule(blocks.path))] = program
         return program.report(rank, comm=comm, device=device), program.plan
 
     # The cut models' peaks are smaller than the whole model's, so the planner cannot fit the
-    # prefetch distance to the budget on them (NOTE [Prefetch under a memory budget]): it is
-    # fitted here, on the extrapolated peak.
-    raw = dict(load_config(config)) if config is not None else {}
-    own = {k: v for k, v in raw.get("zerofx", {}).items() if k not in BUDGET_KEYS}
+    # prefetch distance to the budget on them (NOTE [Prefetch under a memory budget]): they are
+    # planned without it, and the distance is fitted here, on the extrapolated peak.
+    cfg = resolve(config, stage=stage, world_size=world_size)
+    cut_cfg = cfg.with_keys(drop=[f"zerofx.{key}" for key in BUDGET_KEYS])
 
-    def fold(zerofx_section: Mapping[str, Any]) -> tuple[FoldedReport, Program]:
-        folded = plan_folded(model, blocks, lambda m: report_for(m, {**raw, "zerofx": zerofx_section}), parallel=True)
+    def fold(cut_config: ZeroConfig) -> tuple[FoldedReport, Program]:
+        folded = plan_folded(model, blocks, lambda m: report_for(m, cut_config), parallel=True)
         # The 2-block capture may run in a forked child (NOTE [Planning the two captures in
         # parallel]); the larger cut always runs here, so its plan is the one shown.
         return folded, programs[folded.cuts[1]]
 
     def fold_at(distance: int) -> tuple[tuple[FoldedReport, Program], int, float]:
-        folded, sample = fold({**own, "prefetch_distance": distance})
+        folded, sample = fold(cut_cfg.with_keys({"zerofx.prefetch_distance": distance}))
         return (folded, sample), distance, folded.peak_bytes
 
     decisions: list[str] = []
-    tiling = resolve(config, stage=stage, world_size=world_size).tiling
+    tiling = cfg.tiling
     if tiling is not None and tiling.enabled is True and tiling.block_size is None:
         # NOTE [One tiling for every cut]: each cut would take the largest block its own smaller
         # estimate fits; the whole model's block, pinned, tiles every cut as the whole model.
-        estimates = model_estimates(model, blocks, example_args, example_kwargs or {}, resolve(raw, stage=stage, world_size=world_size),
-                                    world_size)
+        estimates = model_estimates(model, blocks, example_args, example_kwargs or {}, cfg, world_size)
         if estimates is not None:
             block = pinned_on(estimates, tiling).block_size
-            own = {**own, "tiling": {**own.get("tiling", {}), "block_size": block}}
+            cut_cfg = cut_cfg.with_keys({"zerofx.tiling.block_size": block})
             decisions.append(f"tiling block size {block} tokens, the whole model's from its estimate (the cut models, planned with "
                              "this block, fold to it; NOTE [One tiling for every cut])")
-    folded, sample = fold(own)
-    distance = _whole_prefetch_distance(model, example_args, example_kwargs, blocks, {**raw, "zerofx": own}, folded, programs,
+    folded, sample = fold(cut_cfg)
+    distance = _whole_prefetch_distance(model, example_args, example_kwargs, blocks, cut_cfg, folded, programs,
                                         world_size=world_size, stage=stage)
     if distance is not None and distance != sample.plan.prefetch_distance:
         decisions.append(f"prefetch distance {distance} bucket(s) ahead, the whole model's from the profile (the cut models' own "
                          f"was {sample.plan.prefetch_distance}; NOTE [The whole model's prefetch distance])")
-        own = {**own, "prefetch_distance": distance}
-        folded, sample = fold(own)
+        cut_cfg = cut_cfg.with_keys({"zerofx.prefetch_distance": distance})
+        folded, sample = fold(cut_cfg)
     if budget_bytes is not None:
         search = lower_prefetch_distance((folded, sample), sample.plan.prefetch_distance, folded.peak_bytes, budget_bytes, fold_at)
         folded, sample = search.result
@@ -130,7 +130,7 @@ def plan_model_folded(model: nn.Module, example_args: tuple[Any, ...], example_k
 
 
 def _whole_prefetch_distance(model: nn.Module, example_args: tuple[Any, ...], example_kwargs: Mapping[str, Any], blocks: RepeatedBlocks,
-                             config: Mapping[str, Any], folded: FoldedReport, programs: Mapping[int, Program], *, world_size: int | None,
+                             config: ZeroConfig, folded: FoldedReport, programs: Mapping[int, Program], *, world_size: int | None,
                              stage: int | None) -> int | None:
     """Stage 3 on an explicit profile with no prefetch distance configured: the distance the
     planner takes from the profile for the whole model, from its parameters' shapes and its

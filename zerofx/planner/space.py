@@ -4,7 +4,6 @@ into the user's config, and the model call resized to a candidate's micro-batch 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +12,7 @@ import torch
 
 from zerofx.common.errors import ZeroFXError
 from zerofx.config import ZeroConfig
-from zerofx.config.options import DEFAULT_OPTIMIZER_TYPE, AutoOptions
+from zerofx.config.options import AutoOptions
 from zerofx.cost_models.profiles import load_profile
 from zerofx.cost_models.tiers import NO_OFFLOAD, Tier
 
@@ -122,61 +121,53 @@ def search_space(cfg: ZeroConfig, auto: AutoOptions, *, world_size: int, seq_len
     return SearchSpace(stages, sp, ks, offloads, tilings, recomputes, micro, accumulation, compilers)
 
 
-def _merge(config: dict[str, Any], section: str, values: Mapping[str, Any]) -> None:
-    config.setdefault(section, {}).update(values)
-
-
-def candidate_config(base: Mapping[str, Any], c: Candidate, *, world_size: int, global_batch: int,
-                     fixed: frozenset[str]) -> dict[str, Any]:
-    """``base`` (the user's config, without ``zerofx.auto``) with ``c`` written in: the keys of the
-    dimensions the search chose; those in ``fixed`` stay the config's."""
-    out = copy.deepcopy(dict(base))
-    out.setdefault("zerofx", {}).pop("auto", None)
-    if not out["zerofx"]:
-        out.pop("zerofx")
+def candidate_config(base: ZeroConfig, c: Candidate, *, world_size: int, global_batch: int, fixed: frozenset[str]) -> ZeroConfig:
+    """``base`` (the user's options, ``zerofx.auto`` left out) with ``c`` written in: the keys of
+    the dimensions the search chose, set by ``ZeroConfig.with_keys``; those in ``fixed`` stay the
+    config's. A key the search chooses anew is removed and set again, so the chosen keys follow
+    the user's in the config written out."""
+    keys: dict[str, Any] = {}
+    drop = ["zerofx.auto"]
     if "stage" not in fixed:
-        _merge(out, "zero_optimization", {"stage": c.stage})
+        keys["zero_optimization.stage"] = c.stage
     if "offload_optimizer" not in fixed:
         if c.offload == NO_OFFLOAD:
-            out.get("zero_optimization", {}).pop("offload_optimizer", None)
+            drop.append("zero_optimization.offload_optimizer")
         else:
-            _merge(out, "zero_optimization", {"offload_optimizer": {"device": c.offload}})
+            keys["zero_optimization.offload_optimizer"] = {"device": c.offload}
     if "shard_group_size" not in fixed:
         if c.shard_group_size == world_size or c.stage == 0:
-            out.get("zerofx", {}).pop("shard_group_size", None)
+            drop.append("zerofx.shard_group_size")
         else:
-            _merge(out, "zerofx", {"shard_group_size": c.shard_group_size})
+            keys["zerofx.shard_group_size"] = c.shard_group_size
     if "sequence_parallel" not in fixed:
         if c.sequence_parallel > 1:
-            _merge(out, "zerofx", {"sequence_parallel": {"size": c.sequence_parallel, "attention": "auto"}})
+            keys["zerofx.sequence_parallel"] = {"size": c.sequence_parallel, "attention": "auto"}
         else:
-            out.get("zerofx", {}).pop("sequence_parallel", None)
+            drop.append("zerofx.sequence_parallel")
     if "tiling" not in fixed:
-        out.get("zerofx", {}).pop("tiling", None)
+        drop.append("zerofx.tiling")
         if c.tiling == "on":
-            _merge(out, "zerofx", {"tiling": {"enabled": True}})
+            keys["zerofx.tiling"] = {"enabled": True}
     if "recompute" not in fixed:
-        out.get("zerofx", {}).pop("recompute", None)
+        drop.append("zerofx.recompute")
         if c.recompute == "auto":
-            _merge(out, "zerofx", {"recompute": "auto"})
+            keys["zerofx.recompute"] = "auto"
     if "compile" not in fixed:
-        out.get("zerofx", {}).pop("compile", None)
+        drop.append("zerofx.compile")
         if c.compiler == "inductor":
-            _merge(out, "zerofx", {"compile": "inductor"})
-            if out.get("optimizer", {}).get("type", DEFAULT_OPTIMIZER_TYPE) in FUSABLE_OPTIMIZERS and "fused_optimizer" not in out["zerofx"]:
-                out["zerofx"]["fused_optimizer"] = True
+            keys["zerofx.compile"] = "inductor"
+            if base.optimizer.type in FUSABLE_OPTIMIZERS and not base.fused_optimizer_is_explicit:
+                keys["zerofx.fused_optimizer"] = True
     if "batch" not in fixed:
-        out.update(train_batch_size=global_batch, train_micro_batch_size_per_gpu=c.micro_batch, gradient_accumulation_steps=c.accumulation)
-    if "zerofx" in out and not out["zerofx"]:
-        out.pop("zerofx")
-    return out
+        keys |= {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": c.micro_batch,
+                 "gradient_accumulation_steps": c.accumulation}
+    return base.with_keys(keys, drop=drop)
 
 
-def with_auto_tiling(config: dict[str, Any], activation_budget_bytes: int) -> dict[str, Any]:
-    out = copy.deepcopy(config)
-    _merge(out, "zerofx", {"tiling": {"enabled": "auto", "budget": max(int(activation_budget_bytes), 0)}})
-    return out
-
+def with_auto_tiling(config: ZeroConfig, activation_budget_bytes: float) -> ZeroConfig:
+    """``config`` with tiling ``"auto"`` fitted to ``activation_budget_bytes``."""
+    return config.with_keys({"zerofx.tiling": {"enabled": "auto", "budget": max(int(activation_budget_bytes), 0)}})
 
 
 def resize_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> InputsAt:

@@ -578,15 +578,14 @@ def auto_config(model: nn.Module, cfg: ZeroConfig, example_args: tuple[Any, ...]
     With nothing fitting the budget every rank raises ``ConfigError`` saying what would fit."""
     group = group if group is not None else dist.group.WORLD
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    raw = dict(cfg.raw)
     if stage is not None:  # stage= fixes the stage, as the config's would
-        raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": stage}
+        cfg = cfg.with_keys({"zero_optimization.stage": stage})
     message: list[Any] = [None]
     failed: ZeroFXError | None = None
     if rank == 0:
         try:
             message = [rank_agreement.search_on_rank_0(lambda: _search_on_rank_zero(  # NOTE [Rank 0 searches in a child]
-                model, raw, example_args, example_kwargs, world_size=world_size, n=n, loss_fn=loss_fn))]
+                model, cfg, example_args, example_kwargs, world_size=world_size, n=n, loss_fn=loss_fn))]
         except ZeroFXError as exc:  # every rank fails alike, rather than the others waiting in the broadcast
             failed, message = exc, [f"the search failed on rank 0: {exc}"]
     dist.broadcast_object_list(message, src=dist.get_global_rank(group, 0), group=group)
@@ -597,17 +596,18 @@ def auto_config(model: nn.Module, cfg: ZeroConfig, example_args: tuple[Any, ...]
     return parse_config(dict(message[0]), stage=stage, world_size=world_size)
 
 
-def _search_on_rank_zero(model: nn.Module, raw: Mapping[str, Any], example_args: tuple[Any, ...],
+def _search_on_rank_zero(model: nn.Module, cfg: ZeroConfig, example_args: tuple[Any, ...],
                          example_kwargs: Mapping[str, Any] | None, *, world_size: int | None, n: int,
                          loss_fn: LossFn | None) -> Mapping[str, Any] | str:
-    """The chosen config, or the search's line saying that nothing fits; prints the line once."""
-    cfg = parse_config(raw, world_size=world_size if world_size is not None else n)
+    """The chosen config as JSON data (what rank 0 sends the others), or the search's line saying
+    that nothing fits; prints the line once."""
+    cfg = parse_config(cfg, world_size=world_size if world_size is not None else n)
     assert cfg.auto is not None and cfg.schedule.memory_budget_bytes is not None  # parse_config requires the budget
     kwargs = dict(example_kwargs or {})
     batch, seq_len = example_shape(example_args, kwargs)
     fixed = cfg.auto.fixed | {"sequence_parallel", "batch"}
     space = search_space(cfg, replace(cfg.auto, fixed=fixed), world_size=n, seq_len=seq_len, batch=batch)
-    result = autoplan_search(model, resize_inputs(example_args, kwargs), raw, world_size=n, seq_len=seq_len, batch=batch,
+    result = autoplan_search(model, resize_inputs(example_args, kwargs), cfg, world_size=n, seq_len=seq_len, batch=batch,
                              budget_bytes=cfg.schedule.memory_budget_bytes, space=space, fixed=fixed, loss_fn=loss_fn,
                              progress=lambda line: print(f"zerofx auto: {line}", file=sys.stderr, flush=True))
     print(result.summary(), flush=True)
