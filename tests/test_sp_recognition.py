@@ -289,7 +289,8 @@ def check(results: list[dict], case: tuple, world_size: int) -> None:
     (and the loss's and the rank's two); per FFT convolution three all-to-alls."""
     size, attention = workers.layout(case, world_size)
     expected = workers.reference(case[0], STEPS, world_size // size)
-    layers = {"llama_eager": 2, "gpt2": 2, "spelled": len(workers.ATTENTION_SPELLINGS), **dict.fromkeys(workers.PADDED, 2)}.get(case[0], 1)
+    layers = {"llama_eager": 2, "gpt2": 2, "spelled": len(workers.ATTENTION_SPELLINGS), **dict.fromkeys(workers.PADDED, 2),
+              **dict.fromkeys(workers.HF_CORPUS, 2)}.get(case[0], 1)
     for rank, by_case in enumerate(results):
         res = by_case[case]
         diff = max((res["state"][k].double() - v.double()).abs().max().item() for k, v in expected["state"].items())
@@ -322,12 +323,14 @@ def test_parity_models_as_written_sequence_2() -> None:
     (stage 3), in ortho norms (stage 0), with its filter cut to T (stage 3) and with an unsqueezed
     spectrum (stage 0) by the long-conv mixer's channel all-to-alls; and a rotary model that
     caches its tables on itself during ``forward`` (NOTE [Module state across a trace]) by
-    Ulysses at stage 3."""
+    Ulysses at stage 3; and Hugging Face GPT-J (rotary tables repeated and stacked along the head
+    dim) by Ulysses at stage 0 and MPT (ALiBi per head, the scores cast before the softmax, a
+    boolean causal mask filled with the dtype's lowest value) by ring at stage 3."""
     cases = [("llama_eager", 3, "ring"), ("written", 0, "ring"), ("gpt2", 3, "ulysses"), ("encoder_causal", 3, "ring"),
              ("encoder", 0, "ulysses"), ("flat_rows", 3, "ring"), ("bert", 0, "ulysses"), ("esm_absolute", 3, "ring"),
              ("spelled", 0, "ring"), ("spelled", 3, "ulysses"), ("mha_weights", 3, "ring"), ("fft_reference", 3, "ulysses"),
              ("fft_ortho", 0, "ulysses"), ("fft_long_filter", 3, "ulysses"), ("fft_unsqueeze", 0, "ulysses"),
-             ("cached_rotary", 3, "ulysses")]
+             ("cached_rotary", 3, "ulysses"), ("gptj", 0, "ulysses"), ("mpt", 3, "ring")]
     results = run_ranks(2, workers.train, cases, STEPS)
     for case in cases:
         check(results, case, 2)

@@ -140,6 +140,9 @@ def _step(node: fx.Node, cur: fx.Node) -> bool:
         v = _val(other)
         return (cur in args[:2] and other is not cur and len(args) == 2 and not node.kwargs and v is not None
                 and v.is_floating_point())
+    if pk in (aten.to, aten._to_copy):  # a cast of the scores (``.float()`` before the softmax): SDPA's own precision
+        v = _val(node)
+        return args[0] is cur and v is not None and v.is_floating_point()
     if pk is aten.masked_fill:
         return args[0] is cur and _bool(args[1]) and _fill(args[2])
     if pk is aten.where and len(args) == 3:
@@ -173,10 +176,10 @@ class WrittenAttention:
 def written_attention(scores: fx.Node) -> WrittenAttention | None:
     """The attention whose scores ``scores`` computes, or None where it is not one."""
     pk = op_packet(scores)
-    if pk is aten.baddbmm:
-        if (len(scores.args) != 3 or any(scores.kwargs.get(w, 1) != 1 for w in ("beta", "alpha"))
-                or not isinstance(scores.args[0], fx.Node) or not (v := _val(scores.args[0])) is not None
-                or not v.is_floating_point()):
+    if pk is aten.baddbmm:  # beta · mask + alpha · (q @ kᵀ)
+        if (len(scores.args) != 3 or not all(_number(scores.kwargs.get(w, 1)) for w in ("beta", "alpha"))
+                or scores.kwargs.get("alpha", 1) == 0 or not isinstance(scores.args[0], fx.Node)
+                or (v := _val(scores.args[0])) is None or not v.is_floating_point()):
             return None
         q, kt = scores.args[1:]
     elif pk in _PRODUCTS:
@@ -206,7 +209,8 @@ def written_attention(scores: fx.Node) -> WrittenAttention | None:
     out = _live_user(cur)
     if out is None or op_packet(out) not in _PRODUCTS or out.args[0] is not cur or _rank(out.args[1]) != rank or _rank(out) != rank:
         return None
-    return WrittenAttention(scores, rank, q, k, fq * fk, (*q_scalars, *k_scalars), tuple(steps), sm, tuple(post), out)
+    alpha = float(scores.kwargs.get("alpha", 1)) if pk is aten.baddbmm else 1.0
+    return WrittenAttention(scores, rank, q, k, fq * fk * alpha, (*q_scalars, *k_scalars), tuple(steps), sm, tuple(post), out)
 
 
 def _call(graph: fx.Graph, target: object, *args: object, **kwargs: object) -> fx.Node:
@@ -232,10 +236,15 @@ def _call(graph: fx.Graph, target: object, *args: object, **kwargs: object) -> f
 def _mask(graph: fx.Graph, w: WrittenAttention) -> tuple[float, fx.Node | None]:
     """The steps as ``scores · c + mask``: (c, the mask's node, new, or None). A scale after the
     mask scales the mask too; a fill where a boolean mask says sets the mask there."""
-    factor, mask = w.factor, w.scores.args[0] if op_packet(w.scores) is aten.baddbmm else None
+    factor, mask = w.factor, None
+    if op_packet(w.scores) is aten.baddbmm:
+        mask, beta = w.scores.args[0], w.scores.kwargs.get("beta", 1)
+        mask = mask if beta == 1 else _call(graph, aten.mul.Tensor, mask, beta)
     dtype = _val(w.scores).dtype
     for node in w.steps:
         pk, args = op_packet(node), node.args
+        if pk in (aten.to, aten._to_copy):
+            continue  # the scores in q's dtype, as SDPA computes them
         if pk in (aten.mul, aten.div):
             factor = factor * args[1] if pk is aten.mul else factor / args[1]
             mask = None if mask is None else _call(graph, node.target, mask, args[1])

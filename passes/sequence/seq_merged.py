@@ -90,10 +90,13 @@ def merged_tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], outer: d
         return s_out
     elif pk is aten.repeat_interleave and isinstance(args[1] if len(args) > 1 else None, int):  # each row k times in a row
         dim = args[2] if len(args) > 2 else node.kwargs.get("dim")
-        if s is None or dim is None or dim % _val(x).dim() != s:
+        if s is None or dim is None:
             return None
-        outer[node] = outer.get(x, 1)  # o · T · (f · k): the k copies are inside each position (a token per routed expert)
-        return s
+        if dim % _val(x).dim() != s:
+            s = rule(node, sd, t)  # along another dim: each position's values repeated (GPT-J's rotary tables)
+        else:
+            outer[node] = outer.get(x, 1)  # o · T · (f · k): the k copies are inside each position (a token per routed expert)
+            return s
     elif pk is aten.unflatten:  # a split of another dimension (the features into heads)
         if s is None:
             return None

@@ -230,6 +230,11 @@ def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int
         sds = {sd.get(a) for a in pieces}
         s = sds.pop() if len(sds) == 1 else None
         return s if s is not None and d != s else None
+    if pk is aten.stack and isinstance(out, torch.Tensor):  # along a new dim: the pieces' axis moves past it or stays
+        d = _norm(args[1] if len(args) > 1 else node.kwargs.get("dim", 0), out.dim())
+        sds = {sd.get(a) for a in args[0]}
+        s = sds.pop() if len(sds) == 1 else None
+        return None if s is None else s + (d <= s)
     if pk is aten.outer:  # (len(a), len(b)): the axis of whichever vector carries it (rotary angles)
         sa, sb = sd.get(args[0]), sd.get(args[1])
         return 0 if sa == 0 and sb is None else 1 if sb == 0 and sa is None else None
@@ -282,6 +287,8 @@ def _tokenwise_sdim(node: fx.Node, sd: dict[fx.Node, int | None], t: int) -> int
     if pk in (aten.chunk, aten.split, aten.split_with_sizes, aten.tensor_split):  # pieces along another dim keep the axis
         d = _norm(args[2] if len(args) > 2 else node.kwargs.get("dim", 0), rank)
         return None if d == s else s
+    if pk is aten.repeat_interleave and len(args) > 2 and isinstance(args[2], int):  # along another dim (GPT-J's rotary tables)
+        return None if _norm(args[2], rank) == s else s
     if pk is aten.topk:  # the k largest along another dim (a router's experts per token): values and indices keep the axis
         d = _norm(args[2] if len(args) > 2 else node.kwargs.get("dim", -1), rank)
         return None if d == s else s

@@ -230,6 +230,41 @@ class FFTConvLM(torch.nn.Module):
         return F.cross_entropy(self.head(self.out_proj(y.transpose(1, 2))).reshape(-1, VOCAB), labels.reshape(-1))
 
 
+_LAYERS = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 32, "intermediate_size": 64,
+           "max_position_embeddings": 2 * SEQ}
+_NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+# More Hugging Face architectures, each as its config builds it (its default attention), 2 layers
+# of 4 heads and no dropout: (model class, config class, config keywords). The coverage matrix
+# (benchmarks/coverage_matrix.py) plans each; the parity test trains those it names.
+HF_CORPUS: dict[str, tuple[str, str, dict]] = {
+    "mistral": ("MistralForCausalLM", "MistralConfig", {**_LAYERS, "num_key_value_heads": 2}),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {**_LAYERS, "num_key_value_heads": 2}),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", {**_LAYERS, "num_key_value_heads": 1, "head_dim": 8}),
+    "phi": ("PhiForCausalLM", "PhiConfig", {**_LAYERS, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config", {**_LAYERS, "num_key_value_heads": 2, "residual_dropout": 0.0,
+                                                                "embedding_dropout": 0.0}),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(_LAYERS)),
+    "gptj": ("GPTJForCausalLM", "GPTJConfig", {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 2 * SEQ, "rotary_dim": 4,
+                                               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    "bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 2 * SEQ,
+                                                              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    "mpt": ("MptForCausalLM", "MptConfig", {"d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 2 * SEQ}),
+    "bloom": ("BloomForCausalLM", "BloomConfig", {"hidden_size": 32, "n_layer": 2, "n_head": 4, "hidden_dropout": 0.0,
+                                                  "attention_dropout": 0.0}),
+    "falcon": ("FalconForCausalLM", "FalconConfig", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                     "hidden_dropout": 0.0, "attention_dropout": 0.0}),
+    "opt": ("OPTForCausalLM", "OPTConfig", {"hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                            "max_position_embeddings": 2 * SEQ, "dropout": 0.0, "attention_dropout": 0.0,
+                                            "word_embed_proj_dim": 32}),
+    "roberta": ("RobertaForMaskedLM", "RobertaConfig", {**_LAYERS, **_NO_DROPOUT, "pad_token_id": 1}),
+    "distilbert": ("DistilBertForMaskedLM", "DistilBertConfig", {"dim": 32, "hidden_dim": 64, "n_layers": 2, "n_heads": 4,
+                                                                 "max_position_embeddings": 2 * SEQ, "dropout": 0.0,
+                                                                 "attention_dropout": 0.0}),
+    "electra": ("ElectraForMaskedLM", "ElectraConfig", {**_LAYERS, **_NO_DROPOUT, "embedding_size": 32}),
+    "modernbert": ("ModernBertForMaskedLM", "ModernBertConfig", {**_LAYERS, "pad_token_id": 0}),
+}
+
+
 def model(kind: str) -> torch.nn.Module:
     """Small random-weight models: Hugging Face Llama in eager attention (grouped-query, rotary,
     its causal mask added to the scores), the hand-written attention above, Hugging Face GPT-2
@@ -239,9 +274,15 @@ def model(kind: str) -> torch.nn.Module:
     buffers, DNABERT's shape) and ESM (positions by a cumsum over the padding, Nucleotide
     Transformer v1's shape), the FFT convolution above in HyenaDNA's spelling, in ortho norms,
     with a filter cut to T and with an unsqueezed spectrum, the attention spellings above,
-    ``nn.MultiheadAttention`` returning its weights, and the rotary model above that caches its
-    tables on itself."""
+    ``nn.MultiheadAttention`` returning its weights, the rotary model above that caches its
+    tables on itself, and the architectures of ``HF_CORPUS``."""
     torch.manual_seed(0)
+    if kind in HF_CORPUS:
+        import transformers
+
+        model_class, config_class, keywords = HF_CORPUS[kind]
+        tokens = {"bos_token_id": 0, "eos_token_id": 0, "cls_token_id": 0, "sep_token_id": 0}  # within the small vocabulary
+        return getattr(transformers, model_class)(getattr(transformers, config_class)(vocab_size=VOCAB, **tokens, **keywords))
     if kind.startswith("spelled"):  # "spelled": every spelling, a layer each; "spelled_<spelling>": one
         return SpelledAttentionLM(ATTENTION_SPELLINGS if kind == "spelled" else (kind.removeprefix("spelled_"),))
     if kind.startswith("fft_"):
