@@ -21,8 +21,10 @@ sequence-parallel mixers shard by Ulysses or ring, so each is first canonicalize
 and replaced:
 
 - scalars move to one factor on the scores: a multiply or divide by a Python number on q or k
-  before the product (``(q · c) @ kᵀ``) or on the scores, before or after the mask. A scale after
-  the mask scales the mask too: ``(s + m) · c = s · c + m · c``.
+  before the product (``(q · c) @ kᵀ``), on the scores, before or after the mask, and
+  ``baddbmm``'s alpha (its beta scales its mask). A scale after the mask scales the mask too:
+  ``(s + m) · c = s · c + m · c``. A cast of the scores before the softmax (``.float()``) is
+  dropped: SDPA computes the scores in q's dtype.
 - masks become one additive float mask: masks added one after another are summed; a boolean
   mask filled into the scores (``masked_fill(b, v)``, ``where(b, s, v)``, v a number or a 0-d
   tensor) becomes ``masked_fill(zeros_like(b), b, v)`` (or that mask so filled). With v = -inf
