@@ -41,6 +41,30 @@ def test_nothing_outside_the_config_layer_reads_the_raw_config() -> None:
     assert not offenders, "\n".join(offenders)
 
 
+# The config's top-level sections: a string literal of one used as a key into a dict (a subscript,
+# or .get/.setdefault/.pop with a default) is a read or an edit of a config dict.
+SECTIONS = frozenset({"zerofx", "zero_optimization", "scheduler", "fp16", "bf16", "train_batch_size",
+                      "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"})
+
+
+def test_nothing_outside_the_config_layer_edits_a_config_dict() -> None:
+    """No library module outside ``zerofx/config/`` keys into a config section: the CLI's flags
+    and the auto-plan's candidates vary options through ``parse_config(keys=)`` and
+    ``ZeroConfig.with_keys``, and a checkpoint's record is read by ``recorded_sequence_parallel_size``."""
+    offenders = []
+    for path in _library_files():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            key = None
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                key = node.slice.value
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "setdefault", "pop")
+                  and len(node.args) == 2 and isinstance(node.args[0], ast.Constant)):
+                key = node.args[0].value
+            if isinstance(key, str) and key in SECTIONS:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {key!r}")
+    assert not offenders, "\n".join(offenders)
+
+
 def test_a_parsed_config_is_reconciled_not_parsed_again(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = parse_config({"zero_optimization": {"stage": 2}, "zerofx": {"offload_gradients": {"device": "cpu"}}})
     sp = parse_config({"zerofx": {"sequence_parallel": {"size": 4}}})

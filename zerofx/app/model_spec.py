@@ -24,20 +24,20 @@ import torch.nn as nn
 from zerofx import cost_models, passes
 from zerofx.common.errors import UsageError, ZeroFXError
 from zerofx.common.limits import check_positive
-from zerofx.config import load_config
+from zerofx.config import ZeroConfig
 from zerofx.models.registry import build_model
 from zerofx.models.sizes import model_config
 from zerofx.planner.solve import ModelSpec
 
 
-def load_model(model: str, *, batch_size: int | None, seq_len: int | None, config: Path | None) -> ModelSpec:
+def load_model(model: str, *, batch_size: int | None, seq_len: int | None, config: ZeroConfig | None) -> ModelSpec:
     """A bundled model size (built on the meta device) or a FILE.py:CALLABLE / MODULE:CALLABLE spec.
     A bundled model's example batch has ``batch_size`` sequences, else the config's micro-batch
     (so that a config ``zerofx plan --auto`` printed plans as it was chosen), else 1."""
     if ":" in model:
         return load_model_spec(model)
     if batch_size is None:
-        batch_size = 1 if config is None else load_config(config).get("train_micro_batch_size_per_gpu", 1)
+        batch_size = (config.train_micro_batch_size_per_gpu if config is not None else None) or 1
     built, ids = _meta_example(model, batch_size, seq_len)
     return ModelSpec(built, (ids,), {"labels": ids}, model)
 

@@ -79,7 +79,7 @@ class TrainOptions:
 
     model: str = "tiny"  # a bundled model size (zerofx.models.MODEL_SIZES), or a model spec FILE.py:CALLABLE / MODULE:CALLABLE
     fasta: Path | None = None  # None: the bundled lambda phage genome
-    world_size: int = 2
+    world_size: int | None = 2  # None: the config's (zerofx.world_size or its batch sizes), else 2
     stage: int | None = None  # None: the config's stage, else DEFAULT_TRAIN_STAGE
     config: Path | None = None
     steps: int = 20
@@ -210,6 +210,8 @@ def check_train_options(opts: TrainOptions) -> TrainOptions:
         raise UsageError(f"--lr {opts.lr} is invalid; accepted: a finite number >= 0")
     # NOTE [Options are parsed once] (zerofx/config/__init__.py): the run's one parse; the ranks get the result.
     opts = replace(opts, engine_config=_parse_run_config(opts))
+    if opts.world_size is None:  # the config may state it (a sequence-parallel example needs its 4 ranks)
+        opts = replace(opts, world_size=opts.engine_config.config_world_size or 2)
     for name, value in (("--world-size", opts.world_size), ("--steps", opts.steps)):
         check_positive(name, value)
     if opts.batch_size is not None:

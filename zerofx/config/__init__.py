@@ -541,6 +541,13 @@ def edited_config(raw: Mapping[str, Any], keys: Mapping[str, Any], drop: Iterabl
     return out
 
 
+def recorded_sequence_parallel_size(record: Mapping[str, Any]) -> int:
+    """The sequence-parallel size of a config as a checkpoint recorded it (``ZeroConfig.raw``),
+    read as written: a record is history, and an older one need not validate today."""
+    section = record.get("zerofx", {}).get("sequence_parallel") or {}
+    return int(section.get("size", 1))
+
+
 def _check_agreement(stage: int | None, cfg_stage: int | None, world_size: int | None, cfg_world: int | None) -> None:
     """A stage or world size given as an argument against the one the config states."""
     if stage is not None and cfg_stage is not None and stage != cfg_stage:

@@ -54,6 +54,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
 from zerofx.common.errors import ZeroFXError
+from zerofx.config import recorded_sequence_parallel_size
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: no save id, no checksums
@@ -158,8 +159,7 @@ def saved_layout(meta: Mapping[str, Any]) -> dict[str, int]:
     layout = meta.get("layout")
     if isinstance(layout, Mapping):
         return dict(layout)
-    section = (meta.get("config") or {}).get("zerofx", {}).get("sequence_parallel") or {}
-    world, size = meta["world_size"], section.get("size", 1)
+    world, size = meta["world_size"], recorded_sequence_parallel_size(meta.get("config") or {})
     return {"world_size": world, "sequence_parallel_size": size, "data_parallel_size": world // size,
             "shard_group_size": num_shards(meta)}
 

@@ -64,13 +64,16 @@ def run(args: argparse.Namespace) -> int:
         from zerofx.compiler.program import plan_program, resolve
         from zerofx.config.compile_options import compile_options
 
+        from zerofx.config import parse_config
+
+        config = parse_config(args.config)  # once (NOTE [Options are parsed once]); each stage below reconciles it
         freeze_imports(args)
-        spec = load_model(args.model, batch_size=None, seq_len=None, config=args.config)
+        spec = load_model(args.model, batch_size=None, seq_len=None, config=config)
         # Capture does not depend on the stage, only planning does: one capture serves every stage.
         with running_model_code(spec.label):
             captured = zerofx.capture_step(spec.model, spec.args, spec.kwargs)
         for s in stages:
-            cfg = resolve(args.config, stage=s, world_size=args.world_size)
+            cfg = resolve(config, stage=s, world_size=args.world_size)
             program = plan_program(captured, cfg, compile_options(cfg, args.world_size))
             report = program.report(0)
             activations[s] = report.peak.live_bytes - report.persistent_bytes

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +21,7 @@ from zerofx.app.commands.common import (
     int_arg,
     load_profile_arg,
 )
-from zerofx.app.commands.plan_auto import config_asks_auto, plan_auto
+from zerofx.app.commands.plan_auto import plan_auto
 from zerofx.app.commands.plan_output import DEFAULT_PROFILE
 from zerofx.common.errors import UsageError
 from zerofx.common.limits import AUTO_FOLD_MIN_BLOCKS, MAX_WORLD_SIZE, check_positive, check_stage
@@ -30,6 +29,7 @@ from zerofx.common.units import format_bytes, parse_bytes
 from zerofx.models.sizes import model_config
 
 if TYPE_CHECKING:
+    from zerofx.config import ZeroConfig
     from zerofx.planner.folding import RepeatedBlocks
     from zerofx.planner.solve import ModelSpec
 
@@ -106,17 +106,26 @@ def run(args: argparse.Namespace) -> int:
     """Print the ZeRO plan, the communication schedule, memory per rank and a summary."""
     if ":" not in args.model:
         model_config(args.model)
+    from zerofx.config import parse_config
+
+    # NOTE [Options are parsed once] (zerofx/config/__init__.py): --config is parsed here, once;
+    # from here on args.config is the ZeroConfig, and the flags that override its keys derive
+    # options from it in the config layer (ZeroConfig.with_keys).
+    args.config = parse_config(args.config)
     # The times are for the hardware the plan is sized for: a config's zerofx.profile sizes its
     # buckets, prefetch and recompute, so without --profile it prices them too.
-    args.profile = args.profile or _config_profile(args.config) or DEFAULT_PROFILE
+    profile_flag = args.profile
+    if profile_flag is not None:
+        load_profile_arg(profile_flag)  # a bad --profile is named as the flag's, not as a config key
+    args.profile = profile_flag or (args.config.profile if args.config.profile_is_explicit else None) or DEFAULT_PROFILE
     if args.sweep is not None:
         return _plan_sweep(args)
     if args.world_size is not None:
         check_positive("--world-size", args.world_size)
     check_stage(args.stage)
-    if args.world_size is None and args.config is None:
+    if args.world_size is None and args.config.config_world_size is None:
         raise UsageError("--world-size is required (or give --config with zerofx.world_size or batch sizes)")
-    if args.auto or config_asks_auto(args.config):
+    if args.auto or args.config.auto is not None:
         return plan_auto(args)
     if args.time_limit is not None:
         raise UsageError("--time-limit bounds the search of --auto; add --auto (with --budget), or leave it out")
@@ -124,10 +133,10 @@ def run(args: argparse.Namespace) -> int:
     user_config = args.config
     _check_margin_has_budget(args.margin, budget)
     if budget is not None:  # the planner fits the prefetch distance to it (zerofx.memory_budget)
-        args.config = _with_memory_budget(args.config, budget, args.margin)
-        budget = _planned_budget(args.config)  # the verdict, --solve and folding fit what the planner fits
-    if args.profile != DEFAULT_PROFILE:  # the plan's buckets and prefetch are sized for it (zerofx.profile)
-        args.config = _with_zerofx_key(args.config, "profile", args.profile)
+        # The verdict, --solve and folding fit what the planner fits.
+        args.config, budget = _with_memory_budget(args.config, budget, args.margin)
+    if profile_flag not in (None, DEFAULT_PROFILE):  # the plan's buckets and prefetch are sized for it (zerofx.profile)
+        args.config = args.config.with_keys({"zerofx.profile": args.profile})
     if args.solve is not None and budget is None:
         raise UsageError(f"--solve {args.solve} needs --budget, the memory per rank to fit in (e.g. 80GiB)")
     if args.plot is not None:
@@ -144,44 +153,18 @@ def run(args: argparse.Namespace) -> int:
         return _plan_spec(args, spec, budget, user_config, comm, device)
 
 
-def _config_profile(config: Path | None) -> str | None:
-    """The config file's ``zerofx.profile``, or None."""
-    if config is None:
-        return None
-    from zerofx.config import load_config
-
-    profile = load_config(config).get("zerofx", {}).get("profile")
-    return str(profile) if profile else None
-
-
-def _with_zerofx_key(config: Path | Mapping[str, Any] | None, key: str, value: Any) -> dict[str, Any]:
-    from zerofx.config import load_config
-
-    raw = dict(load_config(config)) if config is not None else {}
-    raw["zerofx"] = {**raw.get("zerofx", {}), key: value}
-    return raw
-
-
 def _check_margin_has_budget(margin: float | None, budget: float | None) -> None:
     if margin is not None and budget is None:
         raise UsageError(f"--margin {margin} needs --budget: it is the share of the budget held back for the memory model's error")
 
 
-def _planned_budget(config: Mapping[str, Any]) -> float:
-    """The budget the planners fit: ``zerofx.memory_budget`` less ``zerofx.memory_margin`` (NOTE [The memory margin])."""
-    from zerofx.config.options import planned_budget_bytes
-
-    budget = planned_budget_bytes(config.get("zerofx", {}))
-    assert budget is not None
-    return budget
-
-
-def _with_memory_budget(config: Path | Mapping[str, Any] | None, budget_bytes: float, margin: float | None = None) -> dict[str, Any]:
-    from zerofx.config import load_config
-
-    raw = dict(load_config(config)) if config is not None else {}
-    raw["zerofx"] = {**raw.get("zerofx", {}), "memory_budget": budget_bytes, **({"memory_margin": margin} if margin is not None else {})}
-    return raw
+def _with_memory_budget(config: ZeroConfig, budget_bytes: float, margin: float | None) -> tuple[ZeroConfig, float]:
+    """``config`` with --budget (and --margin) as its ``zerofx.memory_budget`` (and margin), and the
+    budget the planners fit: the budget less the margin (NOTE [The memory margin])."""
+    keys = {"zerofx.memory_budget": budget_bytes, **({"zerofx.memory_margin": margin} if margin is not None else {})}
+    planned = config.with_keys(keys)
+    assert planned.schedule.memory_budget_bytes is not None
+    return planned, planned.schedule.memory_budget_bytes
 
 
 def _plan_sweep(args: argparse.Namespace) -> int:
@@ -201,8 +184,7 @@ def _plan_sweep(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.budget) if args.budget is not None else None
     _check_margin_has_budget(args.margin, budget)
     if budget is not None:
-        args.config = _with_memory_budget(args.config, budget, args.margin)
-        budget = _planned_budget(args.config)
+        args.config, budget = _with_memory_budget(args.config, budget, args.margin)
     if args.plot is not None:
         check_output_file("--plot", args.plot)
     from zerofx.app.model_spec import load_model, running_model_code
@@ -213,7 +195,7 @@ def _plan_sweep(args: argparse.Namespace) -> int:
     from zerofx.compiler.program import resolve
     from zerofx.planner.sweep import format_sweep, plot_sweep, sweep_world_sizes
 
-    stage = 3 if args.stage is None and args.config is None else args.stage
+    stage = 3 if args.stage is None and args.config.config_stage is None else args.stage
     cfg = resolve(args.config, stage=stage, world_size=sizes[0])
     with running_model_code(spec.label):
         sweep = sweep_world_sizes(spec.model, spec.args, spec.kwargs, label=spec.label, cfg=cfg, world_sizes=sizes, comm=comm,
@@ -229,14 +211,13 @@ def _plan_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, user_config: Path | None, comm: Any,
+def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, user_config: ZeroConfig, comm: Any,
                device: Any) -> int:
     """``zerofx plan`` once the arguments are checked and the model is loaded: capture, plan, print."""
     import zerofx
     from zerofx.app.commands.plan_output import plot_report, plot_title, rank_runtime_bytes, report_json, shapes, step_note
     from zerofx.app.estimate import format_plan_tiers, plan_tier_bytes
     from zerofx.compiler.program import resolve
-    from zerofx.config import load_config
     from zerofx.cost_models.memory import estimate_process_peak_bytes
     from zerofx.passes.analysis.analyze_schedule import format_report
     from zerofx.planner.folded_plan import blocks_to_fold
@@ -245,7 +226,7 @@ def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, 
 
     # NOTE [Budgets of the cut models] (zerofx/planner/autoplan.py): recompute "auto" recomputes
     # until the whole model's peak fits the budget, which the cut models are planned without.
-    recompute_auto = args.config is not None and load_config(args.config).get("zerofx", {}).get("recompute") == "auto"
+    recompute_auto = args.config.schedule.recompute == "auto"
     blocks, note = blocks_to_fold(spec.model, args.fold, label=spec.label, recompute_auto=recompute_auto)
     if note is not None:
         print(note, file=sys.stderr)
@@ -322,7 +303,6 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     """``zerofx plan`` from captures of the model cut to 2 and 3 blocks (``zerofx.planner.folded_plan``), printed."""
     from zerofx.app.commands.plan_output import folded_explanation, rank_runtime_bytes, shapes, step_note
     from zerofx.compiler.program import resolve
-    from zerofx.config import load_config
     from zerofx.cost_models.memory import estimate_process_peak_bytes
     from zerofx.planner.folded_plan import plan_model_folded
     from zerofx.planner.folding import folded_json, format_folded
@@ -332,14 +312,14 @@ def _plan_folded(args: argparse.Namespace, spec: ModelSpec, blocks: RepeatedBloc
     planned = plan_model_folded(spec.model, spec.args, spec.kwargs, blocks, world_size=args.world_size, stage=args.stage,
                                 config=args.config, rank=args.rank, comm=comm, device=device, budget_bytes=budget)
     folded, sample, decisions = planned.folded, planned.program, planned.decisions
-    config = dict(load_config(args.config)) if args.config is not None else {}
-    micro_batches = resolve(args.config, stage=args.stage, world_size=args.world_size).gradient_accumulation_steps
+    cfg = resolve(args.config, stage=args.stage, world_size=args.world_size)
+    micro_batches = cfg.gradient_accumulation_steps
     if args.format == "json":
         plan_json = json.loads(sample.plan.to_json())
         plan_json["decisions"] = [*plan_json.get("decisions", []), *decisions]
         data = folded_json(folded, plan_json, budget, micro_batches=micro_batches)
         data["memory"]["process_peak_bytes"] = estimate_process_peak_bytes(
-            folded.peak_bytes, rank_runtime_bytes(device, resolve(config, stage=args.stage, world_size=args.world_size)))
+            folded.peak_bytes, rank_runtime_bytes(device, cfg))
         print(json.dumps(data, indent=1, default=list))
         return 0
     num_params = sum(p.numel() for p in spec.model.parameters())

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from zerofx.app.commands.common import freeze_imports, load_profile_arg
@@ -16,42 +15,30 @@ from zerofx.common.errors import UsageError
 from zerofx.common.units import format_bytes, format_seconds, parse_bytes
 
 
-def config_asks_auto(config: Path | None) -> bool:
-    """Whether the config file sets ``zerofx.auto``: then ``zerofx plan`` runs the search, as
-    ``initialize`` would."""
-    if config is None:
-        return False
-    from zerofx.config import load_config
-
-    return bool(load_config(config).get("zerofx", {}).get("auto", False))
-
-
 def plan_auto(args: argparse.Namespace) -> int:
     """``zerofx plan MODEL --auto --budget B``: the search over the whole job's configuration
     (``zerofx.planner.autoplan``), formatted."""
-    from zerofx.config import load_config
-    from zerofx.config.options import planned_budget_bytes
-
-    raw = dict(load_config(args.config)) if args.config is not None else {}
-    in_config = raw.get("zerofx", {}).get("memory_budget")
-    if args.budget is None and in_config is None:
+    cfg = args.config  # the ZeroConfig ``zerofx plan`` parsed (NOTE [Options are parsed once])
+    if args.budget is None and cfg.schedule.memory_budget_bytes is None:
         raise UsageError("--auto needs --budget, the memory per rank the chosen configuration must fit (e.g. 2GiB): the search "
                          "keeps the candidates whose predicted peak fits it (or zerofx.memory_budget in --config)")
     if args.solve is not None or args.plot is not None:
         raise UsageError("--auto searches configurations and draws nothing: leave out --solve and --plot")
-    given = parse_bytes(args.budget if args.budget is not None else in_config)
-    own = {**raw.get("zerofx", {}), "auto": True, "memory_budget": int(given) if float(given).is_integer() else given}
+    keys: dict[str, Any] = {"zerofx.auto": True}
+    if args.budget is not None:
+        given = parse_bytes(args.budget)
+        keys["zerofx.memory_budget"] = int(given) if float(given).is_integer() else given
     if args.margin is not None:
-        own["memory_margin"] = args.margin
-    budget = planned_budget_bytes(own)  # NOTE [The memory margin]
+        keys["zerofx.memory_margin"] = args.margin
     if args.profile != DEFAULT_PROFILE:
-        own["profile"] = args.profile
-    raw["zerofx"] = own
+        keys["zerofx.profile"] = args.profile
     if args.stage is not None:  # --stage fixes the stage, as the config's would
-        given = raw.get("zero_optimization", {}).get("stage")
-        if given is not None and given != args.stage:
-            raise UsageError(f"--stage {args.stage} disagrees with the config's zero_optimization.stage={given}; give one or make them equal")
-        raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": args.stage}
+        if cfg.config_stage is not None and cfg.config_stage != args.stage:
+            raise UsageError(f"--stage {args.stage} disagrees with the config's zero_optimization.stage={cfg.config_stage}; "
+                             "give one or make them equal")
+        keys["zero_optimization.stage"] = args.stage
+    cfg = cfg.with_keys(keys)
+    budget = cfg.schedule.memory_budget_bytes  # less the margin (NOTE [The memory margin])
     from zerofx.app.model_spec import load_model, running_model_code
     from zerofx.planner.autoplan import search_config
 
@@ -59,7 +46,7 @@ def plan_auto(args: argparse.Namespace) -> int:
     load_profile_arg(args.profile)
     spec = load_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, config=args.config)
     with running_model_code(spec.label):
-        result = search_config(spec.model, spec.args, spec.kwargs, raw, world_size=args.world_size, budget_bytes=budget, fold=args.fold,
+        result = search_config(spec.model, spec.args, spec.kwargs, cfg, world_size=args.world_size, budget_bytes=budget, fold=args.fold,
                                time_limit_s=args.time_limit,
                                progress=lambda line: print(f"zerofx plan --auto: {line}", file=sys.stderr, flush=True))
     if args.format == "json":

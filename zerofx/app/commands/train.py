@@ -89,14 +89,9 @@ def run(args: argparse.Namespace) -> int:
     from zerofx.app.training import Objective, TrainOptions, train
 
     freeze_imports(args)  # under torchrun this process is a rank (NOTE [Freezing the imports])
-    world_size = args.world_size
-    if world_size is None:  # the config may state it (a sequence-parallel example needs its 4 ranks)
-        from zerofx.config import parse_config
-
-        world_size = (parse_config(args.config).world_size if args.config is not None else None) or 2
     train(
         TrainOptions(
-            model=args.model, fasta=args.fasta, world_size=world_size, stage=args.stage, config=args.config,
+            model=args.model, fasta=args.fasta, world_size=args.world_size, stage=args.stage, config=args.config,
             steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
             print_graph=args.print_graph, print_graph_code=args.print_graph_code, output_dir=args.output_dir, save_every=args.save_every,
             keep_last=args.keep_last, collective_timeout_s=args.collective_timeout_s, schedule_steps=args.schedule_steps,
