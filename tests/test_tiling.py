@@ -158,10 +158,26 @@ def test_softmax_attention_with_padding_mask() -> None:
     model, ids, mask = softmax_lm(), tokens(vocab=7), padding_mask()
     kwargs = {"attention_mask": mask, "labels": ids}
     cap, graphs = assert_parity(model, (ids,), kwargs)
-    assert [op.what for op in cap.tiling.ops if op.kind == "attention"] == ["softmax attention masked"] * 2
+    # Written out, folded into SDPA before tiling plans (NOTE [Attention written out is SDPA]).
+    assert [op.what for op in cap.tiling.ops if op.kind == "attention"] == ["sdpa attention masked"] * 2
     assert square_tensors(graphs) == []
     _, _, _, untiled = run_partitioned(model, (ids,), kwargs, OFF)
     assert square_tensors(untiled), "the untiled graphs hold the (B, H, T, T) scores; the check above can fail"
+
+
+@pytest.mark.parametrize("kind,layers", [("spelled", 4), ("written", 1)])
+def test_written_out_attention_tiles_without_sequence_parallelism(kind: str, layers: int) -> None:
+    """Each spelling sequence parallelism folds into SDPA (a boolean mask filled with -inf or the
+    dtype's lowest value, a scale after the mask, 3-d bmm over (B·H, T, d); ALiBi per head) is
+    tiled as attention with no sequence parallelism, and the tiled step matches eager."""
+    from tests.support import sp_recognition_workers as rec
+
+    ids, labels = rec.batches(1)
+    blocks = TilingOptions(enabled=True, block_size=4, attention_block_size=4)
+    cap, (fw, bw) = assert_parity(rec.model(kind), (ids[0],), {"labels": labels[0]}, blocks)
+    assert [op.kind for op in cap.tiling.ops].count("attention") == layers
+    assert count(fw, zf.blocked_attention.default) == layers and count(bw, zf.blocked_attention_backward.default) == layers
+    assert not [n for gm in (fw, bw) for n in gm.graph.nodes if n.op == "call_function" and "softmax" in str(n.target)]
 
 
 def test_llama_sdpa() -> None:

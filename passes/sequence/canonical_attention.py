@@ -2,8 +2,8 @@
 
 Expects the pre-autograd ATen forward that ``make_fx(..., pre_dispatch=True)`` records
 (``aten.matmul`` and ``aten.softmax`` still whole), with ``meta['val']`` on every node. Runs
-before ``plan_sequence_parallel`` (zerofx/compiler/pipeline.py) and returns a new GraphModule, so the sequence-parallel
-analysis, its attention mixer and the rewrite see one form of attention. Postconditions: each
+before ``plan_sequence_parallel`` and ``plan_tiling`` (zerofx/compiler/pipeline.py) and returns a new GraphModule, so the
+sequence-parallel analysis, its attention mixer, the rewrite and tiling see one form of attention. Postconditions: each
 written-out attention is first rewritten into the one form ``softmax(matmul(q, kᵀ) · c + mask) @ v``
 over 4-d q, k and v; each one SDPA can replace is one ``aten.scaled_dot_product_attention.default``
 node with that scale and additive mask (a 3-d mask unsqueezed to 4-d), ``meta['val']`` of the

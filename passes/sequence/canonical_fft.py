@@ -1,8 +1,9 @@
 """Rewrite: an FFT convolution's normalizations and scalars fold into one factor after it.
 
 Expects the pre-autograd ATen forward that ``make_fx(..., pre_dispatch=True)`` records, with
-``meta['val']`` on every node. Runs before ``plan_sequence_parallel`` (zerofx/compiler/pipeline.py)
-and returns a new GraphModule, so the long-conv mixer (passes/sequence/mixer_conv.py) sees one form.
+``meta['val']`` on every node. Runs before ``plan_sequence_parallel`` and ``plan_tiling``
+(zerofx/compiler/pipeline.py) and returns a new GraphModule, so the long-conv mixer
+(passes/sequence/mixer_conv.py) and tiling's conv spans see one form.
 Postcondition: each ``fft_irfft(P, n)`` whose input ``P`` is the product of two ``fft_rfft``
 (through scalar multiplies and divides and unsqueezes that keep the FFT's axis last) reads
 ``rfft(u, n) * rfft(h, n)`` with every ``norm`` unset and no scalar between, each unsqueeze

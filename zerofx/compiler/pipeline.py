@@ -11,9 +11,10 @@ through ``run_passes`` (the same, per pass, plus a lint of the graph it returns 
     capture        the step recorded before autograd (make_fx,          -
                    pre-dispatch: linear, SDPA, cross_entropy whole)
     pre_autograd   canonicalize_attention_pass,                         SequenceParallelPlan, TilingPlan
-                   canonicalize_fft_conv_pass, plan_sequence_parallel,
-                   then sequence_parallel_pass;
-                   plan_tiling, then tile_forward_pass
+                   canonicalize_fft_conv_pass (both planners read
+                   their forward), plan_sequence_parallel, then
+                   sequence_parallel_pass; plan_tiling, then
+                   tile_forward_pass
     autograd       AOTAutograd's joint graph of the rewritten forward   -
     plan           plan_step: shard group size, prefetch from the       (makes the Plan)
                    profile, plan_sharding (the SP, tiling and offload
@@ -142,9 +143,13 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[tuple[str, Pass]], *, disabl
 
 # ----------------------------------------------------------------------------- the pass lists
 def canonical_passes() -> list[tuple[str, Pass]]:
-    """Pre-autograd, before the sequence-parallel planner: one form for each computation it
-    recognizes (NOTE [Attention written out is SDPA] in passes/sequence/canonical_attention.py, NOTE [FFT
-    convolutions up to scaling] in passes/sequence/canonical_fft.py)."""
+    """Pre-autograd, first, with sequence parallelism or tiling: one form for each computation the
+    sequence-parallel planner and tiling's planner recognize (NOTE [Attention written out is SDPA]
+    in passes/sequence/canonical_attention.py, NOTE [FFT convolutions up to scaling] in
+    passes/sequence/canonical_fft.py). Both planners read the canonical forward, so a model
+    whose attention is written out is sharded and tiled alike (``zerofx plan --solve seq_len``
+    answers for what tiling applies to), and a tiled step runs its attention as one SDPA even
+    where nothing is tiled."""
     return [("canonicalize_attention_pass", canonicalize_attention_pass), ("canonicalize_fft_conv_pass", canonicalize_fft_conv_pass)]
 
 
@@ -232,8 +237,9 @@ class StepCapture:
         return self._record
 
     def sequence_forward(self) -> tuple[fx.GraphModule, SequenceParallelPlan | None]:
-        """Stage capture and the first rewrite of pre_autograd: the recorded forward, rewritten
-        for sequence parallelism when asked, and its plan; made once. Autograd derives the
+        """Stage capture and the first rewrites of pre_autograd: the recorded forward in its
+        canonical forms (``canonical_passes``), rewritten for sequence parallelism when asked, and
+        its plan; made once. Autograd derives the
         backward of the rewritten forward, the exchanges included.
 
         NOTE [Tiling a sequence-parallel forward]
@@ -252,10 +258,11 @@ class StepCapture:
         sequence parallelism (in bf16 and fp16 it is per-token losses summed in fp32, left whole).
         """
         if self._forward is None:
-            forward = self.forward_record()
+            # One form of each computation for both planners (canonical_passes).
+            forward = run_stage("pre_autograd", run_passes, self.forward_record(), canonical_passes(), disabled=self.disabled,
+                                done=("capture",))
             sp_plan = None
             if self.sequence_parallel is not None:
-                forward = run_stage("pre_autograd", run_passes, forward, canonical_passes(), disabled=self.disabled, done=("capture",))
                 try:
                     sp_plan = plan_sequence_parallel(forward, self.sequence_parallel)
                 except SequenceParallelError as exc:
