@@ -92,19 +92,23 @@ def ring_exchange_s(dims: AttentionDims, size: int, spec: CommSpec) -> float:
 # --------------------------------------------------------------------------- convolutions and cumsum
 @dataclass(frozen=True)
 class HaloDims:
-    """One short causal convolution over the whole sequence: signal (B, C, T), K taps per channel."""
+    """One causal convolution over the whole sequence: signal (B, C, T), K taps per channel;
+    ``slice_len`` T/S positions a rank (None: K - 1 within it)."""
 
     batch: int
     channels: int
     kernel: int
     itemsize: int
+    slice_len: int | None = None
 
 
 def halo_input_bytes(dims: HaloDims, size: int) -> float:
     """One rank's all-to-all input: its last K - 1 positions, one copy for every rank of the
     group (the rank's place in it is not a graph constant, so every rank gets the tail and the
-    right neighbour keeps it)."""
-    return size * dims.batch * dims.channels * (dims.kernel - 1) * dims.itemsize
+    right neighbour keeps it); its whole slice where K - 1 is longer (NOTE [A halo longer than a
+    rank's slice] in passes/sequence/mixer_conv.py)."""
+    width = dims.kernel - 1 if dims.slice_len is None else min(dims.kernel - 1, dims.slice_len)
+    return size * dims.batch * dims.channels * width * dims.itemsize
 
 
 def halo_exchange_bytes(dims: HaloDims, size: int) -> float:

@@ -36,8 +36,9 @@ def all_to_alls(program: zerofx.Program) -> dict[str, int]:
 # per Ulysses attention. Backward: the gradient of each that carries one (not the first two).
 # hyena-tiny: 2 layers of a short conv and an FFT conv; striped-tiny (SDH*): 3 short convs of the
 # streams, the SE and MR filters' direct convs, one FFT conv (H), one attention.
-# The Conv1d + cumsum model: one short conv, and the cumsum's totals count as one more.
-EXPECTED = {"hyena": (2, 2, 0), "striped": (5, 1, 1), "convsum": (2, 0, 0)}
+# The Conv1d + cumsum model: one short conv, and the cumsum's totals count as one more. The long
+# direct convs: two halos, each gathering every rank's slice.
+EXPECTED = {"hyena": (2, 2, 0), "striped": (5, 1, 1), "convsum": (2, 0, 0), "longconv": (2, 0, 0)}
 
 
 @pytest.mark.parametrize("kind", ["hyena", "striped"])
@@ -81,7 +82,6 @@ class _Conv(torch.nn.Module):
     (torch.nn.Conv1d(8, 8, 3, padding=2, stride=2, groups=8), False, ["stride 2 and dilation 1"]),
     (torch.nn.Conv1d(8, 8, 3, padding=2, groups=2), True, ["groups=2 for 8 channels", "depthwise"]),
     (torch.nn.Conv1d(8, 8, 3, padding=1, groups=8), False, ["is not causal", "padding=2 sliced to the first 64"]),
-    (torch.nn.Conv1d(8, 8, 40, padding=39, groups=8), True, ["40 taps", "halo of 39 positions is longer than a rank's slice of 32"]),
 ])
 def test_convolutions_that_are_not_short_causal_depthwise_are_refused(conv: torch.nn.Conv1d, cut: bool, words: list[str]) -> None:
     with pytest.raises(CaptureError) as err:
@@ -90,6 +90,20 @@ def test_convolutions_that_are_not_short_causal_depthwise_are_refused(conv: torc
     assert "aten.conv1d in module 'conv'" in text, text
     for word in words:
         assert word in text, text
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_halo_longer_than_the_slice_gathers_every_slice(size: int) -> None:
+    """Filters of 64 and 40 taps over 64 / S positions a rank: each conv's one all-to-all (and its
+    gradient's) carries every rank's whole slice, S copies, not its last K - 1 positions."""
+    program = compile_sp(workers.model("longconv"), size)
+    assert all_to_alls(program) == {"forward": 4, "backward": 2}
+    b, c, local = workers.BATCH, 8, workers.SEQ // size
+    sent = sum(halo_exchange_bytes(HaloDims(b, c, k, 4, slice_len=local), size) for k in (64, 40))
+    assert sent == 2 * 2 * (size - 1) / size * size * b * c * local * 4  # (S-1)/S of S whole slices, each way
+    decision = next(d for d in program.plan.decisions if d.startswith("sequence parallelism ("))
+    assert f"2 of them reach past the left neighbour (K-1 > {local} positions a rank)" in decision, decision
+    assert format_bytes(sent) in decision, decision
 
 
 def test_fft_conv_refuses_a_size_that_does_not_divide_the_channels() -> None:
@@ -146,8 +160,9 @@ def test_parity_sequence_2() -> None:
     """World 2, one group of 2: hyena-tiny at stage 0 with each rank's slice tiled (the mixers'
     outputs marked as the sequence again, NOTE [Tiling a sequence-parallel forward]),
     striped-tiny with causal ring attention striped in at stage 3, and the Conv1d + cumsum model
-    at stage 3."""
-    cases = [("hyena", 0, 2, "ulysses", "tiled"), ("striped", 3, 2, "ring"), ("convsum", 3, 2, "ulysses")]
+    at stage 3, and the long direct convs (halos past the left neighbour) at stage 0."""
+    cases = [("hyena", 0, 2, "ulysses", "tiled"), ("striped", 3, 2, "ring"), ("convsum", 3, 2, "ulysses"),
+             ("longconv", 0, 2, "ulysses")]
     results = run_ranks(2, workers.train, cases, STEPS)
     for case in cases:
         check(results, case, 2)
@@ -156,8 +171,10 @@ def test_parity_sequence_2() -> None:
 @pytest.mark.multiprocess
 def test_parity_sequence_4_and_data_2_x_sequence_2() -> None:
     """World 4: one group of 4 on striped-tiny with Ulysses attention at stage 0 (16 positions a
-    rank: the MR filter's halo of 15 fits), and 2 data groups of 2 on hyena-tiny at stage 3."""
-    cases = [("striped", 0, 4, "ulysses"), ("hyena", 3, 2, "ulysses")]
+    rank: the MR filter's halo of 15 fits), 2 data groups of 2 on hyena-tiny at stage 3, and the
+    long direct convs over one group of 4 at stage 3 (16 positions a rank: the 64-tap filter reads
+    every earlier rank)."""
+    cases = [("striped", 0, 4, "ulysses"), ("hyena", 3, 2, "ulysses"), ("longconv", 3, 4, "ulysses")]
     results = run_ranks(4, workers.train, cases, STEPS)
     for case in cases:
         check(results, case, 4)

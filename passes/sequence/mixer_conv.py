@@ -21,9 +21,11 @@ The rank's index is not a graph constant: it is ``positions[0] // (T/S)`` of ``c
   (zeros on rank 0, by indexing a zero-padded buffer with r). The pad's rewrite returns
   ``cat(halo, u)``; the conv then runs unpadded on T/S + K - 1 positions and gives the rank's T/S
   outputs; the padded form runs with padding 0, so the slice to T after it is the whole-slice case.
-  Autograd through the all-to-all sends the halo's gradient back to its owner. Refused: stride or
-  dilation other than 1, groups other than the channels (depthwise), K - 1 > T/S (the halo would
-  reach past the neighbour), any padding but K - 1 zeros on the left. A 1-tap conv with stride 1
+  Autograd through the all-to-all sends the halo's gradient back to its owner. With K - 1 > T/S
+  (a long filter written as a direct conv1d) the halo reaches past the neighbour, and every
+  rank's whole slice goes to every rank instead (NOTE [A halo longer than a rank's slice]).
+  Refused: stride or dilation other than 1, groups other than the channels (depthwise), any
+  padding but K - 1 zeros on the left. A 1-tap conv with stride 1
   and no padding (``is_pointwise_conv1d`` in passes/sequence/seq_regions.py) reads each position alone:
   it is token-wise, not this mixer's, and runs on the rank's slice with nothing exchanged.
 - Long conv (``long_conv``, ``"channels"``): ``irfft(rfft(u, n=2T) * rfft(h, n=2T), n=2T)[..., :T]``
@@ -100,14 +102,43 @@ def from_all(x: torch.Tensor, ctx: MixerRewrite) -> torch.Tensor:
 
 def with_halo(x: torch.Tensor, width: int, ctx: MixerRewrite, dim: int = -1) -> torch.Tensor:
     """``x`` (…, T/S, …), sequence at ``dim``, with the ``width`` positions before it: (…, width + T/S, …),
-    zeros before the sequence."""
+    zeros before the sequence. A halo longer than the slice gathers the sequence (NOTE [A halo
+    longer than a rank's slice])."""
+    local = x.shape[dim]
     if width == 0:
         return x
-    tail = x.narrow(dim, x.shape[dim] - width, width).contiguous()
+    if width > local:
+        return torch.cat([_gathered_halo(x, width, ctx, dim % x.dim()), x], dim=dim)
+    tail = x.narrow(dim, local - width, width).contiguous()
     got = from_all(tail, ctx)  # (S, …, width, …): chunk j is rank j's tail
     padded = torch.cat([torch.zeros_like(got[:1]), got])  # index r: rank r - 1's tail; index 0: zeros
     halo = padded.index_select(0, rank_index(x, ctx, dim)).squeeze(0)
     return torch.cat([halo, x], dim=dim)
+
+
+def _gathered_halo(x: torch.Tensor, width: int, ctx: MixerRewrite, dim: int) -> torch.Tensor:
+    """The ``width`` positions before ``x``'s slice, ``width`` > T/S, read from the whole sequence.
+
+    NOTE [A halo longer than a rank's slice]
+    A causal convolution of K taps with K - 1 > T/S (a long filter written as a direct
+    ``conv1d``) reads positions of several earlier ranks, up to every one of them. Every rank's
+    whole slice goes to every rank (the all-to-all of S copies ``from_all`` sends, an
+    all-gather), the slices in rank order are the sequence, and rank r reads global positions
+    r·T/S - width .. r·T/S - 1 of it, zeros before position 0: ``index_select`` at
+    r·T/S + arange(width) of the sequence after ``width`` zeros, r read from the positions as
+    for the short halo (the rank is not a graph constant). This holds the whole sequence of that
+    one activation on every rank, O(T) memory where the short halo holds K - 1 positions, and
+    sends S - 1 slices per rank each way; a multi-hop halo (each rank's last positions forwarded
+    along the ring, ceil((K - 1) / (T/S)) steps) would hold only K - 1, at as many steps in a
+    row. Autograd sends each position's gradient back to its owner through the all-to-all.
+    """
+    local = x.shape[dim]
+    got = from_all(x.contiguous(), ctx)  # (S, …, T/S, …): chunk j is rank j's slice
+    whole = got.movedim(0, dim).flatten(dim, dim + 1)  # (…, T, …): contiguous slices in rank order
+    zeros = torch.zeros_like(whole.narrow(dim, 0, 1)).expand(*whole.shape[:dim], width, *whole.shape[dim + 1:])
+    padded = torch.cat([zeros, whole], dim=dim)  # (…, width + T, …): global position p at p + width
+    start = rank_index(x, ctx, dim) * local  # (1,): r·T/S, the slice's first position
+    return padded.index_select(dim, start + torch.arange(width, device=x.device))  # (…, width, …)
 
 
 # --------------------------------------------------------------------------- short conv: halo
@@ -127,7 +158,7 @@ def _is_causal_pad(node: fx.Node) -> bool:
 class ShortConvSite(HaloDims):
     """One short causal convolution, the halo mixer's site."""
 
-    padded: bool  # conv1d(padding=K-1) sliced to T, not pad then conv1d
+    padded: bool = False  # conv1d(padding=K-1) sliced to T, not pad then conv1d
 
 
 class ShortConvMixer:
@@ -170,10 +201,8 @@ class ShortConvMixer:
             raise SequenceParallelError(f"{where} is not causal: sequence parallelism shards a conv1d after a pad of K-1 = {k - 1} "
                                         f"zeros on the left of the sequence, or one with padding={k - 1} sliced to the first {t} "
                                         "outputs")
-        if k - 1 > t // size:
-            raise SequenceParallelError(f"{where} has {k} taps: its halo of {k - 1} positions is longer than a rank's slice of "
-                                        f"{t // size} (sequence length {t} over sequence_parallel.size={size}); use fewer ranks")
-        return ShortConvSite(batch=xv.shape[0], channels=channels, kernel=k, itemsize=xv.element_size(), padded=padded)
+        return ShortConvSite(batch=xv.shape[0], channels=channels, kernel=k, itemsize=xv.element_size(), padded=padded,
+                             slice_len=t // size)
 
     @staticmethod
     def _left_pad(pad: fx.Node, k: int) -> bool:
@@ -206,8 +235,11 @@ class ShortConvMixer:
     def describe(self, sites: Sequence[ShortConvSite], strategy: str, size: int, seq_len: int) -> str:
         sent = sum(self.exchange_bytes(s, strategy, size) for s in sites)
         taps = sorted({s.kernel for s in sites})
+        long = [s for s in sites if s.kernel - 1 > s.slice_len]
+        gathered = (f"; {len(long)} of them reach past the left neighbour (K-1 > {long[0].slice_len} positions a rank) and "
+                    "gather every rank's slice (the whole sequence of their input on each rank)") if long else ""
         return (f"{len(sites)} short convolution(s) ({'/'.join(map(str, taps))} taps), each a halo all-to-all of the last K-1 "
-                f"positions to the right neighbour and its gradient back: {format_bytes(sent)} per rank per step")
+                f"positions to the right neighbour and its gradient back{gathered}: {format_bytes(sent)} per rank per step")
 
     def zigzag_balances(self, graph: fx.Graph, strategy: str) -> bool:
         return False

@@ -1,6 +1,7 @@
 """What each rank runs in tests/test_sp_conv_mixers.py, and the single-process reference: the
-Hyena models (short convs, FFT long convs, striped attention) and a small model with
-``nn.Conv1d(padding=K-1)`` sliced to T and a cumsum, sequence-parallel against plain PyTorch."""
+Hyena models (short convs, FFT long convs, striped attention), a small model with
+``nn.Conv1d(padding=K-1)`` sliced to T and a cumsum, and one with long convolutions written as
+direct ``conv1d``, sequence-parallel against plain PyTorch."""
 
 from __future__ import annotations
 
@@ -34,10 +35,33 @@ class ConvCumsumLM(torch.nn.Module):
         return F.cross_entropy(self.head(x).reshape(-1, VOCAB), labels.reshape(-1))
 
 
+class LongDirectConvLM(torch.nn.Module):
+    """Long causal depthwise convolutions written as direct ``conv1d``: a filter of T taps per
+    channel (a parameter) after ``pad(u, (T-1, 0))``, then ``nn.Conv1d(padding=K-1)`` of K = 40
+    taps sliced to T. At S = 2 and 4 both reach past the left neighbour's slice."""
+
+    def __init__(self, dim: int = 8, taps: int = 40) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.filter = torch.nn.Parameter(torch.randn(dim, 1, SEQ) / SEQ)  # (C, 1, T)
+        self.conv = torch.nn.Conv1d(dim, dim, kernel_size=taps, padding=taps - 1, groups=dim)
+        self.head = torch.nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        u = self.embed(ids).transpose(1, 2)  # (B, C, T)
+        k = self.filter.shape[-1]
+        y = F.conv1d(F.pad(u, (k - 1, 0)), self.filter, groups=u.shape[1])  # (B, C, T)
+        y = self.conv(torch.tanh(y) + u)[..., :t]  # (B, C, T)
+        return F.cross_entropy(self.head(y.transpose(1, 2)).reshape(-1, VOCAB), labels.reshape(-1))
+
+
 def model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "convsum":
         return ConvCumsumLM()
+    if kind == "longconv":
+        return LongDirectConvLM()
     return init_weights_(build_model({"hyena": "hyena-tiny", "striped": "striped-tiny"}[kind]), seed=0)
 
 
