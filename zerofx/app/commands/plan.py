@@ -29,7 +29,6 @@ from zerofx.common.units import format_bytes, parse_bytes
 from zerofx.models.sizes import model_config
 
 if TYPE_CHECKING:
-    from zerofx.config import ZeroConfig
     from zerofx.planner.folding import RepeatedBlocks
     from zerofx.planner.solve import ModelSpec
 
@@ -108,18 +107,28 @@ def run(args: argparse.Namespace) -> int:
         model_config(args.model)
     from zerofx.config import parse_config
 
-    # NOTE [Options are parsed once] (zerofx/config/__init__.py): --config is parsed here, once;
-    # from here on args.config is the ZeroConfig, and the flags that override its keys derive
-    # options from it in the config layer (ZeroConfig.with_keys).
-    args.config = parse_config(args.config)
-    # The times are for the hardware the plan is sized for: a config's zerofx.profile sizes its
-    # buckets, prefetch and recompute, so without --profile it prices them too.
     profile_flag = args.profile
     if profile_flag is not None:
         load_profile_arg(profile_flag)  # a bad --profile is named as the flag's, not as a config key
+    budget_flag = parse_bytes(args.budget) if args.budget is not None else None
+    config_file = args.config
+    # NOTE [Options are parsed once] (zerofx/config/__init__.py): --config, with the flags that
+    # override its keys (--budget and --margin as zerofx.memory_budget and memory_margin, the
+    # planner fitting the prefetch distance to them; --profile as zerofx.profile, sizing buckets
+    # and prefetch), is parsed here, once; from here on args.config is the ZeroConfig.
+    keys: dict[str, Any] = {}
+    if budget_flag is not None:
+        keys["zerofx.memory_budget"] = budget_flag
+        if args.margin is not None:
+            keys["zerofx.memory_margin"] = args.margin
+    if profile_flag not in (None, DEFAULT_PROFILE):
+        keys["zerofx.profile"] = profile_flag
+    args.config = parse_config(config_file, keys=keys)
+    # The times are for the hardware the plan is sized for: a config's zerofx.profile sizes its
+    # buckets, prefetch and recompute, so without --profile it prices them too.
     args.profile = profile_flag or (args.config.profile if args.config.profile_is_explicit else None) or DEFAULT_PROFILE
     if args.sweep is not None:
-        return _plan_sweep(args)
+        return _plan_sweep(args, budget_flag)
     if args.world_size is not None:
         check_positive("--world-size", args.world_size)
     check_stage(args.stage)
@@ -129,14 +138,11 @@ def run(args: argparse.Namespace) -> int:
         return plan_auto(args)
     if args.time_limit is not None:
         raise UsageError("--time-limit bounds the search of --auto; add --auto (with --budget), or leave it out")
-    budget = parse_bytes(args.budget) if args.budget is not None else None
-    user_config = args.config
-    _check_margin_has_budget(args.margin, budget)
-    if budget is not None:  # the planner fits the prefetch distance to it (zerofx.memory_budget)
-        # The verdict, --solve and folding fit what the planner fits.
-        args.config, budget = _with_memory_budget(args.config, budget, args.margin)
-    if profile_flag not in (None, DEFAULT_PROFILE):  # the plan's buckets and prefetch are sized for it (zerofx.profile)
-        args.config = args.config.with_keys({"zerofx.profile": args.profile})
+    _check_margin_has_budget(args.margin, budget_flag)
+    # The verdict, --solve and folding fit what the planner fits: the budget less the margin.
+    budget = args.config.schedule.memory_budget_bytes if budget_flag is not None else None
+    # --solve samples the config as the file gives it: each sample must plan the same prefetch.
+    user_config = config_file
     if args.solve is not None and budget is None:
         raise UsageError(f"--solve {args.solve} needs --budget, the memory per rank to fit in (e.g. 80GiB)")
     if args.plot is not None:
@@ -158,16 +164,7 @@ def _check_margin_has_budget(margin: float | None, budget: float | None) -> None
         raise UsageError(f"--margin {margin} needs --budget: it is the share of the budget held back for the memory model's error")
 
 
-def _with_memory_budget(config: ZeroConfig, budget_bytes: float, margin: float | None) -> tuple[ZeroConfig, float]:
-    """``config`` with --budget (and --margin) as its ``zerofx.memory_budget`` (and margin), and the
-    budget the planners fit: the budget less the margin (NOTE [The memory margin])."""
-    keys = {"zerofx.memory_budget": budget_bytes, **({"zerofx.memory_margin": margin} if margin is not None else {})}
-    planned = config.with_keys(keys)
-    assert planned.schedule.memory_budget_bytes is not None
-    return planned, planned.schedule.memory_budget_bytes
-
-
-def _plan_sweep(args: argparse.Namespace) -> int:
+def _plan_sweep(args: argparse.Namespace, budget_flag: float | None) -> int:
     """``zerofx plan MODEL --sweep world-size=...``: the chosen and the flat plan at each world
     size, from one capture (``zerofx.planner.sweep``)."""
     from zerofx.planner.sweep import parse_sweep
@@ -181,10 +178,7 @@ def _plan_sweep(args: argparse.Namespace) -> int:
     if args.world_size is not None or args.solve is not None or args.fold == "on":
         raise UsageError("--sweep plans its own world sizes and folds nothing: leave out --world-size, --solve and --fold on")
     check_stage(args.stage)
-    budget = parse_bytes(args.budget) if args.budget is not None else None
-    _check_margin_has_budget(args.margin, budget)
-    if budget is not None:
-        args.config, budget = _with_memory_budget(args.config, budget, args.margin)
+    _check_margin_has_budget(args.margin, budget_flag)
     if args.plot is not None:
         check_output_file("--plot", args.plot)
     from zerofx.app.model_spec import load_model, running_model_code
@@ -211,7 +205,7 @@ def _plan_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, user_config: ZeroConfig, comm: Any,
+def _plan_spec(args: argparse.Namespace, spec: ModelSpec, budget: float | None, user_config: Path | None, comm: Any,
                device: Any) -> int:
     """``zerofx plan`` once the arguments are checked and the model is loaded: capture, plan, print."""
     import zerofx
