@@ -2,7 +2,7 @@
 zerofx captures it, shards it along the sequence, tiles it, and which parity tests train it.
 
     python -m benchmarks.coverage_matrix            # compute every row, print the table
-    python -m benchmarks.coverage_matrix --write    # ... and record it in benchmarks/results/coverage_matrix.json
+    python -m benchmarks.coverage_matrix --write    # ... record it in benchmarks/results/coverage_matrix.json, the docs' table and the README's counts
     python -m benchmarks.coverage_matrix --check    # the docs' table is the recorded one, the recorded one what runs now
 
 NOTE [The coverage matrix]
@@ -16,9 +16,10 @@ tests declare: the ``cases`` (or ``stages``) of every ``test_parity*`` function,
 test files' source, each case's sequence-parallel size and stage, and the world size
 ``run_ranks`` launches (D x S where it holds several data groups); every one of them checks fp32
 SGD within 1e-5 of plain PyTorch after 3 steps. Computing every row takes a minute or more on 2
-cores, so the row list is recorded (``--write``); tests/test_coverage_matrix.py checks the docs'
-table against the recording, the recording's parity column and rows against the test files as
-they are now, and one row computed live against its recording.
+cores, so the row list is recorded (``--write``, which also writes the docs' table and the
+README's sentence counting what shards, ``readme_claim``); tests/test_coverage_matrix.py checks
+the docs' table and the README's counts against the recording, the recording's parity column
+and rows against the test files as they are now, and one row computed live against its recording.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "coverage_matrix.json"
 DOCS = ROOT / "docs" / "sequence-parallel.md"
+README = ROOT / "README.md"
 BEGIN, END = "<!-- coverage matrix: python -m benchmarks.coverage_matrix -->", "<!-- end of coverage matrix -->"
 COLUMNS = ("model as users bring it", "capture", "sequence parallel (S = 2)", "tiling", "parity (fp32 SGD, 1e-5)")
 TILE_BLOCK = 4  # tokens per tiled block: the corpus's sequences are 16 to 64 tokens
@@ -202,6 +204,27 @@ def docs_table() -> str:
     return text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip()
 
 
+def readme_claim(rows: list[list[str]]) -> str:
+    """The README's sentence on which models shard, counted from the matrix's rows."""
+    sharded = [r for r in rows if r[2].startswith("ok")]
+    hf = sum(r[0].startswith("Hugging Face") for r in sharded)
+    parity = sum(r[-1] != "none" for r in sharded)
+    return (f"{len(sharded)} of the {len(rows)} models of the [coverage matrix](docs/sequence-parallel.md#coverage-matrix) "
+            f"shard at S = 2 ({hf} Hugging Face models among them), {parity} with parity runs against plain PyTorch; "
+            f"the {len(rows) - len(sharded)} others are refused naming the op and module.")
+
+
+def _write_docs(rows: list[list[str]]) -> None:
+    """The docs' table and the README's counts from ``rows``."""
+    text = DOCS.read_text()
+    DOCS.write_text(text[:text.index(BEGIN) + len(BEGIN)] + "\n" + render(rows) + "\n" + text[text.index(END):])
+    lines = README.read_text().splitlines(keepends=True)
+    at = [i for i, line in enumerate(lines) if "models of the [coverage matrix]" in line]
+    assert len(at) == 1, "README.md holds no line (or several) with the coverage matrix's counts"
+    lines[at[0]] = "  " + readme_claim(rows) + "\n"
+    README.write_text("".join(lines))
+
+
 def recorded() -> list[list[str]]:
     return json.loads(RESULTS.read_text())["rows"]
 
@@ -216,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if opts.write:
         RESULTS.write_text(json.dumps({"columns": list(COLUMNS), "rows": rows}, indent=1, ensure_ascii=False) + "\n")
-    if opts.check and (rows != recorded() or docs_table() != table):
-        print("the recorded matrix or the docs' table differs from what runs now: rerun with --write and paste the table",
+        _write_docs(rows)
+    if opts.check and (rows != recorded() or docs_table() != table or readme_claim(rows) not in README.read_text()):
+        print("the recorded matrix, the docs' table or the README's counts differ from what runs now: rerun with --write",
               file=sys.stderr)
         return 1
     return 0

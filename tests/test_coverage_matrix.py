@@ -1,7 +1,8 @@
 """The coverage matrix of docs/sequence-parallel.md is what ``python -m benchmarks.coverage_matrix``
 gives (NOTE [The coverage matrix] in benchmarks/coverage_matrix.py): the docs' table is the
-recorded one, the recording names the corpus and the parity runs the test files declare now,
-every parity case of those files is a row, and rows computed now are the recorded ones."""
+recorded one, the README's counts are the recording's, the recording names the corpus and the
+parity runs the test files declare now, every parity case of those files is a row, and rows
+computed now are the recorded ones."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ from benchmarks import coverage_matrix as matrix
 
 def test_the_docs_table_is_the_recorded_matrix() -> None:
     assert matrix.docs_table() == matrix.render(matrix.recorded())
+
+
+def test_the_readme_counts_are_the_recorded_matrix() -> None:
+    """README.md's claim on which models shard is counted from the recording: a model added, or
+    one that starts or stops sharding or gains a parity run, changes it (``--write`` rewrites it)."""
+    claim = matrix.readme_claim(matrix.recorded())
+    assert claim in matrix.README.read_text(), claim
+    rows = [["m", "ok", "ok: attention ring", "", "none"], ["n", "ok", "refused: ...", "", "none"]]
+    assert matrix.readme_claim(rows).startswith("1 of the 2 models") and "0 with parity runs" in matrix.readme_claim(rows)
 
 
 def test_the_recording_names_the_corpus_and_the_parity_the_tests_declare() -> None:
