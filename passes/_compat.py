@@ -6,7 +6,8 @@ these, this is the only file to touch.
 - ``functorch.compile``: AOTAutograd's documented entry points (``aot_function``, the
   partitioners, ``make_boxed_func``); the same machinery a ``torch.compile`` backend built
   with ``aot_autograd`` runs. ``torch._functorch.config``: its documented switches, patched
-  for one call (``cse``, NOTE [Our own CSE instead of the partitioner's] in passes/cse.py).
+  for one call (``cse``, NOTE [Our own CSE instead of the partitioner's] in passes/cse.py;
+  ``check_custom_op_aliasing``, NOTE [Custom ops in a compiled graph's first call]).
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: fake tensors, so planning a 1B-parameter
   model at world size 1024 allocates no parameter memory. ``FakeTensor(mode, meta_tensor,
   device)``, a private constructor, rebuilds a cached graph's fake values (``fake_tensor``).
@@ -223,6 +224,23 @@ def inductor_cache_enabled() -> bool:
 # without a shape environment), is made again as a fake of this mode: nothing is allocated,
 # and the graph Inductor traces, whose code is part of the key, is the same from either (from
 # real tensors its nodes were named otherwise, and a compile from fakes missed for real ones).
+#
+# The key holds every stride, also those of dimensions of size 1, which address nothing: a
+# saved value whose fake is an ``expand`` (stride 0 there) and whose real tensor is contiguous
+# (stride of the next dimension times its size) would key the child's compile from fakes and
+# the rank's own from real tensors differently, and the rank would compile its backward again.
+# Each such stride is keyed as a contiguous tensor's; the compiled code checks no stride of a
+# dimension of size 1 (``assert_size_stride``), and an index into one is always 0.
+def cache_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides with each dimension of size 1 given a contiguous tensor's stride there
+    (NOTE [Inductor's cache needs a shape environment])."""
+    strides = list(t.stride())
+    for dim in reversed(range(t.dim())):
+        if t.shape[dim] == 1:
+            strides[dim] = strides[dim + 1] * max(t.shape[dim + 1], 1) if dim + 1 < t.dim() else 1
+    return tuple(strides)
+
+
 def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[[list[Any]], Any]:
     """``gm`` compiled by TorchInductor for inputs like ``example_inputs``, in its own order
     (NOTE [Inductor keeps the planned order]), as a function of a list of inputs that it empties
@@ -234,22 +252,45 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor
     # A fake mode with a shape environment, so Inductor's cache applies (NOTE [Inductor's cache needs a shape environment]).
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     with fake_mode:  # every input as a fake of this mode, nothing allocated: fakes and real tensors key the cache alike
-        inputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor) else t
+        inputs = [torch.empty_strided(t.shape, cache_strides(t), dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor) else t
                   for t in example_inputs]
     with tracing(TracingContext(fake_mode)):
         compiled = torch._inductor.compile(without_partitioner_tags(gm), inputs, options=dict(INDUCTOR_OPTIONS))
     del inputs
     boxed = _boxed(compiled, gm)
-    if boxed is not None:
-        return boxed
+    if boxed is None:
+        def unboxed(args_list: list[Any]) -> Any:
+            args = tuple(args_list)
+            args_list.clear()
+            return compiled(*args)
 
-    def unboxed(args_list: list[Any]) -> Any:
-        args = tuple(args_list)
-        args_list.clear()
-        return compiled(*args)
+        unboxed.unboxed = True  # type: ignore[attr-defined]
+    return _without_custom_op_check(boxed if boxed is not None else unboxed)
 
-    unboxed.unboxed = True  # type: ignore[attr-defined]
-    return unboxed
+
+# NOTE [Custom ops in a compiled graph's first call]
+# AOTAutograd's runtime wrapper runs the first call of each compiled graph under a
+# TorchDispatchMode that checks every custom op's outputs for aliases of its inputs
+# (``torch._functorch.config.check_custom_op_aliasing``). torch.func's transforms do not run
+# under a dispatch mode ("Cannot access storage of TensorWrapper"), and a custom op's kernel
+# runs below autograd, so a kernel that differentiates with ``torch.func.vjp`` (the selective
+# scan's backward, ``zerofx::selective_scan_backward`` in zerofx/models/scan.py; a user's
+# declared mixer may do the same) fails in the first call of a compiled graph that holds it,
+# while the FX graphs, which AOTAutograd does not wrap, run it. The check is off for the rank
+# graphs' calls: each op a zerofx graph calls returns new tensors (the scan clones its state),
+# and the sequence-parallel parity run under Inductor (tests/test_sp_inductor.py) checks what
+# they compute.
+def _without_custom_op_check(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """``fn`` called with AOTAutograd's custom-op aliasing check off (NOTE [Custom ops in a
+    compiled graph's first call]); ``fn``'s ``unboxed`` mark is kept."""
+    import torch._functorch.config as functorch_config
+
+    def call(args_list: list[Any]) -> Any:
+        with functorch_config.patch(check_custom_op_aliasing=False):
+            return fn(args_list)
+
+    call.unboxed = getattr(fn, "unboxed", False)  # type: ignore[attr-defined]
+    return call
 
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Any = None) -> None:

@@ -116,7 +116,7 @@ def _starts_processes(item: pytest.Item) -> bool:
 # cases first: pytest_configure turns that off.
 LONGEST_FIRST = ("test_autoplan.py", "test_planning.py", "test_tiling.py", "test_capped.py", "test_checkpoint.py",
                  "test_core_parity.py", "test_genomic_models.py", "test_predictions.py", "test_quickstart.py", "test_train_signals.py",
-                 "test_sequence_parallel.py", "test_compile.py", "test_sp_zero_compose.py", "test_sp_conv_mixers.py",
+                 "test_sequence_parallel.py", "test_sp_inductor.py", "test_compile.py", "test_sp_zero_compose.py", "test_sp_conv_mixers.py",
                  "test_tiling_mixers.py", "test_sp_plan_cli.py", "test_offload.py", "test_recompute.py", "test_sp_scan_mixer.py", "test_sp_batch_one.py",
                  "test_sp_recognition.py", "test_genome_data.py", "test_doc_snippets.py", "test_trust.py", "test_sp_custom_ops.py",
                  "test_cost_models.py", "test_engine_faults.py", "test_multinode.py", "test_meta_init.py", "test_bench_smoke.py",

@@ -198,6 +198,31 @@ def test_inductor_is_chosen_where_what_it_keeps_resident_fits(tmp_path: Path) ->
         assert search_space(cfg, cfg.auto, world_size=2, seq_len=512, batch=1).compilers == expected
 
 
+def test_inductor_is_searched_with_sequence_parallelism(tmp_path: Path) -> None:
+    """Inductor compiles sequence-parallel graphs (tests/test_sp_inductor.py), so at sequence
+    parallel size 2 the search prices the compiled candidate beside the eager one and chooses it
+    where it fits, and the config it prints plans."""
+    import dataclasses
+
+    from zerofx.cost_models.comm import CPU_GLOO
+    from zerofx.cost_models.compute import CPU_CORE
+    from zerofx.cost_models.profiles import save_profile
+
+    profile = tmp_path / "profile.json"
+    save_profile(profile, CPU_GLOO, dataclasses.replace(CPU_CORE, cores=2, inductor_bytes=2 * 2**20))
+    model = build_model("tiny", device="meta")
+    ids = torch.zeros(1, 512, dtype=torch.long, device="meta")  # (B, T)
+    result = search(model, resize_inputs((ids,), {"labels": ids}), {"zerofx": {"memory_budget": 1e9, "profile": str(profile)}},
+                    world_size=2, seq_len=512, batch=1, budget_bytes=1e9,
+                    space=replace(COMPILERS, sequence_parallel=(2,), micro_batch=None, accumulation=None))
+    assert {e.candidate.compiler for e in result.ranked} == {"inductor", "none"}
+    chosen = result.chosen
+    assert chosen is not None and (chosen.candidate.sequence_parallel, chosen.candidate.compiler) == (2, "inductor")
+    assert result.config is not None and result.config["zerofx"]["compile"] == "inductor"
+    again = zerofx.compile(model, world_size=2, config=result.config, example_inputs=(ids,), example_kwargs={"labels": ids})
+    assert again.plan.sequence_parallel is not None and again.plan.sequence_parallel.size == 2
+
+
 def test_a_memory_margin_keeps_the_choice_clear_of_the_budget(loose_recompute: AutoPlan) -> None:
     """NOTE [The memory margin]: with ``zerofx.memory_margin`` the search fits the predicted peak
     to the budget less the margin, so a budget the plain plan fits by 5% with a 10% margin needs

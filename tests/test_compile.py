@@ -233,6 +233,19 @@ def test_inductor_compiles_from_its_cache_fakes_and_real_tensors_alike(tmp_path:
     torch.testing.assert_close(out, step(a, b)[0])
 
 
+def test_strides_of_dimensions_of_size_1_key_the_cache_as_a_contiguous_tensors() -> None:
+    """NOTE [Inductor's cache needs a shape environment]: a saved value's fake (an expand: stride 0
+    in its dimension of size 1) and its real tensor (contiguous) key Inductor's cache alike; every
+    other stride is kept."""
+    from zerofx.passes import _compat
+
+    fake_like = torch.empty_strided((2, 1, 32, 4), (128, 0, 4, 1))
+    real = torch.empty(2, 1, 32, 4)
+    assert _compat.cache_strides(fake_like) == _compat.cache_strides(real) == real.stride() == (128, 128, 4, 1)
+    assert _compat.cache_strides(torch.empty(4, 32).t()) == (1, 32)
+    assert _compat.cache_strides(torch.empty_strided((3, 1, 1), (1, 5, 9))) == (1, 1, 1)
+
+
 @pytest.mark.inductor
 def test_a_rank_compiles_its_graphs_from_what_a_child_compiled(tmp_path: Path) -> None:
     """NOTE [Inductor compiles first in a child]: into an empty cache, a rank's forward and backward

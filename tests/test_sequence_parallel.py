@@ -14,6 +14,7 @@ from tests.support import sequence_parallel_workers as workers
 from tests.support.dist_utils import run_ranks
 from tests.support.programs import saved_views_of_inputs_bytes
 from zerofx.common.errors import CaptureError, ConfigError
+from zerofx.config.options import GraphCompiler
 from zerofx.passes.analysis.analyze_schedule import schedule_table
 from zerofx.passes.meta import is_all_to_all
 from zerofx.passes.sequence.mixer_attention import AttentionShape, choose_attention
@@ -180,27 +181,16 @@ def test_config_errors_name_the_key(section: dict, words: list[str]) -> None:
         assert word in str(err.value)
 
 
-@pytest.mark.parametrize("extra, words", [
-    ({"zerofx": {"compile": "inductor"}}, ["'zerofx.compile' got 'inductor'", "no parity run has checked Inductor-compiled",
-                                           'accepted with sequence parallelism: "none"']),
-])
-def test_unsupported_combinations_are_refused_with_the_reason(extra: dict, words: list[str]) -> None:
-    config = {"zero_optimization": {"stage": 3}, **extra}
-    config["zerofx"] = {**config.get("zerofx", {}), "sequence_parallel": {"size": 2}}
-    with pytest.raises(ConfigError) as err:
-        zerofx.compile(workers.model(), world_size=2, config=config)
-    assert "does not compose with" in str(err.value)
-    for word in words:
-        assert word in str(err.value)
-
-
-def test_offload_and_mixed_precision_are_accepted() -> None:
-    """Parsing only: the combinations the parity test trains are not refused."""
+def test_offload_mixed_precision_and_inductor_are_accepted() -> None:
+    """Parsing only: the combinations the parity tests train are not refused (Inductor's parity
+    run: tests/test_sp_inductor.py)."""
     for feature in ("offload", "bf16", "fp16", "shard2"):
         extra = workers.FEATURES[feature]
         config = {**extra, "zero_optimization": {"stage": 3, **extra.get("zero_optimization", {})},
                   "zerofx": {**extra.get("zerofx", {}), "sequence_parallel": {"size": 2}}}
         assert zerofx.parse_config(config, world_size=4).sequence_parallel.size == 2
+    compiled = zerofx.parse_config({"zerofx": {"compile": "inductor", "sequence_parallel": {"size": 2}}}, world_size=2)
+    assert compiled.graph_compiler is GraphCompiler.INDUCTOR and compiled.sequence_parallel.size == 2
 
 
 @pytest.mark.parametrize("model, op, module", [

@@ -596,15 +596,17 @@ def check_shard_group_size(value: int | str | None, *, stage: int | None, world_
 
 
 def check_sequence_parallel(own: Mapping[str, Any], *, world_size: int | None) -> None:
-    """The schema-checked ``zerofx`` section's ``sequence_parallel`` against the world size when
-    known and the features it does not compose with, each refused with the reason. The world
-    size known only at initialize is checked by ``compile_options``. Offload (optimizer,
-    parameters, gradients), bf16, fp16 and shard groups compose: the rewrite acts on the forward
-    before autograd and its exchanges run over the sequence group; offload acts on the optimizer
-    step, the stage-3 fetch of shards and the backward's reduced shards; shard groups only change
-    how gradients are averaged over all ranks; the loss's sum and token count are exchanged in
-    fp32 at least; tiling plans each rank's slice (NOTE [Tiling a sequence-parallel forward] in
-    zerofx/compiler/pipeline.py) (docs/sequence-parallel.md, "What composes with sequence parallelism")."""
+    """The schema-checked ``zerofx`` section's ``sequence_parallel``: its size against the world
+    size when known (the world size known only at initialize is checked by ``compile_options``),
+    and its attention strategy given once or twice alike. Every other feature composes with it:
+    offload (optimizer, parameters, gradients), bf16, fp16, shard groups, tiling and Inductor. The
+    rewrite acts on the forward before autograd and its exchanges run over the sequence group;
+    offload acts on the optimizer step, the stage-3 fetch of shards and the backward's reduced
+    shards; shard groups only change how gradients are averaged over all ranks; the loss's sum and
+    token count are exchanged in fp32 at least; tiling plans each rank's slice (NOTE [Tiling a
+    sequence-parallel forward] in zerofx/compiler/pipeline.py); Inductor compiles the rewritten
+    graphs, functional all-to-alls and custom ops included (docs/sequence-parallel.md, "What
+    composes with sequence parallelism")."""
     section = own.get("sequence_parallel")
     if section is None:
         return
@@ -618,18 +620,6 @@ def check_sequence_parallel(own: Mapping[str, Any], *, world_size: int | None) -
         raise ConfigError(f"config keys 'zerofx.sequence_parallel.attention' ({section['attention']!r}) and "
                           f"'zerofx.sequence_parallel.mixers.attention' ({both!r}) are one setting and disagree; accepted: one of them, "
                           "or both the same")
-    if size == 1:
-        return
-    refused = [  # (key, the value set, whether refused, why, what is accepted with sequence parallelism)
-        ("zerofx.compile", own.get("compile"), own.get("compile", "none") != "none",
-         "Inductor lowers and runs the rewritten forward (its all-to-alls are functional collectives; the ring's "
-         "zerofx::ring_attention is a custom op it calls as an opaque kernel), but no parity run "
-         "has checked Inductor-compiled sequence-parallel graphs against plain PyTorch yet", '"none" (the graphs run eagerly)'),
-    ]
-    for key, value, present, why, accepted in refused:
-        if present:
-            raise ConfigError(f"config key {key!r} got {value!r}, which zerofx.sequence_parallel (size {size}) does not compose "
-                              f"with: {why}; accepted with sequence parallelism: {accepted}")
 
 
 def check_sequence_parallel_size(size: int, *, world_size: int) -> None:

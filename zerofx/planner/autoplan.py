@@ -669,7 +669,7 @@ def space_size(space: SearchSpace, world_size: int, batch: int) -> int:
     for sp in space.sequence_parallel:
         per_group = sum(len(_shard_group_sizes(space, stage, world_size)) for stage in space.stages)
         total += (len(space.tilings) * len(_micro_batches(space, batch * sp)) * per_group * len(space.offloads) * len(space.recomputes)
-                  * len(_compilers(space, sp)))
+                  * len(space.compilers))
     return total
 
 
@@ -840,7 +840,7 @@ def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_
         for micro, accumulation in _micro_batches(space, per_group):
             group = [Candidate(stage, sp, k, offload, tiling, micro, accumulation, recompute, compiler)
                      for stage in space.stages for k in _shard_group_sizes(space, stage, s.world_size) for offload in space.offloads
-                     for recompute in space.recomputes for compiler in _compilers(space, sp)]
+                     for recompute in space.recomputes for compiler in space.compilers]
             try:
                 needless = s.needless_tiling(group[0])
                 if needless:
@@ -867,14 +867,6 @@ def _search_sequence_parallel_size(s: _Search, space: SearchSpace, sp: int, per_
             if lowered and not seen[ops]:
                 break  # a larger micro-batch holds more: none of its candidates would fit
     return None
-
-
-def _compilers(space: SearchSpace, sp: int) -> tuple[str, ...]:
-    """The compilers searched at sequence-parallel size ``sp``: the config refuses Inductor with
-    sequence parallelism (no parity run has checked the two together), so not "inductor" there."""
-    if sp == 1:
-        return space.compilers
-    return tuple(c for c in space.compilers if c != "inductor") or ("none",)
 
 
 def _best_tokens_per_s(results: Sequence[Evaluated]) -> float:
