@@ -161,6 +161,18 @@ def test_sequence_parallelism_adapts_the_models_as_built_and_gives_them_back(kin
         assert net.config._experts_implementation == "grouped_mm"
 
 
+def test_mamba2_at_a_length_of_one_groups_channels_shards_its_scans() -> None:
+    """At T = E/G (64 channels in 2 groups: 32) each group's ``A[:E/G]`` and ``D[:E/G]`` are T
+    long, slices of channels and not of positions (NOTE [Prefix slices read along the sequence]
+    in passes/sequence/seq_regions.py): every scan shards by state passing, as at T = 16."""
+    net = workers.hf_model("mamba2", adapt=False)
+    mixer = net.backbone.layers[0].mixer
+    seq_len = mixer.intermediate_size // mixer.n_groups
+    assert seq_len == 32
+    decisions = "\n".join(_compile_sp(net, seq_len).plan.decisions)
+    assert "4 selective scan(s) by state passing" in decisions, decisions
+
+
 def test_a_capture_that_raises_gives_the_classes_back() -> None:
     """A sequence length S does not divide is refused after the record: the mixers are Hugging Face's again."""
     net = workers.hf_model("mamba", adapt=False)
@@ -225,7 +237,9 @@ EXPECTED = {("mamba", 2, 4): (4, 6), ("mamba", 2, 1): (4, 4), ("mamba2", 2, 4): 
 def test_parity_sequence_2_and_stage_3_without_it() -> None:
     """World 2, SGD, fp32, 3 steps, ignored labels, against Hugging Face's own (unadapted)
     forward in plain PyTorch, within 1e-5: Mamba-1 at stage 0 and Mamba-2 at stage 3 over one
-    sequence group of 2 (T 64, 32 per rank: 4 scan chunks), a padded row in the batch; Mamba-1
+    sequence group of 2 (T 64, 32 per rank: 4 scan chunks), a padded row in the batch; Mamba-2
+    at stage 0 over one sequence group of 2 at T 32, its E/G (each group's ``A[:E/G]`` as long
+    as the sequence, NOTE [Prefix slices read along the sequence]), padded; Mamba-1
     with 1-tap convs (``conv_kernel=1``, token-wise) at stage 2 over one sequence group of 2
     (T 32); Jamba (attention, Mamba and a 2-expert MoE) at stage 3 over one sequence group of 2
     (T 32), padded; and Mamba and Mamba-2 at stage 3 without sequence parallelism over 2 data
@@ -233,8 +247,8 @@ def test_parity_sequence_2_and_stage_3_without_it() -> None:
     ``use_zerofx_scan``): the capture adapts them. Mamba-2
     without sequence parallelism runs unpadded (docs/sequence-parallel.md: its mask is tested by
     value in Hugging Face's ``create_recurrent_attention_mask``, which capture refuses)."""
-    cases = [("mamba", 0, 2, 64, True, 4), ("mamba2", 3, 2, 64, True, 4), ("mamba", 2, 2, 32, True, 1), ("mamba", 3, 1, 32, True, 4),
-             ("mamba2", 3, 1, 32, False, 4), ("jamba", 3, 2, 32, True, 4)]
+    cases = [("mamba", 0, 2, 64, True, 4), ("mamba2", 3, 2, 64, True, 4), ("mamba2", 0, 2, 32, True, 4), ("mamba", 2, 2, 32, True, 1),
+             ("mamba", 3, 1, 32, True, 4), ("mamba2", 3, 1, 32, False, 4), ("jamba", 3, 2, 32, True, 4)]
     results = run_ranks(2, workers.train, cases, STEPS)
     for case in cases:
         kind, _, size, seq_len, masked, taps = case

@@ -85,6 +85,13 @@ class ScanMixer:
         return ScanDims(batch=xv.shape[0], seq_len=an.seq_len, inner_dim=xv.shape[2], state_dim=a.meta["val"].shape[1],
                         state_itemsize=torch.empty((), dtype=scan_dtype(xv)).element_size())
 
+    def whole_args(self, node: fx.Node) -> tuple[fx.Node, ...]:
+        """A, D and the initial state: read per channel, never along the sequence (NOTE [Prefix slices
+        read along the sequence] in passes/sequence/seq_regions.py)."""
+        if not is_selective_scan(node):
+            return ()
+        return tuple(a for a in (node.args[2], node.args[5], node.args[6]) if isinstance(a, fx.Node))
+
     def exchange_bytes(self, site: ScanDims, strategy: str, size: int) -> float:
         return state_passing_exchange_bytes(site, size)
 

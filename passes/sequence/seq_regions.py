@@ -320,15 +320,65 @@ def _source_sdim(node: fx.Node, t: int) -> int | None:
 
 
 def analyze(gm: fx.GraphModule, seq_len: int, mixes: Callable[[fx.Node], bool] | None = None, *,
-            mixer_lengths: bool = False, merged: bool = False) -> SeqAnalysis:
+            mixer_lengths: bool = False, merged: bool = False,
+            whole_args: Callable[[fx.Node], Sequence[fx.Node]] | None = None) -> SeqAnalysis:
     """Sequence dims, token-wise nodes, regions by level, attention and loss matches. ``mixes``:
     the other ops whose output runs along their first argument's sequence axis, as attention's
     does (sequence parallelism's mixers, NOTE [Sequence mixers] in passes/sequence/sequence_mixers.py).
     With ``mixer_lengths`` (tiling), a mixer's node keeps the axis only where its output has
     ``seq_len`` positions there (NOTE [Mixers as tiling barriers]). With ``merged`` (sequence
     parallelism), the axis also runs through views that merge it with other axes (NOTE [The
-    sequence axis merged with the batch] in passes/sequence/seq_merged.py)."""
+    sequence axis merged with the batch] in passes/sequence/seq_merged.py). ``whole_args``: the
+    arguments of a mixer's node that it reads without the sequence (a scan's A, D and initial
+    state); a prefix slice whose axis reaches one of them is no source (NOTE [Prefix slices
+    read along the sequence])."""
+    not_sources: set[fx.Node] = set()
+    while True:
+        res, prefixes = _propagate(gm, seq_len, mixes, mixer_lengths, merged, not_sources)
+        refuted = _prefixes_read_whole(gm, res, prefixes, whole_args) if whole_args is not None else set()
+        if not refuted:
+            break
+        not_sources |= refuted
+    split_regions(gm, res)
+    res.losses = _find_losses(gm)
+    return res
+
+
+# NOTE [Prefix slices read along the sequence]
+# A first-T slice ``slice(table, d, 0, T)`` of a sequence-free value is a source of the axis
+# (rotary tables, a filter of the longest context cut to T) only where its sliced axis is the
+# sequence. A slice of T channels is not: Mamba-2 scans each group of heads apart, with the
+# group's channels ``A[:E/G]`` and ``D[:E/G]``, which at T = E/G are T long. The analysis
+# follows each prefix slice's axis through the token-wise ops it reaches (``origins``: the
+# prefix slices each node's axis comes from); where that axis reaches an argument a mixer reads
+# without the sequence (the scan's A, D and initial state, ``whole_args``) and no other source's
+# axis meets it on the way, the slice is no source, and the analysis runs again without it. The
+# length alone does not decide; the data flow into the mixer does.
+def _prefixes_read_whole(gm: fx.GraphModule, res: SeqAnalysis, prefixes: set[fx.Node],
+                         whole_args: Callable[[fx.Node], Sequence[fx.Node]]) -> set[fx.Node]:
+    """The prefix slices whose axis reaches, alone, an argument a mixer reads without the sequence."""
+    if not prefixes:
+        return set()
+    origins: dict[fx.Node, frozenset[fx.Node] | None] = {}  # None: some other source's axis meets it
+    for node in gm.graph.nodes:
+        if node in prefixes:
+            origins[node] = frozenset((node,))
+        elif node in res.tokenwise:
+            seq_in = [origins.get(a) for a in node.all_input_nodes if res.sdim.get(a) is not None]  # no entry: another source
+            origins[node] = None if not seq_in or any(o is None for o in seq_in) else frozenset().union(*seq_in)
+    refuted: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        for arg in whole_args(node):
+            if isinstance(arg, fx.Node) and res.sdim.get(arg) is not None and origins.get(arg):
+                refuted |= origins[arg]
+    return refuted
+
+
+def _propagate(gm: fx.GraphModule, seq_len: int, mixes: Callable[[fx.Node], bool] | None, mixer_lengths: bool, merged: bool,
+               not_sources: set[fx.Node]) -> tuple[SeqAnalysis, set[fx.Node]]:
+    """Sequence dims, token-wise nodes and levels; the prefix slices taken as sources."""
     res = SeqAnalysis(seq_len=seq_len)
+    prefixes: set[fx.Node] = set()
     sd, tok, dep, level = res.sdim, res.tokenwise, {}, res.level
     res.attention = _find_attention(gm)
     # An attention's output runs along the query's sequence axis, whatever ops compute it.
@@ -364,7 +414,9 @@ def analyze(gm: fx.GraphModule, seq_len: int, mixes: Callable[[fx.Node], bool] |
             elif node.op == "call_function" and node.target is operator.getitem and is_blocked_attention(node.args[0]):
                 sd[node] = sd.get(node.args[0])  # out (B, H, Tq, D) and lse (B, H, Tq): both dim 2
             elif not any(dep.get(a) for a in inputs):
-                sd[node] = _source_sdim(node, seq_len) if not seq_in else None
+                sd[node] = _source_sdim(node, seq_len) if not seq_in and node not in not_sources else None
+                if sd[node] is not None and op_packet(node) is aten.slice:
+                    prefixes.add(node)
             else:
                 sd.setdefault(node, None)
         dep[node] = node in tok or any(dep.get(a) for a in inputs)
@@ -372,9 +424,7 @@ def analyze(gm: fx.GraphModule, seq_len: int, mixes: Callable[[fx.Node], bool] |
             level[node] = max([0] + [level[a] + (0 if a in tok or not dep[a] else 1) for a in inputs])
         else:
             level[node] = max([0] + [level[a] for a in inputs]) if dep[node] else 0
-    split_regions(gm, res)
-    res.losses = _find_losses(gm)
-    return res
+    return res, prefixes
 
 
 def split_regions(gm: fx.GraphModule, res: SeqAnalysis, mixers: set[fx.Node] = frozenset()) -> None:

@@ -114,6 +114,13 @@ def mixer_of(node: fx.Node) -> SequenceMixer | None:
     return next((m for m in all_mixers() if m.matches(node)), None)
 
 
+def whole_args(node: fx.Node) -> tuple[fx.Node, ...]:
+    """The arguments of ``node``'s mixer that it reads without the sequence (a mixer's optional
+    ``whole_args``; NOTE [Prefix slices read along the sequence] in passes/sequence/seq_regions.py)."""
+    read = getattr(mixer_of(node), "whole_args", None)
+    return tuple(read(node)) if read is not None else ()
+
+
 def supported() -> str:
     """What sequence parallelism shards, as its refusals list it: token-wise ops, the mixers' ops, the loss."""
     return ("token-wise ops (elementwise, norms, linear/matmul/addmm with a weight, embedding, views that keep the sequence axis "
@@ -241,7 +248,7 @@ def _analyze(gm: fx.GraphModule, size: int) -> tuple[SeqAnalysis, set[fx.Node], 
     if t % size:
         raise SequenceParallelError(f"sequence length {t} is not divisible by sequence_parallel.size={size}; pad the sequence "
                                     f"to a multiple of {size}")
-    an = analyze(gm, t, mixes=lambda n: mixer_of(n) is not None, merged=True)
+    an = analyze(gm, t, mixes=lambda n: mixer_of(n) is not None, merged=True, whole_args=whole_args)
     # Sharded: token-wise nodes computed from parameters or from other sharded nodes, and attention
     # outputs. Token-wise nodes computed from the inputs and buffers alone (position ids, rotary
     # tables, label casts) stay whole on every rank, cut to the rank's positions where a sharded op reads them.

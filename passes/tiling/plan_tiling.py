@@ -76,7 +76,7 @@ from zerofx.passes import meta
 from zerofx.passes.sequence import seq_regions
 from zerofx.passes.plan.tiling import DEFAULT_BUDGET_BYTES, DEFAULT_WEIGHT_TILE_BYTES, KINDS, SkippedOp, TiledOp, TilingOptions, TilingPlan
 from zerofx.passes.sequence.seq_regions import SeqAnalysis
-from zerofx.passes.sequence.sequence_parallel import mixer_of
+from zerofx.passes.sequence.sequence_parallel import mixer_of, whole_args
 
 log = logging.getLogger("zerofx.tiling")
 
@@ -230,7 +230,7 @@ def _choose(candidates: list[TiledOp], options: TilingOptions, budget: int) -> t
 def analyze_for_tiling(gm: fx.GraphModule, seq_len: int) -> SeqAnalysis:
     """The sequence analysis the planner and the rewrite share: the ops of sequence parallelism's
     mixer registry are barriers that keep the axis (NOTE [Mixers as tiling barriers])."""
-    analysis = seq_regions.analyze(gm, seq_len, mixes=lambda n: mixer_of(n) is not None, mixer_lengths=True)
+    analysis = seq_regions.analyze(gm, seq_len, mixes=lambda n: mixer_of(n) is not None, mixer_lengths=True, whole_args=whole_args)
     analysis.conv_spans = conv_spans(gm, analysis)
     # What only feeds a convolution (a Hyena block's norm and in-projection) is recomputed from
     # the residual stream with it, as attention's inputs are.
