@@ -623,7 +623,7 @@ def test_a_folded_search_pins_one_tiling_for_every_block(monkeypatch: pytest.Mon
 
     with torch.device("meta"):
         model = DNADecoderLM(DNALMConfig(dim=32, num_layers=4, num_heads=4, ffn_dim=88, max_seq_len=1024))
-    ids = torch.zeros(1, 512, dtype=torch.long, device="meta")
+    ids = torch.zeros(1, 128, dtype=torch.long, device="meta")
     fits: list[list[tuple[object, float, float]]] = []
 
     def recorded(rungs, transient_of, budget):
@@ -635,7 +635,7 @@ def test_a_folded_search_pins_one_tiling_for_every_block(monkeypatch: pytest.Mon
     # ``true``'s pin against the whole model's planner: tests/test_planning.py (the CLI's fold).
     for tiling, budget in (("auto", 1e9), ("auto", 1.0)):
         said: list[str] = []
-        s = _Search(model, resize_inputs((ids,), {"labels": ids}), parse_config({"zerofx": {"memory_budget": budget}}), world_size=2, seq_len=512,
+        s = _Search(model, resize_inputs((ids,), {"labels": ids}), parse_config({"zerofx": {"memory_budget": budget}}), world_size=2, seq_len=128,
                     global_batch=2, budget_bytes=budget, fixed=frozenset(), loss_fn=None, fold="on", progress=said.append)
         c = Candidate(3, 1, 2, "none", tiling, 1, 1)
         e = s.evaluate(c)
