@@ -258,11 +258,36 @@ def is_view_op(node: fx.Node) -> bool:
 # weight from memory takes longer than the multiply-adds. The 100m DNA LM at 128 tokens per rank
 # multiplies (128, 768) by (768, 2048): 0.40 GFLOP over 7.7 MB, memory-bound on this project's
 # CPU (106 GFLOP/s, 1.8 GB/s); at 256 tokens the 25m's (256, 512) by (512, 1536) is FLOP-bound.
+# NOTE [A loop is its body, per chunk]
+# A tiled region runs as one loop node over one body subgraph (``map_impl`` in forward, ``scan``
+# in backward; NOTE [One body per tiled region] in passes/tiling/chunk_loop.py). Its time is
+# its body's, each node priced as any other, times the chunks it runs over (the first dim of its
+# mapped inputs); the memory timeline adds the body's peak at the loop node.
+LOOP_TARGETS = (torch.ops.higher_order.map_impl, torch.ops.higher_order.scan)
+
+
+def loop_body(node: fx.Node) -> tuple[fx.GraphModule, int] | None:
+    """A loop node's body and the number of chunks it runs it on; None for any other node (NOTE
+    [A loop is its body, per chunk])."""
+    if node.op != "call_function" or node.target not in LOOP_TARGETS:
+        return None
+    body_node, mapped = node.args[0], node.args[1] if node.target is LOOP_TARGETS[0] else node.args[2]
+    owner = node.graph.owning_module
+    if owner is None or not isinstance(body_node, fx.Node) or not mapped:
+        return None
+    body = getattr(owner, body_node.target)
+    return body, int(mapped[0].meta["val"].shape[0])
+
+
 def estimate_node_s(node: fx.Node, spec: DeviceSpec) -> float:
     """Seconds one node takes: FLOP-bound for matrix products and attention, nothing for views,
-    else memory-bound."""
+    a loop its body's time per chunk, else memory-bound."""
     if node.op != "call_function" or node.target is operator.getitem or is_view_op(node):
         return 0.0
+    loop = loop_body(node)
+    if loop is not None:
+        body, chunks = loop
+        return chunks * sum(estimate_node_s(n, spec) for n in body.graph.nodes)
     produced = value_bytes(node.meta.get("val"))
     moved = produced + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     fresh = (produced * spec.fresh_s_per_byte

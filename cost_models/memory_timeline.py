@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from zerofx.cost_models.compute import value_bytes
+from zerofx.cost_models.compute import loop_body, value_bytes
 
 aten = torch.ops.aten
 _functional = torch.ops._c10d_functional
@@ -143,9 +143,18 @@ def graph_timeline(gm: fx.GraphModule, name: str, *, counted_inputs: Iterable[st
         if n.op == "call_function" and n in size:
             live += size[n]
         live += copies.get(n, 0)
-        points.append(TimelinePoint(name, n.name, live))
+        points.append(TimelinePoint(name, n.name, live + loop_body_bytes(n)))
         live -= frees.get(position[n], 0)
     return points
+
+
+def loop_body_bytes(node: fx.Node) -> int:
+    """What one chunk of a loop node's body holds at its peak beyond its inputs (NOTE [A loop is
+    its body, per chunk] in cost_models/compute.py); 0 for any other node."""
+    loop = loop_body(node)
+    if loop is None:
+        return 0
+    return max((p.live_bytes for p in graph_timeline(loop[0], "body", keep_outputs=True)), default=0)
 
 
 # NOTE [A saved view of an input is that input]

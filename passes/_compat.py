@@ -33,6 +33,12 @@ these, this is the only file to touch.
   written on first use]).
 - ``torch._inductor.compile``: Inductor's documented entry point for an FX graph captured
   without Dynamo ("Compile a given FX graph with TorchInductor"), imported on first use.
+- ``torch.ops.higher_order.map_impl`` and ``torch.ops.higher_order.scan``: the control-flow
+  operators behind ``torch._higher_order_ops.map`` and ``scan`` (prototype features), which hold
+  one body subgraph and run it once per slice of their inputs' first dim. AOTAutograd,
+  functionalization and fake tensors trace through them, the min-cut partitioner moves them,
+  and Inductor lowers both to a ``while_loop`` (NOTE [One body per tiled region] in
+  passes/tiling/chunk_loop.py).
 """
 
 from __future__ import annotations
@@ -130,6 +136,12 @@ COLLECTIVE_TARGETS = (ALL_GATHER, ALL_GATHER_INTO, REDUCE_SCATTER, ALL_REDUCE, A
 CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
+# One body subgraph run per slice of the inputs' first dim: ``map_impl(body, xs, args)`` stacks
+# the body's outputs; ``scan(body, init, xs, args)`` threads a carry through and stacks the rest.
+MAP_LOOP = torch.ops.higher_order.map_impl
+SCAN_LOOP = torch.ops.higher_order.scan
+LOOP_TARGETS = (MAP_LOOP, SCAN_LOOP)
+
 
 # NOTE [Spent partitioner tags]
 # A rank graph is one side of a joint graph the min-cut partitioner has already split, and its
@@ -175,7 +187,17 @@ def without_partitioner_tags(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 # higher (967 against 863 MiB; by hand with ``benchmarks.bench_capped.measure``, 3 interleaved
 # rounds of fresh ranks; which values its schedule keeps longer is not examined). The planned order is what the cost model prices, and what a GPU's caching
 # allocator makes cheap.
-INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False, "reorder_for_locality": False}
+INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False, "reorder_for_locality": False,
+                    "unsafe_marked_cacheable_functions": {f"torch.ops.higher_order.{op.name()}": torch.__version__ for op in LOOP_TARGETS}}
+# NOTE [Loops in Inductor's cache]
+# Inductor's FX graph cache passes over ("bypass") any graph holding a higher-order operator
+# that is not marked cacheable, and ``map_impl`` and ``scan`` are not: a tiled rank graph (NOTE
+# [One body per tiled region] in passes/tiling/chunk_loop.py) would be compiled again by every
+# rank, and the child's compile (NOTE [Inductor compiles first in a child] in
+# zerofx/compiler/program.py) would be lost. The key the cache makes already holds each body:
+# it pickles the graph module with its submodules, whose code is part of it. So both are marked
+# cacheable (``unsafe_marked_cacheable_functions``, keyed by torch's version) for the rank
+# graphs' compiles only, through the options of each call.
 
 
 # NOTE [Inductor's graphs are called boxed]
@@ -357,6 +379,8 @@ def op_address(target: Any) -> tuple[str, str, str | None] | None:
     if isinstance(target, torch._ops.OpOverloadPacket):
         namespace, name = target._qualified_op_name.split("::")
         return (namespace, name, None)
+    if isinstance(target, torch._ops.HigherOrderOperator) and getattr(torch.ops.higher_order, target.name(), None) is target:
+        return ("higher_order", target.name(), None)
     return None
 
 

@@ -99,6 +99,24 @@ def test_a_hit_rebuilds_the_lowered_graphs_with_their_meta(tmp_path: Path, progr
     assert loaded.captured.params == program.captured.params and loaded.captured.input_spec == program.captured.input_spec
 
 
+def test_a_tiled_program_keeps_its_loop_bodies(tmp_path: Path) -> None:
+    """A tiled region is a loop over a body subgraph (NOTE [One body per tiled region]): the entry
+    keeps each body node by node, with the values Inductor and the memory timeline read."""
+    tiling = {"enabled": True, "block_size": 8, "attention_block_size": 8}
+    program = lowered_tiny_lm({**CONFIG, "zerofx": {**CONFIG["zerofx"], "tiling": tiling}})
+    key = _key()
+    _load(tmp_path, key, program)
+    loaded, builds = _load(tmp_path, key, program)
+    assert builds == 0 and loaded.report(0) == program.report(0)
+    cold, warm = program.graph_modules(0), loaded.graph_modules(0)
+    for name in ("forward", "backward"):
+        bodies = {k: m for k, m in cold[name].named_children() if isinstance(m, torch.fx.GraphModule)}
+        assert bodies and sorted(bodies) == sorted(k for k, _ in warm[name].named_children())
+        for k, body in bodies.items():
+            assert getattr(warm[name], k).code == body.code
+            assert all(type(n.meta["val"]).__name__ == "FakeTensor" for n in getattr(warm[name], k).graph.find_nodes(op="placeholder"))
+
+
 def _secret() -> bytes:
     return cache_trust.load_secret(None, CacheTrust.PRIVATE)
 

@@ -19,16 +19,15 @@ tiled; they are functions of ``meta['val']`` only.
 ``DEFAULT_BUDGET_BYTES``); ``true`` tiles every candidate, ``false`` none.
 
 NOTE [Block size from the budget]
-Each chunk of a region costs time (a few more, smaller ops, and a copy of the chunk's nodes in
-every graph: about 10 KB of host memory per node), and a region's tiled estimate falls only with
-the chunk's share of it. So without a configured ``block_size`` the planner tries the sequence in
-2, 4, 8, ... even chunks (at least ``MIN_AUTO_BLOCK`` tokens, at most ``MAX_AUTO_CHUNKS`` chunks)
-and keeps the fewest whose estimate fits the budget; when none fits it keeps the smallest and
-logs that it does not fit. The chunk count is capped because a graph grows by a copy of the
-region per chunk (capture and AOTAutograd's tracing take time in proportion), while what
-chunking saves stops falling once the region's outputs, which stay whole, dominate: at 32
-chunks one chunk's share is 3% of the region's intermediates. A configured ``block_size`` is
-taken as given.
+Each chunk of a region costs time (a few more, smaller ops, each over fewer rows), and a
+region's tiled estimate falls only with the chunk's share of it. The graphs do not grow with the
+chunks: a region is one loop over one body (NOTE [One body per tiled region] in
+``chunk_loop``). So without a configured ``block_size`` the planner tries the sequence in 2, 4,
+8, ... even chunks (at least ``MIN_AUTO_BLOCK`` tokens, at most ``MAX_AUTO_CHUNKS`` chunks) and
+keeps the fewest whose estimate fits the budget; when none fits it keeps the smallest and logs
+that it does not fit. The chunk count is capped because what chunking saves stops falling once
+the region's outputs, which stay whole, dominate: at 32 chunks one chunk's share is 3% of the
+region's intermediates. A configured ``block_size`` is taken as given.
 
 NOTE [Convolutions recomputed in backward]
 The fifth kind is a convolution span (``conv_spans``): a direct conv1d with the causal pad that

@@ -9,22 +9,26 @@ rewritten forward afterwards. Postconditions:
   non-ignored targets for a mean;
 - each planned weight's ``linear`` is one ``zerofx::feature_tiled_linear`` node (NOTE [Feature-tiled
   linear] in ``tiled_kernels``), which stage 3 gathers one tile at a time (``tile_weights``);
-- each planned region runs in chunks of ``block_size`` tokens: its sequence-carrying inputs are
-  split along their sequence dim, the region's nodes are replayed per chunk, and each output is
-  the ``cat`` of its chunks. Every node of the chunked copy carries
-  ``meta['recompute'] = CheckpointPolicy.MUST_RECOMPUTE`` and ``zerofx_tile_region``; so do the
-  ``cat`` outputs of a region that only computes attention inputs (NOTE [Attention inputs are
-  recomputed, not saved] in ``seq_regions``);
+- each planned region runs in chunks of ``block_size`` tokens as a loop over one body subgraph
+  (``chunk_loop``, NOTE [One body per tiled region] in ``chunk_loop``): its sequence-carrying
+  inputs are viewed as stacked chunks, its nodes are written once into the body, and each output
+  is the loop's stacked output laid out whole. The loop and its glue carry ``zerofx_tile_region``;
+  those of a region that only computes attention inputs also carry ``meta['recompute'] =
+  CheckpointPolicy.MUST_RECOMPUTE`` (NOTE [Attention inputs are recomputed, not saved] in
+  ``seq_regions``);
 - each planned convolution span's nodes carry ``meta['recompute'] = MUST_RECOMPUTE`` (NOTE
-  [Convolutions recomputed in backward] in ``plan_tiling``).
+  [Convolutions recomputed in backward] in ``plan_tiling``); an FFT convolution planned in
+  channel chunks is a loop over one body too, tagged the same.
 
 NOTE [Per-chunk recompute through the partitioner]
 AOTAutograd copies a forward node's ``recompute`` tag onto the joint graph's node when it traces
-under ``torch.fx.traceback.preserve_node_meta`` (capture does), so the min-cut partitioner must
-recompute the chunk's intermediates in backward and saves only the region's inputs and outputs.
-Its ``reordering_to_mimic_autograd_engine`` places each recomputed chunk right before that
-chunk's backward, so one chunk of the MLP's 4x-wide activations is alive at a time. This is the
-mechanism ``torch.utils.checkpoint``'s selective policies use under ``torch.compile``.
+under ``torch.fx.traceback.preserve_node_meta`` (capture does), so the min-cut partitioner
+recomputes what is tagged in backward instead of saving it: a convolution span's nodes, and the
+loop of a region of attention inputs or of a channel-chunked convolution, whose outputs are then
+made again just before their backward. A region's own intermediates never reach the
+partitioner: they live in the loop's body, and its backward recomputes one chunk at a time
+(NOTE [One body per tiled region] in ``chunk_loop``). This is the mechanism
+``torch.utils.checkpoint``'s selective policies use under ``torch.compile``.
 
 Meta keys written: ``zerofx_tile_region`` (int, the region's index) and ``zerofx_tiled`` (the
 kind) on inserted nodes. Returns the graph unchanged when the plan tiles nothing. A graph that is
@@ -45,6 +49,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from zerofx.passes import _compat, meta
 from zerofx.passes.sequence import seq_regions
 from zerofx.passes.plan.tiling import TilingPlan
+from zerofx.passes.tiling.chunk_loop import differentiable_nodes, emit_chunk_loop
 from zerofx.passes.tiling.plan_tiling import analyze_for_tiling, channel_chunks_allowed, weight_linears
 from zerofx.common.errors import PlanError
 
@@ -95,7 +100,7 @@ def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphMo
     if channel_chunked:
         _propagate_vals(gm)  # the chunked regions' outputs, which the spans read, have no value yet
     for i, op in channel_chunked.items():
-        _chunk_channels(gm.graph, spans[i], op.block_size)
+        _chunk_channels(gm, spans[i], i, op.block_size)
     gm.graph.eliminate_dead_code()
     _replace_weight_linears(gm.graph)
     _propagate_vals(gm)
@@ -104,9 +109,11 @@ def tile_forward_pass(gm: fx.GraphModule, plan: TilingPlan | None) -> fx.GraphMo
     return gm
 
 
-def _chunk_channels(graph: fx.Graph, span: list[fx.Node], chunks: int) -> None:
-    """``span`` (an FFT convolution) replayed on ``chunks`` slices of its channels, dim -2
-    (NOTE [Long convolutions in channel chunks] in ``plan_tiling``)."""
+def _chunk_channels(gm: fx.GraphModule, span: list[fx.Node], index: int, chunks: int) -> None:
+    """``span`` (an FFT convolution) run as a loop over ``chunks`` slices of its channels, dim -2
+    (NOTE [Long convolutions in channel chunks] in ``plan_tiling``, NOTE [One body per tiled
+    region] in ``chunk_loop``)."""
+    graph = gm.graph
     channels = channel_chunks_allowed(span)
     if channels == 0 or chunks > channels:
         raise PlanError(f"the tiling plan chunks an FFT convolution into {chunks} channel pieces that this graph cannot take "
@@ -116,34 +123,22 @@ def _chunk_channels(graph: fx.Graph, span: list[fx.Node], chunks: int) -> None:
     outputs = [n for n in span if any(u not in inside for u in n.users)]
     position = {n: i for i, n in enumerate(graph.nodes)}
     first_user = min((u for o in outputs for u in o.users if u not in inside), key=position.__getitem__)
+    inputs = list({a: None for n in span for a in n.all_input_nodes if a not in inside})
+    chunked = {x: x.meta["val"].dim() - 2 for x in inputs if x.meta["val"].shape[-2] == channels}
 
     def tag(n: fx.Node) -> fx.Node:
-        n.meta["recompute"] = _MUST_RECOMPUTE
+        n.meta["recompute"] = _MUST_RECOMPUTE  # the convolution's outputs are recomputed, not saved
         n.meta[TILED] = "conv"
         return n
 
+    differentiable = differentiable_nodes(graph)
     with graph.inserting_before(first_user):
-        pieces: dict[fx.Node, list[fx.Node]] = {}
-        for x in {a: None for n in span for a in n.all_input_nodes if a not in inside}:
-            v = x.meta["val"]
-            if v.shape[-2] == channels:
-                split = tag(graph.call_function(aten.split_with_sizes.default, (x, sizes, v.dim() - 2)))
-                pieces[x] = [tag(graph.call_function(operator.getitem, (split, c))) for c in range(chunks)]
-        chunk_envs = []
-        for c in range(chunks):
-            cenv: dict[fx.Node, fx.Node] = {}
-
-            def lookup(x: fx.Node, cenv: dict[fx.Node, fx.Node] = cenv, c: int = c) -> fx.Node:  # bound: used within this iteration
-                return cenv[x] if x in inside else pieces[x][c] if x in pieces else x
-
-            for n in span:
-                new = graph.create_node("call_function", n.target, fx.map_arg(n.args, lookup), fx.map_arg(n.kwargs, lookup))
-                new.meta.update({k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")})
-                cenv[n] = tag(new)
-            chunk_envs.append(cenv)
-        for o in outputs:
-            cat = tag(graph.call_function(aten.cat.default, ([env[o] for env in chunk_envs], o.meta["val"].dim() - 2)))
-            o.replace_all_uses_with(cat, delete_user_cb=lambda u, cat=cat: u not in inside and u is not cat)
+        new = emit_chunk_loop(gm, graph, name=f"tiled_conv_{index}", nodes=span, lookup=lambda x: x, chunked=chunked,
+                              whole=[x for x in inputs if x not in chunked],
+                              outputs=[(o, o.meta["val"].dim() - 2, tuple(range(o.meta["val"].dim()))) for o in outputs],
+                              sizes=sizes, differentiable=differentiable, tag=tag)
+    for o, out in new.items():
+        o.replace_all_uses_with(out, delete_user_cb=lambda u: u not in inside)
 
 
 def _replace_attention(graph: fx.Graph, m: seq_regions.AttentionMatch, block: int) -> None:
@@ -261,9 +256,11 @@ def _chunk_regions(gm: fx.GraphModule, a: seq_regions.SeqAnalysis, blocks: dict[
 
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    differentiable = differentiable_nodes(old)
     for u in order:
         if isinstance(u, tuple):
-            _emit_region(new, env, a, members[u], u[1], blocks[u[1]], recompute_outputs=a.feeds_attention[u[1]])
+            _emit_region(gm, new, env, a, members[u], u[1], blocks[u[1]], recompute_outputs=a.feeds_attention[u[1]],
+                         differentiable=differentiable)
         else:
             env[u] = new.node_copy(u, lambda x: env[x])
     new.output(fx.map_arg(meta.output_node(old).args[0], lambda x: env[x]))
@@ -271,67 +268,32 @@ def _chunk_regions(gm: fx.GraphModule, a: seq_regions.SeqAnalysis, blocks: dict[
     return out
 
 
-def _emit_region(g: fx.Graph, env: dict[fx.Node, fx.Node], a: seq_regions.SeqAnalysis, region: list[fx.Node], index: int, block: int,
-                 *, recompute_outputs: bool) -> None:
-    sizes = _chunk_sizes(a.seq_len, block)
-    inside = set(region)
+def _emit_region(gm: fx.GraphModule, g: fx.Graph, env: dict[fx.Node, fx.Node], a: seq_regions.SeqAnalysis, region: list[fx.Node],
+                 index: int, block: int, *, recompute_outputs: bool, differentiable: set[fx.Node]) -> None:
+    """``region`` written into ``g`` as a loop over chunks of ``block`` tokens (NOTE [One body per
+    tiled region] in ``chunk_loop``); its outputs' new nodes go into ``env``."""
+    inputs = a.region_inputs(region)
 
     def tag(n: fx.Node) -> fx.Node:
-        n.meta["recompute"] = _MUST_RECOMPUTE
+        if recompute_outputs:  # NOTE [Attention inputs are recomputed, not saved]
+            n.meta["recompute"] = _MUST_RECOMPUTE
         n.meta[TILE_REGION] = index
         n.meta[TILED] = "region"
         return n
 
-    pieces: dict[fx.Node, list[fx.Node]] = {}
-    for x in a.region_inputs(region):
-        if a.sdim.get(x) is not None:
-            split = tag(g.call_function(aten.split_with_sizes.default, (env[x], sizes, a.sdim[x])))
-            pieces[x] = [tag(g.call_function(operator.getitem, (split, c))) for c in range(len(sizes))]
-    chunks: list[dict[fx.Node, fx.Node]] = []
-    for c, length in enumerate(sizes):
-        cenv: dict[fx.Node, fx.Node] = {}
-
-        def lookup(x: fx.Node, cenv: dict[fx.Node, fx.Node] = cenv, c: int = c) -> fx.Node:  # bound: used within this iteration
-            if x in inside:
-                return cenv[x]
-            return pieces[x][c] if x in pieces else env[x]
-
-        for n in region:
-            args = fx.map_arg(n.args, lookup)
-            kwargs = fx.map_arg(n.kwargs, lookup)
-            if a.sdim.get(n) is not None:
-                args = _chunk_args(n, args, a.sdim[n], length)
-            new = g.create_node("call_function", n.target, args, kwargs)
-            new.meta.update({k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")})
-            cenv[n] = tag(new)
-        chunks.append(cenv)
+    outputs = []
     for o in a.region_outputs(region):
         assert isinstance(o.meta.get("val"), torch.Tensor), "a region output must be one tensor"
-        pieces_o = [ch[o] for ch in chunks]
-        if recompute_outputs and _is_view(o):
-            # v is a view of the chunk's whole QKV projection: copy it per chunk so each chunk's
-            # projection is freed as soon as its q, k and v exist, not after the last chunk.
-            pieces_o = [tag(g.call_function(aten.clone.default, (p,))) for p in pieces_o]
-        if recompute_outputs and o.meta["val"].dim() == 4 and a.sdim[o] == 2:
-            # (B, H, T, D) attention inputs, concatenated in the (B, T, H, D) layout the attention
-            # kernel reads fastest (NOTE [Layout at the op boundary] in ``tiled_kernels``).
-            pieces_o = [tag(g.call_function(aten.transpose.int, (p, 1, 2))) for p in pieces_o]
-            cat = tag(g.call_function(aten.cat.default, (pieces_o, 1)))
-            env[o] = g.call_function(aten.transpose.int, (cat, 1, 2))
-        else:
-            env[o] = g.call_function(aten.cat.default, (pieces_o, a.sdim[o]))
-        if recompute_outputs:  # NOTE [Attention inputs are recomputed, not saved]
-            tag(env[o])
-        else:
-            env[o].meta[TILED] = "region"
-
-
-def _is_view(node: fx.Node) -> bool:
-    return node.target is operator.getitem or seq_regions.op_packet(node) in _VIEW_OPS
-
-
-_VIEW_OPS = {aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.select, aten.unbind, aten.slice,
-             aten.split, aten.split_with_sizes, aten.chunk, aten.unsqueeze, aten.squeeze, aten.expand, aten.alias, aten.t, aten.narrow}
+        # (B, H, T, D) attention inputs are laid out (B, T, H, D), the layout the attention kernel
+        # reads fastest (NOTE [Layout at the op boundary] in ``tiled_kernels``).
+        bthd = recompute_outputs and o.meta["val"].dim() == 4 and a.sdim[o] == 2
+        outputs.append((o, a.sdim[o], (0, 2, 1, 3) if bthd else tuple(range(o.meta["val"].dim()))))
+    new = emit_chunk_loop(gm, g, name=f"tiled_region_{index}", nodes=region, lookup=env.__getitem__,
+                          chunked={x: a.sdim[x] for x in inputs if a.sdim.get(x) is not None},
+                          whole=[x for x in inputs if a.sdim.get(x) is None], outputs=outputs,
+                          sizes=_chunk_sizes(a.seq_len, block), differentiable=differentiable, tag=tag,
+                          chunk_args=lambda n, args, length: _chunk_args(n, args, a.sdim[n], length) if a.sdim.get(n) is not None else args)
+    env.update(new)
 
 
 def _propagate_vals(gm: fx.GraphModule) -> None:

@@ -385,7 +385,10 @@ def graph_record(gm: fx.GraphModule) -> dict[str, Any]:
         if node.op == "call_module":
             raise UncacheableGraphError("graphs with call_module nodes are not cached")
         if node.op == "get_attr":
-            attrs[node.target] = reduce(getattr, node.target.split("."), gm)
+            attr = reduce(getattr, node.target.split("."), gm)
+            # A loop's body (NOTE [One body per tiled region] in passes/tiling/chunk_loop.py) is
+            # kept node by node too: Inductor reads its values.
+            attrs[node.target] = _Subgraph(graph_record(attr)) if isinstance(attr, fx.GraphModule) else attr
         index[node] = i
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: _NodeRef(index[n]))
         meta = {k: v for k, v in node.meta.items() if k in _KEPT_META or k.startswith("zerofx_")}
@@ -409,7 +412,20 @@ def graph_from_record(record: Mapping[str, Any]) -> fx.GraphModule:
         node.meta.update(meta)
         made.append(node)
     graph.set_codegen(record["codegen"])
-    return _compat.make_graph_module(dict(record["attrs"]), graph)
+    attrs = {k: graph_from_record(v.record) if isinstance(v, _Subgraph) else v for k, v in record["attrs"].items()}
+    return _compat.make_graph_module(attrs, graph)
+
+
+class _Subgraph:
+    """A graph module held by a graph (a ``get_attr`` target), as ``graph_record`` describes it."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = record
+
+    def __reduce__(self) -> Any:
+        return (_Subgraph, (self.record,))
 
 
 class _CachedCapture(CapturedStep):
