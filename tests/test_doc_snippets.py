@@ -6,10 +6,12 @@ or marked in the page as a fragment; the outputs the docs quote are what the com
 - ``Run``: as written, after the substitutions it lists (smaller sizes). Python runs in this
   process (a model spec a page defines must build what examples/own_models.py builds); each
   ``zerofx`` command runs in this process through ``zerofx.app.cli.main`` and must exit 0, in
-  a folder holding small stand-ins for the files the page names (``GRCh38.fa.gz``, ``ds.json``,
-  ...). A ``zerofx train`` command runs every check ``zerofx train`` makes in the calling
-  process (flags, genome, model spec, vocabulary, config, output folder) and prepares the
-  genome, then stops where the ranks would start.
+  a folder holding small stand-ins for the genomes the page names (``GRCh38.fa.gz``, ...) and
+  the configs the pages define in their text (``page_configs``: "`pf2.json` holding `{...}`").
+  A ``zerofx train`` command trains for real: every check it makes in the calling process, then
+  its ranks' training loop on the suite's pool of gloo ranks (``_train_on_the_pool``), for 2
+  steps unless it names ``--steps``; what it prints is what docs/training.md's "What is printed
+  and logged" says, by shape, and so are the keys of its ``train_log.jsonl``.
 - ``Flags``: each command's flags are parsed by the parser of the program it starts (a
   benchmark's, torchrun's, zerofx's, pytest's files and markers); for runs of minutes or hours
   and for commands of a cluster.
@@ -21,8 +23,10 @@ or marked in the page as a fragment; the outputs the docs quote are what the com
 
 A block in neither ``BLOCKS`` nor marked fails ``test_every_block_is_run_or_marked``, so a new
 page's commands cannot go unchecked. ``OUTPUTS`` runs the commands whose output a page quotes
-in a plain block and compares the quoted lines (NOTE [Quoted output matches by line]); a
-quoted ``$ zerofx ...`` block not run is listed in ``NOT_RUN`` with the reason. Commands in
+in a plain block and compares the quoted lines (NOTE [Quoted output matches by line] in
+tests/support/doc_quotes.py), numbers included; a quoted ``$ zerofx ...`` block of a search or
+a solve of a minute or more runs at a smaller size (``SHAPED``, or in another test:
+``SHAPED_ELSEWHERE``) and is compared by shape, every word as printed. Commands in
 plain blocks parse; a synopsis names exactly its subcommand's flags; flags in inline commands
 exist, and so do the inline ``zerofx.x`` names (a config key or an importable name); each
 ```json block is a config zerofx takes. What docs/training.md says esm_mlm can learn is computed
@@ -51,38 +55,9 @@ import pytest
 from zerofx.app import cli, training
 from zerofx.runtime.engine import Engine
 
-ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+from tests.support.doc_quotes import PAGES, ROOT, Block, doc_blocks, quoted_block, quoted_mismatch, split_command
+
 FRAGMENT = "# fragment:"
-
-
-@dataclass(frozen=True)
-class Block:
-    page: str  # relative to the repository root
-    line: int  # of the opening fence, from 1
-    language: str  # the fence's info string: bash, python, or "" for quoted output
-    text: str
-
-    @property
-    def first(self) -> str:
-        return self.text.splitlines()[0] if self.text else ""
-
-
-def doc_blocks() -> list[Block]:
-    """Every fenced block of README.md and docs/*.md, in page order."""
-    out = []
-    for page in PAGES:
-        lines = page.read_text().splitlines()
-        i = 0
-        while i < len(lines):
-            m = re.match(r"^```(\w*)\s*$", lines[i])
-            if m is None:
-                i += 1
-                continue
-            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-            out.append(Block(str(page.relative_to(ROOT)), i + 1, m.group(1), "\n".join(lines[i + 1:end])))
-            i = end + 1
-    return out
 
 
 # --------------------------------------------------------------------------- how blocks run
@@ -104,6 +79,7 @@ class Elsewhere:
 
 _QUICKSTART = "tests/test_quickstart.py::"
 _SMALLER_1B = (('DNA_LM_SIZES["1b"]', 'DNA_LM_SIZES["tiny"]'),)
+_SHORTER_WINDOWS = (("--seq-len 1024", "--seq-len 64"),)
 BLOCKS: dict[tuple[str, str], Run | Flags | Elsewhere] = {
     ("README.md", "python3 -m venv .venv"): Elsewhere(_QUICKSTART + "test_ci_runs_the_readme_commands_in_a_fresh_venv"),
     ("README.md", "python -m pytest -q -n 2"): Elsewhere(_QUICKSTART + "test_ci_runs_the_readme_commands_in_a_fresh_venv"),
@@ -118,9 +94,9 @@ BLOCKS: dict[tuple[str, str], Run | Flags | Elsewhere] = {
     ("docs/design.md", "grep -rnE"): Run(),
     ("docs/predictions.md", "python -m benchmarks.bench_predictions"): Flags(),
     ("docs/testing.md", "python -m pytest"): Flags(),
-    ("docs/training.md", "# your genome, the bundled model"): Run(),
-    ("docs/training.md", "zerofx data prepare hg38.fa.gz"): Run(),
-    ("docs/training.md", "printf 'hg38.fa.gz"): Run(),
+    ("docs/training.md", "# your genome, the bundled model"): Run((("--model 25m --seq-len 1024", "--model tiny --seq-len 64"),)),
+    ("docs/training.md", "zerofx data prepare hg38.fa.gz"): Run(_SHORTER_WINDOWS),
+    ("docs/training.md", "printf 'hg38.fa.gz"): Run(_SHORTER_WINDOWS),
     ("docs/training.md", "import torch"): Run(),
     ("docs/training.md", "zerofx train --model examples/own_models.py:"): Run(),
     ("docs/training.md", "# on each of 2 nodes"): Flags(in_user_folder=True),
@@ -222,22 +198,160 @@ def _check_pytest(args: list[str]) -> None:
 _SHELL = ("printf ", "grep ")  # run by bash, in the folder the block runs in
 
 
-def _run_command(command: str, launched: list[training.TrainOptions]) -> str:
-    """Run one command line of a block; return what it printed."""
+TRAIN_STEPS = 2  # a documented ``zerofx train`` that does not name --steps trains this many
+
+
+def _run_command(command: str) -> str:
+    """Run one command line of a block; return what it printed. A ``zerofx train`` trains for
+    real (``_train_on_the_pool``), ``TRAIN_STEPS`` steps unless it names --steps, and prints
+    what docs/training.md says it prints (``check_training_output``)."""
     argv = _argv(command)
     if argv[0] == "zerofx":
+        if argv[1] == "train" and "--steps" not in argv:
+            argv += ["--steps", str(TRAIN_STEPS)]
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             code = cli.main(argv[1:])
         assert code == 0, f"{command!r} exited {code}:\n{out.getvalue()[-2000:]}"
         if argv[1] == "train":
-            assert launched, f"{command!r} started no ranks"
-            launched.clear()
+            check_training_output(argv[2:], out.getvalue())
         return out.getvalue()
     assert command.startswith(_SHELL), f"a command the docs test does not run: {command!r}"
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"{command!r} exited {done.returncode}: {done.stderr[-2000:]}"
     return done.stdout
+
+
+def _train_on_the_pool(worker: Callable[..., None], args: tuple[Any, ...], *, nprocs: int, **kwargs: Any) -> None:
+    """In place of ``training.launch_ranks``: the ranks ``zerofx train`` would spawn, as ranks of
+    the suite's pool (tests/support/dist_utils.py), each running the spawned rank's training loop
+    in the current folder; prints what rank 0 printed (stdout and stderr, as a terminal shows
+    them). The other ranks print nothing."""
+    from tests.support import doc_workers
+    from tests.support.dist_utils import run_ranks
+
+    opts = args[0]
+    assert worker is training._train_worker and nprocs == opts.world_size
+    printed = run_ranks(nprocs, doc_workers.train_rank, opts, str(Path.cwd()))
+    assert not "".join(printed[1:]).strip(), f"ranks 1.. printed:\n{''.join(printed[1:])[-2000:]}"
+    print(printed[0], end="")
+
+
+def _printed_and_logged() -> dict[str, Any]:
+    """What docs/training.md's "What is printed and logged" quotes, by what it is."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    section = " ".join(text.split("\n## What is printed and logged\n")[1].split("\n## ")[0].split())
+    spans = re.findall(r"`([^`]+)`", section)
+
+    def span(start: str) -> list[str]:
+        found = [s for s in spans if s.startswith(start)]
+        assert found, f"docs/training.md's 'What is printed and logged' quotes no line starting {start!r}"
+        return found
+
+    phases = re.search(r"setup phases with their times \(`(\w+)`, `(\w+)`, `(\w+)`; or one `(\w+)` line", section)
+    per_step = re.search(r"one JSON object per step \(([^)]*)\)", section)
+    evaluation = re.search(r"one for the evaluation \(([^)]*)\)", section)
+    assert phases and per_step and evaluation, "docs/training.md's 'What is printed and logged' changed its form"
+    training_line = re.fullmatch(r"training (\S+) \(\.\.\.\) at (.+?): (.+) on genome (\S+), batch (.+)", span("training ")[0])
+    assert training_line, "docs/training.md's quoted 'training ...' line changed its form"
+    return {
+        "genome": span("genome ")[0], "training": training_line, "phases": phases.groups()[:3], "cache": phases[4],
+        "step": span("step ")[0], "saved": span("saved checkpoint ")[0],
+        "eval": span("eval on held-out windows")[0], "eval_mlm": span("eval on masked tokens")[0],
+        "log_step": re.findall(r"`(\w+)`", per_step[1]), "log_eval": re.findall(r"`(\w+)`", evaluation[1]),
+    }
+
+
+def check_training_output(args: list[str], printed: str) -> None:
+    """What ``zerofx train ARGS`` printed, run in the current folder, is what docs/training.md's
+    "What is printed and logged" says, in its order, by shape (NOTE [Quoted output matches by
+    line]): a genome line per source, the run's line (the quoted one in full for the run it
+    quotes, else with its model, objective, genome and vocabulary its own), the setup phases
+    (or the plan cache's line), a line per step, the saved checkpoint with --output-dir, the
+    evaluation; and with --output-dir, train_log.jsonl's records hold the keys the page names."""
+    from zerofx.data.prepared import open_prepared
+
+    doc = _printed_and_logged()
+    opts = cli.build_parser().parse_args(["train", *args])
+    model, steps = opts.model or "tiny", opts.steps
+    sources = len(open_prepared(Path(opts.data)).sources) if opts.data else 1
+    model_quoted, at, objective, genome, batch = doc["training"].groups()
+    training_line = doc["training"][0]
+    if not (model == model_quoted and opts.fasta is None and opts.data is None):  # the run the page quotes, else its frame
+        training_line = f"training {model} (...) at {at}: ... on genome ..., batch {batch.split(', ')[0]}, ..."
+    genome = doc["genome"].replace(doc["genome"].split(":")[0], "genome ...", 1)
+    evaluation = doc["eval_mlm"] + " ..." if opts.objective == "mlm" else doc["eval"]
+    phases = [[f"{p} ..." for p in doc["phases"]], [f"{doc['cache']} ..."]]
+    steps_lines = [doc["step"]] * steps
+    saved = ["...", doc["saved"]] if opts.output_dir else []
+    lines = printed.splitlines()
+    mismatches = []
+    for setup in phases:
+        quoted = [*[genome] * sources, "...", training_line, "...", *setup, "...", *steps_lines, *saved, "...", evaluation]
+        mismatches.append(quoted_mismatch(quoted, lines, shape=True))
+    assert None in mismatches, f"zerofx train {shlex.join(args)}: {mismatches[0]}\nprinted:\n{printed[-3000:]}"
+    assert re.findall(r"^step (\d+)/(\d+) ", printed, flags=re.M) == [(str(k), str(steps)) for k in range(1, steps + 1)], printed
+    if opts.output_dir:
+        records = [json.loads(r) for r in (Path(opts.output_dir) / "train_log.jsonl").read_text().splitlines()]
+        assert [set(r) for r in records] == [set(doc["log_step"])] * steps + [set(doc["log_eval"]) | {"time"}], records
+
+
+# A config a page names is defined in its text: "`pf2.json` holding `{...}`", "`notile.json`
+# holds `{...}`", "`zerofx plan ... --config recompute.json` with `{...}`", "`... --config
+# offload-param.json`, the config above with `"bf16": {...}`" (the page's last ```json block
+# before it, with that key added), or a comment on the command's line, "--config auto.json ...
+# # {...}". A name with "{S}" is a family ("`sp{S}.json` holds `{... "size": S}}}`"): each
+# member a page names, S written in.
+_CONFIG_IN_PROSE = re.compile(r"(?P<name>[\w{}-]+\.json)`(?P<above>, the config above)? (?:holding|holds|with) `(?P<json>[^`]+)`")
+_CONFIG_IN_COMMENT = re.compile(r"--config (?P<name>[\w-]+\.json)\b[^#\n]*# (?P<json>\{.*\})\s*$", flags=re.M)
+
+
+def page_configs() -> dict[str, dict[str, Any]]:
+    """Every config the pages define in their text, by file name; one name defined twice must
+    be the same config."""
+    found: dict[str, dict[str, Any]] = {}
+    families: dict[str, str] = {}
+
+    def define(name: str, config: dict[str, Any], where: str) -> None:
+        assert found.setdefault(name, config) == config, f"{where}: {name} is defined otherwise on another page"
+
+    for page in PAGES:
+        text, where = page.read_text(), str(page.relative_to(ROOT))
+        flat = " ".join(text.split())
+        for m in _CONFIG_IN_PROSE.finditer(flat):
+            if "{S}" in m["name"]:
+                families[m["name"]] = m["json"]
+                continue
+            body = json.loads(m["json"] if m["json"].startswith("{") else "{" + m["json"] + "}")
+            if m["above"]:
+                above = re.findall(r"```json (.*?) ```", flat[:m.start()])
+                assert above, f"{where}: {m['name']} is 'the config above', but no ```json block is above it"
+                body = {**json.loads(above[-1]), **body}
+            define(m["name"], body, where)
+        for m in _CONFIG_IN_COMMENT.finditer(text):
+            define(m["name"], json.loads(m["json"]), where)
+    for family, template in families.items():
+        named = set(re.findall(re.escape(family).replace(r"\{S\}", r"(\d+)"), " ".join(p.read_text() for p in PAGES)))
+        for size in named:
+            define(family.replace("{S}", size), json.loads(template.replace(": S}", f": {size}}}")), family)
+    return found
+
+
+def test_configs_are_taken_from_the_pages() -> None:
+    """The configs the pages define (``page_configs``) are the ones the commands run with; each
+    is one zerofx takes, and every ``--config X.json`` of a command the suite runs is among them."""
+    from zerofx.config import parse_config
+
+    configs = page_configs()
+    assert configs["notile.json"] == {"zerofx": {"tiling": {"enabled": False}}}  # the extraction itself works
+    assert configs["sp4.json"]["zerofx"]["sequence_parallel"] == {"size": 4}
+    assert configs["offload-param.json"]["bf16"] == {"enabled": True} and "offload_param" in configs["offload-param.json"]["zero_optimization"]
+    for config in configs.values():
+        parse_config(config)
+    run = [b.text for b in CODE if isinstance(_entry(b), Run)] + [" ".join(a) for a in OUTPUTS.values() if isinstance(a, list)]
+    run += [split_command(quoted_block(*key))[0] for key in SHAPED]
+    named = {n for text in run for n in re.findall(r"--config (\S+\.json)", text) if "/" not in n}
+    assert named <= set(configs), f"configs the commands name that no page defines: {sorted(named - set(configs))}"
 
 
 @pytest.fixture
@@ -259,32 +373,19 @@ def user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     genome("hg38.fa.gz", ("chr1", "chr20", "chr21"))
     genome("mm39.fa.gz", ("chr1",))
     genome("danRer11.fa.gz", ("chr1",))
-    (tmp_path / "ds.json").write_text((ROOT / "examples" / "dna_lm_zero3.json").read_text())
     (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
-    configs = {  # the configs the pages name, as they give them
-        "recompute.json": {"zerofx": {"recompute": True}},
-        "recompute-auto.json": {"zerofx": {"recompute": "auto", "memory_budget": "570KiB"}},
-        "pf2.json": {"zero_optimization": {"stage": 3}, "zerofx": {"prefetch_distance": 2}},
-        "gas2.json": {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 1},
-        "offload-param.json": {"bf16": {"enabled": True}, "zero_optimization": {
-            "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5, "max_in_cpu": 1e6},
-            "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}},
-        "notile.json": {"zerofx": {"tiling": {"enabled": False}}},
-        "auto.json": {"zerofx": {"auto": True, "memory_budget": "1GiB", "tiling": {"enabled": False}}},
-        **{f"sp{s}.json": {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
-                           **({"zerofx": {"sequence_parallel": {"size": s}}} if s > 1 else {})} for s in (1, 2, 4)},
-    }
-    for name, config in configs.items():
+    for name, config in page_configs().items():
         (tmp_path / name).write_text(json.dumps(config))
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
 
 def _block_param(block: Block) -> Any:
-    """A block that runs a shell command (``_SHELL``) starts a process: marked ``multiprocess``,
-    as tests/conftest.py marks the tests that do."""
-    shell = isinstance(_entry(block), Run) and any(c.startswith(_SHELL) for c in _commands(block.text, ()))
-    return pytest.param(block, marks=[pytest.mark.multiprocess] if shell else [], id=f"{block.page}:{block.line}")
+    """A block that runs a shell command (``_SHELL``) or trains (``zerofx train``, on the pool's
+    ranks) starts processes: marked ``multiprocess``, as tests/conftest.py marks the tests that do."""
+    starts = isinstance(_entry(block), Run) and any(c.startswith(_SHELL) or c.startswith("zerofx train ")
+                                                    for c in _commands(block.text, ()))
+    return pytest.param(block, marks=[pytest.mark.multiprocess] if starts else [], id=f"{block.page}:{block.line}")
 
 
 @pytest.mark.parametrize("block", [_block_param(b) for b in CODE if _entry(b) is not None])
@@ -310,12 +411,35 @@ def test_block(block: Block, user_folder: Path, monkeypatch: pytest.MonkeyPatch)
             exec(compile(text, f"{block.page}:{block.line}", "exec"), namespace)
         _same_as_the_examples(namespace)
         return
-    launched: list[training.TrainOptions] = []
-    monkeypatch.setattr(training, "launch_ranks", lambda worker, args, **kw: launched.append(args[0]))
+    monkeypatch.setattr(training, "launch_ranks", _train_on_the_pool)
     monkeypatch.chdir(ROOT if block.page == "docs/design.md" else user_folder)
     for command in _commands(block.text, how.subs):
-        printed = _run_command(command, launched)
+        printed = _run_command(command)
         assert printed.strip() or _argv(command)[0] != "grep", f"{command!r} found nothing"
+
+
+_README_SMALLER = (("--model small", "--model tiny"), ("--steps 80", "--steps 2"), ("--seq-len 512", "--seq-len 64"))
+
+
+@pytest.mark.multiprocess
+def test_readme_first_command_trains_and_says_what_to_do_when_run_again(user_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README.md's first command ends in a ``zerofx train``, run here at a smaller size: it
+    trains as docs/training.md says, and the same command again starts no rank and prints one
+    line saying how to train further (tests/test_quickstart.py checks the installing part)."""
+    first = next(b for b in CODE if b.page == "README.md" and b.language == "bash").text
+    command = first.split("&&")[-1].strip()
+    assert command.startswith("zerofx train "), first
+    for old, new in _README_SMALLER:
+        assert old in command, f"README.md's first command no longer has {old!r}"
+        command = command.replace(old, new)
+    monkeypatch.setattr(training, "launch_ranks", _train_on_the_pool)
+    _run_command(command)
+    monkeypatch.setattr(training, "launch_ranks", lambda *args, **kwargs: pytest.fail("a second run started ranks"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(_argv(command)[1:]) == 0
+    again = out.getvalue()
+    assert again.count("\n") == 1 and "is at step 2 = --steps 2: nothing to train. Pass --steps 4" in again, again
 
 
 def _same_as_the_examples(namespace: dict[str, Any]) -> None:
@@ -377,8 +501,9 @@ def test_python_fragment_runs_up_to_what_it_needs(block: Block) -> None:
 
 # --------------------------------------------------------------------------- quoted output
 # The commands whose output a page quotes in a plain ``` block, keyed as BLOCKS is; None where
-# the block starts with the command itself, "$ zerofx ..."; a function where the command trains
-# (it prints what the command prints, from what it lowers). They run in ``user_folder``.
+# the block starts with the command itself, "$ zerofx ...", run as ``_run_command`` runs it (a
+# ``zerofx train`` trains on the pool's ranks); a function where the command trains (it prints
+# what the command prints, from what it lowers). They run in ``user_folder``.
 _RECOMPUTE_ALL = ["plan", "tiny", "--world-size", "2", "--stage", "3", "--seq-len", "64", "--config", "recompute.json"]
 
 
@@ -417,6 +542,7 @@ OUTPUTS: dict[tuple[str, str], list[str] | Callable[[], str] | None] = {
     ("docs/planner.md", "model examples/model_specs.py:decoder_20b"): [
         "plan", "examples/model_specs.py:decoder_20b", "--world-size", "512", "--stage", "3", "--budget", "80GiB"],
     ("docs/infinity.md", "$ zerofx estimate --params 1e12"): None,
+    ("docs/autoplan.md", "$ zerofx train --config auto.json"): None,
     ("docs/recompute.md", "recompute (all): 46 of 46"): _RECOMPUTE_ALL,
     ("docs/recompute.md", "memory per rank: persistent model state 199 KiB"): _RECOMPUTE_ALL,
     ("docs/offload.md", "offload_param: parameter shards per tier"): ["plan", "25m", "--world-size", "2", "--config", "offload-param.json"],
@@ -426,60 +552,115 @@ OUTPUTS: dict[tuple[str, str], list[str] | Callable[[], str] | None] = {
 }
 
 
-def _quoted_mismatch(quoted: list[str], printed: list[str]) -> str | None:
-    """Where ``quoted`` stops matching ``printed``, or None (NOTE [Quoted output matches by line])."""
-    # NOTE [Quoted output matches by line]
-    # A quoted block matches what the command prints when its lines appear there in order, the
-    # first anywhere (a quote may start part way), each next one on the next printed line,
-    # leading spaces aside (a quote of a graph's code leaves out its indent). A
-    # line that is "..." alone stands for any number of printed lines; "..." inside a line
-    # stands for any text there ("…" is printed text, as in a bucket's label). Every other
-    # character must be as printed, numbers included: zerofx plan computes its figures from the
-    # cost models and a fixed profile, not from the machine it runs on, so they are the same
-    # everywhere, and a change to the cost models or the passes that moves one fails here.
-    at, gap = 0, True
-    printed = [p.strip() for p in printed]
-    for line in (q.strip() for q in quoted):
-        if line.strip() == "...":
-            gap = True
-            continue
-        pattern = re.compile(".*".join(re.escape(part) for part in line.split("...")))
-        hits = [i for i in range(at, len(printed) if gap else min(at + 1, len(printed))) if pattern.fullmatch(printed[i])]
-        if not hits:
-            return f"quoted {line!r} is not printed" + (f" after {printed[at - 1]!r}" if at else "") + (
-                "" if gap else f"; printed there: {printed[at] if at < len(printed) else '(the end)'!r}")
-        at, gap = hits[0] + 1, False
-    return None
-
-
 def test_quoted_mismatch_reads_ellipses() -> None:
     printed = ["a 1", "b 2 … 3", "c", "d 4.5 ms"]
-    assert _quoted_mismatch(["a 1", "b 2 … 3", "...", "d 4.5 ms"], printed) is None
-    assert _quoted_mismatch(["a 1", "...", "d ... ms"], printed) is None
-    assert _quoted_mismatch(["a 1", "d 4.5 ms"], printed) == "quoted 'd 4.5 ms' is not printed after 'a 1'; printed there: 'b 2 … 3'"
-    assert _quoted_mismatch(["a 1", "...", "d 4.6 ms"], printed) is not None
-    assert _quoted_mismatch(["c", "d 4.5 ms"], printed) is None  # a quote that starts part way
-    assert _quoted_mismatch(["c", "a 1"], printed) is not None
+    assert quoted_mismatch(["a 1", "b 2 … 3", "...", "d 4.5 ms"], printed) is None
+    assert quoted_mismatch(["a 1", "...", "d ... ms"], printed) is None
+    assert quoted_mismatch(["a 1", "d 4.5 ms"], printed) == "quoted 'd 4.5 ms' is not printed after 'a 1'; printed there: 'b 2 … 3'"
+    assert quoted_mismatch(["a 1", "...", "d 4.6 ms"], printed) is not None
+    assert quoted_mismatch(["c", "d 4.5 ms"], printed) is None  # a quote that starts part way
+    assert quoted_mismatch(["c", "a 1"], printed) is not None
 
 
-@pytest.mark.parametrize("key", sorted(OUTPUTS), ids=lambda k: f"{k[0]}:{k[1][:20]}")
-def test_quoted_output_is_what_the_command_prints(key: tuple[str, str], user_folder: Path,
+def test_quoted_mismatch_by_shape() -> None:
+    """By shape, numbers, their units and plurals, padding, rules and autoplan candidates are
+    any such; the words are as printed."""
+    assert quoted_mismatch(["searched 64 candidates (9 planned and lowered, 3 captures) in 13.0 s"],
+                           ["searched 31 candidates (4 planned and lowered, 1 capture) in 2.9 s"], shape=True) is None
+    quote = ["chosen: stage 2, K 8, offload none, tiling off, recompute auto, micro 1 x 1 (78 activations recomputed): peak 6.69 GiB",
+             "#    candidate    tokens/s", "---  ---------  --------", "1    stage 2, sp 2, K 8, offload none, tiling off, micro 1 x 2  7,047,254"]
+    printed = ["chosen: stage 0, K 1024, offload none, tiling config, micro 1 x 1: peak 863 KiB",
+               "#    candidate                 tokens/s", "---  ---------------  -----------",
+               "1    stage 0, K 1024, offload cpu, tiling auto, micro 1 x 1  858,845,710"]
+    assert quoted_mismatch(quote, printed, shape=True) is None
+    assert quoted_mismatch(quote, printed) is not None
+    assert quoted_mismatch(["step 3/20 loss 2.4268 (0.062 s/step, 4,142 tokens/s)"], ["step 1/2 loss 8.3 (1 s/step, 17 tokens/s)"], shape=True) is None
+    assert quoted_mismatch(["peak 6.69 GiB"], ["peak 6.69 ms"], shape=True) is not None  # a size is no time
+    assert quoted_mismatch(["in 13.0 s"], ["after 13.0 s"], shape=True) is not None  # words are as printed
+
+
+
+def _output_param(key: tuple[str, str]) -> Any:
+    """A quote of ``zerofx train`` trains on the pool's ranks: marked ``multiprocess``."""
+    trains = key[1].startswith("$ zerofx train ")
+    return pytest.param(key, marks=[pytest.mark.multiprocess] if trains else [], id=f"{key[0]}:{key[1][:20]}")
+
+
+@pytest.mark.parametrize("key", [_output_param(k) for k in sorted(OUTPUTS)])
+def test_quoted_output_is_what_the_command_prints(key: tuple[str, str], user_folder: Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    page, start = key
-    blocks = [b for b in doc_blocks() if b.page == page and b.language == "" and b.first.startswith(start)]
-    assert len(blocks) == 1, f"{page}: {len(blocks)} quoted blocks start with {start!r}"
-    quoted, argv = blocks[0].text, OUTPUTS[key]
+    block, argv = quoted_block(*key), OUTPUTS[key]
+    quoted = block.text.splitlines()
     if callable(argv):
-        mismatch = _quoted_mismatch(quoted.splitlines(), argv().splitlines())
-        assert mismatch is None, f"{page}:{blocks[0].line} ({argv.__name__}): {mismatch}"
+        mismatch = quoted_mismatch(quoted, argv().splitlines())
+        assert mismatch is None, f"{block.page}:{block.line} ({argv.__name__}): {mismatch}"
         return
-    if argv is None:  # "$ zerofx ARGS \\\n    MORE ARGS" and then the output
-        command = re.match(r"\$ zerofx ((?:.*\\\n)*.*)\n", quoted)
-        assert command is not None, f"{page}:{blocks[0].line} does not start with '$ zerofx '"
-        argv, quoted = shlex.split(command.group(1).replace("\\\n", " ")), quoted[command.end():]
-    assert cli.main(argv) == 0
-    mismatch = _quoted_mismatch(quoted.splitlines(), capsys.readouterr().out.splitlines())
-    assert mismatch is None, f"{page}:{blocks[0].line} (zerofx {shlex.join(argv)}): {mismatch}"
+    if argv is None:  # "$ zerofx ARGS \\\n    MORE ARGS" and then the output, run as ``_run_command`` runs it
+        command, quoted = split_command(block)
+        monkeypatch.setattr(training, "launch_ranks", _train_on_the_pool)
+        printed = _run_command(command)
+    else:
+        command = shlex.join(["zerofx", *argv])
+        assert cli.main(argv) == 0
+        printed = capsys.readouterr().out
+    mismatch = quoted_mismatch(quoted, printed.splitlines())
+    assert mismatch is None, f"{block.page}:{block.line} ({command}): {mismatch}"
+
+
+# Quoted "$ zerofx ..." blocks whose command runs here at a smaller size (the substitutions, made
+# in the command and the quote alike), or whose figures are the machine's: checked by shape
+# (NOTE [Quoted output matches by line]), in ``user_folder``; a ``zerofx train`` trains on the
+# pool's ranks and prints what docs/training.md says as well (``_run_command``).
+SHAPED: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
+    # 1 capture and 4 lowerings of tiny, not 3 captures and 9 lowerings of the 20-block 1b (13-16 s)
+    ("docs/autoplan.md", "$ zerofx plan 1b --auto"): (("plan 1b", "plan tiny --seq-len 64"),),
+    # the same with tiling kept as notile.json sets it, not 105 candidates of small at 1,024 tokens (about a minute)
+    ("docs/autoplan.md", "$ zerofx plan small --auto"): (("small", "tiny"), ("--world-size 8", "--world-size 1024"),
+                                                         ("--seq-len 1024", "--seq-len 64"), ("--budget 24MiB", "--budget 8GiB")),
+}
+# Quoted stderr, checked by shape against what a SHAPED command wrote there: a search's progress.
+SHAPED_STDERR: dict[tuple[str, str], tuple[str, str]] = {
+    ("docs/autoplan.md", "zerofx plan --auto: "): ("docs/autoplan.md", "$ zerofx plan 1b --auto"),
+}
+# Quotes another test checks by shape, from what a smaller run of the same code prints.
+SHAPED_ELSEWHERE: dict[tuple[str, str], str] = {
+    # the solve's 11 captures of a one-block hyena-tiny at S = 2, not of the 25m model at S = 4 (minutes)
+    ("docs/planner.md", "$ zerofx plan 25m --world-size 8 --config sp4.json"):
+        "tests/test_sp_plan_cli.py::test_solve_seq_len_at_sequence_parallel_size_2_fits_and_one_multiple_past_does_not",
+    # a search stopped before its first candidate, not after 12 of them
+    ("docs/autoplan.md", "stopped early by the time limit"):
+        "tests/test_plan_output.py::test_plan_auto_stops_at_its_time_limit_with_the_best_so_far",
+}
+
+
+@pytest.mark.parametrize("key", [_output_param(k) for k in SHAPED])
+def test_quoted_output_has_the_shape_of_what_the_command_prints(key: tuple[str, str], user_folder: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    block = quoted_block(*key)
+    text = block.text
+    for old, new in SHAPED[key]:
+        assert old in text, f"{block.page}:{block.line}: substitution {old!r} matches nothing"
+        text = text.replace(old, new)
+    command, quoted = split_command(Block(block.page, block.line, "", text))
+    monkeypatch.setattr(training, "launch_ranks", _train_on_the_pool)
+    mismatch = quoted_mismatch(quoted, _run_command(command).splitlines(), shape=True)
+    assert mismatch is None, f"{block.page}:{block.line} ({command}): {mismatch}"
+    err = capsys.readouterr().err.splitlines()
+    for stderr_key in (k for k, run in SHAPED_STDERR.items() if run == key):
+        stderr_block = quoted_block(*stderr_key)
+        mismatch = quoted_mismatch(stderr_block.text.splitlines(), err, shape=True)
+        assert mismatch is None, f"{stderr_block.page}:{stderr_block.line} (the stderr of {command}): {mismatch}"
+
+
+@pytest.mark.parametrize("key", sorted(SHAPED_ELSEWHERE), ids=lambda k: f"{k[0]}:{k[1][2:30]}")
+def test_quoted_output_checked_elsewhere_is(key: tuple[str, str]) -> None:
+    """The named test exists and checks this quote: it names the page and the quote's start."""
+    path, name = SHAPED_ELSEWHERE[key].split("::")
+    source = (ROOT / path).read_text()
+    body = re.search(rf"^def {name}\(.*?(?=^def |\Z)", source, flags=re.M | re.S)
+    assert body, f"{SHAPED_ELSEWHERE[key]} does not exist"
+    assert key[0] in body[0] and key[1] in body[0], f"{SHAPED_ELSEWHERE[key]} does not check {key}"
+    quoted_block(*key)
 
 
 # --------------------------------------------------------------------------- what esm_mlm learns
@@ -522,13 +703,6 @@ def test_bash_fragment_names_flags_that_exist(block: Block) -> None:
 
 # --------------------------------------------------------------------------- commands in plain blocks
 _COMMAND = re.compile(r"^(\$ )?([A-Z_]+=\S+ +)*(nice -n \d+ +)?(zerofx|python -m|torchrun) ")
-# Quoted "$ zerofx ..." blocks whose output OUTPUTS does not check, and why.
-NOT_RUN: dict[tuple[str, str], str] = {
-    ("docs/autoplan.md", "$ zerofx plan 1b --auto"): "a search of 13-16 s",
-    ("docs/autoplan.md", "$ zerofx plan small --auto"): "a search of about a minute",
-    ("docs/autoplan.md", "$ zerofx train --config auto.json"): "it trains on 2 ranks",
-    ("docs/planner.md", "$ zerofx plan 25m --world-size 8 --config sp4.json"): "a solve of minutes, capturing the 25m model 11 times",
-}
 PLAIN = [b for b in doc_blocks() if b.language == "" and _COMMAND.match(b.first)
          and not re.search(r"\S: ", b.first.split(" #")[0])]  # not output whose first line starts "zerofx plan tiny --auto: ..."
 
@@ -543,11 +717,12 @@ def _subcommand_flags(name: str) -> set[str]:
 def test_commands_in_plain_blocks_are_checked(block: Block, user_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A command in a plain ``` block: a synopsis (``zerofx SUB MODEL_SPEC [--flag X] ...``) names
     each of the subcommand's flags and no other; a command quoted with its output
-    (``$ zerofx ...``) is in OUTPUTS or NOT_RUN; every other command's flags parse with its
+    (``$ zerofx ...``) is in OUTPUTS, SHAPED or SHAPED_ELSEWHERE; every other command's flags parse with its
     program's parser."""
     if block.first.startswith("$ "):
-        assert any(page == block.page and block.first.startswith(start) for page, start in (*OUTPUTS, *NOT_RUN)), (
-            f"{block.page}:{block.line} quotes a command's output that OUTPUTS does not check and NOT_RUN does not excuse")
+        checked = (*OUTPUTS, *SHAPED, *SHAPED_ELSEWHERE)
+        assert any(page == block.page and block.first.startswith(start) for page, start in checked), (
+            f"{block.page}:{block.line} quotes a command's output that OUTPUTS, SHAPED and SHAPED_ELSEWHERE do not check")
         commands = [re.match(r"(?:.*\\\n)*.*", block.text).group(0).replace("\\\n", " ")]
     else:
         commands = _commands(block.text, ())

@@ -20,6 +20,7 @@ from zerofx.models import DNA_LM_SIZES, DNADecoderLM
 from zerofx.passes.analysis.analyze_schedule import END, START, ScheduleReport, bucket_label, format_report, module_label
 from zerofx.app.commands.plan_output import plot_report
 from zerofx.common.units import binary_unit, format_bytes, format_seconds, parse_bytes
+from tests.support.doc_quotes import quoted_block, quoted_mismatch
 
 ROOT = Path(__file__).resolve().parents[1]
 # FX node names as torch names them: the schedule prints none of these without --verbose.
@@ -242,6 +243,9 @@ def test_plan_auto_stops_at_its_time_limit_with_the_best_so_far(capsys: pytest.C
     assert main(["plan", "tiny", "--auto", "--world-size", "2", "--seq-len", "64", "--budget", "2MiB", "--time-limit", "1e-6"]) == 0
     out = capsys.readouterr().out
     assert "stopped early by the time limit" in out and "nothing tried so far fits" in out
+    # docs/autoplan.md quotes the line of a search stopped after 12 candidates: by shape, it is this one's.
+    quoted = quoted_block("docs/autoplan.md", "stopped early by the time limit").text.splitlines()
+    assert quoted_mismatch(quoted, out.splitlines(), shape=True) is None, (quoted, out)
     assert main(["plan", "tiny", "--world-size", "2", "--stage", "3", "--time-limit", "5"]) == 2
     assert "--time-limit bounds the search of --auto" in capsys.readouterr().err
 

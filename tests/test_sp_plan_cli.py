@@ -15,6 +15,7 @@ import sympy
 import torch
 
 import zerofx
+from tests.support.doc_quotes import quoted_block, quoted_mismatch, split_command
 from tests.support.models import hyena_one_block
 from zerofx.app.cli import main
 from zerofx.common.units import format_bytes
@@ -89,6 +90,9 @@ def test_solve_seq_len_at_sequence_parallel_size_2_fits_and_one_multiple_past_do
     assert main(["plan", f"{SPECS}:hyena_one_block", "--world-size", "2", "--config", config, "--budget", "1MiB",
                  "--solve", "seq_len"]) == 0
     out = capsys.readouterr().out
+    # docs/planner.md quotes this solve for the 25m model at S = 4, minutes of captures: its lines, by shape, are this one's.
+    _, quoted = split_command(quoted_block("docs/planner.md", "$ zerofx plan 25m --world-size 8 --config sp4.json"))
+    assert quoted_mismatch(quoted, out.splitlines(), shape=True) is None, quoted_mismatch(quoted, out.splitlines(), shape=True)
     assert re.search(r"forward\s+all_to_all_single\s+1\.5 KiB\s+blocks\.0\.mixer", out), out  # the featurizer's halo: 2 x (1, 96, 2) fp32
     solved, confirmed = SOLVED.search(out), CONFIRMED.search(out)
     assert solved and confirmed, out
