@@ -432,8 +432,9 @@ def split_regions(gm: fx.GraphModule, res: SeqAnalysis, mixers: set[fx.Node] = f
     split into the rest and what only computes the inputs of attention or of ``mixers`` (NOTE
     [Attention inputs are recomputed, not saved])."""
     by_level: dict[int, list[fx.Node]] = {}
+    live = _live_nodes(gm.graph)  # dead code is no region: a rewrite's dead-code elimination would drop it
     for node in gm.graph.nodes:
-        if node in res.tokenwise:
+        if node in res.tokenwise and node in live:
             by_level.setdefault(res.level[node], []).append(node)
     consumers = {m.output for m in res.attention} | {m.scores for m in res.attention if m.scores is not None}
     consumers |= {n for n in gm.graph.nodes if is_sdpa(n) or is_blocked_attention(n)} | set(mixers)
@@ -444,6 +445,18 @@ def split_regions(gm: fx.GraphModule, res: SeqAnalysis, mixers: set[fx.Node] = f
             for component in _components(part):  # NOTE [One region per connected part]
                 res.regions.append(component)
                 res.feeds_attention.append(feeds)
+
+
+def _live_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes the graph's output depends on, and those with side effects."""
+    live: set[fx.Node] = set()
+    stack = [n for n in graph.nodes if n.op == "output" or n.is_impure()]
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack.extend(n.all_input_nodes)
+    return live
 
 
 # NOTE [One region per connected part]
