@@ -56,10 +56,15 @@ def _signal_when(proc: subprocess.Popen, out: Path, pattern: str, sig: int, to: 
         proc.kill()
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def _ranks(launcher: int) -> list[int]:
-    """The launcher's spawned ranks, in start order (its multiprocessing resource tracker left out)."""
-    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    return sorted(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+    """The launcher's ranks, in start order: the children of its fork server (NOTE [Ranks forked
+    from a server that imported torch] in zerofx/app/launch.py)."""
+    server = next(c for c in _children(launcher) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes())
+    return sorted(_children(server))
 
 
 def _steps(log: Path) -> list[int]:
