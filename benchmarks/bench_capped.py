@@ -70,13 +70,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import human_bytes, machine, profile_allocator_mismatch, set_malloc_mmap_threshold  # noqa: E402
+from zerofx.common.rank_processes import rank_start  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
@@ -303,12 +303,13 @@ class OverLimit(RuntimeError):
 def run_ranks(target: Any, args: dict[str, Any], world_size: int, timeout_s: float) -> list[dict[str, Any]]:
     """Each rank's result of ``target`` on ``world_size`` fresh gloo processes. A rank that dies
     or passes the hard limit stops the others."""
-    ctx = mp.get_context("spawn")
+    start = rank_start(target.__module__)  # NOTE [Ranks forked from a server that imported torch] in zerofx/common/rank_processes.py
+    ctx = start.context
     queue = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=target, args=(r, world_size, port, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=start.target(target), args=(r, world_size, port, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

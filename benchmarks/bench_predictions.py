@@ -49,6 +49,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from zerofx.common.rank_processes import rank_start
 from benchmarks.report import human_bytes, machine, profile_allocator_mismatch, set_malloc_mmap_threshold
 
 STEP_TARGET = 0.15  # |predicted / measured - 1| at most this for the step time
@@ -187,8 +188,9 @@ def _rank(rank: int, case: Case, config: dict[str, Any], port: int, warmup: int,
 def measure(case: Case, config: dict[str, Any], *, warmup: int, steps: int) -> dict[str, Any]:
     """Run ``case`` on its ranks; the slowest rank's time per step and the largest peak."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank, args=(case, config, _free_port(), warmup, steps, out_dir), nprocs=case.world_size,
-                           start_method="spawn")
+        start = rank_start(__name__)  # NOTE [Ranks forked from a server that imported torch] in zerofx/common/rank_processes.py
+        mp.start_processes(start.target(_rank), args=(case, config, _free_port(), warmup, steps, out_dir), nprocs=case.world_size,
+                           start_method=start.method)
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(case.world_size)]
     walls = [max(r["step_s"][i] for r in ranks) for i in range(warmup + steps)][warmup:]
     q1, median, q3 = statistics.quantiles(walls, n=4) if len(walls) > 1 else [walls[0]] * 3

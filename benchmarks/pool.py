@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from benchmarks.systems import build_runner, needs_group, split_system, synchronize
+from zerofx.common.rank_processes import rank_start
 from zerofx.common.rss import peak_rss_bytes
 
 READY_TIMEOUT_S = 900.0
@@ -169,7 +169,8 @@ class RankPool:
     on rank 0 only. Peak RSS is per process, so it belongs to a system only in a pool of one."""
 
     def __init__(self, systems: tuple[str, ...], spec: BenchSpec) -> None:
-        ctx = mp.get_context("spawn")
+        start = rank_start(__name__)  # NOTE [Ranks forked from a server that imported torch] in zerofx/common/rank_processes.py
+        ctx = start.context
         self.labels = systems
         self.label = ",".join(systems)
         num_ranks = spec.world_size if any(needs_group(s) for s in systems) else 1
@@ -178,7 +179,7 @@ class RankPool:
         self.procs = []
         for rank in range(num_ranks):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(systems, rank, num_ranks, spec, port, child), daemon=True)
+            proc = ctx.Process(target=start.target(_worker), args=(systems, rank, num_ranks, spec, port, child), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)

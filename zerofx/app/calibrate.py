@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zerofx.common.rank_processes import rank_start
 from zerofx.cost_models.comm import CommSpec, fit_collective_scale, fit_link
 from zerofx.cost_models.compute import DeviceSpec
 from zerofx.cost_models.profiles import FRESH_PROBE_BYTES, save_profile
@@ -425,7 +426,9 @@ def calibrate(out: Path, world_size: int = 2, repeats: int = 5, sizes: Sequence[
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world_size, port, str(out), repeats, tuple(sizes)), nprocs=world_size, start_method="spawn")
+    start = rank_start(__name__)  # NOTE [Ranks forked from a server that imported torch] in zerofx/common/rank_processes.py
+    mp.start_processes(start.target(_worker), args=(world_size, port, str(out), repeats, tuple(sizes)), nprocs=world_size,
+                       start_method=start.method)
     return load_profile(str(out))
 
 

@@ -14,7 +14,6 @@ Errors: ``TrainingInterrupted`` (exit 130) after Ctrl-C, ``RankFailedError`` whe
 
 from __future__ import annotations
 
-import functools
 import json
 import multiprocessing.connection
 import os
@@ -30,9 +29,9 @@ from types import FrameType
 from typing import Any
 
 import torch.multiprocessing as mp
-from multiprocessing import reduction
 
 from zerofx.common.errors import CollectiveTimeoutError, RankFailedError, TrainingInterrupted
+from zerofx.common.rank_processes import rank_start
 
 # NOTE [Ctrl-C stops every rank at one step]
 # Ctrl-C in a terminal sends SIGINT to the launcher and to every rank (one process group); `kill
@@ -168,82 +167,20 @@ def _set_sigint(handler: Any) -> Any:
     return signal.signal(signal.SIGINT, handler)
 
 
-# NOTE [Ranks forked from a server that imported torch]
-# A spawned rank is a fresh interpreter that imports torch and zerofx before its first line of
-# training: 5-6 CPU-seconds per rank, measured on this project's machine, paid by every rank at
-# every launch, all at once where ranks outnumber cores. The ranks are started by
-# multiprocessing's fork server instead: one process that imports torch and the worker's module
-# once (the preload) and forks a rank per request. What a rank receives is what a spawned one
-# would: the launcher's working directory, sys.path and main module (multiprocessing sends them
-# with every request), and the launcher's environment as it is at launch, which ``_in_environment``
-# installs before the worker runs (the server's own is the one it started with), and the
-# launcher's standard output and error as they are at launch (passed as file descriptors, so a
-# rank prints where a spawned one would, into a file or a capture the launcher has set up since
-# the server started). What a forked
-# rank cannot take from the launcher is what the C runtime or a module reads once at start-up
-# (MALLOC_* for glibc's allocator; a TORCHINDUCTOR_* default read at import): those are the
-# server's, which is the launcher's as it was when the first launch started the server. The
-# server starts no thread and no CUDA context (importing torch makes neither), so forking it is
-# safe; it stays up, idle, until the launcher exits, and later launches reuse it.
-RANK_PRELOAD = ("torch", "torch.distributed")
-
-
-def _rank_context(worker: Callable[..., None]) -> Any:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*RANK_PRELOAD, worker.__module__])  # ignored once the server runs
-    return ctx
-
-
-class _LaunchersFd:
-    """One of the launcher's file descriptors, given to a rank as a duplicate of its own."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple[Any, tuple[Any]]:
-        return _detach, (reduction.DupFd(self.fd),)  # DupFd passes the descriptor to the fork server
-
-
-def _detach(dup: Any) -> int:
-    return dup.detach()
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
-
-
-def _in_environment(environment: dict[str, str], streams: tuple[int | None, ...], worker: Callable[..., None], rank: int, *args: Any) -> None:
-    """``worker(rank, *args)`` with the launcher's environment, standard output and error and,
-    until the worker installs its handler, SIGINT ignored (NOTE [Ranks forked from a server that
-    imported torch])."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.clear()
-    os.environ.update(environment)
-    for fd, launchers in zip((1, 2), streams):
-        if launchers is not None:  # else the server's
-            os.dup2(launchers, fd)
-            os.close(launchers)
-    worker(rank, *args)
-
-
 def launch_ranks(worker: Callable[..., None], args: tuple[Any, ...], *, nprocs: int, on_interrupt: Callable[[int], str]) -> None:
     """Run ``worker(rank, *args, channel)`` in ``nprocs`` rank processes until all exit.
 
     Raises ``TrainingInterrupted`` with ``on_interrupt(last completed step)`` after Ctrl-C, and
     ``RankFailedError`` when a rank fails; either way no rank is left running."""
-    ctx = _rank_context(worker)
+    start = rank_start(worker.__module__)  # NOTE [Ranks forked from a server that imported torch]
+    ctx = start.context
     with tempfile.TemporaryDirectory(prefix="zerofx-ranks-") as report_dir, _Interrupts() as interrupts:
         channel = RankChannel(report_dir, ctx.RawValue("q", -1))  # one writer, rank 0: no lock (and no semaphore to leak)
         # SIGINT is ignored here while the ranks start, and in each rank until its own handler is in.
         handler = _set_sigint(signal.SIG_IGN)
         try:
-            streams = tuple(_LaunchersFd(fd) if _is_open(fd) else None for fd in (1, 2))
-            spawned = mp.start_processes(functools.partial(_in_environment, dict(os.environ), streams, worker), args=(*args, channel),
-                                         nprocs=nprocs, join=False, start_method="forkserver")
+            spawned = mp.start_processes(start.target(worker), args=(*args, channel), nprocs=nprocs, join=False,
+                                         start_method=start.method)
         finally:
             _set_sigint(handler)
         processes = spawned.processes
