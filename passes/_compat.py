@@ -232,6 +232,15 @@ def inductor_cache_enabled() -> bool:
     return bool(torch._inductor.config.fx_graph_cache)
 
 
+def compile_in_this_process() -> None:
+    """Inductor compiles in the calling process, with no pool of worker processes. Set on its
+    config rather than through ``TORCHINDUCTOR_COMPILE_THREADS``, which Inductor reads when its
+    config is imported: a rank forked from a server that imported it would not see the variable."""
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
+
+
 # NOTE [Inductor's cache needs a shape environment]
 # Inductor keeps what it compiled in an on-disk cache (the FX graph cache) keyed by the graph,
 # its inputs' shapes and strides and the options, but only where the fake-tensor mode it traces

@@ -387,7 +387,8 @@ def _worker(rank: int, world_size: int, port: int, out: str, repeats: int, sizes
     # Inductor compiles in this process, not in a pool of workers (the pool's semaphores outlive
     # the rank, and Python's resource tracker then warns of leaked semaphores at exit); the
     # resident memory measured is this process's either way.
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        _compat.compile_in_this_process()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     start = time.perf_counter()
