@@ -58,7 +58,11 @@ class _ChunkLoop(torch.autograd.Function):
                 *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.save_for_backward(*inputs)
         ctx.backward_body, ctx.grad_mask, ctx.num_chunked = backward_body, grad_mask, num_chunked
-        return tuple(_compat.MAP_LOOP(forward_body, list(inputs[:num_chunked]), list(inputs[num_chunked:])))
+        outputs = tuple(_compat.MAP_LOOP(forward_body, list(inputs[:num_chunked]), list(inputs[num_chunked:])))
+        # An output computed from no parameter (a rotary table's chunk) takes no gradient: left to
+        # autograd, every output of a Function would, and so would the loops that read it.
+        ctx.mark_non_differentiable(*[o for o, m in zip(outputs, grad_mask[len(inputs):]) if not m])
+        return outputs
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
