@@ -105,17 +105,14 @@ def _floating(node: fx.Node) -> bool:
     return isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex())
 
 
-def chunk_groups(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``sizes`` as runs of equal chunks: (length, count, offset) each."""
-    groups: list[tuple[int, int, int]] = []
-    offset = 0
+def chunk_groups(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """``sizes`` as runs of equal chunks: (length, count) each."""
+    groups: list[tuple[int, int]] = []
     for s in sizes:
         if groups and groups[-1][0] == s:
-            length, count, start = groups[-1]
-            groups[-1] = (length, count + 1, start)
+            groups[-1] = (s, groups[-1][1] + 1)
         else:
-            groups.append((s, 1, offset))
-        offset += s
+            groups.append((s, 1))
     return groups
 
 
@@ -146,8 +143,8 @@ def emit_chunk_loop(gm: fx.GraphModule, graph: fx.Graph, *, name: str, nodes: Se
         return tag(n)
 
     # Each input cut once into its groups' spans: their gradients are joined by one cat.
-    spans = {x: _spans(graph, lookup(x), dim, [length * count for length, count, _ in groups], view_tag) for x, dim in chunked.items()}
-    for g, (length, count, _) in enumerate(groups):
+    spans = {x: _spans(graph, lookup(x), dim, [length * count for length, count in groups], view_tag) for x, dim in chunked.items()}
+    for g, (length, count) in enumerate(groups):
         forward_body = _forward_body(nodes, chunked, whole, [o for o, _, _ in outputs], length, chunk_args, fake_mode)
         backward_body = _backward_body(forward_body, grad_mask, len(chunked), fake_mode)
         names = f"{name}_{length}_forward", f"{name}_{length}_backward"
