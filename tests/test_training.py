@@ -12,7 +12,7 @@ import torch
 
 import zerofx
 from tests.support.dist_utils import run_ranks
-from tests.support.train_workers import reference_clipped, saved_tensors_freed_in_backward, train
+from tests.support.train_workers import reduced_grads_kept, reference_clipped, saved_tensors_freed_in_backward, train
 from zerofx.runtime.schedulers import lr_at
 
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3}}
@@ -78,6 +78,21 @@ def test_backward_frees_saved_tensors_as_it_goes() -> None:
     (res,) = run_ranks(1, saved_tensors_freed_in_backward, [0, 3])
     for stage, r in res.items():
         assert r["freed_in_graph"] == r["freed"] >= r["saved"] * 2 // 3, (stage, r)
+
+
+def test_reduced_gradients_become_the_buffers() -> None:
+    """NOTE [Reduced gradients become the buffers]: at stage 3 (as at 0 and 2) the gradients the
+    backward graph returns are kept as the engine's buffers and the optimizer's ``.grad``, with
+    no zeroing or adding over them, and the next step leaves them as they were; stage 1 adds
+    into buffers it keeps. An output that shares memory with another or with a shard is copied,
+    a parameter without a gradient gets zeros, and the buffers hold what they held before."""
+    res = run_ranks(2, reduced_grads_kept, [1, 3])
+    for r in res:
+        for stage, s in r.items():
+            assert s["kept"] == ([False, False] if stage == 1 else [True, True]), (stage, s)
+            assert s["linked"] and s["first_untouched"] != (stage == 1), (stage, s)
+            assert s["shared_apart"] and s["shard_copied"] and s["zeros_elsewhere"], (stage, s)
+            assert s["memory_grads"] >= s["owned_grad_bytes"], (stage, s)
 
 
 def test_scheduler_drives_the_learning_rate() -> None:

@@ -113,3 +113,66 @@ def train_run_parses(rank: int, world_size: int, config_path: str) -> dict:
         config_module._validate = validate
     return {"after_check": checked, "after_training": len(parses), "timeout": opts.engine_config.collective_timeout_s,
             "total_num_steps": opts.engine_config.scheduler.total_num_steps}
+
+
+def reduced_grads_kept(rank: int, world_size: int, stages: list[int]) -> dict[int, dict]:
+    """Per stage, two SGD steps on the tiny DNA LM, recording the gradients the backward graph
+    returns (NOTE [Reduced gradients become the buffers] in zerofx/runtime/engine_storage.py):
+    whether the engine's buffers and the optimizer's ``.grad`` are those outputs, whether the
+    second step left the first step's buffers as they were (nothing zeroed them), and what
+    ``accumulate_grads`` keeps when outputs share memory with each other or with a shard."""
+    data = batches(world_size, 2, VOCAB["dna"])
+    out = {}
+    for stage in stages:
+        config = {"zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+        engine = zerofx.initialize(BUILDERS["dna"](frozen=False), config, example_inputs=(data[0, rank],),
+                                   example_kwargs={"labels": data[0, rank]})
+        fqns = [info.fqn for info in engine.program.captured.params]
+        returned: list[list[torch.Tensor | None]] = []
+        run = engine._run
+
+        def recording(program, name, args_list, run=run, returned=returned):  # white-box: the graph's own outputs
+            result = run(program, name, args_list)
+            if name == "backward":
+                returned.append(list(result))
+            return result
+
+        engine._run = recording
+        kept, first = [], None
+        for step in range(2):
+            ids = data[step, rank]
+            engine.backward(engine(ids, labels=ids))
+            kept.append(all(engine.storage.grads[f] is g for f, g in zip(fqns, returned[-1]) if g is not None))
+            engine.step()
+            if step == 0:
+                first = {f: (g, g.clone()) for f, g in engine.storage.grads.items()}
+        assert first is not None
+        storage = engine.storage
+        grad_of = {id(t): t.grad for t in engine.optimizer.param_groups[0]["params"]}
+        linked = all(grad_of[id(storage.optimizer_params[f])].data_ptr() == storage._grad_shard(f).data_ptr()
+                     for f in storage.optimizer_params)
+        # Once the step has ended: one tensor returned for two parameters of one size, and a
+        # parameter's own shard returned as a gradient.
+        by_numel: dict[int, list[str]] = {}
+        for f in fqns:
+            by_numel.setdefault(storage.grads[f].numel(), []).append(f)
+        a, b = next(fs for fs in by_numel.values() if len(fs) > 1)[:2]
+        shared = torch.ones_like(storage.grads[a])
+        sharded = next((f for f in fqns if f in storage.shards and storage.shards[f].numel() == storage.grads[f].numel()), None)
+        outputs = [shared if f in (a, b) else None for f in fqns]
+        if sharded is not None and sharded not in (a, b):
+            outputs[fqns.index(sharded)] = storage.shards[sharded]
+        storage.accumulate_grads(fqns, outputs)
+        out[stage] = {
+            "kept": kept,
+            "linked": linked,
+            "first_untouched": all(torch.equal(g, copy) for g, copy in first.values()),
+            "shared_apart": storage.grads[a].data_ptr() != storage.grads[b].data_ptr() and bool((storage.grads[b] == 1).all()),
+            "shard_copied": sharded is None or (storage.grads[sharded].data_ptr() != storage.shards[sharded].data_ptr()
+                                                and torch.equal(storage.grads[sharded], storage.shards[sharded])),
+            "zeros_elsewhere": all(not storage.grads[f].any() for f in fqns if f not in (a, b, sharded) and f in storage.grads),
+            "memory_grads": engine.memory()["grads"],
+            "owned_grad_bytes": sum((p.padded_numel if stage <= 1 else p.shard_numel) * 4
+                                    for p in storage.placements.values() if p.requires_grad),
+        }
+    return out
