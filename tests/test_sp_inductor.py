@@ -30,13 +30,13 @@ EXCHANGES = 1 + 3 + 1 + 2 * 1 + 2 * 2
 
 @pytest.mark.inductor
 def test_every_mixer_compiled_by_inductor_matches_plain_pytorch() -> None:
-    """Two ranks, one sequence group: Ulysses attention at stage 0, and ring attention at stage 3
-    with each rank's slice tiled in chunks of 8 (the token-wise regions and the loss), each with
-    every other mixer; 3 SGD steps, with ignored labels. Each rank's own compiles are
+    """Two ranks, one sequence group: Ulysses and ring attention each at stages 0 and 3, ring at
+    stage 3 with each rank's slice tiled in chunks of 8 (the token-wise regions and the loss),
+    each with every other mixer; 3 SGD steps, with ignored labels. Each rank's own compiles are
     cache hits of what its child compiled first (NOTE [Inductor compiles first in a child]), the
     backward too, whose saved values' fakes and real tensors differ in the strides of dimensions of
     size 1 (NOTE [Inductor's cache needs a shape environment])."""
-    cases = [(0, "ulysses", False), (3, "ring", True)]
+    cases = [(0, "ulysses", False), (3, "ring", True), (3, "ulysses", False), (0, "ring", False)]
     expected = workers.reference(STEPS)
     initial = workers.reference(0)
     assert max((expected["state"][k] - v).abs().max().item() for k, v in initial["state"].items()) > 1e-3  # training moved
