@@ -149,6 +149,10 @@ def test_dna_lm_sdpa_causal_regions_and_loss() -> None:
     # per chunk of 16 tokens (2 x 16 rows), in forward and again in backward.
     assert count(fw, torch.ops.higher_order.map_impl) == 5 * 2 and count(bw, torch.ops.higher_order.scan) == 5 * 2
     assert count(fw, torch.ops.aten.mm.default) == count(bw, torch.ops.aten.mm.default) == 0
+    # Each backward loop stacks a per-chunk output, a scalar where only weights take gradients
+    # (the embedding's): Inductor lowers no scan without one.
+    scans = bw.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)
+    assert all(len(n.meta["val"]) > len(n.args[1]) for n in scans)
     mm_rows = {n.meta["val"].shape[0] for gm in (fw, bw) for n in graph_nodes(gm) if n.target is torch.ops.aten.mm.default}
     assert BATCH * SEQ not in mm_rows and BATCH * 16 in mm_rows and BATCH * 8 in mm_rows
     # Saved for backward: no (B, T, ffn) activation; untiled saves several.

@@ -75,7 +75,7 @@ class _ChunkLoop(torch.autograd.Function):
         init = [torch.zeros_like(w) for w, m in zip(whole, input_mask[n:]) if m]
         used = [g for g, m in zip(grads, output_mask) if m]
         out = _compat.SCAN_LOOP(ctx.backward_body, init, [*inputs[:n], *used], list(whole))
-        sums, chunk_grads = iter(out[: len(init)]), iter(out[len(init):])
+        sums, chunk_grads = iter(out[: len(init)]), iter(out[len(init):])  # a scalar per chunk where none is asked: unread
         result = [next(chunk_grads) if m else None for m in input_mask[:n]] + [next(sums) if m else None for m in input_mask[n:]]
         return (None, None, None, None, *result)
 
@@ -267,7 +267,10 @@ def _backward_body(forward_body: fx.GraphModule, grad_mask: tuple[bool, ...], nu
             found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) if pairs else [None] * len(wrt)
         found = [torch.zeros_like(t) if g is None else g for g, t in zip(found, wrt)]
         num_x = sum(input_mask[:num_chunked])
-        return (*[a + g for a, g in zip(acc, found[num_x:])], *_distinct(found[:num_x]))
+        # A scan with no per-chunk output (only the weights' gradients: an embedding of token ids)
+        # fails Inductor's lowering of scan to while_loop, so it gets a scalar one, unread.
+        per_chunk = _distinct(found[:num_x]) if num_x else [torch.zeros((), device=xs[0].device)]
+        return (*[a + g for a, g in zip(acc, found[num_x:])], *per_chunk)
 
     with fake_mode:  # new tensors, one per argument (make_fx traces one tensor passed twice as one input); the whole ones' strides kept
         fakes = [torch.empty(f.shape, dtype=f.dtype, device=f.device) for f in (*sums, *in_fakes[:num_chunked], *grads)]
