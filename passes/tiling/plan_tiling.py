@@ -45,10 +45,11 @@ NOTE [Long convolutions in channel chunks]
 A depthwise FFT convolution is independent per channel, and its working set, the padded signal
 and two complex spectra of 2T points per channel, is several times the signal. A chosen FFT span
 whose ops keep a (..., C, L) layout (``channel_chunks_allowed``: FFTs along the last dim,
-products, casts, slices of the last dim) runs in channel chunks: its inputs are split along dim
--2, the span is replayed per chunk and its outputs concatenated along dim -2. Every chunk's
-nodes are tagged for recompute, so backward too holds one chunk's spectra at a time. The
-planner gives it as many chunks as the regions have sequence chunks (at most C), so one
+products, casts, slices of the last dim) runs in channel chunks: a loop over one body, the
+span over one chunk of its inputs' dim -2, whose outputs are joined along dim -2 (NOTE [One
+body per tiled region] in ``chunk_loop``). The loop is tagged for recompute, so its outputs are
+made again before their backward rather than saved, and its backward recomputes one chunk at a
+time, so backward too holds one chunk's spectra at a time. The planner gives it as many chunks as the regions have sequence chunks (at most C), so one
 chunk's share of the working set is the same fraction in both. Under sequence parallelism this
 runs on each rank's C/S channels of the whole sequence, after the all-to-all.
 
