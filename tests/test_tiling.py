@@ -167,6 +167,31 @@ def test_dna_lm_sdpa_causal_regions_and_loss() -> None:
     assert any(ffn in s and BATCH * SEQ in s for s in saved0)
 
 
+def test_loops_run_as_fx_code_match_torchs_operators() -> None:
+    """Graphs run as FX code call ``run_map`` and ``run_scan`` for the tiled regions' loops
+    (NOTE [One body per tiled region]): the same loss and gradients, bit for bit, as torch's
+    ``map_impl`` and ``scan``, with chunks of two lengths (16, 16 and 8)."""
+    from zerofx.passes.tiling.chunk_loop import eager_loops_pass, run_map, run_scan
+
+    model, ids = dna_lm(), tokens()
+    cap = capture_step(model, (ids,), {"labels": ids}, tiling=ON)
+    fw, bw = partition_joint(cap.joint)
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    flat = [params[p.fqn].detach() for p in cap.params] + [buffers[b.fqn] for b in cap.buffers]
+    flat += flatten_call(cap, model, (ids,), {"labels": ids}, None)
+    results = []
+    for forward, backward in ((fw, bw), (eager_loops_pass(fw), eager_loops_pass(bw))):
+        loss, *saved = forward(*flat)
+        results.append((loss, backward(*saved, torch.ones((), dtype=loss.dtype))))
+    eager_fw, eager_bw = eager_loops_pass(fw), eager_loops_pass(bw)
+    assert count(eager_fw, run_map) == count(fw, torch.ops.higher_order.map_impl) > 0
+    assert count(eager_bw, run_scan) == count(bw, torch.ops.higher_order.scan) > 0
+    assert count(eager_fw, torch.ops.higher_order.map_impl) == count(eager_bw, torch.ops.higher_order.scan) == 0
+    assert eager_loops_pass(eager_fw) is eager_fw  # nothing left to retarget: unchanged
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and all(a is b is None or torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
 def test_softmax_attention_with_padding_mask() -> None:
     model, ids, mask = softmax_lm(), tokens(vocab=7), padding_mask()
     kwargs = {"attention_mask": mask, "labels": ids}

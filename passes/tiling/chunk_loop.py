@@ -31,6 +31,18 @@ Inductor's lowering and the plan cache scale with the nodes).
   autograd asks for no other.
 - The memory timeline and the compute model price a loop node as its body's peak and its
   body's time per chunk (cost_models/memory_timeline.py, cost_models/compute.py).
+- Graphs run as FX code (no Inductor) run their loops through ``run_map`` and ``run_scan``
+  (``eager_loops_pass``): each writes a chunk's outputs into a tensor allocated once for all
+  chunks. torch's own eager ``map`` keeps every chunk's outputs in a list and stacks them (twice
+  the outputs at the end), and its ``scan`` writes each by ``scatter_`` through an int64 index
+  as large as the output. Inductor lowers both operators to a ``while_loop`` over preallocated
+  outputs itself. Measured on striped-1m at 65,536 tokens in 8 chunks, one thread, interleaved:
+  steps of 3.8-4.4 s with these, 4.5-5.4 s with torch's, 3.5-4.0 s with a copy of each region per
+  chunk.
+- What remains of that difference: a region whose outputs are recomputed (attention's inputs, a
+  convolution's filter) runs its forward twice in backward, once for the outputs its consumer's
+  backward reads and once per chunk inside its own loop's backward. A copy per chunk ran it once
+  and kept every chunk's intermediates until the region's backward.
 """
 
 from __future__ import annotations
@@ -289,3 +301,52 @@ def _distinct(tensors: Sequence[Tensor]) -> list[Tensor]:
         seen.add(id(t))
         out.append(t)
     return out
+
+
+def run_map(body: fx.GraphModule, xs: Sequence[Tensor], args: Sequence[Tensor]) -> list[Tensor]:
+    """``map_impl(body, xs, args)``: ``body`` on each slice of ``xs``' first dim, its outputs
+    written into tensors allocated once (NOTE [One body per tiled region])."""
+    count = xs[0].shape[0]
+    outs: list[Tensor] = []
+    for i in range(count):
+        got = body(*[x[i] for x in xs], *args)
+        if i == 0:
+            outs = [g.new_empty((count, *g.shape)) for g in got]
+        for out, g in zip(outs, got):
+            out[i].copy_(g)
+    return outs
+
+
+def run_scan(body: fx.GraphModule, init: Sequence[Tensor], xs: Sequence[Tensor], args: Sequence[Tensor]) -> list[Tensor]:
+    """``scan(body, init, xs, args)``: ``body`` on the carry and each slice of ``xs``' first dim,
+    the carry threaded through, the other outputs written into tensors allocated once."""
+    count = xs[0].shape[0]
+    carry, outs = list(init), []
+    for i in range(count):
+        got = body(*carry, *[x[i] for x in xs], *args)
+        carry, ys = list(got[: len(init)]), got[len(init):]
+        if i == 0:
+            outs = [y.new_empty((count, *y.shape)) for y in ys]
+        for out, y in zip(outs, ys):
+            out[i].copy_(y)
+    return [*carry, *outs]
+
+
+_EAGER_LOOPS = {_compat.MAP_LOOP: run_map, _compat.SCAN_LOOP: run_scan}
+
+
+def eager_loops_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose ``map_impl`` and ``scan`` nodes call ``run_map`` and ``run_scan``
+    (NOTE [One body per tiled region]); ``gm`` itself when it has none. For graphs run as FX code:
+    Inductor compiles the operators."""
+    if not any(n.op == "call_function" and n.target in _EAGER_LOOPS for n in gm.graph.nodes):
+        return gm
+    graph = fx.Graph()
+    value, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(value, type_expr=old_output.type).meta = dict(old_output.meta)
+    graph.set_codegen(_compat.graph_codegen(gm.graph))  # how the graph is called (a CodeGen is stateless)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in _EAGER_LOOPS:
+            n.target = _EAGER_LOOPS[n.target]
+    graph.lint()
+    return fx.GraphModule(gm, graph)

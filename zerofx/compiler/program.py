@@ -26,6 +26,7 @@ from zerofx.cost_models.profiles import load_profile
 from zerofx.passes import Plan, ZeroStage, _compat
 from zerofx.passes.analysis.analyze_schedule import ScheduleReport, analyze_schedule
 from zerofx.passes.plan.offload import ParamOffloadPlan
+from zerofx.passes.tiling.chunk_loop import eager_loops_pass
 from zerofx.passes.zero.plan_shard_groups import prefetch_from_profile
 from zerofx.passes.zero.plan_sharding import plan_sharding_from_shapes
 from zerofx.compiler.capture import CapturedStep, LossFn, flatten_call, traced_param_infos
@@ -192,6 +193,7 @@ class Program:
     def _runner(self, rank: int, name: str, example: list[torch.Tensor], compiler: GraphCompiler) -> Callable[[list[torch.Tensor]], Any]:
         gm = self.graph_modules(rank)[name]
         if compiler is GraphCompiler.NONE or name in ("grad_sync", "param_sync"):
+            gm = eager_loops_pass(gm)  # NOTE [One body per tiled region] in passes/tiling/chunk_loop.py
             boxed = _compat.boxed_graph_module(gm)
             if boxed is not None:
                 return boxed
