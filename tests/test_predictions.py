@@ -28,11 +28,15 @@ def test_row_ratios_and_targets() -> None:
     assert not outside["step_within"] and not outside["peak_within"]
 
 
+# As tests/test_capped.py's smoke: glibc's default allocator, so the ranks fork from the suite's server.
+SMOKE_MALLOC = ("--malloc-mmap-threshold", "0")
+
+
 @pytest.mark.multiprocess
 def test_smoke_run_reports_every_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "262144")  # main sets it for its ranks; restored after the test
     out = tmp_path / "predictions"
-    assert main(["--smoke", "--out", str(out)]) == 0
+    assert main(["--smoke", "--out", str(out), *SMOKE_MALLOC]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     assert [r["name"] for r in data["rows"]] == [c.name for c in SMOKE_CASES]
     # One calibration per world size among the cases, each row predicted with its own.
@@ -51,7 +55,8 @@ def test_smoke_run_reports_every_configuration(tmp_path: Path, monkeypatch: pyte
         assert row["step_within"] == (abs(row["step_ratio"] - 1) <= STEP_TARGET)
     text = out.with_suffix(".md").read_text()
     lines = text.splitlines()
-    assert lines[0].startswith("Machine: ") and lines[1] == "Command: `python -m benchmarks.bench_predictions --smoke --out " + str(out) + "`"
+    command = f"python -m benchmarks.bench_predictions --smoke --out {out} {' '.join(SMOKE_MALLOC)}"
+    assert lines[0].startswith("Machine: ") and lines[1] == f"Command: `{command}`"
     table = [line for line in lines if line.startswith("| ")]
     assert table[0].startswith("| config | tokens/rank | predicted step s | measured step s")
     assert [line.split(" | ")[0][2:] for line in table[1:]] == [c.name for c in SMOKE_CASES]
