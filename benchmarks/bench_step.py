@@ -73,6 +73,8 @@ def render(result: dict[str, Any], command: str | None = None) -> str:
         title = (f"**{c['size']}** ({c['num_params'] / 1e6:.2f}M parameters), W={c['world_size']}, "
                  f"{spec['batch_per_rank']}×{spec['seq_len']} tokens per rank, fp32 {spec['optimizer']} "
                  f"lr {spec['lr']:g}, {opts['steps']} measured steps after {opts['warmup']} warm-up, data: {spec['data']}")
+        if c.get("load_1min"):
+            title += f"; load average (1 min) over the rounds from {min(c['load_1min']):.1f} to {max(c['load_1min']):.1f}"
         lines += ["", title, "", markdown_table(c["rows"], optimizer=spec["optimizer"], correctness_only=opts["correctness_only"])]
         if len(c.get("chunks", ())) > 1:
             lines.append("")
@@ -131,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory the ranks may use together; systems beyond it run in later chunks (default: available - 3 GiB)")
     p.add_argument("--zerofx-config", default=None,
                    help='JSON merged into the zerofx systems\' config, e.g. \'{"zero_optimization": {"reduce_bucket_size": 4e6}}\'')
+    p.add_argument("--reference", default=None,
+                   help="also compare every system with this one round by round (one of --systems), e.g. fsdp2_compile")
     p.add_argument("--out", type=Path, help="write the JSON result here")
     p.add_argument("--markdown", type=Path, help="write the markdown tables here")
     return p
@@ -141,7 +145,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         "sizes": args.sizes, "world_sizes": args.world_sizes, "systems": args.systems, "steps": args.steps,
         "warmup": args.warmup, "seq_len": args.seq_len, "batch_per_rank": args.batch_per_rank,
         "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed, "data": args.data,
-        "shared_processes": args.shared_processes, "zerofx_config": args.zerofx_config,
+        "shared_processes": args.shared_processes, "zerofx_config": args.zerofx_config, "reference": args.reference,
     }.items() if v is not None}
     if args.memory_budget_gib is not None:
         given["memory_budget_bytes"] = int(args.memory_budget_gib * 2**30)
@@ -157,6 +161,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
             raise ValueError(f"unknown size {size!r}; accepted: {', '.join(DNA_LM_SIZES)}")
         if not 2 <= opts.seq_len <= DNA_LM_SIZES[size].max_seq_len:
             raise ValueError(f"--seq-len {opts.seq_len} does not fit {size} (max_seq_len {DNA_LM_SIZES[size].max_seq_len})")
+    if opts.reference is not None and opts.reference not in opts.systems:
+        raise ValueError(f"--reference {opts.reference} is not among --systems ({', '.join(opts.systems)})")
     if opts.steps < 1 or opts.warmup < 0 or opts.batch_per_rank < 1 or min(opts.world_sizes) < 1:
         raise ValueError("--steps, --batch-per-rank and --world-sizes need integers >= 1, --warmup >= 0")
     return opts

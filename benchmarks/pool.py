@@ -128,10 +128,10 @@ def _worker(systems: tuple[str, ...], rank: int, num_ranks: int, spec: BenchSpec
                 if needs_group(system):
                     dist.barrier()
                 sync()
-                wall0, cpu0 = time.perf_counter(), time.thread_time()
+                wall0, cpu0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
                 loss = runners[system].step(ids)
                 sync()
-                conn.send(("ok", (time.perf_counter() - wall0, time.thread_time() - cpu0, loss)))
+                conn.send(("ok", (time.perf_counter() - wall0, time.thread_time() - cpu0, loss, time.process_time() - process0)))
             elif cmd == "finish":
                 runner = runners.pop(system)
                 # The peak of training, taken before the parity check gathers the full model on
@@ -219,8 +219,9 @@ class RankPool:
             self.conns[rank].send((cmd, system, arg))
         return self._gather(ranks, timeout_s)
 
-    def step(self, system: str, index: int) -> list[tuple[float, float, float]]:
-        """``system``'s step ``index`` on every rank: (wall s, main-thread CPU s, loss) by rank."""
+    def step(self, system: str, index: int) -> list[tuple[float, float, float, float]]:
+        """``system``'s step ``index`` on every rank: (wall s, main-thread CPU s, loss, the
+        process's CPU s: the main thread's and gloo's threads') by rank."""
         return self._ask("step", system, index)
 
     def finish(self, system: str, want_state: bool) -> list[dict[str, Any]]:

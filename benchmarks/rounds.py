@@ -16,6 +16,7 @@ the JSON output.
 from __future__ import annotations
 
 import io
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from benchmarks.pool import BenchSpec, RankPool
-from benchmarks.report import REFERENCE_SYSTEM, machine, max_param_diff, summarize
+from benchmarks.report import REFERENCE_SYSTEM, machine, max_param_diff, ratios_by_round, summarize
 from benchmarks.systems import (
     DEFAULT_SYSTEMS,
     NO_PARITY,
@@ -59,6 +60,8 @@ class BenchOptions:
     shared_processes: bool = False
     memory_budget_bytes: int | None = None  # None: what /proc/meminfo calls available, less RESERVE_BYTES
     zerofx_config: str | None = None  # JSON merged into every zerofx system's config
+    # A second system every row is also compared with, round by round (report.ratios_by_round).
+    reference: str | None = None
 
 
 def num_parameters(size: str) -> int:
@@ -110,8 +113,10 @@ def plan_chunks(systems: tuple[str, ...], spec: BenchSpec, num_params: int, budg
 
 def _run_chunk(
     chunk: tuple[str, ...], spec: BenchSpec, opts: BenchOptions, reference: dict[str, torch.Tensor] | None, tag: str, log: Log,
+    loads: list[float],
 ) -> tuple[dict[str, dict[str, Any]], dict[str, list[Any]], dict[str, torch.Tensor] | None, int]:
-    """Start, step round-robin and finish the systems of one chunk: (rows, steps, reference, P)."""
+    """Start, step round-robin and finish the systems of one chunk: (rows, steps, reference, P).
+    Appends the machine's 1-minute load average after each round to ``loads``."""
     pools: dict[str, RankPool] = {}
     rows: dict[str, dict[str, Any]] = {}
     num_params = 0
@@ -132,8 +137,9 @@ def _run_chunk(
             rotation = chunk[i % len(chunk):] + chunk[: i % len(chunk)]
             for system in rotation:
                 steps[system].append(pools[system].step(system, i))
-            times = "  ".join(f"{s} {max(w for w, _, _ in steps[s][-1]):.2f}" for s in chunk)
-            log(f"{tag} step {i + 1}/{spec.num_steps}{' (warm-up)' if i < opts.warmup else ''}: {times}")
+            times = "  ".join(f"{s} {max(r[0] for r in steps[s][-1]):.2f}" for s in chunk)
+            loads.append(os.getloadavg()[0])
+            log(f"{tag} step {i + 1}/{spec.num_steps}{' (warm-up)' if i < opts.warmup else ''}: {times}  (load {loads[-1]:.2f})")
         # The reference first, then one system at a time; a pool's memory goes once its systems are done.
         for system in sorted(chunk, key=lambda s: s != "single"):
             base, own_optimizer = split_system(system)
@@ -174,19 +180,22 @@ def run_config(size: str, world_size: int, opts: BenchOptions, log: Log) -> dict
     chunks = plan_chunks(systems, spec, num_params, budget)
     rows: dict[str, dict[str, Any]] = {}
     chunk_log = []
+    loads: list[float] = []
     reference = None
     for k, chunk in enumerate(chunks):
         tag = f"[{size} W={world_size}" + (f" chunk {k + 1}/{len(chunks)}]" if len(chunks) > 1 else "]")
-        chunk_rows, _, reference, num_params = _run_chunk(chunk, spec, opts, reference, tag, log)
+        chunk_rows, _, reference, num_params = _run_chunk(chunk, spec, opts, reference, tag, log, loads)
         anchor = chunk_rows.get(REFERENCE_SYSTEM)
         for system, row in chunk_rows.items():
             row["vs_fsdp2"] = row["step_s"] / anchor["step_s"] if anchor else None
+            if opts.reference is not None and opts.reference in chunk_rows:
+                row["vs_reference"] = ratios_by_round(row, chunk_rows[opts.reference])
             if system == REFERENCE_SYSTEM and system in rows:
                 continue  # FSDP2's row is its first chunk's; the others' medians are in "chunks"
             rows[system] = row
         chunk_log.append({"systems": list(chunk), REFERENCE_SYSTEM + "_step_s": anchor["step_s"] if anchor else None})
     out: dict[str, Any] = {"size": size, "world_size": world_size, "num_params": num_params, "spec": asdict(spec),
-                           "rows": [rows[s] for s in opts.systems], "chunks": chunk_log}
+                           "rows": [rows[s] for s in opts.systems], "chunks": chunk_log, "load_1min": loads}
     if reference is not None:
         # How far training moved the weights: the parity column means something only well below this.
         initial = {k: v.detach() for k, v in build_model(size, spec.seed, torch.device("cpu")).state_dict().items()}
